@@ -1,0 +1,69 @@
+"""Model zoo: CNN, MLP and BasicBlock ResNets with named cut points.
+
+Every model's `__call__(x, train=False, mask=None, start="input", stop="logits")`
+runs its named parts after `start` through `stop`; `model.cut_points` lists the
+names. Models of one family differ only in depth (trailing blocks) and width
+(leading channels), so their variable trees nest.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+
+from fedjax_hetero.models.cnn import CNN
+from fedjax_hetero.models.common import bn_mask, run_parts, scale_channels
+from fedjax_hetero.models.mlp import MLP
+from fedjax_hetero.models.resnet import (RESNET_PRESETS, BasicBlock, ResNet, resnet10, resnet14, resnet18,
+                                         resnet18_cifar, resnet22, resnet26, resnet_preset)
+
+MODEL_NAMES: tuple[str, ...] = ("cnn", "mlp", "resnet10", "resnet14", "resnet18", "resnet22", "resnet26",
+                                "resnet18_cifar")
+
+
+def _check_width(width: float) -> float:
+  if isinstance(width, bool) or not isinstance(width, (int, float)) or not math.isfinite(width) or width <= 0:
+    raise ValueError(f"width must be a finite number > 0, got {width!r}")
+  return float(width)
+
+
+def _check_name(name: str) -> str:
+  key = name.strip().lower() if isinstance(name, str) else name
+  if key not in MODEL_NAMES:
+    raise ValueError(f"unknown model {name!r}; expected one of {', '.join(MODEL_NAMES)}")
+  return key
+
+
+def build_model(name: str, num_classes: int, width: float = 1.0, **overrides: Any) -> nn.Module:
+  """Builds model `name` (case-insensitive); `overrides` replace constructor fields."""
+  key = _check_name(name)
+  width = _check_width(width)
+  if key == "cnn":
+    return CNN(num_classes=num_classes, width=width, **overrides)
+  if key == "mlp":
+    return MLP(num_classes=num_classes, width=width, **overrides)
+  return resnet_preset(key, num_classes, width, **overrides)
+
+
+def parse_group_spec(spec: str) -> tuple[str, float]:
+  """Parses "name" or "name@width", e.g. "cnn@0.5" -> ("cnn", 0.5); the name is lower-cased."""
+  name, sep, width_text = spec.partition("@")
+  if not sep:
+    return _check_name(name), 1.0
+  try:
+    width = float(width_text)
+  except ValueError:
+    raise ValueError(f"bad width {width_text!r} in group spec {spec!r}; expected e.g. 'cnn@0.5'") from None
+  try:
+    return _check_name(name), _check_width(width)
+  except ValueError as e:
+    raise ValueError(f"bad group spec {spec!r}: {e}") from None
+
+
+__all__ = [
+    "BasicBlock", "CNN", "MLP", "MODEL_NAMES", "RESNET_PRESETS", "ResNet", "bn_mask", "build_model",
+    "parse_group_spec", "resnet10", "resnet14", "resnet18", "resnet18_cifar", "resnet22", "resnet26",
+    "resnet_preset", "run_parts", "scale_channels",
+]

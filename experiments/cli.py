@@ -1,0 +1,94 @@
+"""Command-line front end shared by ``python -m experiments.<dataset>``.
+
+Each flag maps onto one field of `fedjax_hetero.runner.ExperimentConfig`; a
+dataset module supplies its own defaults (its preset) and calls `main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any, Sequence
+
+from fedjax_hetero import data as fdata
+from fedjax_hetero import models
+from fedjax_hetero.backends import BACKENDS
+from fedjax_hetero.client.local import OPTIMIZERS
+from fedjax_hetero.engine import AGGREGATE_MODES, METHODS, WEIGHTINGS
+from fedjax_hetero.runner import ExperimentConfig, run_experiment
+
+
+def build_parser(defaults: ExperimentConfig, description: str) -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  d = defaults
+  method_help = "; ".join(f"{m.name}: {m.summary}" for m in METHODS.values())
+  p.add_argument("--method", default=d.method, help=f"federated method (case-insensitive). {method_help}")
+  p.add_argument("--groups", default=",".join(d.groups),
+                 help="comma-separated architecture groups, smallest first, each NAME or NAME@WIDTH; "
+                 f"names: {', '.join(models.MODEL_NAMES)}. Clients are split into equal contiguous blocks, "
+                 "one per group")
+  p.add_argument("--data-dir", default=d.data_dir, help="directory holding the dataset files "
+                 "(Fashion-MNIST IDX files, or prepared tfds data); default: the system/tfds locations")
+  p.add_argument("--num-clients", type=int, default=d.num_clients, help="number of simulated clients")
+  p.add_argument("--clients-per-round", type=int, default=d.clients_per_round, help="clients sampled per round")
+  p.add_argument("--partition", default=d.partition, choices=fdata.SCHEMES, help="how data is split over clients")
+  p.add_argument("--alpha", type=float, default=d.alpha, help="Dirichlet concentration (partition=dirichlet)")
+  p.add_argument("--classes-per-client", type=int, default=d.classes_per_client,
+                 help="classes per client (partition=shards)")
+  p.add_argument("--epochs", type=int, default=d.epochs, help="local epochs per round")
+  p.add_argument("--batch-size", type=int, default=d.batch_size, help="local batch size")
+  p.add_argument("--optimizer", default=d.optimizer, choices=OPTIMIZERS,
+                 help="client optimizer, created fresh every round")
+  p.add_argument("--lr", type=float, default=d.learning_rate, help="client learning rate")
+  p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum")
+  p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="decoupled weight decay")
+  p.add_argument("--drop-last", action=argparse.BooleanOptionalAction, default=d.drop_last,
+                 help="drop each epoch's partial last batch (InCo's code) instead of masking it")
+  p.add_argument("--rounds", type=int, default=d.rounds, help="communication rounds")
+  p.add_argument("--eval-every", type=int, default=d.eval_every, help="evaluate every N rounds (and the last)")
+  p.add_argument("--seed", type=int, default=d.seed, help="seed of partition, sampling, init and shuffling")
+  p.add_argument("--output-dir", default=d.output_dir, help="results folder")
+  p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output-dir")
+  p.add_argument("--overwrite", action="store_true", help="delete a non-empty --output-dir first")
+  p.add_argument("--backend", default=d.backend, choices=BACKENDS, help="how clients are mapped onto hardware")
+  p.add_argument("--weighting", default=d.weighting, choices=WEIGHTINGS,
+                 help="client weights in aggregation: uniform (InCo's code) or by sample count")
+  p.add_argument("--aggregate", default=d.aggregate, choices=AGGREGATE_MODES,
+                 help="average client deltas or uploaded weights")
+  p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="checkpoint every N rounds")
+  p.add_argument("--steps-per-call", type=int, default=d.steps_per_call,
+                 help="local steps unrolled in one jitted call (XLA:CPU is slow on looped convolutions)")
+  p.add_argument("--max-train-samples", type=int, default=d.max_train_samples,
+                 help="use a class-balanced subset of the training set (quick runs)")
+  p.add_argument("--max-test-samples", type=int, default=d.max_test_samples, help="subset of the test set")
+  p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
+  return p
+
+
+def config_from_args(args: argparse.Namespace, dataset: str) -> ExperimentConfig:
+  fields = vars(args).copy()
+  fields["groups"] = tuple(g.strip() for g in fields["groups"].split(",") if g.strip())
+  fields["learning_rate"] = fields.pop("lr")
+  return ExperimentConfig(dataset=dataset, **fields)
+
+
+def main(dataset: str, defaults: ExperimentConfig, description: str, argv: Sequence[str] | None = None) -> dict[str, Any]:
+  args = build_parser(defaults, description).parse_args(argv)
+  config = config_from_args(args, dataset)
+  try:
+    config.validate()
+    summary = run_experiment(config)
+  except (ValueError, fdata.DataNotFoundError, FloatingPointError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
+  final = summary["final_accuracy"] or {}
+  print(json.dumps({"final_accuracy": final, "best_mean_accuracy": summary["best_mean_accuracy"],
+                    "train_seconds": round(summary["train_seconds_all_rounds"], 1),
+                    "output_dir": config.output_dir}, indent=1))
+  return summary
+
+
+def preset(**changes: Any) -> ExperimentConfig:
+  return dataclasses.replace(ExperimentConfig(), **changes)

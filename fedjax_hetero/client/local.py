@@ -1,0 +1,182 @@
+"""A client's local training: shuffled, batched, masked, on the device.
+
+The client's whole schedule (which sample goes in which slot of which step, and
+whether the slot is real) is drawn on the device from its padded index row, so
+no data leaves the device. Steps run in jitted *chunks* of ``steps_per_call``
+fully unrolled steps: XLA:CPU runs convolutions inside a while loop about ten
+times slower than the same ops unrolled, and a chunk loop on the host costs one
+dispatch per chunk (see DESIGN.md, performance facts). A step whose batch holds
+no real example leaves the whole state untouched, optimizer included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_hetero.hetero.maps import Variables
+
+OPTIMIZERS = ("sgd", "adam")
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalConfig:
+  """How each client trains in a round (a fresh optimizer every round)."""
+
+  epochs: int = 1
+  batch_size: int = 64
+  optimizer: str = "adam"
+  learning_rate: float = 1e-3
+  momentum: float = 0.0
+  weight_decay: float = 0.0
+  drop_last: bool = False
+  steps_per_call: int = 8
+
+  def __post_init__(self):
+    if self.optimizer not in OPTIMIZERS:
+      raise ValueError(f"unknown optimizer {self.optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
+    for name in ("epochs", "batch_size", "steps_per_call"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if self.learning_rate <= 0:
+      raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+
+  def steps_per_epoch(self, num_examples: int) -> int:
+    if self.drop_last:
+      return num_examples // self.batch_size
+    return -(-num_examples // self.batch_size)
+
+  def num_steps(self, num_examples: int) -> int:
+    return self.epochs * self.steps_per_epoch(num_examples)
+
+  def padded_steps(self, num_examples: int) -> int:
+    """Steps rounded up to whole chunks (at least one chunk)."""
+    chunks = max(1, math.ceil(self.num_steps(num_examples) / self.steps_per_call))
+    return chunks * self.steps_per_call
+
+
+def make_optimizer(config: LocalConfig) -> optax.GradientTransformation:
+  if config.optimizer == "adam":
+    tx = optax.adam(config.learning_rate)
+  else:
+    tx = optax.sgd(config.learning_rate, momentum=config.momentum or None)
+  if config.weight_decay:
+    tx = optax.chain(optax.add_decayed_weights(config.weight_decay), tx)
+  return tx
+
+
+class LocalState(NamedTuple):
+  variables: Variables
+  opt_state: Any
+  loss_sum: jax.Array  # summed per-example loss over real examples seen
+  num_examples: jax.Array
+
+
+def normalize(images: jax.Array, mean: tuple[float, ...], std: tuple[float, ...]) -> jax.Array:
+  x = images.astype(jnp.float32) / 255.0
+  return (x - jnp.asarray(mean, jnp.float32)) / jnp.asarray(std, jnp.float32)
+
+
+def masked_cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Mean cross-entropy over real examples, and the summed loss."""
+  per_example = optax.softmax_cross_entropy_with_integer_labels(logits, labels) * mask
+  total = per_example.sum()
+  return total / jnp.maximum(mask.sum(), 1.0), total
+
+
+def draw_schedule(index_row: jax.Array, num_examples: jax.Array, key: jax.Array, *, epochs: int,
+                  batch_size: int, num_steps: int, drop_last: bool) -> tuple[jax.Array, jax.Array]:
+  """Sample ids and realness masks of every step of one client's local training.
+
+  Each epoch is a fresh permutation of the client's ``num_examples`` samples;
+  steps are packed epoch after epoch, and steps past the client's own count are
+  all-masked. Returns ``(ids [num_steps, B], mask [num_steps, B])``.
+  """
+  max_n = index_row.shape[0]
+  if drop_last:
+    per_epoch = num_examples // batch_size
+  else:
+    per_epoch = (num_examples + batch_size - 1) // batch_size
+
+  def permutation(k):
+    noise = jax.random.uniform(k, (max_n,))
+    return jnp.argsort(jnp.where(jnp.arange(max_n) < num_examples, noise, 2.0))
+
+  perms = jax.vmap(permutation)(jax.random.split(key, epochs))
+  step = jnp.arange(num_steps)
+  safe = jnp.maximum(per_epoch, 1)
+  epoch, within = step // safe, step % safe
+  active = step < epochs * per_epoch
+  position = within[:, None] * batch_size + jnp.arange(batch_size)[None, :]
+  mask = (position < num_examples) & active[:, None]
+  local = perms[jnp.clip(epoch, 0, epochs - 1)[:, None], jnp.clip(position, 0, max_n - 1)]
+  return index_row[local], mask
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LocalTrainer:
+  """The pieces of local training for one architecture group (pure; jitted by backends)."""
+
+  model: nn.Module
+  config: LocalConfig
+  mean: tuple[float, ...]
+  std: tuple[float, ...]
+
+  @property
+  def tx(self) -> optax.GradientTransformation:
+    return make_optimizer(self.config)
+
+  def init_state(self, variables: Variables) -> LocalState:
+    zero = jnp.zeros((), jnp.float32)
+    return LocalState(variables, self.tx.init(variables["params"]), zero, zero)
+
+  def train_step(self, state: LocalState, images: jax.Array, labels: jax.Array, mask: jax.Array) -> LocalState:
+    x = normalize(images, self.mean, self.std)
+    maskf = mask.astype(jnp.float32)
+    has_stats = "batch_stats" in state.variables
+
+    def loss_fn(params):
+      variables = {**state.variables, "params": params}
+      if has_stats:
+        logits, updates = self.model.apply(variables, x, train=True, mask=mask, mutable=["batch_stats"])
+      else:
+        logits, updates = self.model.apply(variables, x, train=True, mask=mask), {}
+      loss, total = masked_cross_entropy(logits, labels, maskf)
+      return loss, (updates, total)
+
+    (_, (model_updates, total)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.variables["params"])
+    updates, opt_state = self.tx.update(grads, state.opt_state, state.variables["params"])
+    variables = {**state.variables, **model_updates, "params": optax.apply_updates(state.variables["params"], updates)}
+    stepped = LocalState(variables, opt_state, state.loss_sum + total, state.num_examples + maskf.sum())
+    active = maskf.sum() > 0
+    return jax.tree.map(lambda new, old: jnp.where(active, new, old), stepped, state)
+
+  def run_chunk(self, state: LocalState, images: jax.Array, labels: jax.Array, ids: jax.Array, mask: jax.Array,
+                chunk: jax.Array) -> LocalState:
+    """Runs steps ``[chunk*K, (chunk+1)*K)`` of the schedule, unrolled."""
+    k = self.config.steps_per_call
+    ids = jax.lax.dynamic_slice_in_dim(ids, chunk * k, k)
+    mask = jax.lax.dynamic_slice_in_dim(mask, chunk * k, k)
+    for i in range(k):
+      state = self.train_step(state, images[ids[i]], labels[ids[i]], mask[i])
+    return state
+
+  def schedule(self, index_row: jax.Array, num_examples: jax.Array, key: jax.Array, num_steps: int):
+    c = self.config
+    return draw_schedule(index_row, num_examples, key, epochs=c.epochs, batch_size=c.batch_size,
+                         num_steps=num_steps, drop_last=c.drop_last)
+
+
+def tree_sub(a: Variables, b: Variables) -> Variables:
+  return jax.tree.map(jnp.subtract, a, b)
+
+
+def weighted_add(acc: Variables, tree: Variables, weight: jax.Array) -> Variables:
+  return jax.tree.map(lambda a, t: a + weight * t, acc, tree)
+

@@ -1,0 +1,248 @@
+"""Splitting a labelled dataset across federated clients (host-side numpy).
+
+Every partitioner returns one int64 index array per client and is
+deterministic in `seed`. All schemes here assign every sample exactly once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+SCHEMES: tuple[str, ...] = ("iid", "iid_imbalanced", "dirichlet", "shards")
+DIRICHLET_MAX_TRIES = 1000
+
+
+def _check_labels(labels: np.ndarray) -> np.ndarray:
+  labels = np.asarray(labels)
+  if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
+    raise ValueError(f"labels must be a 1-D integer array, got {labels.dtype} {labels.shape}")
+  if labels.size and labels.min() < 0:
+    raise ValueError(f"labels must be >= 0, got {labels.min()}")
+  return labels
+
+
+def _check_num_clients(labels: np.ndarray, num_clients: int) -> None:
+  if num_clients < 1:
+    raise ValueError(f"num_clients must be >= 1, got {num_clients}")
+  if num_clients > len(labels):
+    raise ValueError(f"num_clients={num_clients} exceeds the {len(labels)} training samples")
+
+
+def _check_alpha(alpha: float) -> None:
+  if not alpha > 0:  # Also rejects NaN.
+    raise ValueError(f"alpha must be > 0, got {alpha}")
+
+
+def _check_min_size(labels: np.ndarray, num_clients: int, min_size: int) -> None:
+  if min_size < 0:
+    raise ValueError(f"min_size must be >= 0, got {min_size}")
+  if min_size * num_clients > len(labels):
+    raise ValueError(
+        f"min_size={min_size} is infeasible: {num_clients} clients x {min_size} > "
+        f"{len(labels)} samples")
+
+
+def _check_classes_per_client(labels: np.ndarray, num_clients: int, classes_per_client: int) -> None:
+  num_classes = len(np.unique(labels))
+  if not 1 <= classes_per_client <= num_classes:
+    raise ValueError(
+        f"classes_per_client must be in [1, {num_classes}] (the number of classes), "
+        f"got {classes_per_client}")
+  if num_clients * classes_per_client > len(labels):
+    raise ValueError(
+        f"num_clients * classes_per_client = {num_clients * classes_per_client} shards "
+        f"exceeds the {len(labels)} training samples")
+
+
+def iid(labels: np.ndarray, num_clients: int, seed: int) -> list[np.ndarray]:
+  """Uniformly random split into clients whose sizes differ by at most 1."""
+  labels = _check_labels(labels)
+  _check_num_clients(labels, num_clients)
+  perm = np.random.default_rng(seed).permutation(len(labels))
+  return np.array_split(perm.astype(np.int64), num_clients)
+
+
+def iid_imbalanced(
+    labels: np.ndarray, num_clients: int, seed: int, sigma: float = 0.5
+) -> list[np.ndarray]:
+  """Random split with client sizes proportional to lognormal(0, sigma) draws, each >= 1."""
+  labels = _check_labels(labels)
+  _check_num_clients(labels, num_clients)
+  if not sigma >= 0:
+    raise ValueError(f"sigma must be >= 0, got {sigma}")
+  rng = np.random.default_rng(seed)
+  weights = rng.lognormal(0.0, sigma, size=num_clients)
+  # One guaranteed sample each; the rest shared by weight, remainder to the
+  # largest fractional parts so sizes sum to exactly len(labels).
+  spare = len(labels) - num_clients
+  share = weights / weights.sum() * spare
+  sizes = np.floor(share).astype(np.int64)
+  leftover = spare - int(sizes.sum())
+  sizes[np.argsort(sizes - share, kind="stable")[:leftover]] += 1
+  sizes += 1
+  perm = rng.permutation(len(labels)).astype(np.int64)
+  return np.split(perm, np.cumsum(sizes)[:-1])
+
+
+def _dirichlet_attempt(
+    class_indices: list[np.ndarray], num_samples: int, num_clients: int, alpha: float,
+    rng: np.random.Generator,
+) -> tuple[list[list[np.ndarray]], np.ndarray] | None:
+  """One pass of the NIID-Bench split over all classes; None if it degenerates."""
+  chunks: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+  sizes = np.zeros(num_clients, dtype=np.int64)
+  for idx in class_indices:
+    idx = rng.permutation(idx)
+    p = rng.dirichlet(np.full(num_clients, alpha))
+    p = np.where(sizes < num_samples / num_clients, p, 0.0)
+    total = p.sum()
+    if total == 0:  # Tiny alpha can underflow all uncapped clients to 0.
+      return None
+    cuts = (np.cumsum(p / total) * len(idx)).astype(np.int64)[:-1]
+    for j, chunk in enumerate(np.split(idx, cuts)):
+      chunks[j].append(chunk)
+      sizes[j] += len(chunk)
+  return chunks, sizes
+
+
+def dirichlet(
+    labels: np.ndarray, num_clients: int, alpha: float, seed: int, min_size: int = 10
+) -> list[np.ndarray]:
+  """Label-skewed split, per class p ~ Dir(alpha), as in NIID-Bench/FedML ("hetero").
+
+  Clients already holding >= N/num_clients samples get no more; the whole split is
+  redrawn until every client holds >= min_size samples.
+  """
+  labels = _check_labels(labels)
+  _check_num_clients(labels, num_clients)
+  _check_alpha(alpha)
+  _check_min_size(labels, num_clients, min_size)
+  rng = np.random.default_rng(seed)
+  class_indices = [np.flatnonzero(labels == k).astype(np.int64) for k in np.unique(labels)]
+  for _ in range(DIRICHLET_MAX_TRIES):
+    attempt = _dirichlet_attempt(class_indices, len(labels), num_clients, alpha, rng)
+    if attempt is not None and attempt[1].min() >= min_size:
+      return [rng.permutation(np.concatenate(c)) for c in attempt[0]]
+  raise ValueError(
+      f"dirichlet split found no assignment with every client >= min_size={min_size} samples "
+      f"in {DIRICHLET_MAX_TRIES} tries (alpha={alpha}, num_clients={num_clients}, "
+      f"{len(labels)} samples); min_size is infeasible for these labels/num_clients, "
+      "lower min_size or num_clients, or raise alpha")
+
+
+def shards(
+    labels: np.ndarray, num_clients: int, classes_per_client: int, seed: int
+) -> list[np.ndarray]:
+  """FedAvg's pathological split: label-sorted data cut into equal shards, dealt at random.
+
+  A client holds at most classes_per_client labels only when shard boundaries align
+  with class boundaries (e.g. equal class sizes divisible by the shard size).
+  """
+  labels = _check_labels(labels)
+  _check_num_clients(labels, num_clients)
+  _check_classes_per_client(labels, num_clients, classes_per_client)
+  rng = np.random.default_rng(seed)
+  num_shards = num_clients * classes_per_client
+  # Shuffle before the stable sort so the order within a class is random.
+  perm = rng.permutation(len(labels)).astype(np.int64)
+  by_label = perm[np.argsort(labels[perm], kind="stable")]
+  pieces = np.array_split(by_label, num_shards)
+  dealt = rng.permutation(num_shards).reshape(num_clients, classes_per_client)
+  return [rng.permutation(np.concatenate([pieces[s] for s in ids])) for ids in dealt]
+
+
+def partition(
+    labels: np.ndarray,
+    scheme: str,
+    num_clients: int,
+    seed: int,
+    alpha: float = 0.5,
+    classes_per_client: int = 2,
+    min_size: int = 10,
+) -> list[np.ndarray]:
+  """Splits sample indices across clients by `scheme` (one of SCHEMES).
+
+  `alpha`/`min_size` apply to "dirichlet" and `classes_per_client` to "shards" only.
+  """
+  if scheme not in SCHEMES:
+    raise ValueError(f"unknown partition scheme {scheme!r}; accepted: {', '.join(SCHEMES)}")
+  labels = _check_labels(labels)
+  _check_num_clients(labels, num_clients)
+  if scheme == "dirichlet":
+    _check_alpha(alpha)
+    _check_min_size(labels, num_clients, min_size)
+    return dirichlet(labels, num_clients, alpha, seed, min_size)
+  if scheme == "shards":
+    _check_classes_per_client(labels, num_clients, classes_per_client)
+    return shards(labels, num_clients, classes_per_client, seed)
+  if scheme == "iid_imbalanced":
+    return iid_imbalanced(labels, num_clients, seed)
+  return iid(labels, num_clients, seed)
+
+
+def class_counts(labels: np.ndarray, parts: list[np.ndarray], num_classes: int) -> np.ndarray:
+  """[num_clients, num_classes] int64 matrix of per-client label counts."""
+  labels = _check_labels(labels)
+  if labels.size and labels.max() >= num_classes:
+    raise ValueError(f"labels must be < num_classes={num_classes}, got {labels.max()}")
+  counts = np.zeros((len(parts), num_classes), dtype=np.int64)
+  for i, part in enumerate(parts):
+    counts[i] = np.bincount(labels[part], minlength=num_classes)
+  return counts
+
+
+def partition_report(
+    labels: np.ndarray, parts: list[np.ndarray], num_classes: int, max_rows: int = 20
+) -> str:
+  """Human-readable summary: client sizes, classes per client, per-client class counts."""
+  counts = class_counts(labels, parts, num_classes)
+  sizes = counts.sum(axis=1)
+  lines = [
+      f"clients: {len(parts)}    samples assigned: {int(sizes.sum())} / {len(labels)}",
+      f"client size: min {sizes.min()}  median {np.median(sizes):g}  max {sizes.max()}",
+      f"classes per client (count > 0): mean {(counts > 0).sum(axis=1).mean():.2f}",
+      "",
+  ]
+  width = max(5, len(str(counts.max())) + 1)
+  lines.append(f"{'client':>6} {'size':>7} | " + "".join(f"{k:>{width}}" for k in range(num_classes)))
+  for i in range(min(len(parts), max_rows)):
+    lines.append(f"{i:>6} {sizes[i]:>7} | " + "".join(f"{c:>{width}}" for c in counts[i]))
+  if len(parts) > max_rows:
+    lines.append(f"... showing the first {max_rows} of {len(parts)} clients")
+  return "\n".join(lines)
+
+
+def plot_partition(
+    counts: np.ndarray, path: str, title: str = "Label distribution across clients"
+) -> None:
+  """Saves a bubble plot (x: client, y: class, area ~ count) of a [clients, classes] matrix as PNG."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+  from matplotlib.ticker import MaxNLocator
+
+  counts = np.asarray(counts)
+  if counts.ndim != 2:
+    raise ValueError(f"counts must be [num_clients, num_classes], got shape {counts.shape}")
+  num_clients, num_classes = counts.shape
+  clients, classes = np.nonzero(counts)
+  values = counts[clients, classes]
+  # Largest bubble ~ 300 pt^2, shrinking as the plot gets crowded.
+  max_area = 300.0 * min(1.0, 30.0 / max(num_clients, num_classes, 1))
+  areas = max_area * values / max(values.max(initial=0), 1)
+
+  width = min(max(4.0, 0.25 * num_clients + 2.0), 24.0)
+  height = min(max(3.0, 0.3 * num_classes + 1.5), 16.0)
+  fig = Figure(figsize=(width, height))
+  FigureCanvasAgg(fig)  # Attaches an Agg canvas without touching pyplot's global backend.
+  ax = fig.add_subplot()
+  ax.scatter(clients, classes, s=areas, alpha=0.6, edgecolors="none")
+  ax.set_xlim(-1, num_clients)
+  ax.set_ylim(-1, num_classes)
+  ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+  ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+  ax.set_xlabel("client")
+  ax.set_ylabel("class")
+  ax.set_title(title)
+  ax.grid(True, linewidth=0.3, alpha=0.5)
+  fig.tight_layout()
+  fig.savefig(path, format="png", dpi=100)

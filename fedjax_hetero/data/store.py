@@ -1,0 +1,63 @@
+"""All clients' data on the device: uint8 images, labels, and a padded index table."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FederatedStore:
+  """Device-resident federated training data.
+
+  Attributes:
+    images: uint8 [N, H, W, C], every training sample once.
+    labels: int32 [N].
+    index_table: int32 [num_clients, max_size]; row c lists client c's sample
+      ids, padded with 0 past ``sizes[c]``.
+    sizes: host int64 [num_clients], real length of each row.
+    mean, std: per-channel normalization in [0, 1] pixel units.
+  """
+
+  images: jax.Array
+  labels: jax.Array
+  index_table: jax.Array
+  sizes: np.ndarray
+  num_classes: int
+  mean: tuple[float, ...]
+  std: tuple[float, ...]
+
+  @classmethod
+  def build(cls, images: np.ndarray, labels: np.ndarray, parts: Sequence[np.ndarray], num_classes: int,
+            mean: Sequence[float], std: Sequence[float]) -> "FederatedStore":
+    sizes = np.array([len(p) for p in parts], np.int64)
+    table = np.zeros((len(parts), max(1, int(sizes.max()))), np.int32)
+    for row, part in zip(table, parts):
+      row[:len(part)] = part
+    return cls(images=jnp.asarray(images, jnp.uint8), labels=jnp.asarray(labels, jnp.int32),
+               index_table=jnp.asarray(table), sizes=sizes, num_classes=num_classes,
+               mean=tuple(float(m) for m in mean), std=tuple(float(s) for s in std))
+
+  @property
+  def num_clients(self) -> int:
+    return len(self.sizes)
+
+  @property
+  def max_size(self) -> int:
+    return int(self.index_table.shape[1])
+
+  def placed(self, sharding: jax.sharding.Sharding) -> "FederatedStore":
+    """The same store with its arrays placed by ``sharding`` (e.g. replicated on a mesh)."""
+    put = lambda x: jax.device_put(x, sharding)
+    return dataclasses.replace(self, images=put(self.images), labels=put(self.labels),
+                               index_table=put(self.index_table))
+
+
+def sample_clients(num_clients: int, clients_per_round: int, seed: int, round_index: int) -> np.ndarray:
+  """The round's participants: uniform without replacement, a pure function of (seed, round)."""
+  rng = np.random.default_rng([seed, round_index])
+  return np.sort(rng.choice(num_clients, size=clients_per_round, replace=False))

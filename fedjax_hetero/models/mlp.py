@@ -1,0 +1,49 @@
+"""Multi-layer perceptron, mostly for tests."""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+
+from fedjax_hetero.models.common import Part, run_parts, scale_channels
+
+Array = jax.Array
+
+
+class MLP(nn.Module):
+  """Flatten, then Dense-ReLU layers `hidden1..hiddenN`, then a Dense `head`.
+
+  Cut points are input, hidden1..hiddenN, features, logits; "features" is the
+  last hidden activation (the flattened input if `hidden` is empty). `width`
+  scales the hidden sizes; `train` and `mask` are accepted and unused.
+  """
+
+  num_classes: int = 10
+  width: float = 1.0
+  hidden: Sequence[int] = (64,)
+
+  @property
+  def cut_points(self) -> tuple[str, ...]:
+    return ("input",) + tuple(f"hidden{i + 1}" for i in range(len(self.hidden))) + ("features", "logits")
+
+  @nn.compact
+  def __call__(self, x: Array, train: bool = False, mask: Array | None = None, start: str = "input",
+               stop: str = "logits") -> Array:
+    del train, mask  # no BN or dropout
+
+    def layer(index: int, h: Array) -> Array:
+      if index == 0:
+        h = h.reshape(h.shape[0], -1)
+      size = scale_channels(self.hidden[index], self.width)
+      return nn.relu(nn.Dense(size, name=f"hidden{index + 1}")(h))
+
+    def features(h: Array) -> Array:
+      # Identity after the last hidden layer; only flattens when there is none.
+      return h.reshape(h.shape[0], -1)
+
+    parts: list[Part] = [(f"hidden{i + 1}", functools.partial(layer, i)) for i in range(len(self.hidden))]
+    parts += [("features", features), ("logits", lambda h: nn.Dense(self.num_classes, name="head")(h))]
+    return run_parts(parts, x, start, stop)

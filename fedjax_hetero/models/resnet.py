@@ -1,0 +1,156 @@
+"""torchvision-style BasicBlock ResNets (ResNet10..26 as in InCo, ResNet18-CIFAR).
+
+Layers are named by structural position (`stem_conv`, `stage2_block1/conv1`,
+`head`), so a shallower/narrower ResNet of the same family has a variable tree
+that is a subtree of a deeper/wider one, with every leaf a leading slice.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from fedjax_hetero.models.common import Part, bn_mask, run_parts, scale_channels
+
+Array = jax.Array
+
+# Kaiming normal, fan_out, ReLU gain (torchvision's conv init). JAX's "normal" is
+# untruncated; truncation is the separate "truncated_normal" distribution.
+conv_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
+# PyTorch's nn.Linear weight init, U(+-1/sqrt(fan_in)); the bias is zero-initialised
+# (PyTorch draws it uniformly too, which needs the fan-in and is not worth the code).
+dense_init = nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
+
+
+def _batch_norm(train: bool, dtype: Any, name: str) -> nn.BatchNorm:
+  # PyTorch's defaults; its momentum=0.1 is 0.9 in flax, which weights the running value.
+  return nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5, dtype=dtype, name=name)
+
+
+class BasicBlock(nn.Module):
+  """Two 3x3 conv-BN layers with a residual connection (1x1 conv-BN downsample if needed)."""
+
+  channels: int
+  strides: int = 1
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array, train: bool = False, mask: Array | None = None) -> Array:
+    conv = functools.partial(nn.Conv, use_bias=False, kernel_init=conv_init, dtype=self.dtype)
+    m = bn_mask(mask, x)
+    y = conv(self.channels, (3, 3), (self.strides,) * 2, padding=((1, 1), (1, 1)), name="conv1")(x)
+    y = nn.relu(_batch_norm(train, self.dtype, "bn1")(y, mask=m))
+    y = conv(self.channels, (3, 3), padding=((1, 1), (1, 1)), name="conv2")(y)
+    y = _batch_norm(train, self.dtype, "bn2")(y, mask=m)
+    if self.strides != 1 or x.shape[-1] != self.channels:
+      x = conv(self.channels, (1, 1), (self.strides,) * 2, padding="VALID", name="downsample_conv")(x)
+      x = _batch_norm(train, self.dtype, "downsample_bn")(x, mask=m)
+    return nn.relu(x + y)
+
+
+class ResNet(nn.Module):
+  """BasicBlock ResNet with cut points input, stem, stage1..stageN, features, logits.
+
+  Attributes:
+    stage_sizes: number of blocks per stage; stage i has base_channels * 2**i channels.
+    num_classes: logits size (never scaled by `width`).
+    width: multiplier of every hidden channel count.
+    base_channels: channels of the stem and the first stage at width 1.
+    stem: "imagenet" (7x7/2 conv + 3x3/2 max pool) or "cifar" (3x3/1 conv).
+    dtype: computation dtype; parameters stay float32 and logits are returned in float32.
+  """
+
+  stage_sizes: Sequence[int]
+  num_classes: int = 10
+  width: float = 1.0
+  base_channels: int = 64
+  stem: str = "imagenet"
+  dtype: Any = jnp.float32
+
+  @property
+  def cut_points(self) -> tuple[str, ...]:
+    stages = tuple(f"stage{i + 1}" for i in range(len(self.stage_sizes)))
+    return ("input", "stem") + stages + ("features", "logits")
+
+  @nn.compact
+  def __call__(self, x: Array, train: bool = False, mask: Array | None = None, start: str = "input",
+               stop: str = "logits") -> Array:
+    if self.stem not in ("imagenet", "cifar"):
+      raise ValueError(f"unknown stem {self.stem!r}; expected 'imagenet' or 'cifar'")
+
+    def stem(h: Array) -> Array:
+      channels = scale_channels(self.base_channels, self.width)
+      if self.stem == "imagenet":
+        kernel, strides, pad = (7, 7), (2, 2), ((3, 3), (3, 3))
+      else:
+        kernel, strides, pad = (3, 3), (1, 1), ((1, 1), (1, 1))
+      h = nn.Conv(channels, kernel, strides, padding=pad, use_bias=False, kernel_init=conv_init,
+                  dtype=self.dtype, name="stem_conv")(h)
+      h = nn.relu(_batch_norm(train, self.dtype, "stem_bn")(h, mask=bn_mask(mask, h)))
+      if self.stem == "imagenet":
+        # flax pads max_pool with -inf, like PyTorch.
+        h = nn.max_pool(h, (3, 3), (2, 2), padding=((1, 1), (1, 1)))
+      return h
+
+    def stage(index: int, h: Array) -> Array:
+      channels = scale_channels(self.base_channels * 2**index, self.width)
+      for b in range(self.stage_sizes[index]):
+        strides = 2 if index > 0 and b == 0 else 1
+        h = BasicBlock(channels, strides, self.dtype, name=f"stage{index + 1}_block{b}")(h, train, mask)
+      return h
+
+    def head(h: Array) -> Array:
+      h = nn.Dense(self.num_classes, kernel_init=dense_init, dtype=self.dtype, name="head")(h)
+      return h.astype(jnp.float32)
+
+    parts: list[Part] = [("stem", stem)]
+    parts += [(f"stage{i + 1}", functools.partial(stage, i)) for i in range(len(self.stage_sizes))]
+    parts += [("features", lambda h: jnp.mean(h, axis=(1, 2))), ("logits", head)]
+    return run_parts(parts, x, start, stop)
+
+
+# name -> (stage_sizes, stem). ResNet10..26 follow the InCo paper; resnet18_cifar is FedImpro's.
+RESNET_PRESETS: dict[str, tuple[tuple[int, ...], str]] = {
+    "resnet10": ((1, 1, 1, 1), "imagenet"),
+    "resnet14": ((1, 1, 2, 2), "imagenet"),
+    "resnet18": ((2, 2, 2, 2), "imagenet"),
+    "resnet22": ((2, 2, 3, 3), "imagenet"),
+    "resnet26": ((3, 3, 3, 3), "imagenet"),
+    "resnet18_cifar": ((2, 2, 2, 2), "cifar"),
+}
+
+
+def resnet_preset(name: str, num_classes: int = 10, width: float = 1.0, **overrides: Any) -> ResNet:
+  """Builds a preset ResNet; `overrides` replace any ResNet field (e.g. base_channels=8)."""
+  stage_sizes, stem = RESNET_PRESETS[name]
+  kwargs = dict(stage_sizes=stage_sizes, stem=stem, num_classes=num_classes, width=width)
+  kwargs.update(overrides)
+  return ResNet(**kwargs)
+
+
+def resnet10(num_classes: int = 10, width: float = 1.0, **overrides: Any) -> ResNet:
+  return resnet_preset("resnet10", num_classes, width, **overrides)
+
+
+def resnet14(num_classes: int = 10, width: float = 1.0, **overrides: Any) -> ResNet:
+  return resnet_preset("resnet14", num_classes, width, **overrides)
+
+
+def resnet18(num_classes: int = 10, width: float = 1.0, **overrides: Any) -> ResNet:
+  return resnet_preset("resnet18", num_classes, width, **overrides)
+
+
+def resnet22(num_classes: int = 10, width: float = 1.0, **overrides: Any) -> ResNet:
+  return resnet_preset("resnet22", num_classes, width, **overrides)
+
+
+def resnet26(num_classes: int = 10, width: float = 1.0, **overrides: Any) -> ResNet:
+  return resnet_preset("resnet26", num_classes, width, **overrides)
+
+
+def resnet18_cifar(num_classes: int = 10, width: float = 1.0, **overrides: Any) -> ResNet:
+  return resnet_preset("resnet18_cifar", num_classes, width, **overrides)

@@ -1,0 +1,265 @@
+"""An experiment from config to results folder: data, partition, rounds, checkpoints, plots.
+
+``run_experiment(ExperimentConfig(...))`` is what ``python -m experiments.<dataset>``
+and the notebooks call. The results folder holds ``metrics.jsonl`` (one JSON
+object per round), ``summary.json``, ``accuracy.png``, the partition report and
+plot, and orbax checkpoints under ``checkpoints/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from tqdm.auto import tqdm
+
+from fedjax_hetero import data as fdata
+from fedjax_hetero import models
+from fedjax_hetero.backends import BACKENDS, make_backend
+from fedjax_hetero.client.local import OPTIMIZERS, LocalConfig
+from fedjax_hetero.data.store import FederatedStore
+from fedjax_hetero.engine import (AGGREGATE_MODES, WEIGHTINGS, ArchGroup, FLConfig, ServerState, Simulation,
+                                  assign_groups, get_method)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+  """Everything one run needs; every field is a CLI flag of ``experiments``."""
+
+  dataset: str = "fashion_mnist"
+  data_dir: str | None = None
+  method: str = "HeteroAvg"
+  groups: tuple[str, ...] = ("cnn@1", "cnn@0.5", "cnn@0.25")
+  num_clients: int = 100
+  clients_per_round: int = 10
+  partition: str = "dirichlet"
+  alpha: float = 0.5
+  classes_per_client: int = 2
+  epochs: int = 1
+  batch_size: int = 32
+  optimizer: str = "adam"
+  learning_rate: float = 1e-3
+  momentum: float = 0.0
+  weight_decay: float = 0.0
+  drop_last: bool = False
+  rounds: int = 60
+  eval_every: int = 5
+  seed: int = 0
+  output_dir: str = "runs/fmnist"
+  resume: bool = False
+  overwrite: bool = False
+  backend: str = "auto"
+  weighting: str = "uniform"
+  aggregate: str = "deltas"
+  checkpoint_every: int = 10
+  steps_per_call: int = 8
+  max_train_samples: int | None = None
+  max_test_samples: int | None = None
+  progress: bool = True
+
+  def validate(self) -> None:
+    """Raises ValueError naming the bad value and the accepted ones, before any compute."""
+    get_method(self.method)
+    if self.dataset not in fdata.DATASETS:
+      raise ValueError(f"unknown dataset {self.dataset!r}; accepted: {', '.join(fdata.DATASETS)}")
+    if not self.groups:
+      raise ValueError("at least one architecture group is needed (--groups)")
+    for spec in self.groups:
+      models.parse_group_spec(spec)
+    if self.partition not in fdata.SCHEMES:
+      raise ValueError(f"unknown partition {self.partition!r}; accepted: {', '.join(fdata.SCHEMES)}")
+    if self.partition == "dirichlet" and not self.alpha > 0:
+      raise ValueError(f"alpha must be > 0, got {self.alpha}")
+    if self.num_clients < len(self.groups):
+      raise ValueError(f"num_clients={self.num_clients} is fewer than the {len(self.groups)} architecture groups")
+    if not 1 <= self.clients_per_round <= self.num_clients:
+      raise ValueError(f"clients_per_round={self.clients_per_round} must be between 1 and "
+                       f"num_clients={self.num_clients}")
+    if self.backend not in BACKENDS:
+      raise ValueError(f"unknown backend {self.backend!r}; accepted: {', '.join(BACKENDS)}")
+    if self.optimizer not in OPTIMIZERS:
+      raise ValueError(f"unknown optimizer {self.optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
+    if self.weighting not in WEIGHTINGS:
+      raise ValueError(f"unknown weighting {self.weighting!r}; accepted: {', '.join(WEIGHTINGS)}")
+    if self.aggregate not in AGGREGATE_MODES:
+      raise ValueError(f"unknown aggregate mode {self.aggregate!r}; accepted: {', '.join(AGGREGATE_MODES)}")
+    for name in ("rounds", "eval_every", "epochs", "batch_size", "checkpoint_every", "steps_per_call"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if not self.learning_rate > 0:
+      raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+    if self.data_dir is not None and not os.path.isdir(self.data_dir):
+      raise ValueError(f"data directory {self.data_dir!r} does not exist")
+
+  def local_config(self) -> LocalConfig:
+    return LocalConfig(epochs=self.epochs, batch_size=self.batch_size, optimizer=self.optimizer,
+                       learning_rate=self.learning_rate, momentum=self.momentum, weight_decay=self.weight_decay,
+                       drop_last=self.drop_last, steps_per_call=self.steps_per_call)
+
+  def fl_config(self) -> FLConfig:
+    return FLConfig(method=self.method, rounds=self.rounds, clients_per_round=self.clients_per_round,
+                    weighting=self.weighting, aggregate=self.aggregate, seed=self.seed)
+
+
+def build_simulation(config: ExperimentConfig, dataset: fdata.ArrayDataset | None = None,
+                     log: Callable[[str], None] = print) -> tuple[Simulation, list[np.ndarray]]:
+  """Loads and partitions the data and builds the simulation (no training yet)."""
+  config.validate()
+  if dataset is None:
+    dataset = fdata.load_dataset(config.dataset, config.data_dir)
+  if config.max_train_samples or config.max_test_samples:
+    dataset = dataset.subset(config.max_train_samples, config.max_test_samples, seed=config.seed)
+  parts = fdata.partition(dataset.train_labels, config.partition, config.num_clients, config.seed,
+                          alpha=config.alpha, classes_per_client=config.classes_per_client)
+  store = FederatedStore.build(dataset.train_images, dataset.train_labels, parts, dataset.num_classes,
+                               dataset.mean, dataset.std)
+  groups = []
+  for spec, clients in zip(config.groups, assign_groups(config.num_clients, len(config.groups))):
+    name, width = models.parse_group_spec(spec)
+    groups.append(ArchGroup(spec, models.build_model(name, dataset.num_classes, width), clients))
+  backend = make_backend(config.backend)
+  log(f"{dataset.name}: {len(dataset.train_labels)} train / {len(dataset.test_labels)} test samples, "
+      f"{config.num_clients} clients ({config.partition}), groups {', '.join(config.groups)}, "
+      f"method {get_method(config.method).name}, backend {backend.name} on {jax.default_backend()}")
+  sim = Simulation(groups, store, config.local_config(), config.fl_config(), backend,
+                   jnp.asarray(dataset.test_images), jnp.asarray(dataset.test_labels))
+  return sim, parts
+
+
+def _checkpoint_manager(output_dir: str, config: ExperimentConfig) -> ocp.CheckpointManager:
+  options = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=config.checkpoint_every)
+  return ocp.CheckpointManager(os.path.abspath(os.path.join(output_dir, "checkpoints")), options=options)
+
+
+def _restore(manager: ocp.CheckpointManager, template: ServerState) -> ServerState:
+  step = manager.latest_step()
+  abstract = {"models": jax.tree.map(ocp.utils.to_shape_dtype_struct, list(template.models))}
+  restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+  return ServerState(int(step), tuple(restored["models"]))
+
+
+def _prepare_output(config: ExperimentConfig) -> None:
+  out = config.output_dir
+  if os.path.exists(out) and os.listdir(out) and not (config.resume or config.overwrite):
+    raise ValueError(f"output directory {out!r} is not empty; pass --resume to continue it or --overwrite "
+                     "to start over")
+  if config.overwrite and os.path.exists(out):
+    shutil.rmtree(out)
+  os.makedirs(out, exist_ok=True)
+
+
+def _read_metrics(path: str, upto: int) -> list[dict[str, Any]]:
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  return [r for r in rows if r["round"] <= upto]
+
+
+def plot_accuracy(rows: Sequence[dict[str, Any]], path: str, title: str) -> None:
+  """Test accuracy vs round, one line per architecture group plus the mean."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+
+  evaluated = [r for r in rows if r.get("test_accuracy")]
+  fig = Figure(figsize=(7, 4.5))
+  FigureCanvasAgg(fig)
+  ax = fig.add_subplot()
+  if evaluated:
+    for name in evaluated[-1]["test_accuracy"]:
+      xs = [r["round"] for r in evaluated]
+      ys = [100 * r["test_accuracy"][name] for r in evaluated]
+      if name == "mean":
+        ax.plot(xs, ys, "k-", lw=2.5, label="mean over groups")
+      else:
+        ax.plot(xs, ys, "-", lw=1.3, marker=".", label=name)
+  ax.set_xlabel("round")
+  ax.set_ylabel("test accuracy (%)")
+  ax.set_title(title)
+  ax.grid(alpha=0.3)
+  ax.legend(loc="lower right")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def run_experiment(config: ExperimentConfig, dataset: fdata.ArrayDataset | None = None,
+                   log: Callable[[str], None] = print) -> dict[str, Any]:
+  """Runs (or resumes) an experiment and writes its results folder; returns the summary."""
+  config.validate()
+  if not config.resume:
+    _prepare_output(config)
+  os.makedirs(config.output_dir, exist_ok=True)
+  sim, parts = build_simulation(config, dataset, log)
+  out = config.output_dir
+  counts = fdata.class_counts(np.asarray(sim.store.labels), parts, sim.store.num_classes)
+  with open(os.path.join(out, "partition.txt"), "w") as f:
+    f.write(fdata.partition_report(np.asarray(sim.store.labels), parts, sim.store.num_classes))
+  fdata.plot_partition(counts, os.path.join(out, "partition.png"))
+
+  state = sim.init_state()
+  manager = _checkpoint_manager(out, config)
+  metrics_path = os.path.join(out, "metrics.jsonl")
+  rows: list[dict[str, Any]] = []
+  if config.resume and manager.latest_step() is not None:
+    state = _restore(manager, state)
+    rows = _read_metrics(metrics_path, state.round)
+    log(f"resumed from round {state.round}")
+  with open(metrics_path, "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+
+  wall_start = time.perf_counter()
+  bar = tqdm(total=config.rounds, initial=state.round, desc=get_method(config.method).name, unit="round",
+             disable=not config.progress, dynamic_ncols=True)
+  try:
+    while state.round < config.rounds:
+      state, m = sim.run_round(state)
+      final = state.round == config.rounds
+      m["test_accuracy"] = sim.evaluate(state) if state.round % config.eval_every == 0 or final else None
+      rows.append(m)
+      with open(metrics_path, "a") as f:
+        f.write(json.dumps(m) + "\n")
+      manager.save(state.round, args=ocp.args.StandardSave({"models": list(state.models)}), force=final)
+      postfix = {"loss": f"{m['train_loss']:.3f}", "samples/s": f"{m['samples_per_s']:.0f}"}
+      last_eval = next((r["test_accuracy"] for r in reversed(rows) if r.get("test_accuracy")), None)
+      if last_eval:
+        postfix["acc"] = f"{100 * last_eval['mean']:.2f}%"
+      bar.set_postfix(postfix)
+      bar.update(1)
+  finally:
+    bar.close()
+    manager.wait_until_finished()
+  summary = _summarize(config, sim, rows, time.perf_counter() - wall_start)
+  with open(os.path.join(out, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  plot_accuracy(rows, os.path.join(out, "accuracy.png"),
+                f"{get_method(config.method).name} on {config.dataset} ({config.partition})")
+  return summary
+
+
+def _summarize(config: ExperimentConfig, sim: Simulation, rows: Sequence[dict[str, Any]],
+               wall_seconds: float) -> dict[str, Any]:
+  evaluated = [r for r in rows if r.get("test_accuracy")]
+  best = max(evaluated, key=lambda r: r["test_accuracy"]["mean"]) if evaluated else None
+  group_params = {g.name: m.num_owned() for g, m in zip(sim.groups, sim.maps)}
+  train_seconds = sum(r["round_seconds"] for r in rows)
+  return {
+      "final_round": rows[-1]["round"] if rows else 0,
+      "final_accuracy": evaluated[-1]["test_accuracy"] if evaluated else None,
+      "best_mean_accuracy": best["test_accuracy"]["mean"] if best else None,
+      "best_round": best["round"] if best else None,
+      "wall_seconds_this_run": wall_seconds,
+      "train_seconds_all_rounds": train_seconds,
+      "mean_samples_per_s": sum(r["examples"] for r in rows) / max(train_seconds, 1e-9),
+      "backend": sim.backend.name,
+      "platform": jax.default_backend(),
+      "parameters_per_group": group_params,
+      "config": dataclasses.asdict(config),
+  }

@@ -21,7 +21,6 @@ client's randomness is ``fold_in(round_key, client_id)``.
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple, Protocol
 
 import jax
@@ -52,11 +51,16 @@ class Backend(Protocol):
 
 
 def _schedule_length(trainer: LocalTrainer, store: FederatedStore) -> int:
-  return trainer.config.padded_steps(store.max_size)
+  return max(1, trainer.config.num_steps(store.max_size))
 
 
-def _client_chunks(trainer: LocalTrainer, num_examples: int) -> int:
-  return math.ceil(trainer.config.num_steps(num_examples) / trainer.config.steps_per_call)
+def _run_schedule(run_steps, trainer: LocalTrainer, num_steps: int, state, store: FederatedStore, ids, mask):
+  """Runs the first ``num_steps`` scheduled steps as a host loop over unrolled chunks."""
+  offset = 0
+  for count in trainer.config.chunk_sizes(num_steps):
+    state = run_steps(state, store.images, store.labels, ids, mask, offset, count)
+    offset += count
+  return state
 
 
 @functools.cache
@@ -67,7 +71,7 @@ def _sequential_program(trainer: LocalTrainer, schedule_length: int):
     ids, mask = trainer.schedule(index_row, num_examples, key, schedule_length)
     return trainer.init_state(start), ids, mask
 
-  chunk = jax.jit(trainer.run_chunk, donate_argnums=0)
+  run_steps = jax.jit(trainer.run_steps, donate_argnums=0, static_argnames="count")
 
   @functools.partial(jax.jit, donate_argnums=0)
   def accumulate(result: GroupResult, state: LocalState, start, weight):
@@ -75,7 +79,7 @@ def _sequential_program(trainer: LocalTrainer, schedule_length: int):
                        result.weight_sum + weight, result.loss_sum + state.loss_sum,
                        result.num_examples + state.num_examples)
 
-  return start_client, chunk, accumulate
+  return start_client, run_steps, accumulate
 
 
 def empty_result(start: Variables) -> GroupResult:
@@ -87,13 +91,13 @@ class SequentialBackend:
   name = "sequential"
 
   def train(self, trainer, start, store, clients, weights, round_key):
-    start_client, chunk, accumulate = _sequential_program(trainer, _schedule_length(trainer, store))
+    start_client, run_steps, accumulate = _sequential_program(trainer, _schedule_length(trainer, store))
     result = empty_result(start)
     for client, weight in zip(clients, weights):
-      state, ids, mask = start_client(start, store.index_table[client], int(store.sizes[client]),
+      size = int(store.sizes[client])
+      state, ids, mask = start_client(start, store.index_table[client], size,
                                       jax.random.fold_in(round_key, int(client)))
-      for i in range(_client_chunks(trainer, int(store.sizes[client]))):
-        state = chunk(state, store.images, store.labels, ids, mask, i)
+      state = _run_schedule(run_steps, trainer, trainer.config.num_steps(size), state, store, ids, mask)
       result = accumulate(result, state, start, jnp.float32(weight))
     return result
 
@@ -108,7 +112,8 @@ def _mapped_program(trainer: LocalTrainer, schedule_length: int):
     states = jax.tree.map(lambda x: jnp.broadcast_to(x, (len(keys),) + x.shape), state)
     return states, ids, mask
 
-  chunk = jax.jit(jax.vmap(trainer.run_chunk, in_axes=(0, None, None, 0, 0, None)), donate_argnums=0)
+  run_steps = jax.jit(jax.vmap(trainer.run_steps, in_axes=(0, None, None, 0, 0, None, None)), donate_argnums=0,
+                      static_argnums=6)
 
   @jax.jit
   def reduce(states: LocalState, start, weights):
@@ -116,7 +121,7 @@ def _mapped_program(trainer: LocalTrainer, schedule_length: int):
     delta_sum = jax.tree.map(lambda d: jnp.tensordot(weights, d, axes=1), deltas)
     return GroupResult(delta_sum, weights.sum(), states.loss_sum.sum(), states.num_examples.sum())
 
-  return start_cohort, chunk, reduce
+  return start_cohort, run_steps, reduce
 
 
 class VmapBackend:
@@ -155,12 +160,11 @@ class VmapBackend:
     sizes = np.concatenate([store.sizes[clients], np.zeros(pad, np.int64)]).astype(np.int32)
     client_weights = np.concatenate([weights, np.zeros(pad)]).astype(np.float32)
     keys = jax.vmap(lambda c: jax.random.fold_in(round_key, c))(jnp.asarray(padded))
-    start_cohort, chunk, reduce = _mapped_program(trainer, _schedule_length(trainer, store))
+    start_cohort, run_steps, reduce = _mapped_program(trainer, _schedule_length(trainer, store))
     rows = self._split(store.index_table[jnp.asarray(padded)])
     states, ids, mask = start_cohort(start, rows, self._split(jnp.asarray(sizes)), self._split(keys))
-    chunks = max(_client_chunks(trainer, int(n)) for n in sizes[:len(clients)])
-    for i in range(chunks):
-      states = chunk(states, store.images, store.labels, ids, mask, i)
+    longest = max(trainer.config.num_steps(int(n)) for n in sizes[:len(clients)])
+    states = _run_schedule(run_steps, trainer, longest, states, store, ids, mask)
     return reduce(states, start, self._split(jnp.asarray(client_weights)))
 
 

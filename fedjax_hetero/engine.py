@@ -147,7 +147,8 @@ class Simulation:
   def init_state(self) -> ServerState:
     """All groups start from one initialization of the largest model."""
     model = self.groups[self.global_index].model
-    global_vars = model.init(jax.random.key(self.config.seed), self._sample_input)
+    # One jitted program: eager init compiles a random kernel per leaf shape.
+    global_vars = jax.jit(model.init)(jax.random.key(self.config.seed), self._sample_input)
     if self.method.per_group:
       models = tuple(extract(global_vars, m) for m in self.maps)
     else:

@@ -2,17 +2,19 @@
 
 The client's whole schedule (which sample goes in which slot of which step, and
 whether the slot is real) is drawn on the device from its padded index row, so
-no data leaves the device. Steps run in jitted *chunks* of ``steps_per_call``
-fully unrolled steps: XLA:CPU runs convolutions inside a while loop about ten
-times slower than the same ops unrolled, and a chunk loop on the host costs one
-dispatch per chunk (see DESIGN.md, performance facts). A step whose batch holds
-no real example leaves the whole state untouched, optimizer included.
+no data leaves the device. Steps run in jitted *chunks* of fully unrolled
+steps: XLA:CPU runs convolutions inside a while loop (or a ``lax.cond``) about
+ten times slower than the same ops unrolled, and a chunk loop on the host costs
+one dispatch per chunk (see DESIGN.md, performance facts). A client's step count
+is covered exactly by chunks of ``steps_per_call`` steps followed by
+power-of-two chunks (e.g. 19 = 8 + 8 + 2 + 1), so no padded step is computed
+on the sequential path. A step whose batch holds no real example (vmapped
+cohorts of unequal clients) leaves the whole state untouched, optimizer included.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -55,10 +57,17 @@ class LocalConfig:
   def num_steps(self, num_examples: int) -> int:
     return self.epochs * self.steps_per_epoch(num_examples)
 
-  def padded_steps(self, num_examples: int) -> int:
-    """Steps rounded up to whole chunks (at least one chunk)."""
-    chunks = max(1, math.ceil(self.num_steps(num_examples) / self.steps_per_call))
-    return chunks * self.steps_per_call
+  def chunk_sizes(self, num_steps: int) -> list[int]:
+    """Unrolled chunk lengths covering ``num_steps`` exactly: full chunks, then powers of two."""
+    full, rest = divmod(num_steps, self.steps_per_call)
+    sizes = [self.steps_per_call] * full
+    size = 1 << max(self.steps_per_call.bit_length() - 1, 0)
+    while rest:
+      if size <= rest:
+        sizes.append(size)
+        rest -= size
+      size >>= 1
+    return sizes
 
 
 def make_optimizer(config: LocalConfig) -> optax.GradientTransformation:
@@ -157,13 +166,12 @@ class LocalTrainer:
     active = maskf.sum() > 0
     return jax.tree.map(lambda new, old: jnp.where(active, new, old), stepped, state)
 
-  def run_chunk(self, state: LocalState, images: jax.Array, labels: jax.Array, ids: jax.Array, mask: jax.Array,
-                chunk: jax.Array) -> LocalState:
-    """Runs steps ``[chunk*K, (chunk+1)*K)`` of the schedule, unrolled."""
-    k = self.config.steps_per_call
-    ids = jax.lax.dynamic_slice_in_dim(ids, chunk * k, k)
-    mask = jax.lax.dynamic_slice_in_dim(mask, chunk * k, k)
-    for i in range(k):
+  def run_steps(self, state: LocalState, images: jax.Array, labels: jax.Array, ids: jax.Array, mask: jax.Array,
+                offset: jax.Array, count: int) -> LocalState:
+    """Runs schedule steps ``[offset, offset + count)``, unrolled (``count`` is static)."""
+    ids = jax.lax.dynamic_slice_in_dim(ids, offset, count)
+    mask = jax.lax.dynamic_slice_in_dim(mask, offset, count)
+    for i in range(count):
       state = self.train_step(state, images[ids[i]], labels[ids[i]], mask[i])
     return state
 

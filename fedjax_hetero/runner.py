@@ -50,7 +50,7 @@ class ExperimentConfig:
   momentum: float = 0.0
   weight_decay: float = 0.0
   drop_last: bool = False
-  rounds: int = 60
+  rounds: int = 100
   eval_every: int = 5
   seed: int = 0
   output_dir: str = "runs/fmnist"

@@ -35,6 +35,9 @@ class GroupMap:
 
   owned: Mapping[Path, tuple[int, ...] | None]
 
+  def __hash__(self) -> int:  # static structure: usable as a jit static argument
+    return hash(tuple(self.owned.items()))
+
   @property
   def paths(self) -> tuple[Path, ...]:
     return tuple(p for p, s in self.owned.items() if s is not None)

@@ -46,7 +46,7 @@ class LocalConfig:
     for name in ("epochs", "batch_size", "steps_per_call"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-    if self.learning_rate <= 0:
+    if not self.learning_rate > 0:
       raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
 
   def steps_per_epoch(self, num_examples: int) -> int:

@@ -1,0 +1,177 @@
+"""The backends (sequential, vmap, sharded) train the same models up to float tolerance."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import traverse_util
+
+from fedjax_hetero.backends import BACKENDS, make_backend
+from fedjax_hetero.client.local import LocalConfig
+from fedjax_hetero.data import partition, synthetic_dataset
+from fedjax_hetero.data.store import FederatedStore
+from fedjax_hetero.engine import ArchGroup, FLConfig, ServerState, Simulation, assign_groups
+from fedjax_hetero.models import build_model
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(TESTS_DIR)
+ROUNDS = 2
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def build(backend, method="HeteroAvg"):
+  """A tiny simulation: 6 clients of unequal sizes, two MLP width groups, 5 clients per round."""
+  ds = synthetic_dataset(num_train=160, num_test=32, seed=0)
+  parts = partition(ds.train_labels, "iid_imbalanced", 6, 0)
+  store = FederatedStore.build(ds.train_images, ds.train_labels, parts, ds.num_classes, ds.mean, ds.std)
+  widths = (0.5, 1.0)
+  groups = [ArchGroup(f"mlp@{w}", build_model("mlp", ds.num_classes, w, hidden=(16,)), clients)
+            for w, clients in zip(widths, assign_groups(6, len(widths)))]
+  local = LocalConfig(epochs=2, batch_size=8, optimizer="adam", learning_rate=1e-2, steps_per_call=2)
+  config = FLConfig(method=method, rounds=ROUNDS, clients_per_round=5, seed=0)
+  return Simulation(groups, store, local, config, make_backend(backend), jnp.asarray(ds.test_images),
+                    jnp.asarray(ds.test_labels))
+
+
+def initial_state(sim):
+  """The server state, filled with numpy (model.init would compile a PRNG kernel per leaf shape)."""
+  model = sim.groups[sim.global_index].model
+  shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8, 8, 1)))
+  rng = np.random.default_rng(0)
+  flat = {p: jnp.asarray(rng.normal(size=s.shape) / np.sqrt(max(1, np.prod(s.shape[:-1]))), jnp.float32)
+          for p, s in traverse_util.flatten_dict(dict(shapes)).items()}
+  return ServerState(0, (traverse_util.unflatten_dict(flat),))
+
+
+def run(sim, rounds=ROUNDS):
+  state = initial_state(sim)
+  rows = []
+  for _ in range(rounds):
+    state, metrics = sim.run_round(state)
+    rows.append(metrics)
+  return state, rows
+
+
+def flat_params(state):
+  return {"/".join(p): np.asarray(v) for p, v in traverse_util.flatten_dict(dict(state.models[0])).items()}
+
+
+@pytest.fixture(scope="module")
+def sequential_run():
+  sim = build("sequential")
+  assert sim.backend.name == "sequential"
+  return run(sim)
+
+
+def test_the_simulation_exercises_unequal_clients_and_both_groups(sequential_run):
+  sim = build("sequential")
+  assert len(set(sim.store.sizes.tolist())) > 1
+  state, rows = sequential_run
+  for row in rows:
+    assert set(row["train_loss_per_group"]) == {"mlp@0.5", "mlp@1.0"}
+    # Every sampled client trains 2 epochs over all its examples (no drop_last).
+    assert row["examples"] == 2 * int(sim.store.sizes[row["clients"]].sum())
+  initial = flat_params(initial_state(sim))
+  final = flat_params(state)
+  assert all(not np.allclose(initial[k], final[k]) for k in initial)
+
+
+def test_vmap_matches_sequential(sequential_run):
+  sim = build("vmap")
+  assert sim.backend.name == "vmap"
+  state, rows = run(sim)
+  seq_state, seq_rows = sequential_run
+  chex.assert_trees_all_close(state.models, seq_state.models, rtol=RTOL, atol=ATOL)
+  for got, want in zip(rows, seq_rows):
+    assert got["examples"] == want["examples"] and got["clients"] == want["clients"]
+    np.testing.assert_allclose(got["train_loss"], want["train_loss"], rtol=1e-5)
+
+
+def test_group_results_match_across_backends():
+  """One group's GroupResult (the weighted delta sum, weights, losses) directly, with weights != 1."""
+  results = {}
+  for name in ("sequential", "vmap"):
+    sim = build(name)
+    start = sim.group_variables(initial_state(sim), 1)
+    clients = sim.groups[1].clients
+    weights = np.arange(1, len(clients) + 1, dtype=float)
+    results[name] = sim.backend.train(sim.trainers[1], start, sim.store, clients, weights,
+                                      jax.random.key(3))
+  seq, vm = results["sequential"], results["vmap"]
+  chex.assert_trees_all_close(vm, seq, rtol=RTOL, atol=ATOL)
+  assert float(seq.weight_sum) == pytest.approx(6.0)
+  assert float(seq.num_examples) == 2 * int(sim.store.sizes[sim.groups[1].clients].sum())
+
+
+# Runs in a fresh interpreter: XLA_FLAGS must be set before jax is imported. It trains the same
+# simulation with the sequential and the sharded backend over 4 CPU devices, compares them, and
+# saves the sharded model so the test can also compare it with this process's sequential run.
+SHARDED_SCRIPT = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {tests_dir!r})
+    import jax
+    import numpy as np
+    assert jax.device_count() == 4, jax.devices()
+    import test_backends as tb
+
+    seq_state, seq_rows = tb.run(tb.build("sequential"))
+    sim = tb.build("sharded")
+    state, rows = tb.run(sim)
+    seq, got = tb.flat_params(seq_state), tb.flat_params(state)
+    np.savez({out!r}, **got)
+    print("RESULT " + json.dumps({{
+        "devices": jax.device_count(), "backend": sim.backend.name, "mesh_size": sim.backend.mesh.size,
+        "close": all(np.allclose(got[k], seq[k], rtol=tb.RTOL, atol=tb.ATOL) for k in seq),
+        "max_abs_diff": max(float(np.max(np.abs(got[k] - seq[k]))) for k in seq),
+        "rows": rows, "seq_rows": seq_rows}}))
+""")
+
+
+def test_sharded_matches_sequential_on_four_cpu_devices(sequential_run, tmp_path):
+  out = str(tmp_path / "sharded.npz")
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT.format(tests_dir=TESTS_DIR, out=out)],
+                        env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+  assert lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+  result = json.loads(lines[-1][len("RESULT "):])
+  assert result["devices"] == 4
+  assert result["backend"] == "sharded" and result["mesh_size"] == 4
+  assert result["close"], f"sharded differs from sequential by up to {result['max_abs_diff']}"
+  assert [r["examples"] for r in result["rows"]] == [r["examples"] for r in result["seq_rows"]]
+  seq_state, seq_rows = sequential_run
+  for got, want in zip(result["rows"], seq_rows):
+    assert got["examples"] == want["examples"] and got["clients"] == want["clients"]
+    np.testing.assert_allclose(got["train_loss"], want["train_loss"], rtol=1e-5)
+  sharded = dict(np.load(out))
+  want = flat_params(seq_state)
+  assert set(sharded) == set(want)
+  for k in want:
+    np.testing.assert_allclose(sharded[k], want[k], rtol=RTOL, atol=ATOL, err_msg=k)
+
+
+def test_make_backend_names():
+  assert make_backend("sequential").name == "sequential"
+  assert make_backend("VMAP").name == "vmap"
+  if jax.default_backend() == "cpu":
+    assert make_backend("auto").name == "sequential"
+  else:
+    assert make_backend("auto").name == ("sharded" if jax.local_device_count() > 1 else "vmap")
+  sharded = make_backend("sharded")
+  assert sharded.name == "sharded" and sharded.mesh.size == jax.local_device_count()
+
+
+def test_make_backend_rejects_unknown_names():
+  with pytest.raises(ValueError, match=r"unknown backend 'nope'; accepted: auto, sequential, vmap, sharded"):
+    make_backend("nope")
+  assert BACKENDS == ("auto", "sequential", "vmap", "sharded")

@@ -1,0 +1,41 @@
+"""Smoke test of benchmarks/throughput.py on tiny synthetic settings."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks import throughput
+
+NUMERIC_KEYS = ("fl_samples_per_s", "centralized_samples_per_s", "ratio", "compile_s", "clients_per_round",
+                "batch_size", "devices")
+
+
+def test_throughput_prints_one_json_line_per_backend(capsys, tmp_path):
+  output = tmp_path / "throughput.jsonl"
+  argv = ["--dataset", "synthetic", "--model", "mlp", "--num-clients", "4", "--clients-per-round", "2",
+          "--rounds", "1", "--backends", "auto,sequential,vmap", "--steps-per-call", "2",
+          "--output", str(output)]
+  rows = throughput.main(argv)
+  lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+  assert len(lines) == 3
+  parsed = [json.loads(line) for line in lines]
+  assert parsed == rows
+  assert [json.loads(line) for line in output.read_text().splitlines()] == parsed
+  assert parsed[0]["backend"].startswith("auto->")
+  assert [p["backend"] for p in parsed[1:]] == ["sequential", "vmap"]
+  for row in parsed:
+    assert set(throughput.REQUIRED_KEYS) <= row.keys()
+    for key in NUMERIC_KEYS:
+      assert isinstance(row[key], (int, float)) and math.isfinite(row[key]) and row[key] > 0, (key, row[key])
+    assert row["ratio"] == row["fl_samples_per_s"] / row["centralized_samples_per_s"]
+    assert row["model"] == "mlp" and row["clients_per_round"] == 2 and row["batch_size"] == 64
+    assert isinstance(row["platform"], str) and row["platform"]
+    assert row["examples_per_round"] == 256  # 2 clients x 128 samples, one epoch
+
+
+def test_unknown_backend_is_rejected():
+  with pytest.raises(SystemExit, match="bogus"):
+    throughput.main(["--dataset", "synthetic", "--backends", "sequential,bogus"])

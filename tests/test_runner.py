@@ -1,0 +1,326 @@
+"""End-to-end runs: resume equals an uninterrupted run, bad inputs fail early, NaN stops a run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from experiments import cli
+from fedjax_hetero import engine
+from fedjax_hetero.backends import BACKENDS
+from fedjax_hetero.data import synthetic_dataset
+from fedjax_hetero.engine import METHODS, NonFiniteLossError, ServerState
+from fedjax_hetero.runner import (ExperimentConfig, _checkpoint_manager, _restore, build_simulation,
+                                  run_experiment)
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GROUPS = ("mlp@1", "mlp@0.5")
+
+
+def quiet(_):
+  pass
+
+
+@pytest.fixture(scope="module")
+def dataset():
+  return synthetic_dataset(num_train=240, num_test=64, seed=0)
+
+
+def base_config(output_dir, **changes):
+  config = ExperimentConfig(dataset="synthetic", groups=GROUPS, num_clients=6, clients_per_round=3, rounds=4,
+                            checkpoint_every=2, eval_every=2, progress=False, output_dir=str(output_dir),
+                            batch_size=16, steps_per_call=2)
+  return dataclasses.replace(config, **changes)
+
+
+def read_rows(output_dir):
+  with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def restore(config, dataset, step=None):
+  """The models of checkpoint `step` (the latest if None), via the runner's own manager."""
+  sim, _ = build_simulation(config, dataset, log=quiet)
+  template = ServerState(0, jax.eval_shape(lambda: sim.init_state().models))
+  manager = _checkpoint_manager(config.output_dir, config)
+  if step is not None:
+    assert step in manager.all_steps(), manager.all_steps()
+    manager = _OnlyStep(manager, step)
+  state = _restore(manager, template)
+  return state, manager
+
+
+class _OnlyStep:
+  """A manager view whose latest step is `step` (so `_restore` loads that one)."""
+
+  def __init__(self, manager, step):
+    self._manager, self._step = manager, step
+
+  def latest_step(self):
+    return self._step
+
+  def restore(self, *args, **kwargs):
+    return self._manager.restore(*args, **kwargs)
+
+  def all_steps(self):
+    return self._manager.all_steps()
+
+
+# ---------------------------------------------------------------------------------------------- resume
+
+
+@pytest.fixture(scope="module")
+def straight(dataset, tmp_path_factory):
+  config = base_config(tmp_path_factory.mktemp("straight"))
+  return config, run_experiment(config, dataset, log=quiet)
+
+
+@pytest.fixture(scope="module")
+def resumed(dataset, tmp_path_factory):
+  out = tmp_path_factory.mktemp("resumed")
+  first = run_experiment(base_config(out, rounds=2), dataset, log=quiet)
+  rows_after_first = read_rows(out)
+  logs = []
+  config = base_config(out, rounds=4, resume=True)
+  summary = run_experiment(config, dataset, log=logs.append)
+  return config, first, rows_after_first, summary, logs
+
+
+def test_resume_equals_uninterrupted_metrics(straight, resumed):
+  straight_config, straight_summary = straight
+  config, first, rows_after_first, summary, logs = resumed
+  assert first["final_round"] == 2 and [r["round"] for r in rows_after_first] == [1, 2]
+  assert any("resumed from round 2" in line for line in logs), logs
+  a, b = read_rows(straight_config.output_dir), read_rows(config.output_dir)
+  assert [r["round"] for r in a] == [r["round"] for r in b] == [1, 2, 3, 4]
+  for ra, rb in zip(a, b):
+    assert ra["clients"] == rb["clients"] and ra["examples"] == rb["examples"]
+    assert ra["train_loss"] == rb["train_loss"], ra["round"]  # bit-for-bit, not approximately
+    assert ra["train_loss_per_group"] == rb["train_loss_per_group"]
+    assert ra["test_accuracy"] == rb["test_accuracy"]
+  assert summary["final_accuracy"] == straight_summary["final_accuracy"]
+  assert summary["final_round"] == straight_summary["final_round"] == 4
+
+
+def test_resume_equals_uninterrupted_checkpoints(dataset, straight, resumed):
+  straight_state, straight_manager = restore(straight[0], dataset)
+  resumed_state, resumed_manager = restore(resumed[0], dataset)
+  assert straight_state.round == resumed_state.round == 4
+  assert straight_manager.all_steps() == resumed_manager.all_steps() == [2, 4]
+  chex.assert_trees_all_equal(resumed_state.models, straight_state.models)
+  # Training did happen between the two kept checkpoints.
+  mid_state, _ = restore(straight[0], dataset, step=2)
+  leaves4, leaves2 = jax.tree.leaves(straight_state.models), jax.tree.leaves(mid_state.models)
+  assert any(not np.array_equal(x, y) for x, y in zip(leaves4, leaves2))
+
+
+class Interrupted(Exception):
+  pass
+
+
+def test_resume_after_a_crash_between_checkpoints(dataset, straight, tmp_path, monkeypatch):
+  """Killed in round 4 with rounds 1-3 logged but only round 2 checkpointed: round 3 is redone once."""
+  config = base_config(tmp_path / "crashed")
+  run_round = engine.Simulation.run_round
+
+  def crash_in_round_4(self, state):
+    if state.round == 3:
+      raise Interrupted()
+    return run_round(self, state)
+
+  monkeypatch.setattr(engine.Simulation, "run_round", crash_in_round_4)
+  with pytest.raises(Interrupted):
+    run_experiment(config, dataset, log=quiet)
+  assert [r["round"] for r in read_rows(config.output_dir)] == [1, 2, 3]
+  manager = _checkpoint_manager(config.output_dir, config)
+  # (orbax also keeps round 1: a manager with no checkpoint yet saves its first step.)
+  assert manager.latest_step() == 2 and 3 not in manager.all_steps(), manager.all_steps()
+
+  monkeypatch.setattr(engine.Simulation, "run_round", run_round)
+  run_experiment(dataclasses.replace(config, resume=True), dataset, log=quiet)
+  rows, want = read_rows(config.output_dir), read_rows(straight[0].output_dir)
+  assert [r["round"] for r in rows] == [1, 2, 3, 4]
+  assert [r["train_loss"] for r in rows] == [r["train_loss"] for r in want]
+  assert [r["test_accuracy"] for r in rows] == [r["test_accuracy"] for r in want]
+  chex.assert_trees_all_equal(restore(config, dataset)[0].models, restore(straight[0], dataset)[0].models)
+
+
+def test_results_folder(resumed):
+  config, _, _, summary, _ = resumed
+  out = config.output_dir
+  rows = read_rows(out)
+  assert [r["round"] for r in rows] == [1, 2, 3, 4], "exactly one row per round after resume"
+  for row in rows:
+    for key in ("round", "train_loss", "round_seconds", "samples_per_s", "examples", "clients", "test_accuracy"):
+      assert key in row, (key, row)
+    assert math.isfinite(row["train_loss"]) and row["train_loss"] > 0
+    assert row["round_seconds"] > 0 and row["samples_per_s"] > 0
+    assert len(row["clients"]) == config.clients_per_round
+    if row["round"] % config.eval_every == 0:
+      acc = row["test_accuracy"]
+      assert set(acc) == set(GROUPS) | {"mean"}
+      assert all(0.0 <= acc[g] <= 1.0 for g in GROUPS)
+      assert acc["mean"] == pytest.approx(np.mean([acc[g] for g in GROUPS]))
+    else:
+      assert row["test_accuracy"] is None
+  with open(os.path.join(out, "summary.json")) as f:
+    on_disk = json.load(f)
+  assert on_disk["final_round"] == 4
+  assert on_disk["final_accuracy"] == rows[-1]["test_accuracy"]
+  assert on_disk["config"]["groups"] == list(GROUPS)
+  assert set(on_disk["parameters_per_group"]) == set(GROUPS)
+  assert on_disk["parameters_per_group"]["mlp@0.5"] < on_disk["parameters_per_group"]["mlp@1"]
+  assert summary["final_accuracy"] == on_disk["final_accuracy"]
+  with open(os.path.join(out, "accuracy.png"), "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  assert os.path.isfile(os.path.join(out, "partition.txt"))
+
+
+def test_non_empty_output_dir_needs_resume_or_overwrite(dataset, straight):
+  config = dataclasses.replace(straight[0], resume=False, overwrite=False)
+  with pytest.raises(ValueError, match=r"output directory .* is not empty; pass --resume"):
+    run_experiment(config, dataset, log=quiet)
+
+
+# ------------------------------------------------------------------------------------------- NaN stop
+
+
+def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(dataset, tmp_path):
+  out = tmp_path / "nan"
+  good = base_config(out, rounds=2, checkpoint_every=1, optimizer="sgd", learning_rate=0.05)
+  run_experiment(good, dataset, log=quiet)
+  good_state, _ = restore(good, dataset)
+  assert good_state.round == 2
+
+  # Continue the same run with a learning rate that makes the loss overflow in round 3.
+  diverging = dataclasses.replace(good, rounds=4, resume=True, learning_rate=1e30)
+  with pytest.raises(NonFiniteLossError, match=r"^round 3: training loss of group (mlp@1|mlp@0\.5) is") as info:
+    run_experiment(diverging, dataset, log=quiet)
+  assert isinstance(info.value, FloatingPointError)
+
+  state, manager = restore(good, dataset)
+  assert 3 not in manager.all_steps() and manager.latest_step() == 2
+  chex.assert_trees_all_equal(state.models, good_state.models)
+  assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(state.models))
+  assert [r["round"] for r in read_rows(out)] == [1, 2], "no row for the diverged round"
+
+  # The run can go on from the good checkpoint.
+  summary = run_experiment(dataclasses.replace(good, rounds=3, resume=True), dataset, log=quiet)
+  assert summary["final_round"] == 3
+  assert [r["round"] for r in read_rows(out)] == [1, 2, 3]
+
+
+def test_cli_reports_divergence_as_an_error(monkeypatch, capsys, tmp_path):
+  def diverge(config):
+    raise NonFiniteLossError("round 7: training loss of group cnn@0.5 is nan")
+
+  monkeypatch.setattr(cli, "run_experiment", diverge)
+  with pytest.raises(SystemExit) as info:
+    cli.main("synthetic", cli.preset(dataset="synthetic", output_dir=str(tmp_path / "o")), "test", [])
+  assert info.value.code == 2
+  assert "error: round 7: training loss of group cnn@0.5 is nan" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ bad inputs
+
+
+@pytest.fixture
+def no_compute(monkeypatch):
+  """Fails the test if any training or initialization starts."""
+
+  def forbidden(*args, **kwargs):
+    raise AssertionError("compute started before the input was rejected")
+
+  monkeypatch.setattr(engine.Simulation, "init_state", forbidden)
+  monkeypatch.setattr(engine.Simulation, "run_round", forbidden)
+
+
+BAD_ARGS = [
+    ("synthetic", ["--method", "FedProx"], r"unknown method 'FedProx'; accepted: FedAvg, HeteroAvg"),
+    ("imagenet", [], r"unknown dataset 'imagenet'; accepted: fashion_mnist, cifar10, cifar100, svhn_cropped, "
+                     r"synthetic"),
+    ("synthetic", ["--groups", "cnn@1,vgg@0.5"], r"bad group spec 'vgg@0.5': unknown model 'vgg'"),
+    ("synthetic", ["--groups", "cnn@1,resnet99"], r"unknown model 'resnet99'"),
+    ("synthetic", ["--alpha", "0"], r"alpha must be > 0, got 0.0"),
+    ("synthetic", ["--alpha", "-0.5"], r"alpha must be > 0, got -0.5"),
+    ("synthetic", ["--num-clients", "600"], r"num_clients=600 exceeds the 512 training samples"),
+    ("synthetic", ["--num-clients", "4", "--clients-per-round", "5"],
+     r"clients_per_round=5 must be between 1 and num_clients=4"),
+    ("synthetic", ["--data-dir", "{tmp}/no/such/dir"], r"data directory '{tmp}/no/such/dir' does not exist"),
+]
+
+
+@pytest.mark.parametrize("dataset_name,argv,message", BAD_ARGS, ids=[
+    "method", "dataset", "model", "model_without_width", "alpha_zero", "alpha_negative", "clients_gt_samples",
+    "clients_per_round", "data_dir"])
+def test_cli_rejects_bad_input_before_compute(dataset_name, argv, message, tmp_path, capsys, no_compute):
+  out = tmp_path / "out"
+  argv = [a.replace("{tmp}", str(tmp_path)) for a in argv] + ["--output-dir", str(out), "--no-progress"]
+  defaults = cli.preset(dataset=dataset_name, output_dir=str(out))
+  with pytest.raises(SystemExit) as info:
+    cli.main(dataset_name, defaults, "test", argv)
+  assert info.value.code == 2
+  err = capsys.readouterr().err
+  assert re.search(message.replace("{tmp}", re.escape(str(tmp_path))), err), err
+  assert err.startswith("error: ")
+  assert not (out / "metrics.jsonl").exists()
+
+
+def test_cli_rejects_unknown_backend_choice(capsys, tmp_path, no_compute):
+  with pytest.raises(SystemExit) as info:
+    cli.main("synthetic", cli.preset(dataset="synthetic"), "test", ["--backend", "tpu9", "--output-dir", str(tmp_path)])
+  assert info.value.code == 2
+  assert "invalid choice: 'tpu9'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(method="SCAFFOLD"), r"unknown method 'SCAFFOLD'"),
+    (dict(dataset="mnist"), r"unknown dataset 'mnist'"),
+    (dict(groups=("mlp@1", "transformer")), r"unknown model 'transformer'"),
+    (dict(alpha=0.0), r"alpha must be > 0, got 0.0"),
+    (dict(alpha=float("nan")), r"alpha must be > 0, got nan"),
+    (dict(clients_per_round=7), r"clients_per_round=7 must be between 1 and num_clients=6"),
+    (dict(clients_per_round=0), r"clients_per_round=0 must be between 1 and num_clients=6"),
+    (dict(data_dir="/definitely/not/here"), r"data directory '/definitely/not/here' does not exist"),
+    (dict(backend="gpu"), r"unknown backend 'gpu'"),
+    (dict(rounds=0), r"rounds must be >= 1, got 0"),
+])
+def test_config_validate(changes, message, tmp_path):
+  with pytest.raises(ValueError, match=message):
+    base_config(tmp_path, **changes).validate()
+
+
+def test_more_clients_than_samples_is_rejected_before_compute(tmp_path, no_compute):
+  small = synthetic_dataset(num_train=5, num_test=4, seed=0)
+  config = base_config(tmp_path / "small", num_clients=6, clients_per_round=2)
+  config.validate()  # only the data can tell
+  with pytest.raises(ValueError, match=r"num_clients=6 exceeds the 5 training samples"):
+    run_experiment(config, small, log=quiet)
+  assert not (tmp_path / "small" / "metrics.jsonl").exists()
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+
+
+def test_fmnist_help_lists_methods_and_backends():
+  env = {**os.environ, "COLUMNS": "200", "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run([sys.executable, "-m", "experiments.fmnist", "--help"], cwd=REPO_ROOT, env=env,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  text = proc.stdout
+  assert "usage:" in text
+  for method in METHODS.values():
+    assert method.name in text, method.name
+  for backend in BACKENDS:
+    assert re.search(rf"\b{backend}\b", text), backend
+  assert "{" + ",".join(BACKENDS) + "}" in text

@@ -49,6 +49,10 @@ class Backend(Protocol):
             weights: np.ndarray, round_key: jax.Array) -> GroupResult:
     ...
 
+  def place(self, tree: Variables) -> Variables:
+    """Puts server state where this backend keeps it (so every round sees one placement)."""
+    ...
+
 
 def _schedule_length(trainer: LocalTrainer, store: FederatedStore) -> int:
   return max(1, trainer.config.num_steps(store.max_size))
@@ -89,6 +93,9 @@ def empty_result(start: Variables) -> GroupResult:
 
 class SequentialBackend:
   name = "sequential"
+
+  def place(self, tree):
+    return tree
 
   def train(self, trainer, start, store, clients, weights, round_key):
     start_client, run_steps, accumulate = _sequential_program(trainer, _schedule_length(trainer, store))
@@ -145,6 +152,13 @@ class VmapBackend:
     if id(store) not in self._placed:
       self._placed = {id(store): store.placed(NamedSharding(self.mesh, PartitionSpec()))}
     return self._placed[id(store)]
+
+  def place(self, tree):
+    if self.mesh is None:
+      return tree
+    # Replicated from round 1 on: the aggregate comes back committed to the mesh,
+    # and a change of input placement between rounds would recompile everything.
+    return jax.device_put(tree, NamedSharding(self.mesh, PartitionSpec()))
 
   def _split(self, x):
     if self.mesh is None:

@@ -153,7 +153,7 @@ class Simulation:
       models = tuple(extract(global_vars, m) for m in self.maps)
     else:
       models = (global_vars,)
-    return ServerState(0, models)
+    return ServerState(0, self.backend.place(models))
 
   def group_variables(self, state: ServerState, group: int) -> Variables:
     return self._extract[group](state.models[self.federation_of[group]])

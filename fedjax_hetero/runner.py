@@ -210,6 +210,7 @@ def run_experiment(config: ExperimentConfig, dataset: fdata.ArrayDataset | None 
   rows: list[dict[str, Any]] = []
   if config.resume and manager.latest_step() is not None:
     state = _restore(manager, state)
+    state = state._replace(models=sim.backend.place(state.models))
     rows = _read_metrics(metrics_path, state.round)
     log(f"resumed from round {state.round}")
   with open(metrics_path, "w") as f:

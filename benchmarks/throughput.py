@@ -1,0 +1,195 @@
+"""FL round throughput of each backend against the centralized limit, in one process.
+
+For one model and round config, each backend runs a FedAvg simulation with a
+single architecture group: one warm-up round (compilation), then ``--rounds``
+timed rounds. Throughput is real training examples per second over the timed
+rounds; ``compile_s`` is the warm-up round's time minus the median timed round.
+
+The centralized limit trains the same model with the same optimizer on the same
+number of samples per round, in ordinary mini-batches of the whole cohort's
+batch (``clients_per_round * batch_size``) with the same strategy: a jitted
+chunk of ``steps_per_call`` unrolled ``LocalTrainer.train_step`` calls gathering
+its batches from the device-resident uint8 images, a host loop over chunks. Its
+batches are always full (no partial or masked slot) and its samples are drawn
+from ordinary epochs over the whole training set.
+
+Prints one JSON line per backend, e.g.::
+
+  python -m benchmarks.throughput --backends auto,sequential,vmap
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import statistics
+import sys
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_hetero import data as fdata
+from fedjax_hetero import models
+from fedjax_hetero.backends import BACKENDS, make_backend
+from fedjax_hetero.client.local import OPTIMIZERS, LocalTrainer
+from fedjax_hetero.engine import Simulation
+from fedjax_hetero.runner import ExperimentConfig, build_simulation
+
+REQUIRED_KEYS = ("backend", "fl_samples_per_s", "centralized_samples_per_s", "ratio", "compile_s", "model",
+                 "clients_per_round", "batch_size", "platform", "devices")
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--dataset", default="fashion_mnist", choices=fdata.DATASETS)
+  p.add_argument("--data-dir", default=None, help="directory holding the dataset files")
+  p.add_argument("--model", default="cnn", help=f"NAME or NAME@WIDTH; names: {', '.join(models.MODEL_NAMES)}")
+  p.add_argument("--clients-per-round", type=int, default=10)
+  p.add_argument("--num-clients", type=int, default=100)
+  p.add_argument("--partition", default="iid", choices=fdata.SCHEMES)
+  p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration (partition=dirichlet)")
+  p.add_argument("--epochs", type=int, default=1, help="local epochs per round")
+  p.add_argument("--batch-size", type=int, default=64, help="local batch size")
+  p.add_argument("--optimizer", default="adam", choices=OPTIMIZERS)
+  p.add_argument("--lr", type=float, default=1e-3)
+  p.add_argument("--rounds", type=int, default=3, help="timed rounds (after one warm-up round)")
+  p.add_argument("--backends", default="auto,sequential,vmap",
+                 help=f"comma-separated backends out of {', '.join(BACKENDS)}")
+  p.add_argument("--steps-per-call", type=int, default=8, help="local steps unrolled in one jitted call")
+  p.add_argument("--max-train-samples", type=int, default=None, help="class-balanced training subset")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--output", default=None, help="also write the JSON lines to this file")
+  return p
+
+
+def _config(args: argparse.Namespace) -> ExperimentConfig:
+  return ExperimentConfig(
+      dataset=args.dataset, data_dir=args.data_dir, method="FedAvg", groups=(args.model,),
+      num_clients=args.num_clients, clients_per_round=args.clients_per_round, partition=args.partition,
+      alpha=args.alpha, epochs=args.epochs, batch_size=args.batch_size, optimizer=args.optimizer,
+      learning_rate=args.lr, rounds=args.rounds + 1, seed=args.seed, backend="auto",
+      steps_per_call=args.steps_per_call, max_train_samples=args.max_train_samples,
+      max_test_samples=min(args.max_train_samples or 100, 100), progress=False)
+
+
+def measure_fl(sim: Simulation, backend_name: str, rounds: int) -> dict[str, Any]:
+  """One warm-up and ``rounds`` timed rounds of ``sim``'s groups on a fresh backend."""
+  backend = make_backend(backend_name)
+  # A fresh Simulation makes fresh trainers, so every backend compiles its own programs.
+  fl = Simulation(sim.groups, sim.store, sim.local, sim.config, backend, sim.test_images, sim.test_labels)
+  state = fl.init_state()
+  state, warm = fl.run_round(state)
+  timed = []
+  for _ in range(rounds):
+    state, m = fl.run_round(state)
+    timed.append(m)
+  seconds = [m["round_seconds"] for m in timed]
+  examples = sum(m["examples"] for m in timed)
+  label = backend_name if backend_name != "auto" else f"auto->{backend.name}"
+  return {"backend": label, "fl_samples_per_s": examples / sum(seconds),
+          "compile_s": max(0.0, warm["round_seconds"] - statistics.median(seconds)),
+          "examples_per_round": examples / rounds, "round_s": statistics.median(seconds),
+          "warmup_round_s": warm["round_seconds"], "timed_round_s": seconds}
+
+
+def measure_centralized(sim: Simulation, samples_per_round: float, rounds: int, seed: int = 0) -> dict[str, float]:
+  """Full batches of ``clients_per_round * batch_size`` on the same data, same chunked strategy.
+
+  Runs at least ``rounds * samples_per_round`` samples, in whole chunks of
+  ``steps_per_call`` steps, after one warm-up chunk; every batch slot is real.
+  """
+  store, local = sim.store, sim.local
+  batch = sim.config.clients_per_round * local.batch_size
+  config = dataclasses.replace(local, batch_size=batch)
+  trainer = LocalTrainer(sim.groups[0].model, config, store.mean, store.std)
+  k = config.steps_per_call
+  chunks = max(1, math.ceil(rounds * samples_per_round / (batch * k)))
+  total_steps = (chunks + 1) * k  # one warm-up chunk first
+  # Ordinary epochs: a fresh permutation of all training samples, one after another.
+  rng = np.random.default_rng(seed)
+  n = int(store.labels.shape[0])
+  epochs = math.ceil(total_steps * batch / n)
+  ids = np.concatenate([rng.permutation(n) for _ in range(epochs)])[:total_steps * batch]
+  ids = jnp.asarray(ids.reshape(total_steps, batch), jnp.int32)
+
+  full = jnp.ones((batch,), bool)
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def run_chunk(state, images, labels, ids, chunk):
+    ids = jax.lax.dynamic_slice_in_dim(ids, chunk * k, k)
+    for i in range(k):  # unrolled, as the backends' chunks
+      state = trainer.train_step(state, images[ids[i]], labels[ids[i]], full)
+    return state
+
+  # Jitted so the state's leaves are distinct buffers (init_state reuses one zero; run_chunk donates).
+  state = jax.jit(trainer.init_state)(sim.init_state().models[0])
+  t0 = time.perf_counter()
+  state = jax.block_until_ready(run_chunk(state, store.images, store.labels, ids, 0))
+  warm_s = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  for i in range(1, chunks + 1):
+    state = run_chunk(state, store.images, store.labels, ids, i)
+  jax.block_until_ready(state)
+  seconds = time.perf_counter() - t0
+  processed = chunks * k * batch
+  seen = float(state.num_examples)
+  if seen != (chunks + 1) * k * batch:
+    raise RuntimeError(f"centralized run saw {seen} examples, expected {(chunks + 1) * k * batch}")
+  step_s = seconds / (chunks * k)
+  return {"centralized_samples_per_s": processed / seconds, "centralized_compile_s": max(0.0, warm_s - k * step_s),
+          "centralized_batch": batch}
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+  """Runs the benchmark; prints (and returns) one JSON-able dict per backend."""
+  args = build_parser().parse_args(argv)
+  names = [b.strip().lower() for b in args.backends.split(",") if b.strip()]
+  bad = [b for b in names if b not in BACKENDS]
+  if bad or not names:
+    raise SystemExit(f"error: unknown backends {bad}; accepted: {', '.join(BACKENDS)}")
+  if args.rounds < 1:
+    raise SystemExit("error: --rounds must be >= 1")
+  log = lambda msg: print(msg, file=sys.stderr, flush=True)
+  try:
+    sim, _ = build_simulation(_config(args), log=log)
+  except (ValueError, fdata.DataNotFoundError) as e:
+    raise SystemExit(f"error: {e}") from None
+
+  context = {"model": args.model, "clients_per_round": args.clients_per_round, "batch_size": args.batch_size,
+             "steps_per_call": args.steps_per_call, "epochs": args.epochs, "dataset": args.dataset,
+             "platform": jax.default_backend(), "devices": jax.device_count()}
+  fl_results = []
+  for name in names:
+    result = measure_fl(sim, name, args.rounds)
+    log(f"{result['backend']}: {result['fl_samples_per_s']:.0f} samples/s, "
+        f"{result['round_s']:.3f} s/round, compile {result['compile_s']:.1f} s")
+    fl_results.append(result)
+  # One centralized measurement, shared by every backend's line.
+  samples_per_round = max(r["examples_per_round"] for r in fl_results)
+  central = measure_centralized(sim, samples_per_round, args.rounds, args.seed)
+  log(f"centralized (batch {central['centralized_batch']}): {central['centralized_samples_per_s']:.0f} samples/s")
+
+  rows = []
+  for result in fl_results:
+    row = {**result, **central, "ratio": result["fl_samples_per_s"] / central["centralized_samples_per_s"],
+           **context}
+    row = {k: row[k] for k in REQUIRED_KEYS + tuple(k for k in row if k not in REQUIRED_KEYS)}
+    rows.append(row)
+  lines = [json.dumps(row) for row in rows]
+  for line in lines:
+    print(line, flush=True)
+  if args.output:
+    with open(args.output, "w") as f:
+      f.writelines(line + "\n" for line in lines)
+  return rows
+
+
+if __name__ == "__main__":
+  main()

@@ -24,10 +24,9 @@ from tqdm.auto import tqdm
 from fedjax_hetero import data as fdata
 from fedjax_hetero import models
 from fedjax_hetero.backends import BACKENDS, make_backend
-from fedjax_hetero.client.local import OPTIMIZERS, LocalConfig
+from fedjax_hetero.client.local import LocalConfig
 from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.engine import (AGGREGATE_MODES, WEIGHTINGS, ArchGroup, FLConfig, ServerState, Simulation,
-                                  assign_groups, get_method)
+from fedjax_hetero.engine import ArchGroup, FLConfig, ServerState, Simulation, assign_groups, get_method
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +66,6 @@ class ExperimentConfig:
 
   def validate(self) -> None:
     """Raises ValueError naming the bad value and the accepted ones, before any compute."""
-    get_method(self.method)
     if self.dataset not in fdata.DATASETS:
       raise ValueError(f"unknown dataset {self.dataset!r}; accepted: {', '.join(fdata.DATASETS)}")
     if not self.groups:
@@ -85,19 +83,13 @@ class ExperimentConfig:
                        f"num_clients={self.num_clients}")
     if self.backend not in BACKENDS:
       raise ValueError(f"unknown backend {self.backend!r}; accepted: {', '.join(BACKENDS)}")
-    if self.optimizer not in OPTIMIZERS:
-      raise ValueError(f"unknown optimizer {self.optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
-    if self.weighting not in WEIGHTINGS:
-      raise ValueError(f"unknown weighting {self.weighting!r}; accepted: {', '.join(WEIGHTINGS)}")
-    if self.aggregate not in AGGREGATE_MODES:
-      raise ValueError(f"unknown aggregate mode {self.aggregate!r}; accepted: {', '.join(AGGREGATE_MODES)}")
-    for name in ("rounds", "eval_every", "epochs", "batch_size", "checkpoint_every", "steps_per_call"):
+    for name in ("eval_every", "checkpoint_every"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-    if not self.learning_rate > 0:
-      raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
     if self.data_dir is not None and not os.path.isdir(self.data_dir):
       raise ValueError(f"data directory {self.data_dir!r} does not exist")
+    self.local_config()  # each validates its own fields (method, optimizer, epochs, ...)
+    self.fl_config()
 
   def local_config(self) -> LocalConfig:
     return LocalConfig(epochs=self.epochs, batch_size=self.batch_size, optimizer=self.optimizer,

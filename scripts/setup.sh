@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs what the project needs on a fresh Debian/Ubuntu machine (idempotent):
 # the Fashion-MNIST Debian package and a virtual environment in .venv.
+# Usage: setup.sh [EXTRAS]   e.g. `setup.sh test` installs ".[test]".
 set -euo pipefail
+EXTRAS="${1:-}"
 cd "$(dirname "$0")/.."
 
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
@@ -23,4 +25,4 @@ if [ ! -x .venv/bin/python ]; then
   fi
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/python -m pip install -q -e ".${EXTRAS:+[$EXTRAS]}"

@@ -2,7 +2,7 @@
 # README command 2 (and CI): set up, then run the whole test suite.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh || exit 1
+bash scripts/setup.sh test || exit 1
 .venv/bin/python -m pytest -q -ra --durations=15 tests "$@"
 status=$?
 if [ "$status" -eq 5 ]; then

@@ -34,6 +34,9 @@ class Method:
   name: str
   per_group: bool  # each architecture group is its own federation
   summary: str
+  # InCo's cross-layer step on the mean delta before it is applied (aggregators.inco); None: off.
+  inco_variant: str | None = None
+  inco_granularity: str = "kernel"
 
 
 METHODS: dict[str, Method] = {
@@ -42,6 +45,9 @@ METHODS: dict[str, Method] = {
                summary="each architecture group is its own FedAvg federation (InCo paper's baseline)"),
         Method("HeteroAvg", per_group=False,
                summary="one global model; every layer averaged over the sampled clients that own it"),
+        Method("InCoAvg", per_group=False,
+               summary="HeteroAvg + InCo's cross-layer step on same-shape layers of a stage (authors' code "
+               "variant, per 3x3 kernel)", inco_variant="code"),
     )
 }
 WEIGHTINGS = ("uniform", "num_samples")
@@ -87,8 +93,9 @@ class FLConfig:
       raise ValueError(f"unknown weighting {self.weighting!r}; accepted: {', '.join(WEIGHTINGS)}")
     if self.aggregate not in AGGREGATE_MODES:
       raise ValueError(f"unknown aggregate mode {self.aggregate!r}; accepted: {', '.join(AGGREGATE_MODES)}")
-    if self.rounds < 1 or self.clients_per_round < 1:
-      raise ValueError(f"rounds and clients_per_round must be >= 1, got {self.rounds}, {self.clients_per_round}")
+    for name in ("rounds", "clients_per_round"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 class ServerState(NamedTuple):
@@ -126,21 +133,46 @@ class Simulation:
     else:
       self.federation_of = [0] * len(groups)
       self.federation_maps = list(self.maps)
+    self.inco_pairs = self._cross_layer_pairs(shapes[self.global_index]) if self.method.inco_variant else ()
     self.trainers = [LocalTrainer(g.model, local, store.mean, store.std) for g in groups]
     self._extract = [jax.jit(lambda v, m=m: extract(v, m)) for m in self.federation_maps]
     members = [[i for i, f in enumerate(self.federation_of) if f == fed] for fed in range(max(self.federation_of) + 1)]
     self._members = members
     self._aggregate = [self._make_aggregate([self.federation_maps[i] for i in m]) for m in members]
 
+  def _cross_layer_pairs(self, global_shapes: Variables) -> tuple:
+    """InCo's (target, source) paths, from the global (largest) model's architecture."""
+    group = self.groups[self.global_index]
+    pairs_of = getattr(group.model, "cross_layer_pairs", None)
+    if pairs_of is None:
+      raise ValueError(f"method {self.method.name} needs cross-layer pairs, but the global model {group.name} "
+                       f"({type(group.model).__name__}) has no cross_layer_pairs(); use a ResNet")
+    pairs = tuple(pairs_of())
+    aggregators.check_pairs(pairs, global_shapes)
+    return pairs
+
   def _make_aggregate(self, maps: Sequence[GroupMap]):
+    """The jitted server update of one federation: ``(model, ...) -> (new model, InCo stats or {})``."""
     weights_mode = self.config.aggregate == "weights"
+    variant, granularity, pairs = self.method.inco_variant, self.method.inco_granularity, self.inco_pairs
 
     @jax.jit
     def aggregate(model, starts, delta_sums, weights):
       if weights_mode:
         uploads = [jax.tree.map(lambda d, s, w=w: d + w * s, ds, st) for ds, st, w in zip(delta_sums, starts, weights)]
-        return aggregators.hetero_avg_weights(model, uploads, weights, maps)
-      return aggregators.hetero_avg(model, delta_sums, weights, maps)
+      if variant is not None:
+        # InCo Algorithm 1: heterogeneous mean delta -> cross-layer step -> w += delta.
+        if weights_mode:
+          num, den = aggregators.heterogeneous_sums(uploads, weights, maps, model)
+          delta = jax.tree.map(jnp.subtract, aggregators.masked_mean(num, den, model), model)
+        else:
+          num, den = aggregators.heterogeneous_sums(delta_sums, weights, maps, model)
+          delta = aggregators.masked_mean(num, den, jax.tree.map(jnp.zeros_like, model))
+        delta, stats = aggregators.inco(delta, pairs, variant, granularity, coverage=den)
+        return jax.tree.map(jnp.add, model, delta), stats
+      if weights_mode:
+        return aggregators.hetero_avg_weights(model, uploads, weights, maps), {}
+      return aggregators.hetero_avg(model, delta_sums, weights, maps), {}
 
     return aggregate
 
@@ -187,18 +219,23 @@ class Simulation:
       examples += count
       results.append(result)
     models = list(state.models)
+    inco_stats = {}
     for fed, members in enumerate(self._members):
       if all(results[i] is None for i in members):
         continue
       filled = [results[i] or empty_result(starts[i]) for i in members]
-      models[fed] = self._aggregate[fed](models[fed], [starts[i] for i in members],
-                                         [f.delta_sum for f in filled], [f.weight_sum for f in filled])
+      models[fed], stats = self._aggregate[fed](models[fed], [starts[i] for i in members],
+                                                [f.delta_sum for f in filled], [f.weight_sum for f in filled])
+      inco_stats.update(stats)
     jax.block_until_ready(models)
     seconds = time.perf_counter() - t0
     total_loss = sum(losses[g] for g in losses) / max(len(losses), 1)
     metrics = {"round": r + 1, "train_loss": total_loss, "train_loss_per_group": losses,
                "clients": [int(c) for c in sampled], "examples": int(examples),
                "round_seconds": seconds, "samples_per_s": examples / seconds}
+    if inco_stats:  # per target layer; None where no sampled client owned it
+      metrics["inco"] = {name: {k: (float(v) if math.isfinite(float(v)) else None) for k, v in s.items()}
+                         for name, s in jax.device_get(inco_stats).items()}
     return ServerState(r + 1, tuple(models)), metrics
 
   def evaluate(self, state: ServerState, batch_size: int = 1000) -> dict[str, float]:

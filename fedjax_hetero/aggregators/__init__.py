@@ -2,9 +2,24 @@
 
 Usable without the engine: give them the server variables, each architecture
 group's weighted sum of client updates, the groups' total weights and their
-`GroupMap`s (see `fedjax_hetero.hetero`).
+`GroupMap`s (see `fedjax_hetero.hetero`). FedCross's cross-aggregation
+(`fedcross`) works instead on K middleware models stacked along a leading axis.
 """
 
+from fedjax_hetero.aggregators.fedcross import (
+    cross_aggregate,
+    dynamic_alpha,
+    fedcross_aggregate,
+    global_model,
+    highest_similarity_partners,
+    in_order_partners,
+    lowest_similarity_partners,
+    middleware_similarity_stats,
+    propeller_aggregate,
+    propeller_partners,
+    select_partners,
+    similarity_matrix,
+)
 from fedjax_hetero.aggregators.hetero_avg import (
     fedavg,
     hetero_avg,
@@ -13,6 +28,17 @@ from fedjax_hetero.aggregators.hetero_avg import (
     heterogeneous_sums,
     masked_mean,
 )
+from fedjax_hetero.aggregators.inco import GRANULARITIES as INCO_GRANULARITIES
+from fedjax_hetero.aggregators.inco import VARIANTS as INCO_VARIANTS
+from fedjax_hetero.aggregators.inco import (
+    check_pairs,
+    cross_layer_theta,
+    cross_layer_update,
+    inco,
+    projection_coefficients,
+)
 
-__all__ = ["fedavg", "hetero_avg", "hetero_avg_weights", "heterogeneous_mean_delta", "heterogeneous_sums",
-           "masked_mean"]
+__all__ = ["cross_aggregate", "dynamic_alpha", "fedavg", "fedcross_aggregate", "global_model", "hetero_avg",
+           "hetero_avg_weights", "heterogeneous_mean_delta", "heterogeneous_sums", "highest_similarity_partners",
+           "in_order_partners", "lowest_similarity_partners", "masked_mean", "middleware_similarity_stats",
+           "propeller_aggregate", "propeller_partners", "select_partners", "similarity_matrix"]

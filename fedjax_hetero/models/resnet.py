@@ -76,6 +76,23 @@ class ResNet(nn.Module):
     stages = tuple(f"stage{i + 1}" for i in range(len(self.stage_sizes)))
     return ("input", "stem") + stages + ("features", "logits")
 
+  @nn.nowrap
+  def cross_layer_pairs(self) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
+    """InCo's (target, source) 'params' kernel paths, from `stage_sizes` (InCo Sec. 3.2).
+
+    As in the authors' code: in every stage, conv1 and conv2 of each block
+    b >= 1 (all Cout x Cout x 3 x 3) take the stage's block-0 conv2 as their
+    source ("Layer 0"); stem, BN, downsample, block-0 convs and head are left
+    out. ResNet10 ([1,1,1,1]) has no pair, ResNet26 ([3,3,3,3]) has 16.
+    """
+    pairs = []
+    for stage, blocks in enumerate(self.stage_sizes, start=1):
+      source = ("params", f"stage{stage}_block0", "conv2", "kernel")
+      for block in range(1, blocks):
+        for conv in ("conv1", "conv2"):
+          pairs.append((("params", f"stage{stage}_block{block}", conv, "kernel"), source))
+    return tuple(pairs)
+
   @nn.compact
   def __call__(self, x: Array, train: bool = False, mask: Array | None = None, start: str = "input",
                stop: str = "logits") -> Array:

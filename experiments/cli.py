@@ -57,6 +57,9 @@ def build_parser(defaults: ExperimentConfig, description: str) -> argparse.Argum
                  help="client weights in aggregation: uniform (InCo's code) or by sample count")
   p.add_argument("--aggregate", default=d.aggregate, choices=AGGREGATE_MODES,
                  help="average client deltas or uploaded weights")
+  p.add_argument("--prox-mu", type=float, default=d.prox_mu,
+                 help="FedProx's mu in the client objective CE + mu/2 ||w - w_glob||^2 (any method); "
+                 "default: the method's (0.1 for FedProx, HeteroProx, InCoProx; none for the others)")
   p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="checkpoint every N rounds")
   p.add_argument("--steps-per-call", type=int, default=d.steps_per_call,
                  help="local steps unrolled in one jitted call (XLA:CPU is slow on looped convolutions)")

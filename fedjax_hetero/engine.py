@@ -4,7 +4,8 @@ A *federation* is one server model and the architecture groups that train it.
 HeteroAvg has one federation (the global, largest model, shared layer-wise by
 all groups); the InCo paper's per-architecture "FedAvg" baseline has one
 federation per group, so groups never exchange weights. Both are the same
-loop below with different federation layouts.
+loop below with different federation layouts. The *Prox methods change only
+the clients' objective (FedProx's proximal term, see `effective_prox_mu`).
 """
 
 from __future__ import annotations
@@ -37,8 +38,12 @@ class Method:
   # InCo's cross-layer step on the mean delta before it is applied (aggregators.inco); None: off.
   inco_variant: str | None = None
   inco_granularity: str = "kernel"
+  # FedProx's mu for the clients' proximal term (Li et al. 2020, Eq. 2) unless the run sets one; None: off.
+  prox_mu: float | None = None
 
 
+# InCo paper: "The hyper-parameter mu/2 for FedProx and InCoProx is 0.05", so mu = 0.1.
+FEDPROX_MU = 0.1
 METHODS: dict[str, Method] = {
     m.name.lower(): m for m in (
         Method("FedAvg", per_group=True,
@@ -48,6 +53,13 @@ METHODS: dict[str, Method] = {
         Method("InCoAvg", per_group=False,
                summary="HeteroAvg + InCo's cross-layer step on same-shape layers of a stage (authors' code "
                "variant, per 3x3 kernel)", inco_variant="code"),
+        Method("FedProx", per_group=True, prox_mu=FEDPROX_MU,
+               summary="FedAvg per architecture group, clients minimize CE + mu/2 ||w - w_glob||^2 "
+               f"(default mu {FEDPROX_MU})"),
+        Method("HeteroProx", per_group=False, prox_mu=FEDPROX_MU,
+               summary=f"HeteroAvg with FedProx's proximal client objective (default mu {FEDPROX_MU})"),
+        Method("InCoProx", per_group=False, prox_mu=FEDPROX_MU, inco_variant="code",
+               summary=f"InCoAvg with FedProx's proximal client objective (default mu {FEDPROX_MU})"),
     )
 }
 WEIGHTINGS = ("uniform", "num_samples")
@@ -60,6 +72,19 @@ def get_method(name: str) -> Method:
   except KeyError:
     accepted = ", ".join(m.name for m in METHODS.values())
     raise ValueError(f"unknown method {name!r}; accepted: {accepted}") from None
+
+
+def effective_prox_mu(method: Method, prox_mu: float | None, local_prox_mu: float = 0.0) -> float:
+  """The mu of FedProx's ``mu/2 ||w - w^t||^2`` (Li et al. 2020, Eq. 2) that the clients train with.
+
+  ``prox_mu`` (the run's setting) wins when given, 0 included; otherwise a nonzero
+  ``LocalConfig.prox_mu``, then the method's default, then 0 (no proximal term).
+  """
+  if prox_mu is not None:
+    return float(prox_mu)
+  if local_prox_mu:
+    return float(local_prox_mu)
+  return float(method.prox_mu or 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,9 +111,12 @@ class FLConfig:
   weighting: str = "uniform"
   aggregate: str = "deltas"
   seed: int = 0
+  prox_mu: float | None = None  # FedProx's mu; None: the method's default (see effective_prox_mu)
 
   def __post_init__(self):
     get_method(self.method)
+    if self.prox_mu is not None and not 0 <= self.prox_mu < float("inf"):
+      raise ValueError(f"prox_mu must be finite and >= 0, got {self.prox_mu}")
     if self.weighting not in WEIGHTINGS:
       raise ValueError(f"unknown weighting {self.weighting!r}; accepted: {', '.join(WEIGHTINGS)}")
     if self.aggregate not in AGGREGATE_MODES:
@@ -134,6 +162,10 @@ class Simulation:
       self.federation_of = [0] * len(groups)
       self.federation_maps = list(self.maps)
     self.inco_pairs = self._cross_layer_pairs(shapes[self.global_index]) if self.method.inco_variant else ()
+    self.prox_mu = effective_prox_mu(self.method, config.prox_mu, local.prox_mu)
+    if self.prox_mu != local.prox_mu:
+      local = dataclasses.replace(local, prox_mu=self.prox_mu)
+      self.local = local
     self.trainers = [LocalTrainer(g.model, local, store.mean, store.std) for g in groups]
     self._extract = [jax.jit(lambda v, m=m: extract(v, m)) for m in self.federation_maps]
     members = [[i for i, f in enumerate(self.federation_of) if f == fed] for fed in range(max(self.federation_of) + 1)]

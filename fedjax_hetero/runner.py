@@ -58,6 +58,7 @@ class ExperimentConfig:
   backend: str = "auto"
   weighting: str = "uniform"
   aggregate: str = "deltas"
+  prox_mu: float | None = None  # FedProx's mu; None: the method's default (0.1 for *Prox, else 0)
   checkpoint_every: int = 10
   steps_per_call: int = 8
   max_train_samples: int | None = None
@@ -98,7 +99,7 @@ class ExperimentConfig:
 
   def fl_config(self) -> FLConfig:
     return FLConfig(method=self.method, rounds=self.rounds, clients_per_round=self.clients_per_round,
-                    weighting=self.weighting, aggregate=self.aggregate, seed=self.seed)
+                    weighting=self.weighting, aggregate=self.aggregate, seed=self.seed, prox_mu=self.prox_mu)
 
 
 def build_simulation(config: ExperimentConfig, dataset: fdata.ArrayDataset | None = None,
@@ -118,11 +119,12 @@ def build_simulation(config: ExperimentConfig, dataset: fdata.ArrayDataset | Non
     name, width = models.parse_group_spec(spec)
     groups.append(ArchGroup(spec, models.build_model(name, dataset.num_classes, width), clients))
   backend = make_backend(config.backend)
-  log(f"{dataset.name}: {len(dataset.train_labels)} train / {len(dataset.test_labels)} test samples, "
-      f"{config.num_clients} clients ({config.partition}), groups {', '.join(config.groups)}, "
-      f"method {get_method(config.method).name}, backend {backend.name} on {jax.default_backend()}")
   sim = Simulation(groups, store, config.local_config(), config.fl_config(), backend,
                    jnp.asarray(dataset.test_images), jnp.asarray(dataset.test_labels))
+  prox = f" (prox mu {sim.prox_mu:g})" if sim.prox_mu else ""
+  log(f"{dataset.name}: {len(dataset.train_labels)} train / {len(dataset.test_labels)} test samples, "
+      f"{config.num_clients} clients ({config.partition}), groups {', '.join(config.groups)}, "
+      f"method {sim.method.name}{prox}, backend {backend.name} on {jax.default_backend()}")
   return sim, parts
 
 
@@ -252,6 +254,7 @@ def _summarize(config: ExperimentConfig, sim: Simulation, rows: Sequence[dict[st
       "train_seconds_all_rounds": train_seconds,
       "mean_samples_per_s": sum(r["examples"] for r in rows) / max(train_seconds, 1e-9),
       "backend": sim.backend.name,
+      "prox_mu": sim.prox_mu,
       "platform": jax.default_backend(),
       "parameters_per_group": group_params,
       "config": dataclasses.asdict(config),

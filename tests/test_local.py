@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import traverse_util
 
 from fedjax_hetero.client.local import LocalConfig, LocalTrainer, draw_schedule, masked_cross_entropy, normalize
 from fedjax_hetero.models import build_model
+from tests.helpers import model_variables
 
 NUM_CLASSES = 4
 MEAN, STD = (0.45,), (0.25,)
@@ -101,24 +101,6 @@ def test_schedule_is_a_function_of_the_key():
 # ------------------------------------------------------------------------------------------ train step
 
 
-def numpy_variables(model, x, seed):
-  """Variables shaped like `model.init`'s, filled with numpy (no per-leaf PRNG compiles)."""
-  shapes = jax.eval_shape(model.init, jax.random.key(0), x)
-  rng = np.random.default_rng(seed)
-  out = {}
-  for path, leaf in traverse_util.flatten_dict(dict(shapes)).items():
-    if path[-1] == "var":
-      value = rng.uniform(0.5, 1.5, leaf.shape)
-    elif path[-1] == "scale":
-      value = 1.0 + 0.1 * rng.normal(size=leaf.shape)
-    elif path[-1] in ("bias", "mean"):
-      value = 0.1 * rng.normal(size=leaf.shape)
-    else:
-      value = rng.normal(size=leaf.shape) / np.sqrt(np.prod(leaf.shape[:-1]))
-    out[path] = jnp.asarray(value, jnp.float32)
-  return traverse_util.unflatten_dict(out)
-
-
 def batch(seed, size):
   rng = np.random.default_rng(seed)
   images = jnp.asarray(rng.integers(0, 256, (size, 8, 8, 1)), jnp.uint8)
@@ -133,7 +115,7 @@ def assert_trees_differ(a, b):
 @pytest.fixture(scope="module")
 def resnet_trainer():
   model = build_model("resnet10", NUM_CLASSES, 1.0, base_channels=4)
-  variables = numpy_variables(model, jnp.zeros((1, 8, 8, 1)), seed=0)
+  variables = model_variables(model, jnp.zeros((1, 8, 8, 1)), seed=0)
   trainer = LocalTrainer(model, LocalConfig(batch_size=8, optimizer="adam", learning_rate=0.1), MEAN, STD)
   return trainer, variables, jax.jit(trainer.train_step)
 
@@ -175,7 +157,7 @@ def test_partially_masked_batch_norm_step_uses_only_real_rows(resnet_trainer):
 @pytest.fixture(scope="module")
 def cnn_trainer():
   model = build_model("cnn", NUM_CLASSES, 1.0, channels=(4, 8), hidden=8)
-  variables = numpy_variables(model, jnp.zeros((1, 8, 8, 1)), seed=1)
+  variables = model_variables(model, jnp.zeros((1, 8, 8, 1)), seed=1)
   trainer = LocalTrainer(model, LocalConfig(batch_size=8, optimizer="sgd", learning_rate=0.5), MEAN, STD)
   return trainer, variables, jax.jit(trainer.train_step)
 
@@ -206,7 +188,7 @@ def test_partially_masked_step_equals_training_on_the_real_rows(cnn_trainer):
 
 def test_all_masked_step_is_a_no_op_with_momentum():
   model = build_model("mlp", NUM_CLASSES, 1.0, hidden=(16,))
-  variables = numpy_variables(model, jnp.zeros((1, 8, 8, 1)), seed=2)
+  variables = model_variables(model, jnp.zeros((1, 8, 8, 1)), seed=2)
   config = LocalConfig(batch_size=4, optimizer="sgd", learning_rate=0.1, momentum=0.9, weight_decay=1e-2)
   trainer = LocalTrainer(model, config, MEAN, STD)
   step = jax.jit(trainer.train_step)

@@ -246,7 +246,7 @@ def no_compute(monkeypatch):
 
 
 BAD_ARGS = [
-    ("synthetic", ["--method", "FedProx"], r"unknown method 'FedProx'; accepted: FedAvg, HeteroAvg"),
+    ("synthetic", ["--method", "FedMoon"], r"unknown method 'FedMoon'; accepted: FedAvg, HeteroAvg"),
     ("imagenet", [], r"unknown dataset 'imagenet'; accepted: fashion_mnist, cifar10, cifar100, svhn_cropped, "
                      r"synthetic"),
     ("synthetic", ["--groups", "cnn@1,vgg@0.5"], r"bad group spec 'vgg@0.5': unknown model 'vgg'"),

@@ -39,6 +39,7 @@ class LocalConfig:
   weight_decay: float = 0.0
   drop_last: bool = False
   steps_per_call: int = 8
+  prox_mu: float = 0.0  # FedProx's mu; 0 trains on the plain cross-entropy
 
   def __post_init__(self):
     if self.optimizer not in OPTIMIZERS:
@@ -48,6 +49,8 @@ class LocalConfig:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
     if not self.learning_rate > 0:
       raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+    if not 0 <= self.prox_mu < float("inf"):
+      raise ValueError(f"prox_mu must be finite and >= 0, got {self.prox_mu}")
 
   def steps_per_epoch(self, num_examples: int) -> int:
     if self.drop_last:
@@ -83,8 +86,9 @@ def make_optimizer(config: LocalConfig) -> optax.GradientTransformation:
 class LocalState(NamedTuple):
   variables: Variables
   opt_state: Any
-  loss_sum: jax.Array  # summed per-example loss over real examples seen
+  loss_sum: jax.Array  # summed per-example cross-entropy over real examples seen (no proximal term)
   num_examples: jax.Array
+  anchor: Variables | None = None  # FedProx's w^t: the params the client started from; None if prox_mu == 0
 
 
 def normalize(images: jax.Array, mean: tuple[float, ...], std: tuple[float, ...]) -> jax.Array:
@@ -97,6 +101,12 @@ def masked_cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.Array) 
   per_example = optax.softmax_cross_entropy_with_integer_labels(logits, labels) * mask
   total = per_example.sum()
   return total / jnp.maximum(mask.sum(), 1.0), total
+
+
+def proximal_term(params: Variables, anchor: Variables, mu: float) -> jax.Array:
+  """FedProx's proximal term (Li et al. 2020, Eq. 2): ``mu/2 ||w - w^t||^2`` over all leaves of ``params``."""
+  squares = jax.tree.map(lambda p, a: jnp.sum(jnp.square(p - a)), params, anchor)
+  return 0.5 * mu * sum(jax.tree.leaves(squares))
 
 
 def draw_schedule(index_row: jax.Array, num_examples: jax.Array, key: jax.Array, *, epochs: int,
@@ -142,11 +152,18 @@ class LocalTrainer:
     return make_optimizer(self.config)
 
   def init_state(self, variables: Variables) -> LocalState:
+    """A client's state at the start of a round; the start params are FedProx's anchor when ``prox_mu > 0``."""
     zero = jnp.zeros((), jnp.float32)
-    return LocalState(variables, self.tx.init(variables["params"]), zero, zero)
+    anchor = variables["params"] if self.config.prox_mu else None
+    return LocalState(variables, self.tx.init(variables["params"]), zero, zero, anchor)
 
   def train_step(self, state: LocalState, images: jax.Array, labels: jax.Array, mask: jax.Array) -> LocalState:
+    """One masked step on the mean cross-entropy of the real rows, plus FedProx's
+    ``mu/2 ||w - w^t||^2`` on ``params`` when ``prox_mu > 0`` (Li et al. 2020, Eq. 2)."""
     x = normalize(images, self.mean, self.std)
+    mu = self.config.prox_mu
+    if mu and state.anchor is None:
+      raise ValueError("prox_mu > 0 needs the anchor in LocalState; build the state with init_state")
     maskf = mask.astype(jnp.float32)
     has_stats = "batch_stats" in state.variables
 
@@ -157,12 +174,15 @@ class LocalTrainer:
       else:
         logits, updates = self.model.apply(variables, x, train=True, mask=mask), {}
       loss, total = masked_cross_entropy(logits, labels, maskf)
+      if mu:  # a Python-level branch, so prox_mu == 0 traces exactly the plain program
+        loss = loss + proximal_term(params, state.anchor, mu)
       return loss, (updates, total)
 
     (_, (model_updates, total)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.variables["params"])
     updates, opt_state = self.tx.update(grads, state.opt_state, state.variables["params"])
     variables = {**state.variables, **model_updates, "params": optax.apply_updates(state.variables["params"], updates)}
-    stepped = LocalState(variables, opt_state, state.loss_sum + total, state.num_examples + maskf.sum())
+    stepped = LocalState(variables, opt_state, state.loss_sum + total, state.num_examples + maskf.sum(),
+                         state.anchor)
     active = maskf.sum() > 0
     return jax.tree.map(lambda new, old: jnp.where(active, new, old), stepped, state)
 

@@ -1,0 +1,307 @@
+"""FedProx's proximal client objective (Li et al. 2020, Eq. 2) and the *Prox methods."""
+
+from __future__ import annotations
+
+import argparse
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import traverse_util
+
+from experiments import cli
+from fedjax_hetero.backends import make_backend
+from fedjax_hetero.client.local import LocalConfig, LocalTrainer, proximal_term
+from fedjax_hetero.data import partition, synthetic_dataset
+from fedjax_hetero.data.store import FederatedStore
+from fedjax_hetero.engine import (FEDPROX_MU, METHODS, ArchGroup, FLConfig, ServerState, Simulation, assign_groups,
+                                  effective_prox_mu, get_method)
+from fedjax_hetero.hetero.maps import extract
+from fedjax_hetero.models import build_model
+from fedjax_hetero.runner import ExperimentConfig, build_simulation
+from tests.helpers import numpy_variables
+
+NUM_CLASSES = 4
+MEAN, STD = (0.45,), (0.25,)
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def model_variables(model, seed):
+  return numpy_variables(jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8, 8, 1))), seed)
+
+
+def batch(seed, size):
+  rng = np.random.default_rng(seed)
+  images = jnp.asarray(rng.integers(0, 256, (size, 8, 8, 1)), jnp.uint8)
+  labels = jnp.asarray(rng.integers(0, NUM_CLASSES, size), jnp.int32)
+  return images, labels
+
+
+def flat(tree):
+  return {"/".join(p): np.asarray(v, np.float64) for p, v in traverse_util.flatten_dict(dict(tree)).items()}
+
+
+# ------------------------------------------------------------------------------------------ the local step
+
+
+def test_proximal_term_matches_numpy():
+  rng = np.random.default_rng(0)
+  params = {"a": {"kernel": rng.normal(size=(3, 4)), "bias": rng.normal(size=4)}, "b": rng.normal(size=(2, 2))}
+  anchor = jax.tree.map(lambda x: x + rng.normal(size=x.shape), params)
+  want = 0.5 * 0.3 * sum(np.sum((p - a) ** 2) for p, a in zip(jax.tree.leaves(params), jax.tree.leaves(anchor)))
+  as32 = lambda t: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), t)
+  got = jax.jit(proximal_term, static_argnums=2)(as32(params), as32(anchor), 0.3)
+  np.testing.assert_allclose(float(got), want, rtol=1e-5)
+  assert float(proximal_term(as32(params), as32(params), 0.3)) == 0.0
+
+
+@pytest.fixture(scope="module")
+def sgd_trainers():
+  """Plain and proximal SGD trainers of one small CNN (no momentum: one step is p - lr * grad)."""
+  model = build_model("cnn", NUM_CLASSES, 1.0, channels=(4, 8), hidden=8)
+  make = lambda mu: LocalTrainer(model, LocalConfig(batch_size=8, optimizer="sgd", learning_rate=0.5, prox_mu=mu),
+                                 MEAN, STD)
+  plain, prox = make(0.0), make(0.5)
+  return model_variables(model, 1), plain, jax.jit(plain.train_step), prox, jax.jit(prox.train_step)
+
+
+def test_proximal_gradient_is_mu_times_distance_to_anchor(sgd_trainers):
+  variables, plain, plain_step, prox, prox_step = sgd_trainers
+  state0 = prox.init_state(variables)
+  chex.assert_trees_all_equal(state0.anchor, variables["params"])
+  # Step 1 starts at the anchor, where the proximal gradient mu * (w - w^t) vanishes.
+  state1 = prox_step(state0, *batch(0, 8), jnp.ones(8, bool))
+  reference1 = plain_step(plain.init_state(variables), *batch(0, 8), jnp.ones(8, bool))
+  chex.assert_trees_all_close(state1.variables, reference1.variables, rtol=1e-6, atol=1e-7)
+  chex.assert_trees_all_equal(state1.anchor, variables["params"])  # the anchor never moves
+
+  # Step 2 from the same w1 (now away from the anchor), with and without the proximal term.
+  images, labels = batch(1, 8)
+  mask = jnp.asarray(np.array([1, 1, 0, 1, 1, 1, 0, 1], bool))
+  with_prox = prox_step(state1, images, labels, mask)
+  without = plain_step(state1._replace(anchor=None), images, labels, mask)
+  w1, anchor = flat(state1.variables["params"]), flat(variables["params"])
+  got_prox, got_plain = flat(with_prox.variables["params"]), flat(without.variables["params"])
+  largest = 0.0
+  for k in anchor:
+    want = -0.5 * 0.5 * (w1[k] - anchor[k])  # -lr * mu * (w1 - w^t)
+    np.testing.assert_allclose(got_prox[k] - got_plain[k], want, rtol=0, atol=2e-6, err_msg=k)
+    largest = max(largest, float(np.abs(want).max()))
+  assert largest > 1e-3, "the test must move the weights measurably away from the anchor"
+  # The reported training loss is the cross-entropy alone.
+  np.testing.assert_allclose(float(with_prox.loss_sum), float(without.loss_sum), rtol=1e-6)
+  assert float(with_prox.num_examples) == float(without.num_examples)
+
+
+def test_zero_mu_keeps_the_plain_state_and_program(sgd_trainers):
+  variables, plain, plain_step, *_ = sgd_trainers
+  state = plain.init_state(variables)
+  assert state.anchor is None
+  # prox_mu == 0 adds no leaf to the state and no op to the step.
+  assert len(jax.tree.leaves(state)) == len(jax.tree.leaves((variables, state.opt_state))) + 2
+  explicit = LocalTrainer(plain.model, LocalConfig(batch_size=8, optimizer="sgd", learning_rate=0.5), MEAN, STD)
+  args = (state, *batch(2, 8), jnp.ones(8, bool))
+  assert str(jax.make_jaxpr(plain.train_step)(*args)) == str(jax.make_jaxpr(explicit.train_step)(*args))
+  chex.assert_trees_all_equal(plain_step(*args), jax.jit(explicit.train_step)(*args))
+
+
+def test_prox_step_needs_an_anchor(sgd_trainers):
+  variables, plain, _, prox, _ = sgd_trainers
+  with pytest.raises(ValueError, match="needs the anchor"):
+    prox.train_step(plain.init_state(variables), *batch(0, 8), jnp.ones(8, bool))
+
+
+def test_all_masked_step_is_a_no_op_with_prox_and_batch_norm():
+  model = build_model("resnet10", NUM_CLASSES, 1.0, base_channels=4)
+  variables = model_variables(model, 0)
+  trainer = LocalTrainer(model, LocalConfig(batch_size=8, optimizer="adam", learning_rate=0.1, prox_mu=0.1),
+                         MEAN, STD)
+  step = jax.jit(trainer.train_step)
+  state1 = step(trainer.init_state(variables), *batch(0, 8), jnp.ones(8, bool))
+  state2 = step(state1, *batch(1, 8), jnp.ones(8, bool))  # away from the anchor: the penalty is nonzero
+  assert float(proximal_term(state2.variables["params"], state2.anchor, 0.1)) > 0
+  state3 = step(state2, *batch(2, 8), jnp.zeros(8, bool))
+  chex.assert_trees_all_equal(state3, state2)  # params, batch_stats, adam state, counters, anchor
+  chex.assert_trees_all_equal(state3.anchor, variables["params"])
+  assert set(state3.anchor) == set(variables["params"]), "the anchor covers params only, not batch_stats"
+
+
+@pytest.mark.parametrize("kwargs", [dict(prox_mu=-0.1), dict(prox_mu=float("nan")), dict(prox_mu=float("inf"))])
+def test_configs_reject_bad_mu(kwargs):
+  with pytest.raises(ValueError, match="prox_mu must be finite and >= 0"):
+    LocalConfig(**kwargs)
+  with pytest.raises(ValueError, match="prox_mu must be finite and >= 0"):
+    FLConfig(method="FedProx", **kwargs)
+
+
+# ------------------------------------------------------------------------------------------- the methods
+
+
+def test_prox_methods_are_registered():
+  assert FEDPROX_MU == 0.1  # InCo paper: "The hyper-parameter mu/2 for FedProx and InCoProx is 0.05"
+  for name, per_group, variant in [("FedProx", True, None), ("HeteroProx", False, None),
+                                   ("InCoProx", False, "code")]:
+    for spelling in (name, name.lower(), name.upper()):
+      method = get_method(spelling)
+      assert method.name == name and method.per_group == per_group and method.inco_variant == variant
+      assert method.prox_mu == 0.1
+  for name in ("FedAvg", "HeteroAvg", "InCoAvg"):
+    assert get_method(name).prox_mu is None
+  with pytest.raises(ValueError, match=r"unknown method 'FedMoon'; accepted: FedAvg, HeteroAvg, InCoAvg, FedProx, "
+                     r"HeteroProx, InCoProx"):
+    get_method("FedMoon")
+  assert {"fedprox", "heteroprox", "incoprox"} <= set(METHODS)
+
+
+def test_effective_prox_mu_precedence():
+  prox, avg = get_method("FedProx"), get_method("FedAvg")
+  assert effective_prox_mu(prox, None) == 0.1
+  assert effective_prox_mu(prox, 0.0) == 0.0  # an explicit 0 turns the term off
+  assert effective_prox_mu(prox, 0.3) == 0.3
+  assert effective_prox_mu(prox, None, 0.2) == 0.2
+  assert effective_prox_mu(prox, 0.3, 0.2) == 0.3
+  assert effective_prox_mu(avg, None) == 0.0
+  assert effective_prox_mu(avg, 0.05) == 0.05
+  assert effective_prox_mu(avg, None, 0.2) == 0.2
+
+
+def mlp_simulation(method, backend="sequential", prox_mu=None):
+  """6 clients of unequal sizes, two MLP width groups, 5 clients per round."""
+  ds = synthetic_dataset(num_train=160, num_test=32, seed=0)
+  parts = partition(ds.train_labels, "iid_imbalanced", 6, 0)
+  store = FederatedStore.build(ds.train_images, ds.train_labels, parts, ds.num_classes, ds.mean, ds.std)
+  groups = [ArchGroup(f"mlp@{w}", build_model("mlp", ds.num_classes, w, hidden=(16,)), clients)
+            for w, clients in zip((0.5, 1.0), assign_groups(6, 2))]
+  local = LocalConfig(epochs=2, batch_size=8, optimizer="adam", learning_rate=1e-2, steps_per_call=2)
+  config = FLConfig(method=method, rounds=2, clients_per_round=5, seed=0, prox_mu=prox_mu)
+  return Simulation(groups, store, local, config, make_backend(backend), jnp.asarray(ds.test_images),
+                    jnp.asarray(ds.test_labels))
+
+
+def initial_state(sim):
+  shapes = jax.eval_shape(sim.groups[sim.global_index].model.init, jax.random.key(0), sim._sample_input)
+  global_vars = numpy_variables(shapes, 0)
+  if sim.method.per_group:
+    return ServerState(0, tuple(extract(global_vars, m) for m in sim.maps))
+  return ServerState(0, (global_vars,))
+
+
+def run(sim, rounds=1):
+  state, rows = initial_state(sim), []
+  for _ in range(rounds):
+    state, metrics = sim.run_round(state)
+    rows.append(metrics)
+  return state, rows
+
+
+@pytest.fixture(scope="module")
+def mlp_runs():
+  """One round of each MLP run, by (method, prox_mu)."""
+  runs = {}
+  for method, mu in [("FedAvg", None), ("FedProx", None), ("FedProx", 0.0), ("FedAvg", 0.1),
+                     ("HeteroAvg", None), ("HeteroProx", None), ("HeteroProx", 0.0)]:
+    sim = mlp_simulation(method, prox_mu=mu)
+    runs[method, mu] = (sim, *run(sim))
+  return runs
+
+
+@pytest.mark.parametrize("prox,plain", [("FedProx", "FedAvg"), ("HeteroProx", "HeteroAvg")])
+def test_prox_methods_run_a_round_with_the_default_mu(mlp_runs, prox, plain):
+  sim, state, rows = mlp_runs[prox, None]
+  assert sim.prox_mu == 0.1 and all(t.config.prox_mu == 0.1 for t in sim.trainers)
+  assert len(state.models) == (2 if prox == "FedProx" else 1)
+  assert set(rows[0]["train_loss_per_group"]) == {"mlp@0.5", "mlp@1.0"}
+  assert np.isfinite(rows[0]["train_loss"])
+  plain_sim, plain_state, plain_rows = mlp_runs[plain, None]
+  assert plain_sim.prox_mu == 0.0
+  assert rows[0]["clients"] == plain_rows[0]["clients"] and rows[0]["examples"] == plain_rows[0]["examples"]
+  moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state.models), jax.tree.leaves(plain_state.models))]
+  assert any(moved), "the proximal term must change the trained models"
+  # The proximal term pulls every client towards the start, so the server moves less than without it.
+  start = initial_state(sim).models
+  step = lambda models: sum(float(jnp.sum(jnp.square(a - b))) for a, b in zip(jax.tree.leaves(models),
+                                                                               jax.tree.leaves(start)))
+  assert step(state.models) < step(plain_state.models)
+
+
+@pytest.mark.parametrize("prox,plain", [("FedProx", "FedAvg"), ("HeteroProx", "HeteroAvg")])
+def test_prox_methods_with_zero_mu_equal_the_plain_methods_bit_for_bit(mlp_runs, prox, plain):
+  sim, state, rows = mlp_runs[prox, 0.0]
+  assert sim.prox_mu == 0.0
+  _, plain_state, plain_rows = mlp_runs[plain, None]
+  chex.assert_trees_all_equal(state.models, plain_state.models)
+  assert rows[0]["train_loss"] == plain_rows[0]["train_loss"]
+
+
+def test_fedavg_with_prox_mu_is_fedprox(mlp_runs):
+  _, fedavg_state, fedavg_rows = mlp_runs["FedAvg", 0.1]
+  _, fedprox_state, fedprox_rows = mlp_runs["FedProx", None]
+  chex.assert_trees_all_equal(fedavg_state.models, fedprox_state.models)
+  assert fedavg_rows[0]["train_loss"] == fedprox_rows[0]["train_loss"]
+
+
+def test_vmap_matches_sequential_with_prox():
+  seq_sim, vmap_sim = mlp_simulation("HeteroProx", "sequential"), mlp_simulation("HeteroProx", "vmap")
+  assert vmap_sim.backend.name == "vmap"
+  seq_state, seq_rows = run(seq_sim, rounds=2)
+  vmap_state, vmap_rows = run(vmap_sim, rounds=2)
+  chex.assert_trees_all_close(vmap_state.models, seq_state.models, rtol=RTOL, atol=ATOL)
+  for got, want in zip(vmap_rows, seq_rows):
+    assert got["examples"] == want["examples"] and got["clients"] == want["clients"]
+    np.testing.assert_allclose(got["train_loss"], want["train_loss"], rtol=1e-5)
+  # One group's result directly, with weights != 1 and clients of unequal length (padded steps masked).
+  results = []
+  for sim in (seq_sim, vmap_sim):
+    start = sim.group_variables(initial_state(sim), 1)
+    clients = sim.groups[1].clients
+    weights = np.arange(1, len(clients) + 1, dtype=float)
+    results.append(sim.backend.train(sim.trainers[1], start, sim.store, clients, weights, jax.random.key(3)))
+  assert len(set(seq_sim.store.sizes[seq_sim.groups[1].clients].tolist())) > 1
+  chex.assert_trees_all_close(results[1], results[0], rtol=RTOL, atol=ATOL)
+
+
+def test_incoprox_runs_a_round_on_resnets():
+  ds = synthetic_dataset(num_train=48, num_test=8, seed=0)
+  parts = partition(ds.train_labels, "iid", 6, 0)
+  store = FederatedStore.build(ds.train_images, ds.train_labels, parts, ds.num_classes, ds.mean, ds.std)
+  groups = [ArchGroup(n, build_model(n, ds.num_classes, base_channels=4), c)
+            for n, c in zip(("resnet10", "resnet14"), assign_groups(6, 2))]
+  local = LocalConfig(batch_size=8, steps_per_call=1)
+  sim = Simulation(groups, store, local, FLConfig(method="incoprox", rounds=1, clients_per_round=3),
+                   make_backend("sequential"), jnp.asarray(ds.test_images), jnp.asarray(ds.test_labels))
+  assert sim.method.name == "InCoProx" and sim.prox_mu == 0.1
+  assert sim.inco_pairs == groups[1].model.cross_layer_pairs() != ()
+  state, rows = run(sim)
+  assert state.round == 1 and np.isfinite(rows[0]["train_loss"])
+  assert set(rows[0]["inco"]) == {"/".join(t) for t, _ in sim.inco_pairs}
+  leaves = jax.tree.leaves(state.models)
+  assert all(np.isfinite(np.asarray(x)).all() for x in leaves)
+
+
+# ----------------------------------------------------------------------------------------- runner and CLI
+
+
+def test_cli_prox_mu_flag_reaches_the_simulation():
+  defaults = cli.preset(dataset="synthetic")
+  parser = cli.build_parser(defaults, "test")
+  help_text = parser.format_help()
+  assert "--prox-mu" in help_text
+  for name in ("FedProx", "HeteroProx", "InCoProx"):
+    assert name in help_text
+  dataset = synthetic_dataset(num_train=160, num_test=8, seed=0)
+  common = ["--groups", "mlp@1,mlp@0.5", "--num-clients", "4", "--clients-per-round", "2"]
+  cases = [(["--method", "FedProx"], None, 0.1), (["--method", "fedprox", "--prox-mu", "0.3"], 0.3, 0.3),
+           (["--method", "HeteroProx", "--prox-mu", "0"], 0.0, 0.0), (["--prox-mu", "0.05"], 0.05, 0.05),
+           ([], None, 0.0)]
+  for argv, flag, effective in cases:
+    config = cli.config_from_args(parser.parse_args(argv + common), "synthetic")
+    assert config.prox_mu == flag and config.fl_config().prox_mu == flag
+    logs = []
+    sim, _ = build_simulation(config, dataset, log=logs.append)
+    assert sim.prox_mu == effective and all(t.config.prox_mu == effective for t in sim.trainers), argv
+    assert ("prox mu" in logs[-1]) == bool(effective), logs
+  with pytest.raises(ValueError, match="prox_mu must be finite and >= 0, got -1.0"):
+    ExperimentConfig(dataset="synthetic", prox_mu=-1.0).validate()
+  assert isinstance(parser.parse_args([]), argparse.Namespace) and parser.parse_args([]).prox_mu is None

@@ -19,7 +19,9 @@ TINY_RESNET = dict(base_channels=4)
 
 def tiny(name: str, width: float = 1.0, num_classes: int = 10):
   """A fast configuration of model `name` (ResNets with 4 base channels)."""
-  overrides = TINY_RESNET if name.startswith("resnet") else {}
+  overrides = TINY_RESNET if name.startswith("resnet") and name != "resnet20_preact" else {}
+  if name == "vgg16":  # 33.6M parameters at full width
+    width = width / 16
   return build_model(name, num_classes, width, **overrides)
 
 

@@ -1,0 +1,163 @@
+"""Analysis figures: update histograms (InCo), client bubbles and middleware similarity (FedCross).
+
+All functions draw on a bare Agg `Figure` (no pyplot global state, so nothing
+to close and no backend switch), save a PNG and return its path.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+
+def _figure(width: float, height: float, layout: str | None = None):
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+
+  fig = Figure(figsize=(width, height), layout=layout)
+  FigureCanvasAgg(fig)
+  return fig
+
+
+def plot_update_histograms(deltas_by_round: Mapping[int, Mapping[str, np.ndarray]], path: str, bins: int = 60,
+                           quantile: float = 0.001, density: bool = True, columns: int = 3,
+                           title: str | None = None) -> str:
+  """Per-layer histograms of update values over rounds (InCo paper Figs. 2c-d, 3); returns `path`.
+
+  One panel per layer (in first-seen order); each round is a step histogram
+  coloured by round on a shared colour scale. A layer's bins are shared by all
+  rounds and span the [quantile, 1 - quantile] range of its values over all
+  rounds, so a few outliers do not squash the shape.
+  """
+  if not deltas_by_round:
+    raise ValueError("no rounds to plot")
+  rounds = sorted(deltas_by_round)
+  layers: list[str] = []
+  for r in rounds:
+    layers.extend(name for name in deltas_by_round[r] if name not in layers)
+  if not layers:
+    raise ValueError("no layers to plot")
+  columns = max(1, min(columns, len(layers)))
+  rows = math.ceil(len(layers) / columns)
+  fig = _figure(4.2 * columns + 1.0, 3.0 * rows + 0.4, layout="constrained")
+  axes = fig.subplots(rows, columns, squeeze=False).ravel()
+
+  from matplotlib import cm, colormaps, colors
+  norm = colors.Normalize(vmin=rounds[0], vmax=max(rounds[-1], rounds[0] + 1))
+  cmap = colormaps["viridis"]
+  for ax, layer in zip(axes, layers):
+    values = {r: np.asarray(deltas_by_round[r][layer], np.float64).ravel()
+              for r in rounds if layer in deltas_by_round[r]}
+    pooled = np.concatenate(list(values.values()))
+    pooled = pooled[np.isfinite(pooled)]
+    low, high = np.quantile(pooled, [quantile, 1.0 - quantile]) if pooled.size else (-1.0, 1.0)
+    if not high > low:
+      low, high = low - 0.5, high + 0.5
+    edges = np.linspace(low, high, bins + 1)
+    for r, v in values.items():
+      counts, _ = np.histogram(v[np.isfinite(v)], bins=edges, density=density)
+      ax.stairs(counts, edges, color=cmap(norm(r)), linewidth=1.0, alpha=0.85)
+    ax.set_title(layer, fontsize=9)
+    ax.set_xlabel("update value", fontsize=8)
+    ax.set_ylabel("density" if density else "count", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.ticklabel_format(axis="x", style="sci", scilimits=(-2, 3))
+  for ax in axes[len(layers):]:
+    ax.set_visible(False)
+  mappable = cm.ScalarMappable(norm=norm, cmap=cmap)
+  fig.colorbar(mappable, ax=list(axes[:len(layers)]), shrink=0.8, label="round")
+  if title:
+    fig.suptitle(title)
+  fig.savefig(path, format="png", dpi=100, bbox_inches="tight")
+  return path
+
+
+def plot_client_bubbles(counts: np.ndarray | Mapping[str, np.ndarray], path: str,
+                        clients: Sequence[int] | None = None, max_area: float = 400.0,
+                        title: str | None = None) -> str:
+  """Client x class bubble plot, area proportional to the sample count (FedCross paper Fig. 3); returns `path`.
+
+  `counts` is a [clients, classes] matrix, or a mapping panel title -> matrix
+  (e.g. one panel per Dirichlet beta) drawn side by side on one size scale.
+  `clients` selects and orders the clients shown (e.g. 10 random ones); the x
+  ticks are their ids.
+  """
+  panels = dict(counts) if isinstance(counts, Mapping) else {"": counts}
+  if not panels:
+    raise ValueError("no count matrices to plot")
+  selected = {}
+  for name, matrix in panels.items():
+    matrix = np.asarray(matrix)
+    if matrix.ndim != 2:
+      raise ValueError(f"counts must be [num_clients, num_classes], got shape {matrix.shape}")
+    ids = np.arange(matrix.shape[0]) if clients is None else np.asarray(clients, np.int64)
+    selected[name] = (ids, matrix[ids])
+  largest = max(max(int(m.max(initial=0)) for _, m in selected.values()), 1)
+
+  num_shown = max(ids.size for ids, _ in selected.values())
+  num_classes = max(m.shape[1] for _, m in selected.values())
+  panel_w = min(max(3.5, 0.32 * num_shown + 1.5), 20.0)
+  panel_h = min(max(3.0, 0.32 * num_classes + 1.5), 14.0)
+  fig = _figure(panel_w * len(selected), panel_h + 0.5)
+  axes = fig.subplots(1, len(selected), squeeze=False)[0]
+  for ax, (name, (ids, matrix)) in zip(axes, selected.items()):
+    xs, ys = np.nonzero(matrix)
+    ax.scatter(xs, ys, s=max_area * matrix[xs, ys] / largest, alpha=0.6, edgecolors="k", linewidths=0.3)
+    ax.set_xlim(-0.7, len(ids) - 0.3)
+    ax.set_ylim(-0.7, matrix.shape[1] - 0.3)
+    step = max(1, len(ids) // 20)
+    ax.set_xticks(np.arange(0, len(ids), step), [str(i) for i in ids[::step]], fontsize=7)
+    ax.set_yticks(np.arange(matrix.shape[1]))
+    ax.tick_params(axis="y", labelsize=7)
+    ax.set_xlabel("client id")
+    ax.set_ylabel("class")
+    ax.grid(True, linewidth=0.3, alpha=0.5)
+    if name:
+      ax.set_title(name)
+  # Size key: a few reference counts on the shared scale.
+  handles = [axes[0].scatter([], [], s=max_area * c / largest, color="C0", alpha=0.6, edgecolors="k",
+                             linewidths=0.3, label=str(c))
+             for c in sorted({max(1, round(largest * f)) for f in (0.1, 0.5, 1.0)})]
+  axes[-1].legend(handles=handles, title="samples", loc="upper left", bbox_to_anchor=(1.02, 1.0),
+                  fontsize=7, title_fontsize=8, labelspacing=1.2, frameon=False)
+  if title:
+    fig.suptitle(title)
+  fig.savefig(path, format="png", dpi=100, bbox_inches="tight")
+  return path
+
+
+def _finite(value: Any) -> float:
+  return float(value) if value is not None and math.isfinite(float(value)) else float("nan")
+
+
+def plot_similarity_tracking(rows: Sequence[Mapping[str, Any]], path: str, title: str | None = None) -> str:
+  """Mean pairwise cosine and L2 distance of the middleware models vs round (FedCross spec Sec. 5.4).
+
+  `rows` are metrics.jsonl records; those without "middleware_similarity"
+  are skipped. The distance is read from "mean_l2" or, as
+  `middleware_similarity_stats` names it, "mean_l2_distance". Returns `path`.
+  """
+  rounds, cosines, distances = [], [], []
+  for i, row in enumerate(rows):
+    stats = row.get("middleware_similarity")
+    if not stats:
+      continue
+    rounds.append(row.get("round", i + 1))
+    cosines.append(_finite(stats.get("mean_cosine")))
+    distances.append(_finite(stats.get("mean_l2", stats.get("mean_l2_distance"))))
+  fig = _figure(10.0, 3.8)
+  ax_cos, ax_l2 = fig.subplots(1, 2)
+  for ax, ys, label in ((ax_cos, cosines, "mean pairwise cosine"), (ax_l2, distances, "mean pairwise L2 distance")):
+    if rounds:
+      ax.plot(rounds, ys, "-", marker="." if len(rounds) < 60 else None, lw=1.3)
+    else:
+      ax.text(0.5, 0.5, "no middleware_similarity rows", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("round")
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+  fig.suptitle(title or "Middleware-model similarity")
+  fig.tight_layout()
+  fig.savefig(path, format="png", dpi=100)
+  return path

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 from fedjax_hetero import data as fdata
 from fedjax_hetero import models
+from fedjax_hetero.aggregators import fedcross
 from fedjax_hetero.backends import BACKENDS
 from fedjax_hetero.client.local import OPTIMIZERS
 from fedjax_hetero.engine import AGGREGATE_MODES, METHODS, WEIGHTINGS
@@ -60,6 +61,29 @@ def build_parser(defaults: ExperimentConfig, description: str) -> argparse.Argum
   p.add_argument("--prox-mu", type=float, default=d.prox_mu,
                  help="FedProx's mu in the client objective CE + mu/2 ||w - w_glob||^2 (any method); "
                  "default: the method's (0.1 for FedProx, HeteroProx, InCoProx; none for the others)")
+  p.add_argument("--moon-mu", type=float, default=d.moon_mu,
+                 help="MOON's weight of the model-contrastive loss (any method); default: the method's "
+                 "(5 for MOON, HeteroMOON, InCoMOON; none for the others)")
+  p.add_argument("--moon-temperature", type=float, default=d.moon_temperature, help="MOON's temperature tau")
+  fc = p.add_argument_group("FedCross (--method FedCross)")
+  fc.add_argument("--fedcross-alpha", type=float, default=d.fedcross_alpha,
+                  help="w_i = alpha v_i + (1 - alpha) v_partner(i)")
+  fc.add_argument("--fedcross-strategy", default=d.fedcross_strategy, choices=fedcross.STRATEGIES,
+                  help="collaborative-model selection: in_order ((i + r mod (K-1) + 1) mod K), or the "
+                  "lowest/highest similarity among the other uploads")
+  fc.add_argument("--fedcross-similarity", default=d.fedcross_similarity, choices=fedcross.SIMILARITY_KINDS,
+                  help="cosine: true cosine over all parameters (the paper's intent); paper: the paper's printed "
+                  "formula; layerwise: sum of per-layer cosines (the authors' code)")
+  fc.add_argument("--fedcross-global", default=d.fedcross_global, choices=("middleware", "uploaded"),
+                  help="global model = mean of the new middleware models (paper) or of the uploads (authors' code)")
+  fc.add_argument("--fedcross-warmup-rounds", type=int, default=d.fedcross_warmup_rounds,
+                  help="FedAvg warm-up of the authors' code: every middleware model := the mean before this round")
+  fc.add_argument("--fedcross-propellers", type=int, default=d.fedcross_propellers,
+                  help="propeller models per slot (Sec. III-D PM) during the first --fedcross-propeller-rounds")
+  fc.add_argument("--fedcross-propeller-rounds", type=int, default=d.fedcross_propeller_rounds,
+                  help="length of the propeller stage")
+  fc.add_argument("--fedcross-dynamic-alpha-rounds", type=int, default=d.fedcross_dynamic_alpha_rounds,
+                  help="dynamic alpha (Sec. III-D DA): linear 0.5 -> --fedcross-alpha over the first N rounds")
   p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="checkpoint every N rounds")
   p.add_argument("--steps-per-call", type=int, default=d.steps_per_call,
                  help="local steps unrolled in one jitted call (XLA:CPU is slow on looped convolutions)")

@@ -4,13 +4,16 @@ A *federation* is one server model and the architecture groups that train it.
 HeteroAvg has one federation (the global, largest model, shared layer-wise by
 all groups); the InCo paper's per-architecture "FedAvg" baseline has one
 federation per group, so groups never exchange weights. Both are the same
-loop below with different federation layouts. The *Prox methods change only
-the clients' objective (FedProx's proximal term, see `effective_prox_mu`).
+loop below with different federation layouts. The base methods (Avg, Prox,
+Scaffold, Nova, MOON) differ in the clients' objective and upload (see
+`client_config`) and in the server step; InCo* adds the cross-layer step on the
+aggregated delta. FedCross keeps K middleware models instead of one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from typing import Any, NamedTuple, Sequence
@@ -21,47 +24,71 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_hetero import aggregators
-from fedjax_hetero.backends import Backend, empty_result
+from fedjax_hetero.backends import Backend, extras_like, empty_result
 from fedjax_hetero.client.local import LocalConfig, LocalTrainer
 from fedjax_hetero.data.store import FederatedStore, sample_clients
 from fedjax_hetero.evaluation import accuracy
+from fedjax_hetero.models.projection import with_projection_head
 from fedjax_hetero.hetero.maps import GroupMap, Variables, build_group_map, extract, identity_map, pick_global
+
+
+LAYOUTS = ("group", "hetero", "cross")
+CLIENT_OBJECTIVES = ("avg", "prox", "scaffold", "nova", "moon")
 
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-  """A federated method: its paper name and how its server is laid out."""
+  """A federated method: its paper name, its server layout and its client objective.
+
+  Layouts: ``group`` (every architecture group is its own federation, the InCo
+  paper's baselines), ``hetero`` (one global model, layer-wise averaging across
+  groups) and ``cross`` (FedCross's K middleware models, one group).
+  """
 
   name: str
-  per_group: bool  # each architecture group is its own federation
+  layout: str
   summary: str
-  # InCo's cross-layer step on the mean delta before it is applied (aggregators.inco); None: off.
+  client: str = "avg"  # the base method's client side, see CLIENT_OBJECTIVES
+  # InCo's cross-layer step on the aggregated delta before it is applied (aggregators.inco); None: off.
   inco_variant: str | None = None
   inco_granularity: str = "kernel"
-  # FedProx's mu for the clients' proximal term (Li et al. 2020, Eq. 2) unless the run sets one; None: off.
-  prox_mu: float | None = None
+
+  @property
+  def per_group(self) -> bool:
+    return self.layout == "group"
 
 
 # InCo paper: "The hyper-parameter mu/2 for FedProx and InCoProx is 0.05", so mu = 0.1.
 FEDPROX_MU = 0.1
-METHODS: dict[str, Method] = {
-    m.name.lower(): m for m in (
-        Method("FedAvg", per_group=True,
-               summary="each architecture group is its own FedAvg federation (InCo paper's baseline)"),
-        Method("HeteroAvg", per_group=False,
-               summary="one global model; every layer averaged over the sampled clients that own it"),
-        Method("InCoAvg", per_group=False,
-               summary="HeteroAvg + InCo's cross-layer step on same-shape layers of a stage (authors' code "
-               "variant, per 3x3 kernel)", inco_variant="code"),
-        Method("FedProx", per_group=True, prox_mu=FEDPROX_MU,
-               summary="FedAvg per architecture group, clients minimize CE + mu/2 ||w - w_glob||^2 "
-               f"(default mu {FEDPROX_MU})"),
-        Method("HeteroProx", per_group=False, prox_mu=FEDPROX_MU,
-               summary=f"HeteroAvg with FedProx's proximal client objective (default mu {FEDPROX_MU})"),
-        Method("InCoProx", per_group=False, prox_mu=FEDPROX_MU, inco_variant="code",
-               summary=f"InCoAvg with FedProx's proximal client objective (default mu {FEDPROX_MU})"),
-    )
+# MOON (Li, He, Song 2021): mu = 5 and tau = 0.5 are its CIFAR-10 settings; the InCo paper gives none.
+MOON_MU, MOON_TEMPERATURE = 5.0, 0.5
+_BASES = {  # client objective -> (per-group name, suffix of the Hetero*/InCo* names, what the client does)
+    "avg": ("FedAvg", "Avg", "plain cross-entropy"),
+    "prox": ("FedProx", "Prox", f"CE + mu/2 ||w - w_glob||^2 (FedProx, default mu {FEDPROX_MU})"),
+    "scaffold": ("Scaffold", "Scaffold", "SCAFFOLD's control-variate correction (option II), per-client c_i on "
+                 "the device"),
+    "nova": ("FedNova", "Nova", "FedNova's normalized averaging by each client's local step count"),
+    "moon": ("MOON", "MOON", f"CE + mu * model-contrastive loss on a projection head (MOON, default mu "
+             f"{MOON_MU:g}, tau {MOON_TEMPERATURE})"),
 }
+
+
+def _method_table() -> dict[str, Method]:
+  methods = []
+  for client, (base_name, suffix, what) in _BASES.items():
+    methods += [
+        Method(base_name, "group", f"every architecture group is its own federation; clients: {what}", client),
+        Method(f"Hetero{suffix}", "hetero", f"one global model, layer-wise averaging across groups; clients: {what}",
+               client),
+        Method(f"InCo{suffix}", "hetero", "Hetero" + suffix + " + InCo's cross-layer step on same-shape layers "
+               "(authors' code variant, per 3x3 kernel)", client, inco_variant="code"),
+    ]
+  methods.append(Method("FedCross", "cross", "K middleware models trained by the sampled clients, then "
+                        "cross-aggregated w_i = a v_i + (1-a) v_partner(i) (one architecture group)"))
+  return {m.name.lower(): m for m in methods}
+
+
+METHODS: dict[str, Method] = _method_table()
 WEIGHTINGS = ("uniform", "num_samples")
 AGGREGATE_MODES = ("deltas", "weights")
 
@@ -74,17 +101,20 @@ def get_method(name: str) -> Method:
     raise ValueError(f"unknown method {name!r}; accepted: {accepted}") from None
 
 
-def effective_prox_mu(method: Method, prox_mu: float | None, local_prox_mu: float = 0.0) -> float:
-  """The mu of FedProx's ``mu/2 ||w - w^t||^2`` (Li et al. 2020, Eq. 2) that the clients train with.
+def client_config(method: Method, local: LocalConfig, prox_mu: float | None = None,
+                  moon_mu: float | None = None) -> LocalConfig:
+  """``local`` with the client terms of ``method`` switched on (and only those).
 
-  ``prox_mu`` (the run's setting) wins when given, 0 included; otherwise a nonzero
-  ``LocalConfig.prox_mu``, then the method's default, then 0 (no proximal term).
+  ``prox_mu``/``moon_mu`` override the method's defaults (a nonzero value also adds the term
+  to methods without it, e.g. FedProx's term on InCoAvg).
   """
-  if prox_mu is not None:
-    return float(prox_mu)
-  if local_prox_mu:
-    return float(local_prox_mu)
-  return float(method.prox_mu or 0.0)
+  if prox_mu is None:
+    prox_mu = local.prox_mu or (FEDPROX_MU if method.client == "prox" else 0.0)
+  if moon_mu is None:
+    moon_mu = local.moon_mu or (MOON_MU if method.client == "moon" else 0.0)
+  return dataclasses.replace(local, prox_mu=float(prox_mu), moon_mu=float(moon_mu),
+                             scaffold=local.scaffold or method.client == "scaffold",
+                             normalize_delta=local.normalize_delta or method.client == "nova")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +134,40 @@ def assign_groups(num_clients: int, num_groups: int) -> list[np.ndarray]:
 
 
 @dataclasses.dataclass(frozen=True)
+class FedCrossConfig:
+  """FedCross's server options (Hu et al. 2024, Alg. 1 and Sec. III-D); see `aggregators.fedcross`."""
+
+  alpha: float = 0.99
+  strategy: str = "lowest_similarity"
+  similarity: str = "layerwise"  # the authors' code: sum of per-layer cosines
+  global_from: str = "middleware"  # paper: mean of the new middleware models; "uploaded": the authors' code
+  warmup_rounds: int = 0  # authors' code (fedcross_first_stage_bound): FedAvg (all slots := mean) before this
+  propellers: int = 0  # Sec. III-D PM: P in-order propeller models per slot during the first stage
+  propeller_rounds: int = 0  # length of that first stage
+  dynamic_alpha_rounds: int = 0  # Sec. III-D DA: alpha linear 0.5 -> alpha over the first N rounds
+
+  def __post_init__(self):
+    if not 0 <= self.alpha <= 1:
+      raise ValueError(f"fedcross alpha must be in [0, 1], got {self.alpha}")
+    if self.strategy not in aggregators.fedcross.STRATEGIES:
+      raise ValueError(f"unknown FedCross strategy {self.strategy!r}; accepted: "
+                       f"{', '.join(aggregators.fedcross.STRATEGIES)}")
+    if self.similarity not in aggregators.fedcross.SIMILARITY_KINDS:
+      raise ValueError(f"unknown FedCross similarity {self.similarity!r}; accepted: "
+                       f"{', '.join(aggregators.fedcross.SIMILARITY_KINDS)}")
+    if self.global_from not in ("middleware", "uploaded"):
+      raise ValueError(f"unknown FedCross global model {self.global_from!r}; accepted: middleware, uploaded")
+    for name in ("warmup_rounds", "propellers", "propeller_rounds", "dynamic_alpha_rounds"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"fedcross {name} must be >= 0, got {getattr(self, name)}")
+
+  def alpha_at(self, round_index: int) -> float:
+    if round_index < self.dynamic_alpha_rounds:
+      return float(aggregators.dynamic_alpha(round_index, 0, self.dynamic_alpha_rounds, 0.5, self.alpha))
+    return self.alpha
+
+
+@dataclasses.dataclass(frozen=True)
 class FLConfig:
   method: str = "HeteroAvg"
   rounds: int = 50
@@ -111,24 +175,35 @@ class FLConfig:
   weighting: str = "uniform"
   aggregate: str = "deltas"
   seed: int = 0
-  prox_mu: float | None = None  # FedProx's mu; None: the method's default (see effective_prox_mu)
+  prox_mu: float | None = None  # FedProx's mu; None: the method's default (see client_config)
+  moon_mu: float | None = None  # MOON's mu; None: the method's default
+  fedcross: FedCrossConfig = FedCrossConfig()
 
   def __post_init__(self):
-    get_method(self.method)
-    if self.prox_mu is not None and not 0 <= self.prox_mu < float("inf"):
-      raise ValueError(f"prox_mu must be finite and >= 0, got {self.prox_mu}")
+    method = get_method(self.method)
+    for name in ("prox_mu", "moon_mu"):
+      value = getattr(self, name)
+      if value is not None and not 0 <= value < float("inf"):
+        raise ValueError(f"{name} must be finite and >= 0, got {value}")
     if self.weighting not in WEIGHTINGS:
       raise ValueError(f"unknown weighting {self.weighting!r}; accepted: {', '.join(WEIGHTINGS)}")
     if self.aggregate not in AGGREGATE_MODES:
       raise ValueError(f"unknown aggregate mode {self.aggregate!r}; accepted: {', '.join(AGGREGATE_MODES)}")
+    if self.aggregate == "weights" and method.client in ("nova", "scaffold"):
+      raise ValueError(f"{method.name} aggregates deltas; --aggregate weights is not defined for it")
     for name in ("rounds", "clients_per_round"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if method.layout == "cross" and self.clients_per_round < 2:
+      raise ValueError("FedCross needs clients_per_round >= 2 (one middleware model per sampled client)")
 
 
 class ServerState(NamedTuple):
   round: int  # rounds completed
-  models: tuple[Variables, ...]  # one per federation
+  models: tuple[Variables, ...]  # one per federation (FedCross: the K middleware models, stacked)
+  # SCAFFOLD's server control variate per federation ({"params": c}), FedCross's global model, ...
+  server: tuple[dict[str, Any], ...] = ()
+  memory: tuple[dict[str, Any], ...] = ()  # per architecture group: its clients' state, stacked over clients
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -142,17 +217,26 @@ class Simulation:
                backend: Backend, test_images: jax.Array, test_labels: jax.Array):
     if config.clients_per_round > store.num_clients:
       raise ValueError(f"clients_per_round={config.clients_per_round} exceeds the {store.num_clients} clients")
-    self.groups = tuple(groups)
-    self.store, self.local, self.config, self.backend = store, local, config, backend
     self.method = get_method(config.method)
+    if self.method.layout == "cross" and len(groups) != 1:
+      raise ValueError(f"{self.method.name} trains one architecture, got {len(groups)} groups; pass one group "
+                       "(e.g. --groups cnn)")
+    if self.method.client == "moon":
+      groups = [dataclasses.replace(g, model=with_projection_head(g.model)) for g in groups]
+    self.groups = tuple(groups)
+    self.store, self.config, self.backend = store, config, backend
+    self.local = client_config(self.method, local, config.prox_mu, config.moon_mu)
+    self.prox_mu = self.local.prox_mu
     self.test_images, self.test_labels = test_images, test_labels
     self._sample_input = jnp.zeros((1,) + tuple(store.images.shape[1:]), jnp.float32)
     shapes = [jax.eval_shape(g.model.init, jax.random.key(0), self._sample_input) for g in groups]
     self.global_index = pick_global(shapes, [g.name for g in groups])
     self.maps = [build_group_map(shapes[self.global_index], s, g.name) for g, s in zip(groups, shapes)]
     self.group_of_client = np.full(store.num_clients, -1)
+    self.row_of_client = np.full(store.num_clients, -1)
     for i, g in enumerate(groups):
       self.group_of_client[g.clients] = i
+      self.row_of_client[g.clients] = np.arange(len(g.clients))
     if (self.group_of_client < 0).any():
       raise ValueError("every client must belong to an architecture group")
     if self.method.per_group:
@@ -162,15 +246,12 @@ class Simulation:
       self.federation_of = [0] * len(groups)
       self.federation_maps = list(self.maps)
     self.inco_pairs = self._cross_layer_pairs(shapes[self.global_index]) if self.method.inco_variant else ()
-    self.prox_mu = effective_prox_mu(self.method, config.prox_mu, local.prox_mu)
-    if self.prox_mu != local.prox_mu:
-      local = dataclasses.replace(local, prox_mu=self.prox_mu)
-      self.local = local
-    self.trainers = [LocalTrainer(g.model, local, store.mean, store.std) for g in groups]
+    self.trainers = [LocalTrainer(g.model, self.local, store.mean, store.std) for g in groups]
     self._extract = [jax.jit(lambda v, m=m: extract(v, m)) for m in self.federation_maps]
     members = [[i for i, f in enumerate(self.federation_of) if f == fed] for fed in range(max(self.federation_of) + 1)]
     self._members = members
     self._aggregate = [self._make_aggregate([self.federation_maps[i] for i in m]) for m in members]
+    self._cross = self._make_cross_aggregate() if self.method.layout == "cross" else None
 
   def _cross_layer_pairs(self, global_shapes: Variables) -> tuple:
     """InCo's (target, source) paths, from the global (largest) model's architecture."""
@@ -178,35 +259,66 @@ class Simulation:
     pairs_of = getattr(group.model, "cross_layer_pairs", None)
     if pairs_of is None:
       raise ValueError(f"method {self.method.name} needs cross-layer pairs, but the global model {group.name} "
-                       f"({type(group.model).__name__}) has no cross_layer_pairs(); use a ResNet")
+                       f"({type(group.model).__name__}) has no cross_layer_pairs(); use a ResNet or ViT")
     pairs = tuple(pairs_of())
     aggregators.check_pairs(pairs, global_shapes)
     return pairs
 
   def _make_aggregate(self, maps: Sequence[GroupMap]):
-    """The jitted server update of one federation: ``(model, ...) -> (new model, InCo stats or {})``."""
+    """The jitted server update of one federation:
+    ``(model, server, starts, results) -> (new model, new server, InCo stats or {})``."""
     weights_mode = self.config.aggregate == "weights"
     variant, granularity, pairs = self.method.inco_variant, self.method.inco_granularity, self.inco_pairs
+    client = self.method.client
+    param_maps = [m.restrict("params") for m in maps]
 
     @jax.jit
-    def aggregate(model, starts, delta_sums, weights):
-      if weights_mode:
-        uploads = [jax.tree.map(lambda d, s, w=w: d + w * s, ds, st) for ds, st, w in zip(delta_sums, starts, weights)]
-      if variant is not None:
-        # InCo Algorithm 1: heterogeneous mean delta -> cross-layer step -> w += delta.
-        if weights_mode:
-          num, den = aggregators.heterogeneous_sums(uploads, weights, maps, model)
-          delta = jax.tree.map(jnp.subtract, aggregators.masked_mean(num, den, model), model)
-        else:
-          num, den = aggregators.heterogeneous_sums(delta_sums, weights, maps, model)
-          delta = aggregators.masked_mean(num, den, jax.tree.map(jnp.zeros_like, model))
+    def aggregate(model, server, starts, results):
+      weights = [r.weight_sum for r in results]
+      sums = [r.delta_sum for r in results]
+      zeros = jax.tree.map(jnp.zeros_like, model)
+      if client == "nova":  # FedNova (Eq. 7) on the normalized deltas
+        delta = aggregators.fednova_delta(sums, weights, [r.extra_sums["nova_a"] for r in results], maps, model)
+        den = aggregators.weighted_coverage(weights, maps, model)
+      elif weights_mode:
+        uploads = [jax.tree.map(lambda d, s, w=w: d + w * s, ds, st) for ds, st, w in zip(sums, starts, weights)]
+        num, den = aggregators.heterogeneous_sums(uploads, weights, maps, model)
+        delta = jax.tree.map(jnp.subtract, aggregators.masked_mean(num, den, model), model)
+      else:
+        num, den = aggregators.heterogeneous_sums(sums, weights, maps, model)
+        delta = aggregators.masked_mean(num, den, zeros)
+      stats = {}
+      if variant is not None:  # InCo Algorithm 1: heterogeneous mean delta -> cross-layer step -> w += delta
         delta, stats = aggregators.inco(delta, pairs, variant, granularity, coverage=den)
-        return jax.tree.map(jnp.add, model, delta), stats
-      if weights_mode:
-        return aggregators.hetero_avg_weights(model, uploads, weights, maps), {}
-      return aggregators.hetero_avg(model, delta_sums, weights, maps), {}
+      new_server = dict(server)
+      if client == "scaffold":
+        new_server["control"] = aggregators.scaffold_server_control(
+            server["control"], [{"params": r.extra_sums["control_delta"]} for r in results], weights, param_maps)
+      return jax.tree.map(jnp.add, model, delta), new_server, stats
 
     return aggregate
+
+  def _make_cross_aggregate(self):
+    """FedCross's server step (Alg. 1): partner selection, cross-aggregation, global model."""
+    fc = self.config.fedcross
+
+    @functools.partial(jax.jit, static_argnames=("stage",))
+    def cross(uploads, round_index, alpha, stage):
+      num_models = jax.tree.leaves(uploads)[0].shape[0]
+      if stage == "warmup":  # the authors' code's first stage: every slot becomes the mean (FedAvg)
+        mean = aggregators.global_model(uploads)
+        middleware = jax.tree.map(lambda m, u: jnp.broadcast_to(m, u.shape), mean, uploads)
+        return middleware, mean, {}
+      if stage == "propellers":
+        middleware = aggregators.propeller_aggregate(
+            uploads, aggregators.propeller_partners(num_models, round_index, fc.propellers))
+      else:
+        partners = aggregators.select_partners(uploads, round_index, fc.strategy, fc.similarity)
+        middleware = aggregators.cross_aggregate(uploads, partners, alpha)
+      glob = aggregators.global_model(middleware if fc.global_from == "middleware" else uploads)
+      return middleware, glob, aggregators.middleware_similarity_stats(middleware)
+
+    return cross
 
   def init_state(self) -> ServerState:
     """All groups start from one initialization of the largest model."""
@@ -217,58 +329,129 @@ class Simulation:
       models = tuple(extract(global_vars, m) for m in self.maps)
     else:
       models = (global_vars,)
-    return ServerState(0, self.backend.place(models))
+    server = tuple({} for _ in models)
+    if self.method.client == "scaffold":
+      server = tuple({"control": {"params": jax.tree.map(jnp.zeros_like, m["params"])}} for m in models)
+    if self.method.layout == "cross":
+      k = self.config.clients_per_round
+      server = ({"global": global_vars},)
+      models = (jax.tree.map(lambda x: jnp.broadcast_to(x, (k,) + x.shape), global_vars),)
+    memory = []
+    for gi, (group, trainer) in enumerate(zip(self.groups, self.trainers)):
+      start = extract(global_vars, self.maps[gi])
+      row = trainer.init_memory(start)
+      memory.append(jax.tree.map(lambda x, n=len(group.clients): jnp.broadcast_to(x, (n,) + x.shape), row))
+    return ServerState(0, *self.backend.place((models, server, tuple(memory))))
 
   def group_variables(self, state: ServerState, group: int) -> Variables:
+    """The variables group ``group`` trains from (FedCross: the global model, for evaluation)."""
+    if self.method.layout == "cross":
+      return state.server[0]["global"]
     return self._extract[group](state.models[self.federation_of[group]])
+
+  def _group_server(self, state: ServerState, group: int) -> dict[str, Any]:
+    server = state.server[self.federation_of[group]] if state.server else {}
+    if "control" not in server:
+      return {}
+    return {"control": self._extract_params[group](server["control"])["params"]}
+
+  @functools.cached_property
+  def _extract_params(self):
+    return [jax.jit(lambda v, m=m.restrict("params"): extract(v, m)) for m in self.federation_maps]
 
   def sampled_clients(self, round_index: int) -> np.ndarray:
     return sample_clients(self.store.num_clients, self.config.clients_per_round, self.config.seed, round_index)
 
+  def _client_weights(self, cohort: np.ndarray) -> np.ndarray:
+    if self.config.weighting == "uniform":
+      return np.ones(len(cohort))
+    return self.store.sizes[cohort].astype(float)
+
+  def _check_loss(self, r: int, group: ArchGroup, result) -> float:
+    loss = float(result.loss_sum) / max(float(result.num_examples), 1.0)
+    if not math.isfinite(loss):
+      raise NonFiniteLossError(f"round {r + 1}: training loss of group {group.name} is {loss}")
+    return loss
+
   def run_round(self, state: ServerState) -> tuple[ServerState, dict[str, Any]]:
     """One round; returns the new state and host-side metrics for it."""
+    if self.method.layout == "cross":
+      return self._run_cross_round(state)
     t0 = time.perf_counter()
     r = state.round
     round_key = jax.random.fold_in(jax.random.key(self.config.seed), r)
     sampled = self.sampled_clients(r)
-    starts, results = [], []
+    starts, results, servers = [], [], []
+    memory = list(state.memory) or [{} for _ in self.groups]
     losses: dict[str, float] = {}
     examples = 0.0
     for gi, group in enumerate(self.groups):
       start = self.group_variables(state, gi)
+      server = self._group_server(state, gi)
       cohort = sampled[self.group_of_client[sampled] == gi]
       starts.append(start)
+      servers.append(server)
       if len(cohort) == 0:
         results.append(None)
         continue
-      weights = np.ones(len(cohort)) if self.config.weighting == "uniform" else self.store.sizes[cohort].astype(float)
-      result = self.backend.train(self.trainers[gi], start, self.store, cohort, weights, round_key)
-      count = float(result.num_examples)
-      loss = float(result.loss_sum) / max(count, 1.0)
-      if not math.isfinite(loss):
-        raise NonFiniteLossError(f"round {r + 1}: training loss of group {group.name} is {loss}")
-      losses[group.name] = loss
-      examples += count
-      results.append(result)
-    models = list(state.models)
+      result = self.backend.train(self.trainers[gi], start, self.store, cohort, self._client_weights(cohort),
+                                  round_key, memory=memory[gi], rows=self.row_of_client[cohort], server=server)
+      memory[gi] = result.memory
+      losses[group.name] = self._check_loss(r, group, result)
+      examples += float(result.num_examples)
+      results.append(result._replace(memory={}, uploads=None))
+    models, server_states = list(state.models), list(state.server) or [{} for _ in state.models]
     inco_stats = {}
     for fed, members in enumerate(self._members):
       if all(results[i] is None for i in members):
         continue
-      filled = [results[i] or empty_result(starts[i]) for i in members]
-      models[fed], stats = self._aggregate[fed](models[fed], [starts[i] for i in members],
-                                                [f.delta_sum for f in filled], [f.weight_sum for f in filled])
+      filled = [results[i] or self._empty_result(i, starts[i], servers[i], state) for i in members]
+      models[fed], server_states[fed], stats = self._aggregate[fed](
+          models[fed], server_states[fed], [starts[i] for i in members], filled)
       inco_stats.update(stats)
     jax.block_until_ready(models)
-    seconds = time.perf_counter() - t0
-    total_loss = sum(losses[g] for g in losses) / max(len(losses), 1)
-    metrics = {"round": r + 1, "train_loss": total_loss, "train_loss_per_group": losses,
-               "clients": [int(c) for c in sampled], "examples": int(examples),
-               "round_seconds": seconds, "samples_per_s": examples / seconds}
+    metrics = self._round_metrics(r, sampled, losses, examples, time.perf_counter() - t0)
     if inco_stats:  # per target layer; None where no sampled client owned it
       metrics["inco"] = {name: {k: (float(v) if math.isfinite(float(v)) else None) for k, v in s.items()}
                          for name, s in jax.device_get(inco_stats).items()}
-    return ServerState(r + 1, tuple(models)), metrics
+    return ServerState(r + 1, tuple(models), tuple(server_states), tuple(memory)), metrics
+
+  def _empty_result(self, group: int, start, server, state: ServerState):
+    """Zero sums for a group nobody of which was sampled, shaped as a real result."""
+    trainer = self.trainers[group]
+    row = jax.tree.map(lambda x: x[0], state.memory[group]) if state.memory and state.memory[group] else {}
+    return empty_result(start, extras_like(trainer, start, row, server))
+
+  def _run_cross_round(self, state: ServerState) -> tuple[ServerState, dict[str, Any]]:
+    """FedCross (Alg. 1): slot i is trained by the i-th of the shuffled sampled clients."""
+    t0 = time.perf_counter()
+    r, fc = state.round, self.config.fedcross
+    round_key = jax.random.fold_in(jax.random.key(self.config.seed), r)
+    clients = np.random.default_rng([self.config.seed, r, 1]).permutation(self.sampled_clients(r))
+    result = self.backend.train(self.trainers[0], state.models[0], self.store, clients, np.ones(len(clients)),
+                                round_key, memory=state.memory[0], rows=self.row_of_client[clients],
+                                per_client_start=True, keep_uploads=True)
+    losses = {self.groups[0].name: self._check_loss(r, self.groups[0], result)}
+    if r < fc.warmup_rounds:
+      stage = "warmup"
+    elif r < fc.propeller_rounds and fc.propellers:
+      stage = "propellers"
+    else:
+      stage = "cross"
+    middleware, glob, similarity = self._cross(result.uploads, r, fc.alpha_at(r), stage=stage)
+    jax.block_until_ready(middleware)
+    metrics = self._round_metrics(r, clients, losses, float(result.num_examples), time.perf_counter() - t0)
+    metrics["fedcross_stage"] = stage
+    metrics["fedcross_alpha"] = fc.alpha_at(r)
+    if similarity:
+      metrics["middleware_similarity"] = {k: float(v) for k, v in similarity.items()}
+    return ServerState(r + 1, (middleware,), ({"global": glob},), (result.memory,)), metrics
+
+  def _round_metrics(self, r, clients, losses, examples, seconds) -> dict[str, Any]:
+    total_loss = sum(losses.values()) / max(len(losses), 1)
+    return {"round": r + 1, "train_loss": total_loss, "train_loss_per_group": losses,
+            "clients": [int(c) for c in clients], "examples": int(examples),
+            "round_seconds": seconds, "samples_per_s": examples / seconds}
 
   def evaluate(self, state: ServerState, batch_size: int = 1000) -> dict[str, float]:
     """Test accuracy of every group's model, and their mean under ``"mean"``."""
@@ -278,4 +461,3 @@ class Simulation:
                                   self.test_labels, self.store.mean, self.store.std, batch_size)
     accs["mean"] = float(np.mean(list(accs.values())))
     return accs
-

@@ -26,7 +26,8 @@ from fedjax_hetero import models
 from fedjax_hetero.backends import BACKENDS, make_backend
 from fedjax_hetero.client.local import LocalConfig
 from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.engine import ArchGroup, FLConfig, ServerState, Simulation, assign_groups, get_method
+from fedjax_hetero.engine import (ArchGroup, FedCrossConfig, FLConfig, ServerState, Simulation, assign_groups,
+                                  get_method)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,16 @@ class ExperimentConfig:
   weighting: str = "uniform"
   aggregate: str = "deltas"
   prox_mu: float | None = None  # FedProx's mu; None: the method's default (0.1 for *Prox, else 0)
+  moon_mu: float | None = None  # MOON's mu; None: the method's default (5 for *MOON, else 0)
+  moon_temperature: float = 0.5
+  fedcross_alpha: float = 0.99
+  fedcross_strategy: str = "lowest_similarity"
+  fedcross_similarity: str = "layerwise"
+  fedcross_global: str = "middleware"
+  fedcross_warmup_rounds: int = 0
+  fedcross_propellers: int = 0
+  fedcross_propeller_rounds: int = 0
+  fedcross_dynamic_alpha_rounds: int = 0
   checkpoint_every: int = 10
   steps_per_call: int = 8
   max_train_samples: int | None = None
@@ -95,11 +106,20 @@ class ExperimentConfig:
   def local_config(self) -> LocalConfig:
     return LocalConfig(epochs=self.epochs, batch_size=self.batch_size, optimizer=self.optimizer,
                        learning_rate=self.learning_rate, momentum=self.momentum, weight_decay=self.weight_decay,
-                       drop_last=self.drop_last, steps_per_call=self.steps_per_call)
+                       drop_last=self.drop_last, steps_per_call=self.steps_per_call,
+                       moon_temperature=self.moon_temperature)
 
   def fl_config(self) -> FLConfig:
     return FLConfig(method=self.method, rounds=self.rounds, clients_per_round=self.clients_per_round,
-                    weighting=self.weighting, aggregate=self.aggregate, seed=self.seed, prox_mu=self.prox_mu)
+                    weighting=self.weighting, aggregate=self.aggregate, seed=self.seed, prox_mu=self.prox_mu,
+                    moon_mu=self.moon_mu, fedcross=self.fedcross_config())
+
+  def fedcross_config(self) -> FedCrossConfig:
+    return FedCrossConfig(alpha=self.fedcross_alpha, strategy=self.fedcross_strategy,
+                          similarity=self.fedcross_similarity, global_from=self.fedcross_global,
+                          warmup_rounds=self.fedcross_warmup_rounds, propellers=self.fedcross_propellers,
+                          propeller_rounds=self.fedcross_propeller_rounds,
+                          dynamic_alpha_rounds=self.fedcross_dynamic_alpha_rounds)
 
 
 def build_simulation(config: ExperimentConfig, dataset: fdata.ArrayDataset | None = None,
@@ -121,7 +141,8 @@ def build_simulation(config: ExperimentConfig, dataset: fdata.ArrayDataset | Non
   backend = make_backend(config.backend)
   sim = Simulation(groups, store, config.local_config(), config.fl_config(), backend,
                    jnp.asarray(dataset.test_images), jnp.asarray(dataset.test_labels))
-  prox = f" (prox mu {sim.prox_mu:g})" if sim.prox_mu else ""
+  terms = [f"{k} {v:g}" for k, v in (("prox mu", sim.local.prox_mu), ("moon mu", sim.local.moon_mu)) if v]
+  prox = f" ({', '.join(terms)})" if terms else ""
   log(f"{dataset.name}: {len(dataset.train_labels)} train / {len(dataset.test_labels)} test samples, "
       f"{config.num_clients} clients ({config.partition}), groups {', '.join(config.groups)}, "
       f"method {sim.method.name}{prox}, backend {backend.name} on {jax.default_backend()}")
@@ -133,11 +154,17 @@ def _checkpoint_manager(output_dir: str, config: ExperimentConfig) -> ocp.Checkp
   return ocp.CheckpointManager(os.path.abspath(os.path.join(output_dir, "checkpoints")), options=options)
 
 
+def _checkpoint_tree(state: ServerState) -> dict[str, Any]:
+  """Everything a resumed run needs: server models, server state (SCAFFOLD's c, FedCross's global
+  model) and the clients' memory (SCAFFOLD's c_i, MOON's previous models)."""
+  return {"models": list(state.models), "server": list(state.server), "memory": list(state.memory)}
+
+
 def _restore(manager: ocp.CheckpointManager, template: ServerState) -> ServerState:
   step = manager.latest_step()
-  abstract = {"models": jax.tree.map(ocp.utils.to_shape_dtype_struct, list(template.models))}
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _checkpoint_tree(template))
   restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
-  return ServerState(int(step), tuple(restored["models"]))
+  return ServerState(int(step), tuple(restored["models"]), tuple(restored["server"]), tuple(restored["memory"]))
 
 
 def _prepare_output(config: ExperimentConfig) -> None:
@@ -204,7 +231,8 @@ def run_experiment(config: ExperimentConfig, dataset: fdata.ArrayDataset | None 
   rows: list[dict[str, Any]] = []
   if config.resume and manager.latest_step() is not None:
     state = _restore(manager, state)
-    state = state._replace(models=sim.backend.place(state.models))
+    state = state._replace(**sim.backend.place({"models": state.models, "server": state.server,
+                                                "memory": state.memory}))
     rows = _read_metrics(metrics_path, state.round)
     log(f"resumed from round {state.round}")
   with open(metrics_path, "w") as f:
@@ -221,7 +249,7 @@ def run_experiment(config: ExperimentConfig, dataset: fdata.ArrayDataset | None 
       rows.append(m)
       with open(metrics_path, "a") as f:
         f.write(json.dumps(m) + "\n")
-      manager.save(state.round, args=ocp.args.StandardSave({"models": list(state.models)}), force=final)
+      manager.save(state.round, args=ocp.args.StandardSave(_checkpoint_tree(state)), force=final)
       postfix = {"loss": f"{m['train_loss']:.3f}", "samples/s": f"{m['samples_per_s']:.0f}"}
       last_eval = next((r["test_accuracy"] for r in reversed(rows) if r.get("test_accuracy")), None)
       if last_eval:
@@ -254,7 +282,8 @@ def _summarize(config: ExperimentConfig, sim: Simulation, rows: Sequence[dict[st
       "train_seconds_all_rounds": train_seconds,
       "mean_samples_per_s": sum(r["examples"] for r in rows) / max(train_seconds, 1e-9),
       "backend": sim.backend.name,
-      "prox_mu": sim.prox_mu,
+      "prox_mu": sim.local.prox_mu,
+      "moon_mu": sim.local.moon_mu,
       "platform": jax.default_backend(),
       "parameters_per_group": group_params,
       "config": dataclasses.asdict(config),

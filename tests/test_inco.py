@@ -12,7 +12,7 @@ from flax import traverse_util
 
 from fedjax_hetero import aggregators
 from fedjax_hetero.aggregators import INCO_GRANULARITIES, INCO_VARIANTS, cross_layer_update, inco
-from fedjax_hetero.backends import make_backend
+from fedjax_hetero.backends import empty_result, make_backend
 from fedjax_hetero.client.local import LocalConfig
 from fedjax_hetero.data import partition, synthetic_dataset
 from fedjax_hetero.data.store import FederatedStore
@@ -287,7 +287,8 @@ def test_incoavg_aggregate_applies_inco_to_the_mean_delta():
   model = as_arrays(shapes[1])
   starts = [sim.group_variables(ServerState(0, (model,)), i) for i in range(2)]
   sums, weights = [as_arrays(s) for s in shapes], [jnp.float32(1.0), jnp.float32(2.0)]
-  new, stats = sim._aggregate[0](model, starts, sums, weights)
+  results = [empty_result(st)._replace(delta_sum=s, weight_sum=w) for st, s, w in zip(starts, sums, weights)]
+  new, _, stats = sim._aggregate[0](model, {}, starts, results)
 
   @jax.jit
   def reference(model, sums, weights):

@@ -17,7 +17,7 @@ from fedjax_hetero.client.local import LocalConfig, LocalTrainer, proximal_term
 from fedjax_hetero.data import partition, synthetic_dataset
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.engine import (FEDPROX_MU, METHODS, ArchGroup, FLConfig, ServerState, Simulation, assign_groups,
-                                  effective_prox_mu, get_method)
+                                  client_config, get_method)
 from fedjax_hetero.hetero.maps import extract
 from fedjax_hetero.models import build_model
 from fedjax_hetero.runner import ExperimentConfig, build_simulation
@@ -70,18 +70,18 @@ def sgd_trainers():
 def test_proximal_gradient_is_mu_times_distance_to_anchor(sgd_trainers):
   variables, plain, plain_step, prox, prox_step = sgd_trainers
   state0 = prox.init_state(variables)
-  chex.assert_trees_all_equal(state0.anchor, variables["params"])
+  chex.assert_trees_all_equal(state0.context["start"], variables)
   # Step 1 starts at the anchor, where the proximal gradient mu * (w - w^t) vanishes.
   state1 = prox_step(state0, *batch(0, 8), jnp.ones(8, bool))
   reference1 = plain_step(plain.init_state(variables), *batch(0, 8), jnp.ones(8, bool))
   chex.assert_trees_all_close(state1.variables, reference1.variables, rtol=1e-6, atol=1e-7)
-  chex.assert_trees_all_equal(state1.anchor, variables["params"])  # the anchor never moves
+  chex.assert_trees_all_equal(state1.context["start"], variables)  # the anchor never moves
 
   # Step 2 from the same w1 (now away from the anchor), with and without the proximal term.
   images, labels = batch(1, 8)
   mask = jnp.asarray(np.array([1, 1, 0, 1, 1, 1, 0, 1], bool))
   with_prox = prox_step(state1, images, labels, mask)
-  without = plain_step(state1._replace(anchor=None), images, labels, mask)
+  without = plain_step(state1._replace(context={}), images, labels, mask)
   w1, anchor = flat(state1.variables["params"]), flat(variables["params"])
   got_prox, got_plain = flat(with_prox.variables["params"]), flat(without.variables["params"])
   largest = 0.0
@@ -98,9 +98,9 @@ def test_proximal_gradient_is_mu_times_distance_to_anchor(sgd_trainers):
 def test_zero_mu_keeps_the_plain_state_and_program(sgd_trainers):
   variables, plain, plain_step, *_ = sgd_trainers
   state = plain.init_state(variables)
-  assert state.anchor is None
+  assert state.context == {}
   # prox_mu == 0 adds no leaf to the state and no op to the step.
-  assert len(jax.tree.leaves(state)) == len(jax.tree.leaves((variables, state.opt_state))) + 2
+  assert len(jax.tree.leaves(state)) == len(jax.tree.leaves((variables, state.opt_state))) + 3
   explicit = LocalTrainer(plain.model, LocalConfig(batch_size=8, optimizer="sgd", learning_rate=0.5), MEAN, STD)
   args = (state, *batch(2, 8), jnp.ones(8, bool))
   assert str(jax.make_jaxpr(plain.train_step)(*args)) == str(jax.make_jaxpr(explicit.train_step)(*args))
@@ -109,7 +109,7 @@ def test_zero_mu_keeps_the_plain_state_and_program(sgd_trainers):
 
 def test_prox_step_needs_an_anchor(sgd_trainers):
   variables, plain, _, prox, _ = sgd_trainers
-  with pytest.raises(ValueError, match="needs the anchor"):
+  with pytest.raises(ValueError, match="build the state with init_state"):
     prox.train_step(plain.init_state(variables), *batch(0, 8), jnp.ones(8, bool))
 
 
@@ -121,11 +121,10 @@ def test_all_masked_step_is_a_no_op_with_prox_and_batch_norm():
   step = jax.jit(trainer.train_step)
   state1 = step(trainer.init_state(variables), *batch(0, 8), jnp.ones(8, bool))
   state2 = step(state1, *batch(1, 8), jnp.ones(8, bool))  # away from the anchor: the penalty is nonzero
-  assert float(proximal_term(state2.variables["params"], state2.anchor, 0.1)) > 0
+  assert float(proximal_term(state2.variables["params"], state2.context["start"]["params"], 0.1)) > 0
   state3 = step(state2, *batch(2, 8), jnp.zeros(8, bool))
   chex.assert_trees_all_equal(state3, state2)  # params, batch_stats, adam state, counters, anchor
-  chex.assert_trees_all_equal(state3.anchor, variables["params"])
-  assert set(state3.anchor) == set(variables["params"]), "the anchor covers params only, not batch_stats"
+  chex.assert_trees_all_equal(state3.context["start"], variables)
 
 
 @pytest.mark.parametrize("kwargs", [dict(prox_mu=-0.1), dict(prox_mu=float("nan")), dict(prox_mu=float("inf"))])
@@ -146,25 +145,26 @@ def test_prox_methods_are_registered():
     for spelling in (name, name.lower(), name.upper()):
       method = get_method(spelling)
       assert method.name == name and method.per_group == per_group and method.inco_variant == variant
-      assert method.prox_mu == 0.1
+      assert method.client == "prox"
   for name in ("FedAvg", "HeteroAvg", "InCoAvg"):
-    assert get_method(name).prox_mu is None
+    assert get_method(name).client == "avg"
   with pytest.raises(ValueError, match=r"unknown method 'FedMoon'; accepted: FedAvg, HeteroAvg, InCoAvg, FedProx, "
                      r"HeteroProx, InCoProx"):
     get_method("FedMoon")
   assert {"fedprox", "heteroprox", "incoprox"} <= set(METHODS)
 
 
-def test_effective_prox_mu_precedence():
+def test_client_config_prox_mu_precedence():
   prox, avg = get_method("FedProx"), get_method("FedAvg")
-  assert effective_prox_mu(prox, None) == 0.1
-  assert effective_prox_mu(prox, 0.0) == 0.0  # an explicit 0 turns the term off
-  assert effective_prox_mu(prox, 0.3) == 0.3
-  assert effective_prox_mu(prox, None, 0.2) == 0.2
-  assert effective_prox_mu(prox, 0.3, 0.2) == 0.3
-  assert effective_prox_mu(avg, None) == 0.0
-  assert effective_prox_mu(avg, 0.05) == 0.05
-  assert effective_prox_mu(avg, None, 0.2) == 0.2
+  mu = lambda method, run=None, local=0.0: client_config(method, LocalConfig(prox_mu=local), prox_mu=run).prox_mu
+  assert mu(prox) == 0.1
+  assert mu(prox, 0.0) == 0.0  # an explicit 0 turns the term off
+  assert mu(prox, 0.3) == 0.3
+  assert mu(prox, None, 0.2) == 0.2
+  assert mu(prox, 0.3, 0.2) == 0.3
+  assert mu(avg) == 0.0
+  assert mu(avg, 0.05) == 0.05
+  assert mu(avg, None, 0.2) == 0.2
 
 
 def mlp_simulation(method, backend="sequential", prox_mu=None):

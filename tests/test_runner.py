@@ -19,7 +19,7 @@ from experiments import cli
 from fedjax_hetero import engine
 from fedjax_hetero.backends import BACKENDS
 from fedjax_hetero.data import synthetic_dataset
-from fedjax_hetero.engine import METHODS, NonFiniteLossError, ServerState
+from fedjax_hetero.engine import METHODS, NonFiniteLossError
 from fedjax_hetero.runner import (ExperimentConfig, _checkpoint_manager, _restore, build_simulation,
                                   run_experiment)
 
@@ -51,7 +51,7 @@ def read_rows(output_dir):
 def restore(config, dataset, step=None):
   """The models of checkpoint `step` (the latest if None), via the runner's own manager."""
   sim, _ = build_simulation(config, dataset, log=quiet)
-  template = ServerState(0, jax.eval_shape(lambda: sim.init_state().models))
+  template = jax.eval_shape(sim.init_state)._replace(round=0)
   manager = _checkpoint_manager(config.output_dir, config)
   if step is not None:
     assert step in manager.all_steps(), manager.all_steps()
@@ -284,7 +284,7 @@ def test_cli_rejects_unknown_backend_choice(capsys, tmp_path, no_compute):
 
 
 @pytest.mark.parametrize("changes,message", [
-    (dict(method="SCAFFOLD"), r"unknown method 'SCAFFOLD'"),
+    (dict(method="FedDyn"), r"unknown method 'FedDyn'"),
     (dict(dataset="mnist"), r"unknown dataset 'mnist'"),
     (dict(groups=("mlp@1", "transformer")), r"unknown model 'transformer'"),
     (dict(alpha=0.0), r"alpha must be > 0, got 0.0"),

@@ -28,6 +28,7 @@ from fedjax_hetero.aggregators.hetero_avg import (
     heterogeneous_sums,
     masked_mean,
 )
+from fedjax_hetero.aggregators.server_steps import fednova_delta, scaffold_server_control, weighted_coverage
 from fedjax_hetero.aggregators.inco import GRANULARITIES as INCO_GRANULARITIES
 from fedjax_hetero.aggregators.inco import VARIANTS as INCO_VARIANTS
 from fedjax_hetero.aggregators.inco import (
@@ -38,7 +39,8 @@ from fedjax_hetero.aggregators.inco import (
     projection_coefficients,
 )
 
-__all__ = ["cross_aggregate", "dynamic_alpha", "fedavg", "fedcross_aggregate", "global_model", "hetero_avg",
+__all__ = ["cross_aggregate", "dynamic_alpha", "fedavg", "fedcross_aggregate", "fednova_delta", "global_model", "hetero_avg",
            "hetero_avg_weights", "heterogeneous_mean_delta", "heterogeneous_sums", "highest_similarity_partners",
            "in_order_partners", "lowest_similarity_partners", "masked_mean", "middleware_similarity_stats",
-           "propeller_aggregate", "propeller_partners", "select_partners", "similarity_matrix"]
+           "propeller_aggregate", "propeller_partners", "scaffold_server_control", "select_partners",
+           "similarity_matrix", "weighted_coverage"]

@@ -39,7 +39,12 @@ class LocalConfig:
   weight_decay: float = 0.0
   drop_last: bool = False
   steps_per_call: int = 8
+  # Client-side pieces of the base methods (InCo paper Table 2; FedCross baselines):
   prox_mu: float = 0.0  # FedProx's mu; 0 trains on the plain cross-entropy
+  scaffold: bool = False  # SCAFFOLD's control-variate gradient correction (option II update of c_i)
+  moon_mu: float = 0.0  # MOON's weight of the model-contrastive loss; 0: off
+  moon_temperature: float = 0.5  # MOON's tau
+  normalize_delta: bool = False  # FedNova: upload delta / a_i and a_i (see `nova_normalizer`)
 
   def __post_init__(self):
     if self.optimizer not in OPTIMIZERS:
@@ -49,8 +54,11 @@ class LocalConfig:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
     if not self.learning_rate > 0:
       raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
-    if not 0 <= self.prox_mu < float("inf"):
-      raise ValueError(f"prox_mu must be finite and >= 0, got {self.prox_mu}")
+    for name in ("prox_mu", "moon_mu"):
+      if not 0 <= getattr(self, name) < float("inf"):
+        raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)}")
+    if not self.moon_temperature > 0:
+      raise ValueError(f"moon_temperature must be > 0, got {self.moon_temperature}")
 
   def steps_per_epoch(self, num_examples: int) -> int:
     if self.drop_last:
@@ -86,9 +94,19 @@ def make_optimizer(config: LocalConfig) -> optax.GradientTransformation:
 class LocalState(NamedTuple):
   variables: Variables
   opt_state: Any
-  loss_sum: jax.Array  # summed per-example cross-entropy over real examples seen (no proximal term)
+  loss_sum: jax.Array  # summed per-example cross-entropy over real examples seen (no regularizers)
   num_examples: jax.Array
-  anchor: Variables | None = None  # FedProx's w^t: the params the client started from; None if prox_mu == 0
+  num_steps: jax.Array  # steps that saw at least one real example (FedNova's tau_i)
+  # What the round's objective needs besides the batch, fixed during the round (see `ClientContext`).
+  context: dict[str, Any] = {}
+
+
+class ClientOutput(NamedTuple):
+  """What one client hands back after a round."""
+
+  delta: Variables  # local - start (FedNova: divided by a_i)
+  extras: dict[str, Any]  # further uploads, summed with the client's weight by the backends
+  memory: dict[str, Any]  # the client's state kept across rounds (SCAFFOLD c_i, MOON's previous model)
 
 
 def normalize(images: jax.Array, mean: tuple[float, ...], std: tuple[float, ...]) -> jax.Array:
@@ -107,6 +125,44 @@ def proximal_term(params: Variables, anchor: Variables, mu: float) -> jax.Array:
   """FedProx's proximal term (Li et al. 2020, Eq. 2): ``mu/2 ||w - w^t||^2`` over all leaves of ``params``."""
   squares = jax.tree.map(lambda p, a: jnp.sum(jnp.square(p - a)), params, anchor)
   return 0.5 * mu * sum(jax.tree.leaves(squares))
+
+
+def _cosine(u: jax.Array, v: jax.Array, eps: float = 1e-8) -> jax.Array:
+  return jnp.sum(u * v, -1) / jnp.maximum(jnp.linalg.norm(u, axis=-1) * jnp.linalg.norm(v, axis=-1), eps)
+
+
+def model_contrastive_loss(z: jax.Array, z_global: jax.Array, z_previous: jax.Array, temperature: float,
+                           mask: jax.Array) -> jax.Array:
+  """MOON's model-contrastive loss (Li, He, Song 2021, Eq. 3), mean over real rows.
+
+  ``-log(e^{sim(z, z_glob)/tau} / (e^{sim(z, z_glob)/tau} + e^{sim(z, z_prev)/tau}))`` with cosine
+  similarity, i.e. ``softplus((sim(z, z_prev) - sim(z, z_glob)) / tau)``.
+  """
+  positive = _cosine(z, z_global) / temperature
+  negative = _cosine(z, z_previous) / temperature
+  return jnp.sum(jax.nn.softplus(negative - positive) * mask) / jnp.maximum(mask.sum(), 1.0)
+
+
+def nova_normalizer(num_steps: jax.Array, optimizer: str, momentum: float) -> jax.Array:
+  """FedNova's a_i (Wang et al. 2020, Sec. 4 and App. for momentum): the norm of the local
+  aggregation vector. Plain SGD: ``tau``; SGD with momentum rho: ``[tau - rho(1 - rho^tau)/(1 - rho)]/(1 - rho)``.
+
+  Adam has no such closed form; we use ``tau`` for it (each Adam step moves a weight by about
+  the learning rate whatever the gradient scale, so the update grows linearly in ``tau``).
+  """
+  tau = jnp.asarray(num_steps, jnp.float32)
+  if optimizer == "sgd" and momentum:
+    rho = momentum
+    return (tau - rho * (1.0 - rho ** tau) / (1.0 - rho)) / (1.0 - rho)
+  return tau
+
+
+def scaffold_control_update(control: Variables, server_control: Variables, delta_params: Variables,
+                            num_steps: jax.Array, learning_rate: float) -> Variables:
+  """SCAFFOLD's option II (Karimireddy et al. 2020, Alg. 1 line 12):
+  ``c_i+ = c_i - c + (x - y_i) / (K eta)`` with ``x - y_i = -delta``, K the client's local steps."""
+  scale = 1.0 / (jnp.maximum(jnp.asarray(num_steps, jnp.float32), 1.0) * learning_rate)
+  return jax.tree.map(lambda ci, c, d: ci - c - scale * d, control, server_control, delta_params)
 
 
 def draw_schedule(index_row: jax.Array, num_examples: jax.Array, key: jax.Array, *, epochs: int,
@@ -151,40 +207,106 @@ class LocalTrainer:
   def tx(self) -> optax.GradientTransformation:
     return make_optimizer(self.config)
 
-  def init_state(self, variables: Variables) -> LocalState:
-    """A client's state at the start of a round; the start params are FedProx's anchor when ``prox_mu > 0``."""
+  @property
+  def contrastive(self) -> bool:
+    return bool(self.config.moon_mu)
+
+  @property
+  def context_keys(self) -> set[str]:
+    """What `init_state` puts in ``LocalState.context`` for this configuration."""
+    c = self.config
+    return ({"start"} if c.prox_mu or self.contrastive else set()) | ({"correction"} if c.scaffold else set()) | (
+        {"previous"} if self.contrastive else set())
+
+  def init_memory(self, variables: Variables) -> dict[str, Any]:
+    """A client's persistent state before its first round (empty for stateless methods)."""
+    memory = {}
+    if self.config.scaffold:
+      memory["control"] = jax.tree.map(jnp.zeros_like, variables["params"])  # c_i = 0 (SCAFFOLD Alg. 1)
+    if self.contrastive:
+      memory["previous"] = variables  # MOON's previous local model; the initial model before round 1
+    return memory
+
+  def init_state(self, start: Variables, memory: dict[str, Any] | None = None,
+                 server: dict[str, Any] | None = None) -> LocalState:
+    """A client's state at the start of a round, from the server's ``start`` variables, the
+    client's ``memory`` (`init_memory`) and the group's share of server state (SCAFFOLD's c)."""
+    c = self.config
+    memory, server = memory or {}, server or {}
+    context = {}
+    if c.prox_mu or self.contrastive:
+      context["start"] = start  # FedProx's anchor w^t; MOON's global model
+    if c.scaffold:
+      context["correction"] = tree_sub(server["control"], memory["control"])  # c - c_i
+    if self.contrastive:
+      context["previous"] = memory["previous"]
     zero = jnp.zeros((), jnp.float32)
-    anchor = variables["params"] if self.config.prox_mu else None
-    return LocalState(variables, self.tx.init(variables["params"]), zero, zero, anchor)
+    return LocalState(start, self.tx.init(start["params"]), zero, zero, zero, context)
+
+  def _forward(self, variables: Variables, x: jax.Array, train: bool, mask: jax.Array | None):
+    """``((logits, z or None), batch_stats updates)``; z is MOON's projection."""
+    kwargs = {"mutable": ["batch_stats"]} if train and "batch_stats" in variables else {}
+    if self.contrastive:
+      out = self.model.apply(variables, x, train=train, mask=mask, method="logits_and_projection", **kwargs)
+    else:
+      out = self.model.apply(variables, x, train=train, mask=mask, **kwargs)
+    outputs, updates = out if kwargs else (out, {})
+    return (outputs if self.contrastive else (outputs, None)), updates
 
   def train_step(self, state: LocalState, images: jax.Array, labels: jax.Array, mask: jax.Array) -> LocalState:
-    """One masked step on the mean cross-entropy of the real rows, plus FedProx's
-    ``mu/2 ||w - w^t||^2`` on ``params`` when ``prox_mu > 0`` (Li et al. 2020, Eq. 2)."""
+    """One masked step on the mean cross-entropy of the real rows, plus the configured client terms:
+    FedProx's ``mu/2 ||w - w^t||^2``, MOON's ``mu * l_con``, SCAFFOLD's gradient correction ``c - c_i``."""
+    c, ctx = self.config, state.context
+    missing = self.context_keys - set(ctx)
+    if missing:
+      raise ValueError(f"the client objective needs {sorted(missing)} in LocalState.context; build the state "
+                       "with init_state")
     x = normalize(images, self.mean, self.std)
-    mu = self.config.prox_mu
-    if mu and state.anchor is None:
-      raise ValueError("prox_mu > 0 needs the anchor in LocalState; build the state with init_state")
     maskf = mask.astype(jnp.float32)
-    has_stats = "batch_stats" in state.variables
+    if self.contrastive:  # representations of the frozen global and previous models (eval mode)
+      z_global = jax.lax.stop_gradient(self._forward(ctx["start"], x, False, None)[0][1])
+      z_previous = jax.lax.stop_gradient(self._forward(ctx["previous"], x, False, None)[0][1])
 
     def loss_fn(params):
-      variables = {**state.variables, "params": params}
-      if has_stats:
-        logits, updates = self.model.apply(variables, x, train=True, mask=mask, mutable=["batch_stats"])
-      else:
-        logits, updates = self.model.apply(variables, x, train=True, mask=mask), {}
+      (logits, z), updates = self._forward({**state.variables, "params": params}, x, True, mask)
       loss, total = masked_cross_entropy(logits, labels, maskf)
-      if mu:  # a Python-level branch, so prox_mu == 0 traces exactly the plain program
-        loss = loss + proximal_term(params, state.anchor, mu)
+      # Python-level branches: a method without a term traces exactly the plain program.
+      if c.prox_mu:
+        loss = loss + proximal_term(params, ctx["start"]["params"], c.prox_mu)
+      if self.contrastive:
+        loss = loss + c.moon_mu * model_contrastive_loss(z, z_global, z_previous, c.moon_temperature, maskf)
       return loss, (updates, total)
 
     (_, (model_updates, total)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.variables["params"])
+    if c.scaffold:
+      grads = jax.tree.map(jnp.add, grads, ctx["correction"])
     updates, opt_state = self.tx.update(grads, state.opt_state, state.variables["params"])
     variables = {**state.variables, **model_updates, "params": optax.apply_updates(state.variables["params"], updates)}
-    stepped = LocalState(variables, opt_state, state.loss_sum + total, state.num_examples + maskf.sum(),
-                         state.anchor)
     active = maskf.sum() > 0
+    stepped = LocalState(variables, opt_state, state.loss_sum + total, state.num_examples + maskf.sum(),
+                         state.num_steps + 1.0, ctx)
     return jax.tree.map(lambda new, old: jnp.where(active, new, old), stepped, state)
+
+  def finish(self, state: LocalState, start: Variables, memory: dict[str, Any] | None = None,
+             server: dict[str, Any] | None = None) -> ClientOutput:
+    """The client's upload and its memory for the next round it is sampled in."""
+    c = self.config
+    memory, server = memory or {}, server or {}
+    delta = tree_sub(state.variables, start)
+    extras, new_memory = {}, {}
+    if c.scaffold:
+      control = scaffold_control_update(memory["control"], server["control"], delta["params"], state.num_steps,
+                                        c.learning_rate)
+      extras["control_delta"] = tree_sub(control, memory["control"])
+      new_memory["control"] = control
+    if self.contrastive:
+      new_memory["previous"] = state.variables
+    if c.normalize_delta:
+      a = nova_normalizer(state.num_steps, c.optimizer, c.momentum)
+      safe = jnp.where(a > 0, a, 1.0)  # a client without steps (vmap padding) has a zero delta
+      delta = jax.tree.map(lambda d: d / safe, delta)
+      extras["nova_a"] = a
+    return ClientOutput(delta, extras, new_memory)
 
   def run_steps(self, state: LocalState, images: jax.Array, labels: jax.Array, ids: jax.Array, mask: jax.Array,
                 offset: jax.Array, count: int) -> LocalState:

@@ -42,6 +42,10 @@ class GroupMap:
   def paths(self) -> tuple[Path, ...]:
     return tuple(p for p, s in self.owned.items() if s is not None)
 
+  def restrict(self, collection: str) -> "GroupMap":
+    """The map of one variable collection (e.g. ``"params"``), for trees holding only that collection."""
+    return GroupMap(owned={p: s for p, s in self.owned.items() if p[0] == collection})
+
   def num_owned(self) -> int:
     """Number of scalars the group owns."""
     total = 0

@@ -1,0 +1,58 @@
+"""Server steps of the base methods beyond averaging: FedNova and SCAFFOLD, heterogeneous.
+
+Like `hetero_avg`, every rule takes each architecture group's weighted sums of
+client uploads, the groups' total weights and their `GroupMap`s, and works
+element-wise over exactly the sampled clients that own an element; with one
+group and the identity map they are the homogeneous rules of the papers.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_hetero.aggregators.hetero_avg import heterogeneous_mean_delta, heterogeneous_sums
+from fedjax_hetero.hetero.maps import GroupMap, Variables, coverage
+
+
+def weighted_coverage(group_weights: Sequence[jax.Array], group_maps: Sequence[GroupMap],
+                      global_like: Variables) -> Variables:
+  """``sum_g W_g * coverage_g``: per element, the total weight of the groups that own it."""
+  total = jax.tree.map(jnp.zeros_like, global_like)
+  for weight, group_map in zip(group_weights, group_maps):
+    total = jax.tree.map(lambda t, m, w=weight: t + w * m, total, coverage(group_map, global_like))
+  return total
+
+
+def fednova_delta(group_normalized_sums: Sequence[Variables], group_weights: Sequence[jax.Array],
+                  group_a_sums: Sequence[jax.Array], group_maps: Sequence[GroupMap],
+                  global_like: Variables) -> Variables:
+  """FedNova's server update (Wang et al. 2020, Eq. 7), per element over its owners.
+
+  With client weights ``p_i`` (normalized over the owners), normalized updates
+  ``d_i = delta_i / a_i`` and ``tau_eff = sum_i p_i a_i``, the update is
+  ``tau_eff * sum_i p_i d_i``. Inputs per group: ``S_g = sum w_i d_i``,
+  ``W_g = sum w_i`` and ``A_g = sum w_i a_i``. Elements no sampled client owns get 0.
+  With equal ``a_i`` this is exactly the (heterogeneous) FedAvg delta.
+  """
+  numerator, denominator = heterogeneous_sums(group_normalized_sums, group_weights, group_maps, global_like)
+  tau_numerator = weighted_coverage(group_a_sums, group_maps, global_like)
+
+  def leaf(n, d, t):
+    covered = d > 0
+    safe = jnp.where(covered, d, 1.0)
+    return jnp.where(covered, (t / safe) * (n / safe), 0.0)
+
+  return jax.tree.map(leaf, numerator, denominator, tau_numerator)
+
+
+def scaffold_server_control(control: Variables, group_control_delta_sums: Sequence[Variables],
+                            group_weights: Sequence[jax.Array], group_maps: Sequence[GroupMap]) -> Variables:
+  """SCAFFOLD's server control update (Karimireddy et al. 2020, Alg. 1 line 17) as NIID-Bench does it:
+  ``c <- c + mean_i delta_c_i`` over the sampled clients (that own the element), rather than the
+  paper's ``|S|/N`` scaling. ``control`` and the sums cover ``params`` only; pass maps restricted
+  to them (`GroupMap.restrict`)."""
+  delta = heterogeneous_mean_delta(group_control_delta_sums, group_weights, group_maps, control)
+  return jax.tree.map(jnp.add, control, delta)

@@ -12,6 +12,7 @@ import json
 import sys
 from typing import Any, Sequence
 
+from experiments.presets import PRESETS, get_preset, paper_deviations
 from fedjax_hetero import data as fdata
 from fedjax_hetero import models
 from fedjax_hetero.aggregators import fedcross
@@ -101,9 +102,37 @@ def config_from_args(args: argparse.Namespace, dataset: str) -> ExperimentConfig
   return ExperimentConfig(dataset=dataset, **fields)
 
 
+def _preset_defaults(defaults: ExperimentConfig, argv: Sequence[str] | None) -> tuple[ExperimentConfig, Any]:
+  """The dataset's defaults with ``--preset``'s values applied (flags given later still win)."""
+  pre = argparse.ArgumentParser(add_help=False)
+  pre.add_argument("--preset", default=None)
+  known, _ = pre.parse_known_args(argv)
+  if known.preset is None:
+    return defaults, None
+  try:
+    chosen = get_preset(known.preset)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
+  values = {k: v for k, v in chosen.values.items()}
+  values["output_dir"] = f"runs/{defaults.dataset}-{chosen.name}"
+  return dataclasses.replace(defaults, **values), chosen
+
+
 def main(dataset: str, defaults: ExperimentConfig, description: str, argv: Sequence[str] | None = None) -> dict[str, Any]:
-  args = build_parser(defaults, description).parse_args(argv)
+  defaults, chosen = _preset_defaults(defaults, argv)
+  parser = build_parser(defaults, description)
+  parser.add_argument("--preset", default=None, choices=tuple(PRESETS), help="start from a named setting: " + "; ".join(
+      f"{p.name}: {p.description}" + (f" (reduced: {p.reduced})" if p.reduced else "") for p in PRESETS.values()))
+  args = parser.parse_args(argv)
+  del args.preset
   config = config_from_args(args, dataset)
+  if chosen is not None:
+    changed = paper_deviations(chosen, dataclasses.asdict(config))
+    note = "; this run differs from the paper's protocol in: " + ", ".join(
+        f"{k}={v!r} (paper {p!r})" for k, (v, p) in changed.items()) if changed else ""
+    scale = "REDUCED SCALE. " if chosen.reduced else ""
+    print(f"preset {chosen.name}: {scale}{chosen.description}{note}", flush=True)
   try:
     config.validate()
     summary = run_experiment(config)

@@ -1,0 +1,59 @@
+"""Named experiment settings: the papers' protocols and their CPU-sized versions.
+
+``python -m experiments.fmnist --preset inco-cpu`` starts from a preset's
+values; any flag given as well overrides them. The ``*-cpu`` presets keep a
+paper's protocol (partition, clients, local epochs, optimizer, architecture
+family) and shrink only what a 2-core CPU cannot afford: widths and rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+INCO_RESNETS = ("resnet10", "resnet14", "resnet18", "resnet22", "resnet26")
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+  name: str
+  description: str
+  values: dict[str, Any]
+  reduced: str | None = None  # what a CPU-sized preset changes from the paper's protocol
+  paper: str | None = None  # the preset holding the paper's protocol, if this one scales it down
+
+
+_INCO = dict(groups=INCO_RESNETS, num_clients=100, clients_per_round=10, partition="dirichlet", alpha=0.5, epochs=5,
+             batch_size=64, optimizer="adam", learning_rate=1e-3, rounds=500, eval_every=10, method="InCoAvg",
+             drop_last=True, steps_per_call=2)
+# FedCross paper (Sec. IV-A): 100 clients, 10% per round, batch 50, 5 epochs, SGD lr 0.01 momentum 0.5, alpha 0.99,
+# lowest-similarity selection; CNN rounds 2000.
+_FEDCROSS = dict(groups=("cnn_cifar",), num_clients=100, clients_per_round=10, partition="dirichlet", alpha=0.5,
+                 epochs=5, batch_size=50, optimizer="sgd", learning_rate=0.01, momentum=0.5, rounds=2000,
+                 eval_every=20, method="FedCross", fedcross_alpha=0.99, fedcross_strategy="lowest_similarity")
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (
+    Preset("inco", "InCo paper (Sec. 5): ResNet10/14/18/22/26 groups, ImageNet stem, 100 clients, 10 per round, "
+           "Dirichlet 0.5, 5 epochs, batch 64, Adam 1e-3, 500 rounds", _INCO),
+    Preset("inco-cpu", "the InCo protocol at CPU size", {**_INCO, "groups": tuple(f"{g}@0.125" for g in INCO_RESNETS),
+                                                         "rounds": 30, "eval_every": 5},
+           reduced="widths x0.125 (base channels 8, stages 8/16/32/64) and 30 rounds instead of 500", paper="inco"),
+    Preset("fedcross", "FedCross paper (Sec. IV-A) with its CNN: 100 clients, 10 per round, Dirichlet 0.5, "
+           "batch 50, 5 epochs, SGD 0.01 momentum 0.5, alpha 0.99, lowest similarity, 2000 rounds", _FEDCROSS),
+    Preset("fedcross-cpu", "the FedCross protocol at CPU size", {**_FEDCROSS, "rounds": 100, "eval_every": 5},
+           reduced="100 rounds instead of 2000", paper="fedcross"),
+)}
+
+
+def paper_deviations(preset: Preset, values: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+  """``{field: (this run's value, the paper's)}`` for every field of the paper's protocol the run changes."""
+  paper = PRESETS[preset.paper or preset.name].values
+  # The method is what a run compares, not part of the protocol.
+  return {k: (values[k], v) for k, v in paper.items() if k in values and values[k] != v and k != "method"}
+
+
+def get_preset(name: str) -> Preset:
+  try:
+    return PRESETS[name]
+  except KeyError:
+    raise ValueError(f"unknown preset {name!r}; accepted: {', '.join(PRESETS)}") from None

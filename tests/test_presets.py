@@ -1,0 +1,56 @@
+"""`--preset`: the papers' protocols and their CPU-sized versions."""
+
+from __future__ import annotations
+
+import pytest
+
+from experiments import cli, fmnist
+from experiments.presets import PRESETS, get_preset, paper_deviations
+
+
+@pytest.fixture
+def captured(monkeypatch):
+  """Runs `cli.main` without compute; returns the configs it would have run."""
+  configs = []
+
+  def fake_run(config):
+    configs.append(config)
+    return {"final_accuracy": {}, "best_mean_accuracy": None, "train_seconds_all_rounds": 0.0}
+
+  monkeypatch.setattr(cli, "run_experiment", fake_run)
+  return configs
+
+
+def test_inco_preset_is_the_papers_protocol(captured, capsys):
+  cli.main("fashion_mnist", fmnist.DEMO, "test", ["--preset", "inco"])
+  (config,) = captured
+  assert config.groups == ("resnet10", "resnet14", "resnet18", "resnet22", "resnet26")
+  assert (config.num_clients, config.clients_per_round, config.alpha, config.epochs, config.batch_size) == (
+      100, 10, 0.5, 5, 64)
+  assert (config.optimizer, config.learning_rate, config.rounds, config.method) == ("adam", 1e-3, 500, "InCoAvg")
+  assert "differs from the paper" not in capsys.readouterr().out
+
+
+def test_cpu_preset_says_how_it_differs_and_flags_override(captured, capsys):
+  cli.main("fashion_mnist", fmnist.DEMO, "test", ["--preset", "inco-cpu", "--rounds", "7", "--method", "HeteroNova"])
+  (config,) = captured
+  assert config.rounds == 7 and config.method == "HeteroNova" and config.groups[0] == "resnet10@0.125"
+  out = capsys.readouterr().out
+  assert "REDUCED SCALE" in out and "rounds=7 (paper 500)" in out and "method" not in out.split("differs")[1]
+
+
+def test_fedcross_cpu_preset(captured):
+  cli.main("fashion_mnist", fmnist.DEMO, "test", ["--preset", "fedcross-cpu"])
+  (config,) = captured
+  assert (config.method, config.groups, config.batch_size, config.optimizer, config.momentum) == (
+      "FedCross", ("cnn_cifar",), 50, "sgd", 0.5)
+  assert (config.fedcross_alpha, config.fedcross_strategy) == (0.99, "lowest_similarity")
+  assert paper_deviations(PRESETS["fedcross-cpu"], PRESETS["fedcross"].values) == {}
+
+
+def test_unknown_preset(capsys):
+  with pytest.raises(SystemExit):
+    cli.main("fashion_mnist", fmnist.DEMO, "test", ["--preset", "nope"])
+  assert "unknown preset 'nope'; accepted: inco, inco-cpu, fedcross, fedcross-cpu" in capsys.readouterr().err
+  with pytest.raises(ValueError, match="unknown preset"):
+    get_preset("nope")

@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--methods", default="HeteroAvg,InCoAvg", help="comma-separated; the first is the baseline")
   p.add_argument("--dataset", default="fashion_mnist")
   p.add_argument("--groups", default=None, help="override the preset's groups (comma-separated)")
+  p.add_argument("--num-clients", type=int, default=None)
   p.add_argument("--clients-per-round", type=int, default=None)
   p.add_argument("--epochs", type=int, default=None)
   p.add_argument("--rounds", type=int, default=2, help="timed rounds after one warm-up round")
@@ -89,14 +90,15 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   values = dict(preset.values)
   if args.groups:
     values["groups"] = tuple(g.strip() for g in args.groups.split(","))
-  for name in ("clients_per_round", "epochs"):
+  for name in ("num_clients", "clients_per_round", "epochs"):
     if getattr(args, name) is not None:
       values[name] = getattr(args, name)
   log = lambda msg: print(msg, file=sys.stderr, flush=True)
   rows = []
   for method in methods:
-    config = dataclasses.replace(ExperimentConfig(), **values, dataset=args.dataset, method=method,
-                                 rounds=args.rounds + 1, backend=args.backend, progress=False)
+    config = dataclasses.replace(ExperimentConfig(), **{**values, "dataset": args.dataset, "method": method,
+                                                        "rounds": args.rounds + 1, "backend": args.backend,
+                                                        "progress": False})
     rows.append(measure(config, args.rounds, log))
   base = rows[0]["round_s"]
   context = {"preset": preset.name, "groups": list(values["groups"]), "clients_per_round": values["clients_per_round"],

@@ -39,3 +39,15 @@ def test_throughput_prints_one_json_line_per_backend(capsys, tmp_path):
 def test_unknown_backend_is_rejected():
   with pytest.raises(SystemExit, match="bogus"):
     throughput.main(["--dataset", "synthetic", "--backends", "sequential,bogus"])
+
+
+def test_method_overhead_prints_one_line_per_method(capsys):
+  from benchmarks import method_overhead
+  rows = method_overhead.main(["--dataset", "synthetic", "--preset", "fedcross-cpu", "--groups", "mlp",
+                               "--methods", "FedAvg,FedCross", "--rounds", "1", "--epochs", "1", "--num-clients", "20",
+                               "--clients-per-round", "4"])
+  lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+  assert [r["method"] for r in lines] == ["FedAvg", "FedCross"] == [r["method"] for r in rows]
+  assert lines[0]["round_ratio"] == 1.0
+  for row in lines:
+    assert row["round_s"] > 0 and 0 < row["server_step_s"] < row["round_s"] and row["baseline"] == "FedAvg"

@@ -119,13 +119,22 @@ def _preset_defaults(defaults: ExperimentConfig, argv: Sequence[str] | None) -> 
   return dataclasses.replace(defaults, **values), chosen
 
 
-def main(dataset: str, defaults: ExperimentConfig, description: str, argv: Sequence[str] | None = None) -> dict[str, Any]:
+def main(dataset: str, defaults: ExperimentConfig, description: str, argv: Sequence[str] | None = None,
+         coarse_labels: bool = False) -> dict[str, Any]:
+  """Parses flags and runs; ``coarse_labels`` adds ``--coarse`` (dataset ``<dataset>_coarse``, CIFAR-100's 20
+  superclasses)."""
   defaults, chosen = _preset_defaults(defaults, argv)
   parser = build_parser(defaults, description)
+  if coarse_labels:
+    parser.add_argument("--coarse", action="store_true",
+                        help="train on the 20 superclass labels (the FedCross authors' code) instead of the fine ones")
   parser.add_argument("--preset", default=None, choices=tuple(PRESETS), help="start from a named setting: " + "; ".join(
       f"{p.name}: {p.description}" + (f" (reduced: {p.reduced})" if p.reduced else "") for p in PRESETS.values()))
   args = parser.parse_args(argv)
   del args.preset
+  if coarse_labels and args.coarse:
+    dataset = f"{dataset}_coarse"
+  vars(args).pop("coarse", None)
   config = config_from_args(args, dataset)
   if chosen is not None:
     changed = paper_deviations(chosen, dataclasses.asdict(config))

@@ -207,6 +207,8 @@ def test_load_tfds_cifar10_mock():
   with tfds.testing.mock_data(num_examples=6):
     ds = load_tfds("cifar10")
     coarse = load_dataset("cifar100", label_key="coarse_label")
+    by_name = load_dataset("cifar100_coarse")
+  assert by_name.num_classes == 20 and by_name.name == "cifar100_coarse_label"
   assert ds.train_images.shape == (6, 32, 32, 3) and ds.train_images.dtype == np.uint8
   assert ds.test_images.shape == (6, 32, 32, 3)
   assert ds.train_labels.dtype == np.int32 and ds.num_classes == 10

@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-DATASETS: tuple[str, ...] = ("fashion_mnist", "cifar10", "cifar100", "svhn_cropped", "synthetic")
+# cifar100_coarse: CIFAR-100 with its 20 superclass labels (the FedCross authors' code trains on these).
+DATASETS: tuple[str, ...] = ("fashion_mnist", "cifar10", "cifar100", "cifar100_coarse", "svhn_cropped", "synthetic")
 
 DATA_DIR_ENV = "FEDJAX_HETERO_DATA_DIR"
 FASHION_MNIST_SYSTEM_DIR = "/usr/share/datasets/fashion-mnist"
@@ -304,6 +305,8 @@ def load_dataset(name: str, data_dir: str | None = None, **kwargs: Any) -> Array
     return load_fashion_mnist(data_dir, **kwargs)
   if name in TFDS_DATASETS:
     return load_tfds(name, data_dir, **kwargs)
+  if name == "cifar100_coarse":
+    return load_tfds("cifar100", data_dir, label_key="coarse_label", **kwargs)
   if name == "synthetic":
     return synthetic_dataset(**kwargs)
   raise ValueError(f"unknown dataset {name!r}; accepted: {', '.join(DATASETS)}")

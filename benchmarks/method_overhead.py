@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ from typing import Any, Sequence
 
 import jax
 
+from benchmarks.common import emit_json_lines
 from experiments.presets import PRESETS, get_preset
 from fedjax_hetero.runner import ExperimentConfig, build_simulation
 
@@ -103,14 +103,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   base = rows[0]["round_s"]
   context = {"preset": preset.name, "groups": list(values["groups"]), "clients_per_round": values["clients_per_round"],
              "epochs": values["epochs"], "platform": jax.default_backend(), "baseline": rows[0]["method"]}
-  lines = []
   for row in rows:
     row.update(round_ratio=row["round_s"] / base, server_step_share=row["server_step_s"] / base, **context)
-    lines.append(json.dumps(row))
-    print(lines[-1], flush=True)
-  if args.output:
-    with open(args.output, "w") as f:
-      f.writelines(line + "\n" for line in lines)
+  emit_json_lines(rows, args.output)
   return rows
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import math
 import statistics
 import sys
@@ -34,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.common import emit_json_lines
 from fedjax_hetero import data as fdata
 from fedjax_hetero import models
 from fedjax_hetero.backends import BACKENDS, make_backend
@@ -182,12 +182,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
            **context}
     row = {k: row[k] for k in REQUIRED_KEYS + tuple(k for k in row if k not in REQUIRED_KEYS)}
     rows.append(row)
-  lines = [json.dumps(row) for row in rows]
-  for line in lines:
-    print(line, flush=True)
-  if args.output:
-    with open(args.output, "w") as f:
-      f.writelines(line + "\n" for line in lines)
+  emit_json_lines(rows, args.output)
   return rows
 
 

@@ -32,3 +32,11 @@ def numpy_variables(shapes, seed: int):
 def model_variables(model, sample_input, seed: int):
   """``numpy_variables`` for ``model`` on inputs shaped like ``sample_input``."""
   return numpy_variables(jax.eval_shape(model.init, jax.random.key(0), sample_input), seed)
+
+
+def random_batch(seed: int, size: int, num_classes: int = 4, image_shape: tuple[int, ...] = (8, 8, 1)):
+  """``(uint8 images [size, *image_shape], int32 labels [size])`` drawn from ``seed``."""
+  rng = np.random.default_rng(seed)
+  images = jnp.asarray(rng.integers(0, 256, (size, *image_shape)), jnp.uint8)
+  labels = jnp.asarray(rng.integers(0, num_classes, size), jnp.int32)
+  return images, labels

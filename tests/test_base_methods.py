@@ -19,17 +19,14 @@ from fedjax_hetero.engine import METHODS, ArchGroup, FedCrossConfig, FLConfig, S
 from fedjax_hetero.hetero.maps import build_group_map, identity_map
 from fedjax_hetero.models import build_model
 from fedjax_hetero.runner import ExperimentConfig, run_experiment
-from tests.helpers import model_variables
+from tests.helpers import model_variables, random_batch
 
 NUM_CLASSES = 4
 MEAN, STD = (0.45,), (0.25,)
 
 
 def batch(seed, size):
-  rng = np.random.default_rng(seed)
-  images = jnp.asarray(rng.integers(0, 256, (size, 8, 8, 1)), jnp.uint8)
-  labels = jnp.asarray(rng.integers(0, NUM_CLASSES, size), jnp.int32)
-  return images, labels
+  return random_batch(seed, size, NUM_CLASSES)
 
 
 def tree_numpy(tree):

@@ -14,7 +14,7 @@ import pytest
 
 from fedjax_hetero.client.local import LocalConfig, LocalTrainer, draw_schedule, masked_cross_entropy, normalize
 from fedjax_hetero.models import build_model
-from tests.helpers import model_variables
+from tests.helpers import model_variables, random_batch
 
 NUM_CLASSES = 4
 MEAN, STD = (0.45,), (0.25,)
@@ -102,10 +102,7 @@ def test_schedule_is_a_function_of_the_key():
 
 
 def batch(seed, size):
-  rng = np.random.default_rng(seed)
-  images = jnp.asarray(rng.integers(0, 256, (size, 8, 8, 1)), jnp.uint8)
-  labels = jnp.asarray(rng.integers(0, NUM_CLASSES, size), jnp.int32)
-  return images, labels
+  return random_batch(seed, size, NUM_CLASSES)
 
 
 def assert_trees_differ(a, b):

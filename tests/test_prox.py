@@ -21,7 +21,7 @@ from fedjax_hetero.engine import (FEDPROX_MU, METHODS, ArchGroup, FLConfig, Serv
 from fedjax_hetero.hetero.maps import extract
 from fedjax_hetero.models import build_model
 from fedjax_hetero.runner import ExperimentConfig, build_simulation
-from tests.helpers import numpy_variables
+from tests.helpers import numpy_variables, random_batch
 
 NUM_CLASSES = 4
 MEAN, STD = (0.45,), (0.25,)
@@ -33,10 +33,7 @@ def model_variables(model, seed):
 
 
 def batch(seed, size):
-  rng = np.random.default_rng(seed)
-  images = jnp.asarray(rng.integers(0, 256, (size, 8, 8, 1)), jnp.uint8)
-  labels = jnp.asarray(rng.integers(0, NUM_CLASSES, size), jnp.int32)
-  return images, labels
+  return random_batch(seed, size, NUM_CLASSES)
 
 
 def flat(tree):

@@ -39,7 +39,8 @@ from fedjax_hetero.aggregators.inco import (
     projection_coefficients,
 )
 
-__all__ = ["cross_aggregate", "dynamic_alpha", "fedavg", "fedcross_aggregate", "fednova_delta", "global_model", "hetero_avg",
+__all__ = ["INCO_GRANULARITIES", "INCO_VARIANTS", "check_pairs", "cross_aggregate", "cross_layer_theta",
+           "cross_layer_update", "inco", "projection_coefficients", "dynamic_alpha", "fedavg", "fedcross_aggregate", "fednova_delta", "global_model", "hetero_avg",
            "hetero_avg_weights", "heterogeneous_mean_delta", "heterogeneous_sums", "highest_similarity_partners",
            "in_order_partners", "lowest_similarity_partners", "masked_mean", "middleware_similarity_stats",
            "propeller_aggregate", "propeller_partners", "scaffold_server_control", "select_partners",

@@ -164,11 +164,11 @@ def test_moon_loss_is_log_two_when_global_and_previous_agree():
 
 
 def simulation(method, backend="sequential", groups=((0.5, "mlp"), (1.0, "mlp")), clients_per_round=5,
-               fedcross=FedCrossConfig(), optimizer="adam"):
+               fedcross=FedCrossConfig(), optimizer="adam", hidden=(16,)):
   ds = synthetic_dataset(num_train=160, num_test=32, seed=0)
   parts = partition(ds.train_labels, "iid_imbalanced", 6, 0)
   store = FederatedStore.build(ds.train_images, ds.train_labels, parts, ds.num_classes, ds.mean, ds.std)
-  arch = [ArchGroup(f"{name}@{w}", build_model(name, ds.num_classes, w, hidden=(16,)), clients)
+  arch = [ArchGroup(f"{name}@{w}", build_model(name, ds.num_classes, w, hidden=hidden), clients)
           for (w, name), clients in zip(groups, assign_groups(6, len(groups)))]
   local = LocalConfig(epochs=2, batch_size=8, optimizer=optimizer, learning_rate=1e-2 if optimizer == "adam" else 0.05,
                       steps_per_call=2)
@@ -187,19 +187,18 @@ def run(sim, rounds=2):
 
 @pytest.mark.parametrize("method", ["Scaffold", "HeteroScaffold", "FedNova", "HeteroNova", "HeteroMOON"])
 def test_vmap_backend_matches_sequential(method):
+  moon = method.endswith("MOON")
   # MOON's contrastive gradient is zero in exact arithmetic in round 1 (global = previous model), and
-  # Adam scales its float noise up to the learning rate; SGD keeps the comparison meaningful.
-  optimizer = "sgd" if method.endswith("MOON") else "adam"
-  seq_state, seq_rows = run(simulation(method, "sequential", optimizer=optimizer))
-  vmap_state, vmap_rows = run(simulation(method, "vmap", optimizer=optimizer))
-  # MOON's projection head starts with a tiny ||z||, where the cosine's gradient (~1/||z||) scales float
-  # noise up; its biases agree to ~0.2% after two rounds while every other leaf agrees to 1e-5.
-  tol = dict(rtol=1e-2, atol=1e-3) if method.endswith("MOON") else dict(rtol=2e-4, atol=2e-5)
-  chex.assert_trees_all_close(vmap_state.models, seq_state.models, **tol)
+  # Adam scales its float noise up to the learning rate; SGD keeps the comparison meaningful. MOON also
+  # gets a wider MLP: with 8 hidden units many rows have all-zero features, so z is the projection's
+  # biases alone and the cosine's ~1/||z|| gradient amplifies float noise in those biases chaotically.
+  options = dict(optimizer="sgd", hidden=(64,)) if moon else {}
+  seq_state, seq_rows = run(simulation(method, "sequential", **options))
+  vmap_state, vmap_rows = run(simulation(method, "vmap", **options))
+  chex.assert_trees_all_close(vmap_state.models, seq_state.models, rtol=2e-4, atol=2e-5)
   # SCAFFOLD's c_i = -delta / (K lr) scales float differences of the weights by 1 / (K lr) ~ 10.
   chex.assert_trees_all_close(vmap_state.server, seq_state.server, rtol=2e-3, atol=2e-3)
-  memory_tol = dict(rtol=1e-2, atol=3e-2) if method.endswith("MOON") else dict(rtol=2e-3, atol=2e-3)
-  chex.assert_trees_all_close(vmap_state.memory, seq_state.memory, **memory_tol)
+  chex.assert_trees_all_close(vmap_state.memory, seq_state.memory, rtol=2e-3, atol=2e-3)
   assert [r["clients"] for r in vmap_rows] == [r["clients"] for r in seq_rows]
 
 
@@ -276,7 +275,7 @@ def test_method_table_has_every_paper_name():
 @pytest.mark.parametrize("method", sorted(m.name for m in METHODS.values()))
 def test_every_method_runs_from_the_runner(tmp_path, method):
   resnets = ("resnet10@0.125", "resnet14@0.125")
-  groups = {"cross": ("mlp",), "hetero": ("mlp@0.5", "mlp")}.get(get_method(method).layout, ("mlp@0.5", "mlp"))
+  groups = ("mlp",) if get_method(method).one_group else ("mlp@0.5", "mlp")
   if get_method(method).inco_variant:
     groups = resnets
   config = ExperimentConfig(dataset="synthetic", method=method, groups=groups, num_clients=4, clients_per_round=2,

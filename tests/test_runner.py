@@ -247,8 +247,8 @@ def no_compute(monkeypatch):
 
 BAD_ARGS = [
     ("synthetic", ["--method", "FedMoon"], r"unknown method 'FedMoon'; accepted: FedAvg, HeteroAvg"),
-    ("imagenet", [], r"unknown dataset 'imagenet'; accepted: fashion_mnist, cifar10, cifar100, svhn_cropped, "
-                     r"synthetic"),
+    ("imagenet", [], r"unknown dataset 'imagenet'; accepted: fashion_mnist, cifar10, cifar100, "
+                     r"cifar100_coarse, svhn_cropped, synthetic"),
     ("synthetic", ["--groups", "cnn@1,vgg@0.5"], r"bad group spec 'vgg@0.5': unknown model 'vgg'"),
     ("synthetic", ["--groups", "cnn@1,resnet99"], r"unknown model 'resnet99'"),
     ("synthetic", ["--alpha", "0"], r"alpha must be > 0, got 0.0"),

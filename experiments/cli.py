@@ -16,10 +16,12 @@ from experiments.presets import PRESETS, get_preset, paper_deviations
 from fedjax_hetero import data as fdata
 from fedjax_hetero import models
 from fedjax_hetero.aggregators import fedcross
+from fedjax_hetero.algorithms.fedgen import PRESETS as FEDGEN_PRESETS
 from fedjax_hetero.backends import BACKENDS
 from fedjax_hetero.client.local import OPTIMIZERS
 from fedjax_hetero.engine import AGGREGATE_MODES, METHODS, WEIGHTINGS
 from fedjax_hetero.runner import ExperimentConfig, run_experiment
+from fedjax_hetero.sampling import SIMILARITIES
 
 
 def build_parser(defaults: ExperimentConfig, description: str) -> argparse.ArgumentParser:
@@ -85,6 +87,12 @@ def build_parser(defaults: ExperimentConfig, description: str) -> argparse.Argum
                   help="length of the propeller stage")
   fc.add_argument("--fedcross-dynamic-alpha-rounds", type=int, default=d.fedcross_dynamic_alpha_rounds,
                   help="dynamic alpha (Sec. III-D DA): linear 0.5 -> --fedcross-alpha over the first N rounds")
+  fg = p.add_argument_group("FedGen (--method FedGen) and CluSamp (--method CluSamp)")
+  fg.add_argument("--fedgen-preset", default=d.fedgen_preset, choices=tuple(FEDGEN_PRESETS),
+                  help="FedGen's generator and regularizer hyperparameters (the FedCross framework's per-dataset "
+                  "config)")
+  fg.add_argument("--clusamp-similarity", default=d.clusamp_similarity, choices=SIMILARITIES,
+                  help="dissimilarity of the clients' representative gradients in clustered sampling")
   p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="checkpoint every N rounds")
   p.add_argument("--steps-per-call", type=int, default=d.steps_per_call,
                  help="local steps unrolled in one jitted call (XLA:CPU is slow on looped convolutions)")

@@ -15,7 +15,8 @@ of the clients' deltas (plus loss totals), all still on the device. Backends:
   ``vmap`` on one.
 
 All backends produce the same sums up to float tolerance, because every
-client's randomness is ``fold_in(round_key, client_id)``.
+client's randomness (its schedule, and the key `LocalTrainer.init_state` gets)
+is ``fold_in(round_key, client_id)``.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def _sequential_program(trainer: LocalTrainer, schedule_length: int):
   @jax.jit
   def start_client(start, index_row, num_examples, key, memory_row, server):
     ids, mask = trainer.schedule(index_row, num_examples, key, schedule_length)
-    return trainer.init_state(start, memory_row, server), ids, mask
+    return trainer.init_state(start, memory_row, server, key), ids, mask
 
   run_steps = jax.jit(trainer.run_steps, donate_argnums=0, static_argnames="count")
 
@@ -180,8 +181,8 @@ def _mapped_program(trainer: LocalTrainer, schedule_length: int, per_client_star
   @jax.jit
   def start_cohort(start, index_rows, num_examples, keys, memory_rows, server):
     ids, mask = jax.vmap(lambda r, n, k: trainer.schedule(r, n, k, schedule_length))(index_rows, num_examples, keys)
-    states = jax.vmap(trainer.init_state, in_axes=(start_axis, 0, None), axis_size=len(keys))(start, memory_rows,
-                                                                                              server)
+    states = jax.vmap(trainer.init_state, in_axes=(start_axis, 0, None, 0), axis_size=len(keys))(
+        start, memory_rows, server, keys)
     return states, ids, mask
 
   run_steps = jax.jit(jax.vmap(trainer.run_steps, in_axes=(0, None, None, 0, 0, None, None)), donate_argnums=0,

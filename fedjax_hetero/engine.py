@@ -8,6 +8,20 @@ loop below with different federation layouts. The base methods (Avg, Prox,
 Scaffold, Nova, MOON) differ in the clients' objective and upload (see
 `client_config`) and in the server step; InCo* adds the cross-layer step on the
 aggregated delta. FedCross keeps K middleware models instead of one.
+
+FedCross's further baselines are per-group methods with extra server state in
+``ServerState.server`` (so checkpoints cover it):
+
+* FedGen (Zhu et al. 2021): every federation also keeps a feature generator
+  (``server["generator"]``: params, batch_stats, Adam state). Clients add its
+  generative regularizer to their loss; after aggregation the server trains it
+  on the round's uploaded models and the clients' label counts. Several
+  architecture groups are supported: each group gets its own generator.
+* CluSamp (Fraboni et al. 2021, Algorithm 2): FedAvg whose participants are
+  drawn by `ClusteredSampler` from the clients' representative gradients
+  (``server["clusamp"]``: ``gradients`` [num_clients, D] float32, the last
+  flattened parameter delta of every client, and ``updated`` [num_clients]
+  bool). One architecture group only: the gradients must share one shape.
 """
 
 from __future__ import annotations
@@ -23,17 +37,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flax import serialization
+
 from fedjax_hetero import aggregators
+from fedjax_hetero.algorithms import fedgen
 from fedjax_hetero.backends import Backend, extras_like, empty_result
 from fedjax_hetero.client.local import LocalConfig, LocalTrainer
+from fedjax_hetero.data.partition import class_counts
 from fedjax_hetero.data.store import FederatedStore, sample_clients
 from fedjax_hetero.evaluation import accuracy
 from fedjax_hetero.models.projection import with_projection_head
 from fedjax_hetero.hetero.maps import GroupMap, Variables, build_group_map, extract, identity_map, pick_global
+from fedjax_hetero.sampling import SIMILARITIES, ClusteredSampler, flatten_update
 
 
 LAYOUTS = ("group", "hetero", "cross")
-CLIENT_OBJECTIVES = ("avg", "prox", "scaffold", "nova", "moon")
+CLIENT_OBJECTIVES = ("avg", "prox", "scaffold", "nova", "moon", "fedgen")
+SAMPLINGS = ("uniform", "clustered")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +63,7 @@ class Method:
   Layouts: ``group`` (every architecture group is its own federation, the InCo
   paper's baselines), ``hetero`` (one global model, layer-wise averaging across
   groups) and ``cross`` (FedCross's K middleware models, one group).
+  Sampling: ``uniform`` without replacement, or ``clustered`` (CluSamp).
   """
 
   name: str
@@ -52,10 +73,16 @@ class Method:
   # InCo's cross-layer step on the aggregated delta before it is applied (aggregators.inco); None: off.
   inco_variant: str | None = None
   inco_granularity: str = "kernel"
+  sampling: str = "uniform"  # who takes part in a round, see SAMPLINGS
 
   @property
   def per_group(self) -> bool:
     return self.layout == "group"
+
+  @property
+  def one_group(self) -> bool:
+    """Whether the method trains a single architecture group (FedCross, CluSamp)."""
+    return self.layout == "cross" or self.sampling == "clustered"
 
 
 # InCo paper: "The hyper-parameter mu/2 for FedProx and InCoProx is 0.05", so mu = 0.1.
@@ -85,6 +112,12 @@ def _method_table() -> dict[str, Method]:
     ]
   methods.append(Method("FedCross", "cross", "K middleware models trained by the sampled clients, then "
                         "cross-aggregated w_i = a v_i + (1-a) v_partner(i) (one architecture group)"))
+  methods.append(Method("FedGen", "group", "every architecture group is its own federation with its own feature "
+                        "generator, trained by the server on the uploaded models (Zhu et al. 2021); clients: CE + "
+                        "FedGen's generative regularizer", "fedgen"))
+  methods.append(Method("CluSamp", "group", "FedAvg with clients drawn by clustered sampling on representative-"
+                        "gradient similarity (Fraboni et al. 2021, Alg. 2; one architecture group)",
+                        sampling="clustered"))
   return {m.name.lower(): m for m in methods}
 
 
@@ -102,17 +135,24 @@ def get_method(name: str) -> Method:
 
 
 def client_config(method: Method, local: LocalConfig, prox_mu: float | None = None,
-                  moon_mu: float | None = None) -> LocalConfig:
+                  moon_mu: float | None = None, fedgen_config: fedgen.FedGenConfig | None = None) -> LocalConfig:
   """``local`` with the client terms of ``method`` switched on (and only those).
 
   ``prox_mu``/``moon_mu`` override the method's defaults (a nonzero value also adds the term
-  to methods without it, e.g. FedProx's term on InCoAvg).
+  to methods without it, e.g. FedProx's term on InCoAvg). FedGen's regularizer needs the
+  server's generator, so it is on for FedGen only, with ``fedgen_config``'s generated batch.
   """
   if prox_mu is None:
     prox_mu = local.prox_mu or (FEDPROX_MU if method.client == "prox" else 0.0)
   if moon_mu is None:
     moon_mu = local.moon_mu or (MOON_MU if method.client == "moon" else 0.0)
+  fedgen_batch_size = local.fedgen_batch_size
+  if method.client == "fedgen":
+    fedgen_batch_size = fedgen_batch_size or (fedgen_config or fedgen.FedGenConfig()).gen_batch_size
+  elif fedgen_batch_size:
+    raise ValueError(f"FedGen's generative regularizer needs the server's generator; {method.name} has none")
   return dataclasses.replace(local, prox_mu=float(prox_mu), moon_mu=float(moon_mu),
+                             fedgen_batch_size=int(fedgen_batch_size),
                              scaffold=local.scaffold or method.client == "scaffold",
                              normalize_delta=local.normalize_delta or method.client == "nova")
 
@@ -178,6 +218,8 @@ class FLConfig:
   prox_mu: float | None = None  # FedProx's mu; None: the method's default (see client_config)
   moon_mu: float | None = None  # MOON's mu; None: the method's default
   fedcross: FedCrossConfig = FedCrossConfig()
+  fedgen: fedgen.FedGenConfig = fedgen.FedGenConfig()  # FedGen's generator and regularizer (CIFAR-10 values)
+  clusamp_similarity: str = "L1"  # CluSamp's gradient dissimilarity (the FedCross framework's default)
 
   def __post_init__(self):
     method = get_method(self.method)
@@ -196,18 +238,55 @@ class FLConfig:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
     if method.layout == "cross" and self.clients_per_round < 2:
       raise ValueError("FedCross needs clients_per_round >= 2 (one middleware model per sampled client)")
+    if self.clusamp_similarity not in SIMILARITIES:
+      raise ValueError(f"unknown CluSamp similarity {self.clusamp_similarity!r}; accepted: {', '.join(SIMILARITIES)}")
 
 
 class ServerState(NamedTuple):
   round: int  # rounds completed
   models: tuple[Variables, ...]  # one per federation (FedCross: the K middleware models, stacked)
-  # SCAFFOLD's server control variate per federation ({"params": c}), FedCross's global model, ...
+  # SCAFFOLD's server control variate per federation ({"params": c}), FedCross's global model, FedGen's
+  # generator, CluSamp's representative gradients (see the module docstring)
   server: tuple[dict[str, Any], ...] = ()
   memory: tuple[dict[str, Any], ...] = ()  # per architecture group: its clients' state, stacked over clients
 
 
 class NonFiniteLossError(FloatingPointError):
   """Local training diverged; names the round and architecture group."""
+
+
+# Server state the methods' own steps (generator training, the sampler) keep, outside the jitted aggregation.
+_OWN_SERVER_STATE = ("generator", "clusamp")
+
+
+def client_label_counts(store: FederatedStore) -> np.ndarray:
+  """[num_clients, num_classes] label counts of every client (what FedGen's clients upload)."""
+  table = np.asarray(store.index_table)
+  parts = [table[c, :n] for c, n in enumerate(store.sizes)]
+  return class_counts(np.asarray(store.labels), parts, store.num_classes)
+
+
+def _generator_tree(state: fedgen.GeneratorState) -> dict[str, Any]:
+  """FedGen's generator state as nested dicts (checkpointable; optax's NamedTuples are not plain trees)."""
+  return {"params": state.params, "batch_stats": state.batch_stats,
+          "opt_state": serialization.to_state_dict(state.opt_state)}
+
+
+def _generator_state(tree: dict[str, Any], weight_decay: float) -> fedgen.GeneratorState:
+  template = jax.eval_shape(fedgen.generator_optimizer(weight_decay).init, tree["params"])
+  return fedgen.GeneratorState(tree["params"], tree["batch_stats"],
+                               serialization.from_state_dict(template, tree["opt_state"]))
+
+
+@jax.jit
+def _flat_deltas(uploads: Variables, start: Variables) -> jax.Array:
+  """Fraboni et al.'s representative gradients ``theta_i^local - theta^sent``, flattened: [K, D]."""
+  return jax.vmap(flatten_update)(uploads) - flatten_update(start)
+
+
+@jax.jit
+def _store_gradients(stored: dict[str, jax.Array], clients: jax.Array, rows: jax.Array) -> dict[str, jax.Array]:
+  return {"gradients": stored["gradients"].at[clients].set(rows), "updated": stored["updated"].at[clients].set(True)}
 
 
 class Simulation:
@@ -218,14 +297,18 @@ class Simulation:
     if config.clients_per_round > store.num_clients:
       raise ValueError(f"clients_per_round={config.clients_per_round} exceeds the {store.num_clients} clients")
     self.method = get_method(config.method)
-    if self.method.layout == "cross" and len(groups) != 1:
-      raise ValueError(f"{self.method.name} trains one architecture, got {len(groups)} groups; pass one group "
+    if self.method.one_group and len(groups) != 1:
+      why = (" (clustering compares all clients' representative gradients, so they need one shape)"
+             if self.method.sampling == "clustered" else "")
+      raise ValueError(f"{self.method.name} trains one architecture{why}, got {len(groups)} groups; pass one group "
                        "(e.g. --groups cnn)")
+    if self.method.client == "fedgen" and not self.method.per_group:
+      raise ValueError(f"{self.method.name}: FedGen's generator needs one federation per architecture group")
     if self.method.client == "moon":
       groups = [dataclasses.replace(g, model=with_projection_head(g.model)) for g in groups]
     self.groups = tuple(groups)
     self.store, self.config, self.backend = store, config, backend
-    self.local = client_config(self.method, local, config.prox_mu, config.moon_mu)
+    self.local = client_config(self.method, local, config.prox_mu, config.moon_mu, config.fedgen)
     self.prox_mu = self.local.prox_mu
     self.test_images, self.test_labels = test_images, test_labels
     self._sample_input = jnp.zeros((1,) + tuple(store.images.shape[1:]), jnp.float32)
@@ -246,12 +329,32 @@ class Simulation:
       self.federation_of = [0] * len(groups)
       self.federation_maps = list(self.maps)
     self.inco_pairs = self._cross_layer_pairs(shapes[self.global_index]) if self.method.inco_variant else ()
-    self.trainers = [LocalTrainer(g.model, self.local, store.mean, store.std) for g in groups]
+    self.generators: list[fedgen.Generator | None] = [None] * len(groups)
+    if self.method.client == "fedgen":
+      self.generators = [self._make_generator(g) for g in groups]
+      self.label_counts = client_label_counts(store)
+      # FedGen's clients draw generated labels uniformly from those their federation holds.
+      self._label_probs = [fedgen.present_label_probs(self.label_counts[g.clients]) for g in groups]
+    self._sampler: tuple[jax.Array, ClusteredSampler] | None = None  # CluSamp: (gradients it mirrors, sampler)
+    self.trainers = [LocalTrainer(g.model, self.local, store.mean, store.std, gen)
+                     for g, gen in zip(groups, self.generators)]
     self._extract = [jax.jit(lambda v, m=m: extract(v, m)) for m in self.federation_maps]
     members = [[i for i, f in enumerate(self.federation_of) if f == fed] for fed in range(max(self.federation_of) + 1)]
     self._members = members
     self._aggregate = [self._make_aggregate([self.federation_maps[i] for i in m]) for m in members]
     self._cross = self._make_cross_aggregate() if self.method.layout == "cross" else None
+
+  def _make_generator(self, group: ArchGroup) -> fedgen.Generator:
+    if "features" not in tuple(getattr(group.model, "cut_points", ())):
+      raise ValueError(f"FedGen generates the features its clients' heads classify, but {group.name} "
+                       f"({type(group.model).__name__}) has no 'features' cut point")
+    width = fedgen.feature_width(group.model, self._sample_input)
+    return fedgen.make_generator(self.config.fedgen, self.store.num_classes, width)
+
+  def _server_key(self, round_index: int, stream: int) -> jax.Array:
+    """Server-side randomness; no client shares it (clients use ``fold_in(round_key, id)``, id < num_clients)."""
+    round_key = jax.random.fold_in(jax.random.key(self.config.seed), round_index)
+    return jax.random.fold_in(round_key, self.store.num_clients + stream)
 
   def _cross_layer_pairs(self, global_shapes: Variables) -> tuple:
     """InCo's (target, source) paths, from the global (largest) model's architecture."""
@@ -336,6 +439,15 @@ class Simulation:
       k = self.config.clients_per_round
       server = ({"global": global_vars},)
       models = (jax.tree.map(lambda x: jnp.broadcast_to(x, (k,) + x.shape), global_vars),)
+    if self.method.client == "fedgen":
+      init = jax.jit(fedgen.init_generator, static_argnums=(0, 2))
+      server = tuple({"generator": _generator_tree(init(gen, self._server_key(0, len(self.groups) + fed),
+                                                         self.config.fedgen.weight_decay))}
+                     for fed, gen in enumerate(self.generators))
+    if self.method.sampling == "clustered":  # every representative gradient starts at zero (Fraboni et al.)
+      dim = sum(x.size for x in jax.tree.leaves(models[0]["params"]))
+      num = self.store.num_clients
+      server = ({"clusamp": {"gradients": jnp.zeros((num, dim), jnp.float32), "updated": jnp.zeros(num, bool)}},)
     memory = []
     for gi, (group, trainer) in enumerate(zip(self.groups, self.trainers)):
       start = extract(global_vars, self.maps[gi])
@@ -350,17 +462,62 @@ class Simulation:
     return self._extract[group](state.models[self.federation_of[group]])
 
   def _group_server(self, state: ServerState, group: int) -> dict[str, Any]:
+    """What the group's clients get besides the model: SCAFFOLD's c, FedGen's generator and coefficients."""
     server = state.server[self.federation_of[group]] if state.server else {}
-    if "control" not in server:
-      return {}
-    return {"control": self._extract_params[group](server["control"])["params"]}
+    out = {}
+    if "control" in server:
+      out["control"] = self._extract_params[group](server["control"])["params"]
+    if self.method.client == "fedgen":
+      generator = server["generator"]
+      out["generator"] = {"params": generator["params"], "batch_stats": generator["batch_stats"]}
+      out["fedgen_coefficients"] = jnp.asarray(self.config.fedgen.client_coefficients(state.round), jnp.float32)
+      out["label_probs"] = self._label_probs[group]
+    return out
 
   @functools.cached_property
   def _extract_params(self):
     return [jax.jit(lambda v, m=m.restrict("params"): extract(v, m)) for m in self.federation_maps]
 
   def sampled_clients(self, round_index: int) -> np.ndarray:
+    """Uniform sampling's participants of round ``round_index`` (CluSamp: see `clustered_sampler`)."""
     return sample_clients(self.store.num_clients, self.config.clients_per_round, self.config.seed, round_index)
+
+  def clustered_sampler(self, state: ServerState) -> ClusteredSampler:
+    """CluSamp's sampler as of ``state``: a pure function of its stored representative gradients.
+
+    The last round's sampler is reused (and updated in place by the round run from ``state``) while
+    ``state`` holds the gradients it was updated to; otherwise (a resumed run, an older state) it is
+    rebuilt from them. A rebuild gives the incrementally updated sampler's dissimilarities bit for bit
+    for L1 and L2: each pair's sum is over the same two rows in the same order either way.
+    """
+    stored = state.server[0]["clusamp"]
+    if self._sampler is not None and self._sampler[0] is stored["gradients"]:
+      return self._sampler[1]
+    sampler = ClusteredSampler(self.store.sizes, self.config.clients_per_round, self.config.seed,
+                               self.config.clusamp_similarity)
+    updated = np.flatnonzero(np.asarray(stored["updated"]))
+    if len(updated):
+      sampler.update(updated, np.asarray(stored["gradients"])[updated])
+    self._sampler = (stored["gradients"], sampler)
+    return sampler
+
+  def _participants(self, state: ServerState) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The round's distinct clients (sorted), their aggregation weights, and the draws (for the log).
+
+    CluSamp draws one client per distribution and may draw one twice (Fraboni et al. 2021). Such a
+    client trains once, since its randomness is fixed by the round and its id (a second run would
+    repeat the first), and its update counts once per draw. Weights per draw: ``1/m`` (Fraboni's
+    unbiased scheme) under ``weighting="uniform"``, ``n_i / sum of the drawn n_j`` (the FedCross
+    framework's) under ``"num_samples"``.
+    """
+    if self.method.sampling == "clustered":
+      sampler = self.clustered_sampler(state)
+      draws = sampler.sample(state.round)
+      per_draw = sampler.aggregation_weights(draws, "size" if self.config.weighting == "num_samples" else "uniform")
+      clients, which = np.unique(draws, return_inverse=True)
+      return clients, np.bincount(which, weights=per_draw, minlength=len(clients)), draws
+    sampled = self.sampled_clients(state.round)
+    return sampled, self._client_weights(sampled), sampled
 
   def _client_weights(self, cohort: np.ndarray) -> np.ndarray:
     if self.config.weighting == "uniform":
@@ -380,25 +537,31 @@ class Simulation:
     t0 = time.perf_counter()
     r = state.round
     round_key = jax.random.fold_in(jax.random.key(self.config.seed), r)
-    sampled = self.sampled_clients(r)
-    starts, results, servers = [], [], []
+    sampled, weights, draws = self._participants(state)
+    keep_uploads = self.method.client == "fedgen" or self.method.sampling == "clustered"
+    starts, results, servers, cohorts, uploads = [], [], [], [], []
     memory = list(state.memory) or [{} for _ in self.groups]
     losses: dict[str, float] = {}
     examples = 0.0
     for gi, group in enumerate(self.groups):
       start = self.group_variables(state, gi)
       server = self._group_server(state, gi)
-      cohort = sampled[self.group_of_client[sampled] == gi]
+      in_group = self.group_of_client[sampled] == gi
+      cohort = sampled[in_group]
       starts.append(start)
       servers.append(server)
+      cohorts.append(cohort)
       if len(cohort) == 0:
         results.append(None)
+        uploads.append(None)
         continue
-      result = self.backend.train(self.trainers[gi], start, self.store, cohort, self._client_weights(cohort),
-                                  round_key, memory=memory[gi], rows=self.row_of_client[cohort], server=server)
+      result = self.backend.train(self.trainers[gi], start, self.store, cohort, weights[in_group], round_key,
+                                  memory=memory[gi], rows=self.row_of_client[cohort], server=server,
+                                  keep_uploads=keep_uploads)
       memory[gi] = result.memory
       losses[group.name] = self._check_loss(r, group, result)
       examples += float(result.num_examples)
+      uploads.append(result.uploads)
       results.append(result._replace(memory={}, uploads=None))
     models, server_states = list(state.models), list(state.server) or [{} for _ in state.models]
     inco_stats = {}
@@ -406,15 +569,57 @@ class Simulation:
       if all(results[i] is None for i in members):
         continue
       filled = [results[i] or self._empty_result(i, starts[i], servers[i], state) for i in members]
-      models[fed], server_states[fed], stats = self._aggregate[fed](
-          models[fed], server_states[fed], [starts[i] for i in members], filled)
+      own = {k: v for k, v in server_states[fed].items() if k not in _OWN_SERVER_STATE}
+      models[fed], own, stats = self._aggregate[fed](models[fed], own, [starts[i] for i in members], filled)
+      server_states[fed] = {**server_states[fed], **own}
       inco_stats.update(stats)
-    jax.block_until_ready(models)
-    metrics = self._round_metrics(r, sampled, losses, examples, time.perf_counter() - t0)
+    generator_stats = {}
+    if self.method.client == "fedgen":
+      generator_stats = self._train_generators(r, server_states, cohorts, uploads)
+    if self.method.sampling == "clustered":
+      server_states[0] = self._update_sampler(state, server_states[0], cohorts[0], uploads[0], starts[0])
+    jax.block_until_ready((models, server_states))
+    metrics = self._round_metrics(r, draws, losses, examples, time.perf_counter() - t0)
+    if generator_stats:
+      metrics["fedgen_generator"] = generator_stats
     if inco_stats:  # per target layer; None where no sampled client owned it
       metrics["inco"] = {name: {k: (float(v) if math.isfinite(float(v)) else None) for k, v in s.items()}
                          for name, s in jax.device_get(inco_stats).items()}
     return ServerState(r + 1, tuple(models), tuple(server_states), tuple(memory)), metrics
+
+  def _train_generators(self, r: int, server_states: list[dict[str, Any]], cohorts: list[np.ndarray],
+                        uploads: list[Variables | None]) -> dict[str, dict[str, float]]:
+    """FedGen's server step (Zhu et al. 2021, Alg. 1): each federation's generator learns from the
+    round's uploaded models and their label counts (in place in ``server_states``); per-group mean losses."""
+    stats = {}
+    for gi, group in enumerate(self.groups):
+      if uploads[gi] is None:
+        continue
+      fed, cohort = self.federation_of[gi], cohorts[gi]
+      # Padded to the largest possible cohort (weight 0), so every round runs one compiled program.
+      size = min(self.config.clients_per_round, len(group.clients))
+      pad = size - len(cohort)
+      heads = uploads[gi]
+      if pad:
+        heads = jax.tree.map(lambda x: jnp.concatenate([x, jnp.repeat(x[:1], pad, 0)]), heads)
+      counts = np.concatenate([self.label_counts[cohort], np.zeros((pad, self.store.num_classes), np.int64)])
+      generator = _generator_state(server_states[fed]["generator"], self.config.fedgen.weight_decay)
+      generator, parts = fedgen.train_generator_round(
+          generator, self.config.fedgen, self.generators[gi], fedgen.feature_head(group.model), heads,
+          jnp.asarray(counts, jnp.float32), r, self._server_key(r, fed), valid=jnp.arange(size) < len(cohort))
+      server_states[fed] = {**server_states[fed], "generator": _generator_tree(generator)}
+      stats[group.name] = {k: float(v.mean()) for k, v in parts.items()}
+    return stats
+
+  def _update_sampler(self, state: ServerState, server: dict[str, Any], cohort: np.ndarray, uploads: Variables,
+                      start: Variables) -> dict[str, Any]:
+    """CluSamp's step 6: the participants' representative gradients become their parameter deltas."""
+    rows = _flat_deltas(uploads["params"], start["params"])
+    stored = _store_gradients(server["clusamp"], jnp.asarray(cohort), rows)
+    sampler = self.clustered_sampler(state)
+    sampler.update(cohort, np.asarray(rows))
+    self._sampler = (stored["gradients"], sampler)
+    return {**server, "clusamp": stored}
 
   def _empty_result(self, group: int, start, server, state: ServerState):
     """Zero sums for a group nobody of which was sampled, shaped as a real result."""

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from fedjax_hetero import data as fdata
 from fedjax_hetero import models
+from fedjax_hetero.algorithms.fedgen import FedGenConfig
 from fedjax_hetero.backends import BACKENDS, make_backend
 from fedjax_hetero.client.local import LocalConfig
 from fedjax_hetero.data.store import FederatedStore
@@ -70,6 +71,8 @@ class ExperimentConfig:
   fedcross_propellers: int = 0
   fedcross_propeller_rounds: int = 0
   fedcross_dynamic_alpha_rounds: int = 0
+  fedgen_preset: str = "cifar10"  # FedGen's hyperparameters (`FedGenConfig.preset`)
+  clusamp_similarity: str = "L1"
   checkpoint_every: int = 10
   steps_per_call: int = 8
   max_train_samples: int | None = None
@@ -88,6 +91,10 @@ class ExperimentConfig:
       raise ValueError(f"unknown partition {self.partition!r}; accepted: {', '.join(fdata.SCHEMES)}")
     if self.partition == "dirichlet" and not self.alpha > 0:
       raise ValueError(f"alpha must be > 0, got {self.alpha}")
+    method = get_method(self.method)
+    if method.one_group and len(self.groups) != 1:
+      raise ValueError(f"{method.name} trains one architecture group, got {len(self.groups)} "
+                       f"({', '.join(self.groups)}); pass one (e.g. --groups cnn)")
     if self.num_clients < len(self.groups):
       raise ValueError(f"num_clients={self.num_clients} is fewer than the {len(self.groups)} architecture groups")
     if not 1 <= self.clients_per_round <= self.num_clients:
@@ -112,7 +119,8 @@ class ExperimentConfig:
   def fl_config(self) -> FLConfig:
     return FLConfig(method=self.method, rounds=self.rounds, clients_per_round=self.clients_per_round,
                     weighting=self.weighting, aggregate=self.aggregate, seed=self.seed, prox_mu=self.prox_mu,
-                    moon_mu=self.moon_mu, fedcross=self.fedcross_config())
+                    moon_mu=self.moon_mu, fedcross=self.fedcross_config(),
+                    fedgen=FedGenConfig.preset(self.fedgen_preset), clusamp_similarity=self.clusamp_similarity)
 
   def fedcross_config(self) -> FedCrossConfig:
     return FedCrossConfig(alpha=self.fedcross_alpha, strategy=self.fedcross_strategy,

@@ -24,7 +24,8 @@ of the FedCross authors' framework) where it gives them; the rest, marked
     128 per round, teacher weight 1, diversity weight 1, learning rate
     3e-4 (CIFAR-10) decayed by 0.98 per round (FedGen code: ExponentialLR);
   * clients: ``alpha_gen = beta_gen = 0.2`` (CIFAR-10), decayed as
-    ``max(1e-4, c * 0.98**round)`` and off in round 0 (FedGen code).
+    ``max(1e-4, c * 0.98**round)`` and off in round 0 (FedGen code); 32
+    generated samples per local step (FedGen code: ``gen_batch_size``).
 """
 
 from __future__ import annotations
@@ -72,9 +73,11 @@ class FedGenConfig:
   generative_beta: float = 0.2
   coefficient_decay: float = 0.98
   coefficient_floor: float = 1e-4
+  # Generated labels per local step (FedGen code); the teacher term is scaled by this / the client batch size.
+  gen_batch_size: int = 32
 
   def __post_init__(self):
-    for name in ("noise_dim", "hidden_dim", "ensemble_epochs", "n_teacher_iters", "batch_size"):
+    for name in ("noise_dim", "hidden_dim", "ensemble_epochs", "n_teacher_iters", "batch_size", "gen_batch_size"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
     if self.ensemble_epochs < self.n_teacher_iters:

@@ -1,4 +1,4 @@
-"""Analysis figures: update histograms (InCo), client bubbles and middleware similarity (FedCross).
+"""Analysis figures: InCo update histograms and cross-layer tracking, FedCross client bubbles and similarity.
 
 All functions draw on a bare Agg `Figure` (no pyplot global state, so nothing
 to close and no backend switch), save a PNG and return its path.
@@ -160,4 +160,64 @@ def plot_similarity_tracking(rows: Sequence[Mapping[str, Any]], path: str, title
   fig.suptitle(title or "Middleware-model similarity")
   fig.tight_layout()
   fig.savefig(path, format="png", dpi=100)
+  return path
+
+
+def _short_names(names: Sequence[str]) -> list[str]:
+  """Display labels: the '/'-separated names without the components they all share at both ends."""
+  parts = [name.split("/") for name in names]
+  if len(parts) < 2:
+    return list(names)
+  lead = 0
+  while all(len(p) > lead + 1 and p[lead] == parts[0][lead] for p in parts):
+    lead += 1
+  trail = 0
+  while all(len(p) > lead + trail + 1 and p[-1 - trail] == parts[0][-1 - trail] for p in parts):
+    trail += 1
+  return ["/".join(p[lead:len(p) - trail]) for p in parts]
+
+
+def plot_inco_tracking(rows: Sequence[Mapping[str, Any]], path: str, title: str | None = None) -> str:
+  """InCo's per-target-layer theta and fraction of slices with b > 0 vs round (InCo paper Sec. 5.4).
+
+  `rows` are metrics.jsonl records; those without "inco" are skipped. A
+  layer's value is missing (a gap) in rounds where no sampled client owned
+  it (None in the record). Returns `path`.
+  """
+  tracked = [(row.get("round", i + 1), row["inco"]) for i, row in enumerate(rows) if row.get("inco")]
+  rounds = [r for r, _ in tracked]
+  layers: list[str] = []
+  for _, stats in tracked:
+    layers.extend(name for name in stats if name not in layers)
+  series = {key: {name: np.array([_finite(stats[name].get(key)) if name in stats else np.nan
+                                  for _, stats in tracked]) for name in layers}
+            for key in ("theta", "frac_b_positive")}
+
+  from matplotlib import colormaps
+  from matplotlib.ticker import MaxNLocator
+
+  fig = _figure(11.0, 4.0, layout="constrained")
+  ax_theta, ax_b = fig.subplots(1, 2)
+  # Up to 10 layers: distinct default colours; more: a sequential map in layer order.
+  colours = ([f"C{i}" for i in range(len(layers))] if len(layers) <= 10
+             else [colormaps["viridis"](v) for v in np.linspace(0.0, 1.0, len(layers))])
+  labels = _short_names(layers)
+  for ax, key, label in ((ax_theta, "theta", r"$\theta$ (mean over covered slices)"),
+                         (ax_b, "frac_b_positive", "fraction of slices with b > 0")):
+    if rounds:
+      for index, (name, short) in enumerate(zip(layers, labels)):
+        ax.plot(rounds, series[key][name], "-", marker="." if len(rounds) < 60 else None, lw=1.1,
+                color=colours[index], label=short)
+    else:
+      ax.text(0.5, 0.5, "no inco rows", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("round")
+    ax.set_ylabel(label)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+  ax_b.set_ylim(-0.03, 1.03)
+  if layers:
+    ax_b.legend(title="target layer", loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=7,
+                title_fontsize=8, frameon=False, ncol=1 if len(layers) <= 20 else 2)
+  fig.suptitle(title or "InCo cross-layer step per target layer")
+  fig.savefig(path, format="png", dpi=100, bbox_inches="tight")
   return path

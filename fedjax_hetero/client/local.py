@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedjax_hetero.algorithms import fedgen
 from fedjax_hetero.hetero.maps import Variables
 
 OPTIMIZERS = ("sgd", "adam")
@@ -45,6 +46,9 @@ class LocalConfig:
   moon_mu: float = 0.0  # MOON's weight of the model-contrastive loss; 0: off
   moon_temperature: float = 0.5  # MOON's tau
   normalize_delta: bool = False  # FedNova: upload delta / a_i and a_i (see `nova_normalizer`)
+  # FedGen's generative regularizer with this many generated labels per step; 0: off. Needs the trainer's
+  # `generator` and the server's generator variables (see `LocalTrainer.init_state`).
+  fedgen_batch_size: int = 0
 
   def __post_init__(self):
     if self.optimizer not in OPTIMIZERS:
@@ -57,6 +61,8 @@ class LocalConfig:
     for name in ("prox_mu", "moon_mu"):
       if not 0 <= getattr(self, name) < float("inf"):
         raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)}")
+    if self.fedgen_batch_size < 0:
+      raise ValueError(f"fedgen_batch_size must be >= 0, got {self.fedgen_batch_size}")
     if not self.moon_temperature > 0:
       raise ValueError(f"moon_temperature must be > 0, got {self.moon_temperature}")
 
@@ -202,6 +208,11 @@ class LocalTrainer:
   config: LocalConfig
   mean: tuple[float, ...]
   std: tuple[float, ...]
+  generator: nn.Module | None = None  # FedGen's feature generator (`fedgen.Generator`), frozen on the client
+
+  def __post_init__(self):
+    if self.config.fedgen_batch_size and self.generator is None:
+      raise ValueError("fedgen_batch_size > 0 needs the FedGen generator module (LocalTrainer.generator)")
 
   @property
   def tx(self) -> optax.GradientTransformation:
@@ -216,7 +227,8 @@ class LocalTrainer:
     """What `init_state` puts in ``LocalState.context`` for this configuration."""
     c = self.config
     return ({"start"} if c.prox_mu or self.contrastive else set()) | ({"correction"} if c.scaffold else set()) | (
-        {"previous"} if self.contrastive else set())
+        {"previous"} if self.contrastive else set()) | (
+        {"key", "generator", "fedgen_coefficients", "label_probs"} if c.fedgen_batch_size else set())
 
   def init_memory(self, variables: Variables) -> dict[str, Any]:
     """A client's persistent state before its first round (empty for stateless methods)."""
@@ -228,9 +240,11 @@ class LocalTrainer:
     return memory
 
   def init_state(self, start: Variables, memory: dict[str, Any] | None = None,
-                 server: dict[str, Any] | None = None) -> LocalState:
+                 server: dict[str, Any] | None = None, key: jax.Array | None = None) -> LocalState:
     """A client's state at the start of a round, from the server's ``start`` variables, the
-    client's ``memory`` (`init_memory`) and the group's share of server state (SCAFFOLD's c)."""
+    client's ``memory`` (`init_memory`), the group's share of server state (SCAFFOLD's c; FedGen's
+    "generator" variables, "fedgen_coefficients" [alpha, beta] and "label_probs") and the client's
+    round ``key`` (FedGen draws its generated batches from it; shape-only uses may leave it out)."""
     c = self.config
     memory, server = memory or {}, server or {}
     context = {}
@@ -240,6 +254,11 @@ class LocalTrainer:
       context["correction"] = tree_sub(server["control"], memory["control"])  # c - c_i
     if self.contrastive:
       context["previous"] = memory["previous"]
+    if c.fedgen_batch_size:
+      for name in ("generator", "fedgen_coefficients", "label_probs"):
+        context[name] = server[name]
+      if key is not None:
+        context["key"] = key
     zero = jnp.zeros((), jnp.float32)
     return LocalState(start, self.tx.init(start["params"]), zero, zero, zero, context)
 
@@ -255,7 +274,8 @@ class LocalTrainer:
 
   def train_step(self, state: LocalState, images: jax.Array, labels: jax.Array, mask: jax.Array) -> LocalState:
     """One masked step on the mean cross-entropy of the real rows, plus the configured client terms:
-    FedProx's ``mu/2 ||w - w^t||^2``, MOON's ``mu * l_con``, SCAFFOLD's gradient correction ``c - c_i``."""
+    FedProx's ``mu/2 ||w - w^t||^2``, MOON's ``mu * l_con``, SCAFFOLD's gradient correction ``c - c_i``,
+    FedGen's generative regularizer (Zhu et al. 2021, `fedgen.client_regularizer`)."""
     c, ctx = self.config, state.context
     missing = self.context_keys - set(ctx)
     if missing:
@@ -266,6 +286,9 @@ class LocalTrainer:
     if self.contrastive:  # representations of the frozen global and previous models (eval mode)
       z_global = jax.lax.stop_gradient(self._forward(ctx["start"], x, False, None)[0][1])
       z_previous = jax.lax.stop_gradient(self._forward(ctx["previous"], x, False, None)[0][1])
+    if c.fedgen_batch_size:
+      # Counting real steps only, so padded steps (vmap cohorts) do not shift the key sequence.
+      step_key = jax.random.fold_in(ctx["key"], state.num_steps.astype(jnp.uint32))
 
     def loss_fn(params):
       (logits, z), updates = self._forward({**state.variables, "params": params}, x, True, mask)
@@ -275,6 +298,12 @@ class LocalTrainer:
         loss = loss + proximal_term(params, ctx["start"]["params"], c.prox_mu)
       if self.contrastive:
         loss = loss + c.moon_mu * model_contrastive_loss(z, z_global, z_previous, c.moon_temperature, maskf)
+      if c.fedgen_batch_size:
+        alpha, beta = ctx["fedgen_coefficients"][0], ctx["fedgen_coefficients"][1]
+        loss = loss + fedgen.client_regularizer(
+            fedgen.feature_head(self.model), {**state.variables, "params": params}, self.generator, ctx["generator"],
+            logits, labels, ctx["label_probs"], step_key, alpha=alpha, beta=beta,
+            gen_batch_size=c.fedgen_batch_size, mask=maskf, gen_ratio=c.fedgen_batch_size / c.batch_size)[0]
       return loss, (updates, total)
 
     (_, (model_updates, total)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.variables["params"])

@@ -39,10 +39,18 @@ def numpy_cosine(x):
   return np.divide(x @ x.T, prod, out=np.zeros_like(prod), where=prod > 0)
 
 
+def numpy_layers(stacked):
+  """One [K, size] matrix per module: the leaves under one parent dict, concatenated."""
+  layers = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(stacked)[0]:
+    layers.setdefault(tuple(path[:-1]), []).append(np.asarray(leaf, np.float64).reshape(leaf.shape[0], -1))
+  return [np.concatenate(parts, axis=1) for parts in layers.values()]
+
+
 def numpy_similarity(stacked, kind):
   leaves = numpy_leaves(stacked)
   if kind == "layerwise":
-    return sum(numpy_cosine(x) for x in leaves)
+    return sum(numpy_cosine(x) for x in numpy_layers(stacked))
   x = np.concatenate(leaves, axis=1)
   if kind == "cosine":
     return numpy_cosine(x)
@@ -207,13 +215,14 @@ def test_cosine_is_accurate_for_nearly_identical_models():
   got = np.asarray(similarity_jit(stacked, kind="cosine"))
   np.testing.assert_allclose(got, numpy_similarity(stacked, "cosine"), rtol=0, atol=6e-8)  # half an ulp below 1
   got = np.asarray(similarity_jit(stacked, kind="layerwise"))
-  np.testing.assert_allclose(got, numpy_similarity(stacked, "layerwise"), rtol=0, atol=3e-7)  # the sum is ~2
+  np.testing.assert_allclose(got, numpy_similarity(stacked, "layerwise"), rtol=0, atol=3e-7)  # one layer: w and b share the root
 
 
-def test_similarity_handles_all_zero_leaves():
-  """An all-zero leaf (e.g. untouched zero-initialised biases) has cosine 0, as torch's."""
+def test_similarity_handles_all_zero_layers():
+  """An all-zero layer (e.g. untouched zero-initialised statistics) has cosine 0, as torch's."""
   rng = np.random.default_rng(7)
   stacked = random_stacked(rng)
+  stacked["batch_stats"]["bn"]["mean"] = np.zeros_like(stacked["batch_stats"]["bn"]["mean"])
   stacked["params"]["dense"]["bias"] = np.zeros_like(stacked["params"]["dense"]["bias"])
   for kind in aggregators.fedcross.SIMILARITY_KINDS:
     got = np.asarray(similarity_jit(stacked, kind=kind))

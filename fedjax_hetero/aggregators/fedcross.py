@@ -77,6 +77,14 @@ def _sum_moments(stacked: Stacked) -> tuple[jax.Array, jax.Array, jax.Array]:
   return tuple(sum(parts[1:], parts[0]) for parts in zip(*per_leaf))
 
 
+def _layer_moments(stacked: Stacked) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
+  """`_moments` of each layer: the leaves under one parent node, in first-seen order."""
+  layers: dict[tuple, list] = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(stacked)[0]:
+    layers.setdefault(tuple(path[:-1]), []).append(_moments(leaf))
+  return [tuple(sum(parts[1:], parts[0]) for parts in zip(*leaves)) for leaves in layers.values()]
+
+
 def _sq_norms_and_distances(gram, proj, sq_mean):
   """``|x_i|^2`` [K] and ``|x_i - x_j|^2`` [K, K] from the centred moments."""
   diag = jnp.diagonal(gram)
@@ -125,23 +133,25 @@ def similarity_matrix(stacked: Stacked, kind: str = "cosine") -> jax.Array:
       ``sum_i X_i Y_i / (sqrt(sum X_i^2) + sqrt(sum Y_i^2))`` -- a sum, not a
       product, of norms in the denominator (almost surely a typo, but it ranks
       partners differently, so it is offered for ablation).
-    * ``"layerwise"``: the authors' code, ``sum_layers cos(layer_i, layer_j)``,
-      with one layer per pytree leaf (structural, order-free). The code instead
-      cosines consecutive ``state_dict`` entry pairs (weight + bias, BN buffers
-      included) and counts the last pair twice; leaves are the closest
-      structure-only analogue. Pass only the leaves you want compared (e.g.
-      params without ``batch_stats``).
+    * ``"layerwise"``: the authors' code, ``sum_layers cos(layer_i, layer_j)``.
+      A layer is a module: the leaves that share a parent node of the pytree
+      (a flax ``{"kernel", "bias"}`` dict), flattened together. The code
+      cosines consecutive ``state_dict`` entry pairs instead -- weight + bias
+      for plain layers, but BN's five entries straddle pairs -- and counts the
+      last pair twice; grouping by module is the structure-only analogue
+      without name or order matching. Pass only the leaves you want compared
+      (e.g. params without ``batch_stats``).
 
   The diagonal holds each model's self-similarity (1, |x|/2, number of
-  non-zero leaves respectively); the authors' table keeps it at 0. Selection
+  non-zero layers respectively); the authors' table keeps it at 0. Selection
   masks it out, so that never matters there.
   """
   if kind not in SIMILARITY_KINDS:
     raise ValueError(f"unknown similarity kind {kind!r}; choose from {SIMILARITY_KINDS}")
   _num_models(stacked)
   if kind == "layerwise":
-    per_leaf = [_cosine_from_moments(*_moments(leaf)) for leaf in jax.tree.leaves(stacked)]
-    return sum(per_leaf[1:], per_leaf[0])
+    per_layer = [_cosine_from_moments(*moments) for moments in _layer_moments(stacked)]
+    return sum(per_layer[1:], per_layer[0])
   moments = _sum_moments(stacked)
   return _cosine_from_moments(*moments) if kind == "cosine" else _paper_from_moments(*moments)
 

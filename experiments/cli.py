@@ -63,7 +63,10 @@ def build_parser(defaults: ExperimentConfig, description: str) -> argparse.Argum
                  help="average client deltas or uploaded weights")
   p.add_argument("--prox-mu", type=float, default=d.prox_mu,
                  help="FedProx's mu in the client objective CE + mu/2 ||w - w_glob||^2 (any method); "
-                 "default: the method's (0.1 for FedProx, HeteroProx, InCoProx; none for the others)")
+                 "default: the method's (--fedprox-mu for FedProx, HeteroProx, InCoProx; none for the others)")
+  p.add_argument("--fedprox-mu", type=float, default=d.fedprox_mu,
+                 help="mu of the methods with FedProx's term when --prox-mu is not given (InCo paper: 0.1; the "
+                 "fedcross presets: 0.01, the FedCross paper's CIFAR-10 value)")
   p.add_argument("--moon-mu", type=float, default=d.moon_mu,
                  help="MOON's weight of the model-contrastive loss (any method); default: the method's "
                  "(5 for MOON, HeteroMOON, InCoMOON; none for the others)")

@@ -135,15 +135,17 @@ def get_method(name: str) -> Method:
 
 
 def client_config(method: Method, local: LocalConfig, prox_mu: float | None = None,
-                  moon_mu: float | None = None, fedgen_config: fedgen.FedGenConfig | None = None) -> LocalConfig:
+                  moon_mu: float | None = None, fedgen_config: fedgen.FedGenConfig | None = None,
+                  fedprox_mu: float = FEDPROX_MU) -> LocalConfig:
   """``local`` with the client terms of ``method`` switched on (and only those).
 
   ``prox_mu``/``moon_mu`` override the method's defaults (a nonzero value also adds the term
-  to methods without it, e.g. FedProx's term on InCoAvg). FedGen's regularizer needs the
-  server's generator, so it is on for FedGen only, with ``fedgen_config``'s generated batch.
+  to methods without it, e.g. FedProx's term on InCoAvg); ``fedprox_mu`` is the default of the
+  methods with FedProx's term. FedGen's regularizer needs the server's generator, so it is on
+  for FedGen only, with ``fedgen_config``'s generated batch.
   """
   if prox_mu is None:
-    prox_mu = local.prox_mu or (FEDPROX_MU if method.client == "prox" else 0.0)
+    prox_mu = local.prox_mu or (fedprox_mu if method.client == "prox" else 0.0)
   if moon_mu is None:
     moon_mu = local.moon_mu or (MOON_MU if method.client == "moon" else 0.0)
   fedgen_batch_size = local.fedgen_batch_size
@@ -217,13 +219,14 @@ class FLConfig:
   seed: int = 0
   prox_mu: float | None = None  # FedProx's mu; None: the method's default (see client_config)
   moon_mu: float | None = None  # MOON's mu; None: the method's default
+  fedprox_mu: float = FEDPROX_MU  # the *Prox methods' default mu (FedCross paper, CIFAR-10: 0.01)
   fedcross: FedCrossConfig = FedCrossConfig()
   fedgen: fedgen.FedGenConfig = fedgen.FedGenConfig()  # FedGen's generator and regularizer (CIFAR-10 values)
   clusamp_similarity: str = "L1"  # CluSamp's gradient dissimilarity (the FedCross framework's default)
 
   def __post_init__(self):
     method = get_method(self.method)
-    for name in ("prox_mu", "moon_mu"):
+    for name in ("prox_mu", "moon_mu", "fedprox_mu"):
       value = getattr(self, name)
       if value is not None and not 0 <= value < float("inf"):
         raise ValueError(f"{name} must be finite and >= 0, got {value}")
@@ -308,7 +311,8 @@ class Simulation:
       groups = [dataclasses.replace(g, model=with_projection_head(g.model)) for g in groups]
     self.groups = tuple(groups)
     self.store, self.config, self.backend = store, config, backend
-    self.local = client_config(self.method, local, config.prox_mu, config.moon_mu, config.fedgen)
+    self.local = client_config(self.method, local, config.prox_mu, config.moon_mu, config.fedgen,
+                               config.fedprox_mu)
     self.prox_mu = self.local.prox_mu
     self.test_images, self.test_labels = test_images, test_labels
     self._sample_input = jnp.zeros((1,) + tuple(store.images.shape[1:]), jnp.float32)

@@ -60,7 +60,8 @@ class ExperimentConfig:
   backend: str = "auto"
   weighting: str = "uniform"
   aggregate: str = "deltas"
-  prox_mu: float | None = None  # FedProx's mu; None: the method's default (0.1 for *Prox, else 0)
+  prox_mu: float | None = None  # FedProx's mu; None: the method's default (fedprox_mu for *Prox, else 0)
+  fedprox_mu: float = 0.1  # the *Prox methods' mu when prox_mu is None (InCo paper: mu/2 = 0.05)
   moon_mu: float | None = None  # MOON's mu; None: the method's default (5 for *MOON, else 0)
   moon_temperature: float = 0.5
   fedcross_alpha: float = 0.99
@@ -119,7 +120,7 @@ class ExperimentConfig:
   def fl_config(self) -> FLConfig:
     return FLConfig(method=self.method, rounds=self.rounds, clients_per_round=self.clients_per_round,
                     weighting=self.weighting, aggregate=self.aggregate, seed=self.seed, prox_mu=self.prox_mu,
-                    moon_mu=self.moon_mu, fedcross=self.fedcross_config(),
+                    fedprox_mu=self.fedprox_mu, moon_mu=self.moon_mu, fedcross=self.fedcross_config(),
                     fedgen=FedGenConfig.preset(self.fedgen_preset), clusamp_similarity=self.clusamp_similarity)
 
   def fedcross_config(self) -> FedCrossConfig:

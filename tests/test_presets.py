@@ -6,6 +6,8 @@ import pytest
 
 from experiments import cli, fmnist
 from experiments.presets import PRESETS, get_preset, paper_deviations
+from fedjax_hetero.client.local import LocalConfig
+from fedjax_hetero.engine import client_config, get_method
 
 
 @pytest.fixture
@@ -54,3 +56,13 @@ def test_unknown_preset(capsys):
   assert "unknown preset 'nope'; accepted: inco, inco-cpu, fedcross, fedcross-cpu" in capsys.readouterr().err
   with pytest.raises(ValueError, match="unknown preset"):
     get_preset("nope")
+
+
+def test_fedcross_preset_baselines_follow_the_authors_framework(captured):
+  cli.main("fashion_mnist", fmnist.DEMO, "test", ["--preset", "fedcross-cpu", "--method", "FedProx"])
+  cli.main("fashion_mnist", fmnist.DEMO, "test", ["--preset", "fedcross-cpu", "--method", "FedCross"])
+  prox, cross = (config.fl_config() for config in captured)
+  assert prox.weighting == "num_samples"
+  # FedProx gets the paper's CIFAR-10 mu; FedCross, with no proximal term, gets none.
+  assert client_config(get_method("FedProx"), LocalConfig(), prox.prox_mu, None, None, prox.fedprox_mu).prox_mu == 0.01
+  assert client_config(get_method("FedCross"), LocalConfig(), cross.prox_mu, None, None, cross.fedprox_mu).prox_mu == 0

@@ -7,6 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from fedjax_hetero.backends import make_backend
+from fedjax_hetero.client.local import LocalConfig
+from fedjax_hetero.data import ArrayDataset, partition, synthetic_dataset
+from fedjax_hetero.data.store import FederatedStore
+from fedjax_hetero.engine import ArchGroup, FLConfig, Simulation, assign_groups
+from fedjax_hetero.models import build_model
+
+TINY_NUM_CLIENTS = 6
+
 
 def numpy_variables(shapes, seed: int):
   """Variables shaped like ``shapes`` (e.g. ``jax.eval_shape(model.init, ...)``), filled with numpy.
@@ -40,3 +49,23 @@ def random_batch(seed: int, size: int, num_classes: int = 4, image_shape: tuple[
   images = jnp.asarray(rng.integers(0, 256, (size, *image_shape)), jnp.uint8)
   labels = jnp.asarray(rng.integers(0, num_classes, size), jnp.int32)
   return images, labels
+
+
+def tiny_federation(num_clients: int = TINY_NUM_CLIENTS) -> tuple[ArrayDataset, FederatedStore]:
+  """160 synthetic training images over ``num_clients`` clients of unequal sizes."""
+  ds = synthetic_dataset(num_train=160, num_test=32, seed=0)
+  parts = partition(ds.train_labels, "iid_imbalanced", num_clients, 0)
+  return ds, FederatedStore.build(ds.train_images, ds.train_labels, parts, ds.num_classes, ds.mean, ds.std)
+
+
+def tiny_simulation(method: str, backend: str = "sequential", widths=(1.0,), clients_per_round: int = 3,
+                    optimizer: str = "adam", hidden=(16,), data=None, **fl_options) -> Simulation:
+  """A two-epoch simulation of MLP width groups on `tiny_federation` (or ``data``); ``fl_options`` go to FLConfig."""
+  ds, store = data or tiny_federation()
+  groups = [ArchGroup(f"mlp@{w}", build_model("mlp", ds.num_classes, w, hidden=hidden), clients)
+            for w, clients in zip(widths, assign_groups(store.num_clients, len(widths)))]
+  local = LocalConfig(epochs=2, batch_size=8, optimizer=optimizer, learning_rate=1e-2 if optimizer == "adam" else 0.05,
+                      steps_per_call=2)
+  config = FLConfig(method=method, rounds=2, clients_per_round=clients_per_round, seed=0, **fl_options)
+  return Simulation(groups, store, local, config, make_backend(backend), jnp.asarray(ds.test_images),
+                    jnp.asarray(ds.test_labels))

@@ -10,16 +10,13 @@ import pytest
 
 from experiments import cli
 from fedjax_hetero import aggregators
-from fedjax_hetero.backends import make_backend
 from fedjax_hetero.client.local import (LocalConfig, LocalTrainer, model_contrastive_loss, nova_normalizer,
                                         scaffold_control_update)
-from fedjax_hetero.data import partition, synthetic_dataset
-from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.engine import METHODS, ArchGroup, FedCrossConfig, FLConfig, Simulation, assign_groups, get_method
+from fedjax_hetero.engine import METHODS, FedCrossConfig, get_method
 from fedjax_hetero.hetero.maps import build_group_map, identity_map
 from fedjax_hetero.models import build_model
 from fedjax_hetero.runner import ExperimentConfig, run_experiment
-from tests.helpers import model_variables, random_batch
+from tests.helpers import model_variables, random_batch, tiny_simulation
 
 NUM_CLASSES = 4
 MEAN, STD = (0.45,), (0.25,)
@@ -163,18 +160,8 @@ def test_moon_loss_is_log_two_when_global_and_previous_agree():
 # -------------------------------------------------------------------------------------------------- engine
 
 
-def simulation(method, backend="sequential", groups=((0.5, "mlp"), (1.0, "mlp")), clients_per_round=5,
-               fedcross=FedCrossConfig(), optimizer="adam", hidden=(16,)):
-  ds = synthetic_dataset(num_train=160, num_test=32, seed=0)
-  parts = partition(ds.train_labels, "iid_imbalanced", 6, 0)
-  store = FederatedStore.build(ds.train_images, ds.train_labels, parts, ds.num_classes, ds.mean, ds.std)
-  arch = [ArchGroup(f"{name}@{w}", build_model(name, ds.num_classes, w, hidden=hidden), clients)
-          for (w, name), clients in zip(groups, assign_groups(6, len(groups)))]
-  local = LocalConfig(epochs=2, batch_size=8, optimizer=optimizer, learning_rate=1e-2 if optimizer == "adam" else 0.05,
-                      steps_per_call=2)
-  config = FLConfig(method=method, rounds=2, clients_per_round=clients_per_round, seed=0, fedcross=fedcross)
-  return Simulation(arch, store, local, config, make_backend(backend), jnp.asarray(ds.test_images),
-                    jnp.asarray(ds.test_labels))
+def simulation(method, backend="sequential", widths=(0.5, 1.0), clients_per_round=5, **options):
+  return tiny_simulation(method, backend, widths, clients_per_round, **options)
 
 
 def run(sim, rounds=2):
@@ -217,7 +204,7 @@ def test_scaffold_keeps_per_client_control_variates_for_sampled_clients_only():
 
 
 def test_moon_keeps_each_clients_previous_model():
-  sim = simulation("HeteroMOON", groups=((1.0, "mlp"),), clients_per_round=2)
+  sim = simulation("HeteroMOON", widths=(1.0,), clients_per_round=2)
   state0 = sim.init_state()
   assert "projection_out" in state0.models[0]["params"]
   state1, metrics = sim.run_round(state0)
@@ -229,7 +216,7 @@ def test_moon_keeps_each_clients_previous_model():
 
 
 def test_fedcross_round_trains_each_middleware_model_and_cross_aggregates():
-  sim = simulation("FedCross", groups=((1.0, "mlp"),), clients_per_round=4,
+  sim = simulation("FedCross", widths=(1.0,), clients_per_round=4,
                    fedcross=FedCrossConfig(alpha=0.75, strategy="in_order"))
   state0 = sim.init_state()
   middleware0 = state0.models[0]
@@ -242,13 +229,13 @@ def test_fedcross_round_trains_each_middleware_model_and_cross_aggregates():
   # the slots differ after one round (each trained by another client)
   first = jax.tree.leaves(state1.models[0])[0]
   assert not np.allclose(first[0], first[1])
-  vmap_state, _ = run(simulation("FedCross", "vmap", groups=((1.0, "mlp"),), clients_per_round=4,
+  vmap_state, _ = run(simulation("FedCross", "vmap", widths=(1.0,), clients_per_round=4,
                                  fedcross=FedCrossConfig(alpha=0.75, strategy="in_order")), rounds=1)
   chex.assert_trees_all_close(vmap_state.models, state1.models, rtol=2e-4, atol=2e-5)
 
 
 def test_fedcross_with_alpha_one_keeps_the_uploads_and_warmup_averages():
-  base = dict(groups=((1.0, "mlp"),), clients_per_round=3)
+  base = dict(widths=(1.0,), clients_per_round=3)
   alone = run(simulation("FedCross", fedcross=FedCrossConfig(alpha=1.0), **base), rounds=1)[0]
   warm = run(simulation("FedCross", fedcross=FedCrossConfig(warmup_rounds=1), **base), rounds=1)[0]
   # alpha = 1: the middleware models are the uploads, and warm-up replaces each by their mean.

@@ -13,14 +13,13 @@ import numpy as np
 import pytest
 
 from fedjax_hetero.algorithms.fedgen import FedGenConfig
-from fedjax_hetero.backends import make_backend
-from fedjax_hetero.client.local import LocalConfig, LocalTrainer
-from fedjax_hetero.data import partition, synthetic_dataset
+from fedjax_hetero.client.local import LocalTrainer
+from fedjax_hetero.data import synthetic_dataset
 from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.engine import ArchGroup, FLConfig, Simulation, assign_groups, get_method
-from fedjax_hetero.models import build_model
+from fedjax_hetero.engine import get_method
 from fedjax_hetero.runner import ExperimentConfig, _checkpoint_manager, _restore, build_simulation, run_experiment
 from fedjax_hetero.sampling import ClusteredSampler
+from tests.helpers import tiny_federation, tiny_simulation
 
 NUM_CLIENTS = 6
 # A generator small enough for the tests: 2 server steps of batch 16 per round, 8 generated labels per local step.
@@ -30,21 +29,11 @@ TINY_FEDGEN = FedGenConfig(noise_dim=4, hidden_dim=16, batch_size=16, ensemble_e
 
 @pytest.fixture(scope="module")
 def data():
-  ds = synthetic_dataset(num_train=160, num_test=32, seed=0)
-  parts = partition(ds.train_labels, "iid_imbalanced", NUM_CLIENTS, 0)
-  store = FederatedStore.build(ds.train_images, ds.train_labels, parts, ds.num_classes, ds.mean, ds.std)
-  return ds, store
+  return tiny_federation(NUM_CLIENTS)
 
 
 def simulation(data, method, backend="sequential", widths=(1.0,), clients_per_round=3, optimizer="adam"):
-  ds, store = data
-  arch = [ArchGroup(f"mlp@{w}", build_model("mlp", ds.num_classes, w, hidden=(16,)), clients)
-          for w, clients in zip(widths, assign_groups(NUM_CLIENTS, len(widths)))]
-  local = LocalConfig(epochs=2, batch_size=8, optimizer=optimizer, learning_rate=1e-2 if optimizer == "adam" else 0.05,
-                      steps_per_call=2)
-  config = FLConfig(method=method, rounds=2, clients_per_round=clients_per_round, seed=0, fedgen=TINY_FEDGEN)
-  return Simulation(arch, store, local, config, make_backend(backend), jnp.asarray(ds.test_images),
-                    jnp.asarray(ds.test_labels))
+  return tiny_simulation(method, backend, widths, clients_per_round, optimizer, data=data, fedgen=TINY_FEDGEN)
 
 
 def run(sim, rounds=2):

@@ -13,6 +13,7 @@ import sys
 from typing import Any, Sequence
 
 from experiments.presets import PRESETS, get_preset, paper_deviations
+from fedjax_hetero import aggregators
 from fedjax_hetero import data as fdata
 from fedjax_hetero import models
 from fedjax_hetero.aggregators import fedcross
@@ -90,6 +91,15 @@ def build_parser(defaults: ExperimentConfig, description: str) -> argparse.Argum
                   help="length of the propeller stage")
   fc.add_argument("--fedcross-dynamic-alpha-rounds", type=int, default=d.fedcross_dynamic_alpha_rounds,
                   help="dynamic alpha (Sec. III-D DA): linear 0.5 -> --fedcross-alpha over the first N rounds")
+  ic = p.add_argument_group("InCo (--method InCo*)")
+  ic.add_argument("--inco-variant", default=d.inco_variant, choices=aggregators.INCO_VARIANTS,
+                  help="cross-layer rule: code (the authors' code: theta = clip(|b|/a, 0, 5), + theta g0, update "
+                  "clipped to 0.1; reproduces the published numbers), theorem (Theorem 3.1: project only if b < 0), "
+                  "paper (Alg. 1: g_k - theta g_0 always), and the Sec. 5.3 ablations no_normalization, "
+                  "no_optimization (theta = 1), none (raw g_k + g_0); default: code")
+  ic.add_argument("--inco-granularity", default=d.inco_granularity, choices=aggregators.INCO_GRANULARITIES,
+                  help="norms and theta per 3x3 kernel slice (the authors' code) or per tensor (the paper's "
+                  "reading); default: kernel")
   fg = p.add_argument_group("FedGen (--method FedGen) and CluSamp (--method CluSamp)")
   fg.add_argument("--fedgen-preset", default=d.fedgen_preset, choices=tuple(FEDGEN_PRESETS),
                   help="FedGen's generator and regularizer hyperparameters (the FedCross framework's per-dataset "

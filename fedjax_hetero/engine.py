@@ -223,6 +223,10 @@ class FLConfig:
   fedcross: FedCrossConfig = FedCrossConfig()
   fedgen: fedgen.FedGenConfig = fedgen.FedGenConfig()  # FedGen's generator and regularizer (CIFAR-10 values)
   clusamp_similarity: str = "L1"  # CluSamp's gradient dissimilarity (the FedCross framework's default)
+  # InCo* methods: the cross-layer rule (aggregators.INCO_VARIANTS, e.g. an ablation) and its granularity;
+  # None: the method's own ("code", "kernel").
+  inco_variant: str | None = None
+  inco_granularity: str | None = None
 
   def __post_init__(self):
     method = get_method(self.method)
@@ -243,6 +247,13 @@ class FLConfig:
       raise ValueError("FedCross needs clients_per_round >= 2 (one middleware model per sampled client)")
     if self.clusamp_similarity not in SIMILARITIES:
       raise ValueError(f"unknown CluSamp similarity {self.clusamp_similarity!r}; accepted: {', '.join(SIMILARITIES)}")
+    if self.inco_variant is not None and self.inco_variant not in aggregators.INCO_VARIANTS:
+      raise ValueError(f"unknown InCo variant {self.inco_variant!r}; accepted: {', '.join(aggregators.INCO_VARIANTS)}")
+    if self.inco_granularity is not None and self.inco_granularity not in aggregators.INCO_GRANULARITIES:
+      raise ValueError(f"unknown InCo granularity {self.inco_granularity!r}; accepted: "
+                       f"{', '.join(aggregators.INCO_GRANULARITIES)}")
+    if (self.inco_variant or self.inco_granularity) and method.inco_variant is None:
+      raise ValueError(f"--inco-variant/--inco-granularity apply to the InCo* methods, not {method.name}")
 
 
 class ServerState(NamedTuple):
@@ -300,6 +311,9 @@ class Simulation:
     if config.clients_per_round > store.num_clients:
       raise ValueError(f"clients_per_round={config.clients_per_round} exceeds the {store.num_clients} clients")
     self.method = get_method(config.method)
+    if self.method.inco_variant is not None:
+      self.method = dataclasses.replace(self.method, inco_variant=config.inco_variant or self.method.inco_variant,
+                                        inco_granularity=config.inco_granularity or self.method.inco_granularity)
     if self.method.one_group and len(groups) != 1:
       why = (" (clustering compares all clients' representative gradients, so they need one shape)"
              if self.method.sampling == "clustered" else "")

@@ -74,6 +74,8 @@ class ExperimentConfig:
   fedcross_dynamic_alpha_rounds: int = 0
   fedgen_preset: str = "cifar10"  # FedGen's hyperparameters (`FedGenConfig.preset`)
   clusamp_similarity: str = "L1"
+  inco_variant: str | None = None  # None: the InCo* method's own ("code", the authors' code)
+  inco_granularity: str | None = None  # None: "kernel"
   checkpoint_every: int = 10
   steps_per_call: int = 8
   max_train_samples: int | None = None
@@ -121,7 +123,8 @@ class ExperimentConfig:
     return FLConfig(method=self.method, rounds=self.rounds, clients_per_round=self.clients_per_round,
                     weighting=self.weighting, aggregate=self.aggregate, seed=self.seed, prox_mu=self.prox_mu,
                     fedprox_mu=self.fedprox_mu, moon_mu=self.moon_mu, fedcross=self.fedcross_config(),
-                    fedgen=FedGenConfig.preset(self.fedgen_preset), clusamp_similarity=self.clusamp_similarity)
+                    fedgen=FedGenConfig.preset(self.fedgen_preset), clusamp_similarity=self.clusamp_similarity,
+                    inco_variant=self.inco_variant, inco_granularity=self.inco_granularity)
 
   def fedcross_config(self) -> FedCrossConfig:
     return FedCrossConfig(alpha=self.fedcross_alpha, strategy=self.fedcross_strategy,

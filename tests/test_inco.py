@@ -262,14 +262,14 @@ def test_theta_zero_without_normalization_equals_hetero_avg():
 # ----------------------------------------------------------------------------------------- the engine
 
 
-def simulation(method, names):
+def simulation(method, names, **fl_options):
   ds = synthetic_dataset(num_train=48, num_test=8, seed=0)
   parts = partition(ds.train_labels, "iid", 6, 0)
   store = FederatedStore.build(ds.train_images, ds.train_labels, parts, ds.num_classes, ds.mean, ds.std)
   small = lambda n: {"base_channels": 4} if n.startswith("resnet") else {"hidden": (8,)}
   groups = [ArchGroup(n, build_model(n, ds.num_classes, **small(n)), c)
             for n, c in zip(names, assign_groups(6, len(names)))]
-  return Simulation(groups, store, LocalConfig(), FLConfig(method=method, rounds=1, clients_per_round=3),
+  return Simulation(groups, store, LocalConfig(), FLConfig(method=method, rounds=1, clients_per_round=3, **fl_options),
                     make_backend("sequential"), jnp.asarray(ds.test_images), jnp.asarray(ds.test_labels))
 
 
@@ -278,8 +278,9 @@ def test_incoavg_needs_a_model_with_cross_layer_pairs():
     simulation("InCoAvg", ["mlp"])
 
 
-def test_incoavg_aggregate_applies_inco_to_the_mean_delta():
-  sim = simulation("InCoAvg", ["resnet10", "resnet14"])
+@pytest.mark.parametrize("variant, granularity", [(None, None), ("no_optimization", "tensor")])
+def test_incoavg_aggregate_applies_inco_to_the_mean_delta(variant, granularity):
+  sim = simulation("InCoAvg", ["resnet10", "resnet14"], inco_variant=variant, inco_granularity=granularity)
   assert sim.inco_pairs == build_model("resnet14", 10).cross_layer_pairs()
   shapes = [jax.eval_shape(g.model.init, jax.random.key(0), sim._sample_input) for g in sim.groups]
   rng = np.random.default_rng(11)
@@ -293,8 +294,17 @@ def test_incoavg_aggregate_applies_inco_to_the_mean_delta():
   @jax.jit
   def reference(model, sums, weights):
     delta = aggregators.heterogeneous_mean_delta(sums, weights, sim.maps, model)
-    return jax.tree.map(jnp.add, model, inco(delta, sim.inco_pairs)[0])
+    return jax.tree.map(jnp.add, model, inco(delta, sim.inco_pairs, variant or "code", granularity or "kernel")[0])
 
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7), new,
                reference(model, sums, weights))
   assert set(stats) == {"/".join(t) for t, _ in sim.inco_pairs}
+
+
+def test_inco_options_are_checked():
+  with pytest.raises(ValueError, match="unknown InCo variant 'nope'; accepted: code, theorem, paper"):
+    FLConfig(method="InCoAvg", inco_variant="nope")
+  with pytest.raises(ValueError, match="unknown InCo granularity 'row'; accepted: kernel, tensor"):
+    FLConfig(method="InCoAvg", inco_granularity="row")
+  with pytest.raises(ValueError, match="apply to the InCo\\* methods, not HeteroAvg"):
+    FLConfig(method="HeteroAvg", inco_variant="theorem")

@@ -276,21 +276,10 @@ def run_tracking(args: argparse.Namespace) -> list[str]:
 # --------------------------------------------------------------------------- bubbles
 
 
-def rebuild_partition(config: ExperimentConfig) -> tuple[fdata.ArrayDataset, list[np.ndarray]]:
-  """The run's dataset (after its subset) and client partition, as `runner.build_simulation` makes them."""
-  config.validate()
-  dataset = fdata.load_dataset(config.dataset, config.data_dir)
-  if config.max_train_samples or config.max_test_samples:
-    dataset = dataset.subset(config.max_train_samples, config.max_test_samples, seed=config.seed)
-  parts = fdata.partition(dataset.train_labels, config.partition, config.num_clients, config.seed,
-                          alpha=config.alpha, classes_per_client=config.classes_per_client)
-  return dataset, parts
-
-
 def run_bubbles(args: argparse.Namespace) -> list[str]:
   """Client x class bubble plot of the run's partition (FedCross paper's data distribution figure)."""
   config = read_config(args.run_dir, args.data_dir)
-  dataset, parts = rebuild_partition(config)
+  dataset, parts = runner.partitioned_dataset(config)
   report = os.path.join(args.run_dir, "partition.txt")
   if os.path.isfile(report):
     with open(report) as f:

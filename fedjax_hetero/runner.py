@@ -134,9 +134,9 @@ class ExperimentConfig:
                           dynamic_alpha_rounds=self.fedcross_dynamic_alpha_rounds)
 
 
-def build_simulation(config: ExperimentConfig, dataset: fdata.ArrayDataset | None = None,
-                     log: Callable[[str], None] = print) -> tuple[Simulation, list[np.ndarray]]:
-  """Loads and partitions the data and builds the simulation (no training yet)."""
+def partitioned_dataset(config: ExperimentConfig, dataset: fdata.ArrayDataset | None = None
+                        ) -> tuple[fdata.ArrayDataset, list[np.ndarray]]:
+  """The run's dataset (loaded unless given; its subset if configured) and its client partition."""
   config.validate()
   if dataset is None:
     dataset = fdata.load_dataset(config.dataset, config.data_dir)
@@ -144,6 +144,13 @@ def build_simulation(config: ExperimentConfig, dataset: fdata.ArrayDataset | Non
     dataset = dataset.subset(config.max_train_samples, config.max_test_samples, seed=config.seed)
   parts = fdata.partition(dataset.train_labels, config.partition, config.num_clients, config.seed,
                           alpha=config.alpha, classes_per_client=config.classes_per_client)
+  return dataset, parts
+
+
+def build_simulation(config: ExperimentConfig, dataset: fdata.ArrayDataset | None = None,
+                     log: Callable[[str], None] = print) -> tuple[Simulation, list[np.ndarray]]:
+  """Loads and partitions the data and builds the simulation (no training yet)."""
+  dataset, parts = partitioned_dataset(config, dataset)
   store = FederatedStore.build(dataset.train_images, dataset.train_labels, parts, dataset.num_classes,
                                dataset.mean, dataset.std)
   groups = []

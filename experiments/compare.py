@@ -5,7 +5,10 @@
 Each RUN_DIR is a results folder of ``python -m experiments.<dataset>``
 (``summary.json`` + ``metrics.jsonl``). The table lists, per run, the method,
 rounds, final and best mean accuracy, the accuracy averaged over the last few
-evaluations (less noisy than the final one), and the training wall time.
+evaluations (less noisy than the final one), and the training wall time (sum
+of the rounds' wall times, the first round's compilation included).
+``--up-to-round R`` cuts every run at round R, to compare runs of different
+lengths at equal rounds.
 """
 
 from __future__ import annotations
@@ -32,15 +35,21 @@ def evaluated(rows: Sequence[dict[str, Any]]) -> list[tuple[int, float]]:
   return [(r["round"], r["test_accuracy"]["mean"]) for r in rows if r.get("test_accuracy")]
 
 
+def up_to_round(rows: Sequence[dict[str, Any]], last_round: int | None) -> list[dict[str, Any]]:
+  return [r for r in rows if last_round is None or r["round"] <= last_round]
+
+
 def table(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]], last: int) -> str:
   lines = [f"| run | method | rounds | final mean acc (%) | best (%) | mean of last {last} evals (%) | train time (s) |",
            "|---|---|---|---|---|---|---|"]
   for label, summary, rows in runs:
     accs = [a for _, a in evaluated(rows)]
+    if not accs:
+      raise SystemExit(f"error: run {label!r} has no evaluation in the rounds compared")
     tail = accs[-last:]
-    lines.append(f"| {label} | {summary['config']['method']} | {summary['final_round']} | "
+    lines.append(f"| {label} | {summary['config']['method']} | {rows[-1]['round']} | "
                  f"{100 * accs[-1]:.2f} | {100 * max(accs):.2f} | {100 * sum(tail) / len(tail):.2f} | "
-                 f"{summary['train_seconds_all_rounds']:.0f} |")
+                 f"{sum(r['round_seconds'] for r in rows):.0f} |")
   return "\n".join(lines)
 
 
@@ -71,11 +80,15 @@ def main(argv: Sequence[str] | None = None) -> str:
   p.add_argument("--output", default=None, help="write the accuracy plot here")
   p.add_argument("--title", default="mean test accuracy")
   p.add_argument("--last", type=int, default=3, help="evaluations averaged in the 'last' column")
+  p.add_argument("--up-to-round", type=int, default=None, help="cut every run at this round (default: no cut)")
   args = p.parse_args(argv)
   labels = args.labels.split(",") if args.labels else [os.path.basename(os.path.normpath(d)) for d in args.run_dirs]
   if len(labels) != len(args.run_dirs):
     raise SystemExit(f"error: {len(labels)} labels for {len(args.run_dirs)} runs")
-  runs = [(label, *load_run(d)) for label, d in zip(labels, args.run_dirs)]
+  runs = []
+  for label, run_dir in zip(labels, args.run_dirs):
+    summary, rows = load_run(run_dir)
+    runs.append((label, summary, up_to_round(rows, args.up_to_round)))
   text = table(runs, args.last)
   print(text)
   if args.output:

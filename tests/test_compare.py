@@ -23,6 +23,10 @@ def test_compare_tables_and_plots_two_runs(tmp_path):
   rows = text.splitlines()
   assert len(rows) == 4 and rows[2].startswith("| a | FedAvg | 2 |") and rows[3].startswith("| b | HeteroAvg | 2 |")
   assert os.path.getsize(plot) > 1000
+  cut = compare.main(dirs + ["--up-to-round", "1"]).splitlines()
+  assert cut[2].startswith(f"| {os.path.basename(dirs[0])} | FedAvg | 1 |")
+  with pytest.raises(SystemExit, match="no evaluation"):
+    compare.main(dirs + ["--up-to-round", "0"])
   with pytest.raises(SystemExit, match="2 labels for 1 runs"):
     compare.main(dirs[:1] + ["--labels", "a,b"])
   with pytest.raises(SystemExit, match="not found"):

@@ -2,8 +2,8 @@
 
 ``run_experiment(ExperimentConfig(...))`` is what ``python -m experiments.<dataset>``
 and the notebooks call. The results folder holds ``metrics.jsonl`` (one JSON
-object per round), ``summary.json``, ``accuracy.png``, the partition report and
-plot, and orbax checkpoints under ``checkpoints/``.
+object per round), ``config.json``, ``summary.json``, ``accuracy.png``, the
+partition report and plot, and orbax checkpoints under ``checkpoints/``.
 """
 
 from __future__ import annotations
@@ -196,6 +196,46 @@ def _prepare_output(config: ExperimentConfig) -> None:
   os.makedirs(out, exist_ok=True)
 
 
+# Settings a resumed run may change. The first set leaves the trajectory as it was (the backends agree
+# up to float tolerance; steps_per_call only groups the same steps into jitted calls). The second is the
+# clients' local optimizer, rebuilt every round: lowering the learning rate after a divergence is the
+# usual reason to resume. Anything else (data, partition, models, method and its settings) is a
+# different run.
+UNCHANGED_TRAJECTORY = frozenset({"data_dir", "rounds", "eval_every", "output_dir", "resume", "overwrite",
+                                  "backend", "checkpoint_every", "steps_per_call", "progress"})
+LOCAL_OPTIMIZER = frozenset({"epochs", "batch_size", "optimizer", "learning_rate", "momentum", "weight_decay",
+                             "drop_last"})
+
+
+def _saved_config(output_dir: str) -> dict[str, Any] | None:
+  """The config a results folder was written with (``config.json``, or older runs' ``summary.json``)."""
+  for name, key in (("config.json", None), ("summary.json", "config")):
+    path = os.path.join(output_dir, name)
+    if os.path.exists(path):
+      with open(path) as f:
+        saved = json.load(f)
+      return saved if key is None else saved.get(key)
+  return None
+
+
+def _check_resumable(config: ExperimentConfig, log: Callable[[str], None]) -> None:
+  """Raises ValueError, before any compute, if ``config`` would continue a run it did not start;
+  logs the local-optimizer settings it changes."""
+  saved = _saved_config(config.output_dir)
+  if saved is None:
+    return
+  current = json.loads(json.dumps(dataclasses.asdict(config)))
+  changed = {name: f"{name}: {saved[name]!r} -> {current[name]!r}" for name in current
+             if name not in UNCHANGED_TRAJECTORY and name in saved and saved[name] != current[name]}
+  refused = [text for name, text in changed.items() if name not in LOCAL_OPTIMIZER]
+  if refused:
+    raise ValueError(f"cannot resume {config.output_dir!r} with different settings ({'; '.join(refused)}); "
+                     "repeat the run's own flags (see its config.json), or pass --overwrite instead of --resume to "
+                     "start over")
+  if changed:
+    log(f"resuming with changed local training: {'; '.join(changed.values())}")
+
+
 def _read_metrics(path: str, upto: int) -> list[dict[str, Any]]:
   if not os.path.exists(path):
     return []
@@ -234,11 +274,15 @@ def run_experiment(config: ExperimentConfig, dataset: fdata.ArrayDataset | None 
                    log: Callable[[str], None] = print) -> dict[str, Any]:
   """Runs (or resumes) an experiment and writes its results folder; returns the summary."""
   config.validate()
-  if not config.resume:
+  if config.resume:
+    _check_resumable(config, log)
+  else:
     _prepare_output(config)
   os.makedirs(config.output_dir, exist_ok=True)
   sim, parts = build_simulation(config, dataset, log)
   out = config.output_dir
+  with open(os.path.join(out, "config.json"), "w") as f:
+    json.dump(dataclasses.asdict(config), f, indent=2)
   counts = fdata.class_counts(np.asarray(sim.store.labels), parts, sim.store.num_classes)
   with open(os.path.join(out, "partition.txt"), "w") as f:
     f.write(fdata.partition_report(np.asarray(sim.store.labels), parts, sim.store.num_classes))

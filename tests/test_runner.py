@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -184,11 +185,31 @@ def test_results_folder(resumed):
   with open(os.path.join(out, "accuracy.png"), "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   assert os.path.isfile(os.path.join(out, "partition.txt"))
+  with open(os.path.join(out, "config.json")) as f:
+    assert json.load(f) == json.loads(json.dumps(dataclasses.asdict(config)))
 
 
 def test_non_empty_output_dir_needs_resume_or_overwrite(dataset, straight):
   config = dataclasses.replace(straight[0], resume=False, overwrite=False)
   with pytest.raises(ValueError, match=r"output directory .* is not empty; pass --resume"):
+    run_experiment(config, dataset, log=quiet)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"method": "FedAvg"}, r"method: 'HeteroAvg' -> 'FedAvg'"),
+    ({"groups": ("mlp@1",)}, r"groups: \['mlp@1', 'mlp@0.5'\] -> \['mlp@1'\]"),
+    ({"seed": 1, "alpha": 0.1}, r"alpha: 0.5 -> 0.1; seed: 0 -> 1"),
+])
+@pytest.mark.parametrize("saved_in", ["config.json", "summary.json"])
+def test_resume_with_other_settings_fails_before_compute(dataset, straight, tmp_path, no_compute, change, message,
+                                                         saved_in):
+  out = tmp_path / "copy"
+  shutil.copytree(straight[0].output_dir, out)
+  if saved_in == "summary.json":  # a folder written before config.json existed
+    os.remove(out / "config.json")
+  config = dataclasses.replace(straight[0], output_dir=str(out), resume=True, rounds=6, **change)
+  with pytest.raises(ValueError, match=rf"^cannot resume '{re.escape(str(out))}' with different settings "
+                                       rf"\({message}\); repeat the run's own flags"):
     run_experiment(config, dataset, log=quiet)
 
 
@@ -214,8 +235,10 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(dataset, tmp_
   assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(state.models))
   assert [r["round"] for r in read_rows(out)] == [1, 2], "no row for the diverged round"
 
-  # The run can go on from the good checkpoint.
-  summary = run_experiment(dataclasses.replace(good, rounds=3, resume=True), dataset, log=quiet)
+  # The run can go on from the good checkpoint, with a sane learning rate again.
+  logs = []
+  summary = run_experiment(dataclasses.replace(good, rounds=3, resume=True), dataset, log=logs.append)
+  assert "resuming with changed local training: learning_rate: 1e+30 -> 0.05" in logs
   assert summary["final_round"] == 3
   assert [r["round"] for r in read_rows(out)] == [1, 2, 3]
 

@@ -57,7 +57,8 @@ def build_parser(defaults: ExperimentConfig, description: str) -> argparse.Argum
   p.add_argument("--output-dir", default=d.output_dir, help="results folder")
   p.add_argument("--resume", action="store_true",
                  help="continue from the last checkpoint in --output-dir; the other settings must match its "
-                      "config.json, except the round counts, --backend and the local optimizer")
+                      "config.json, except the round counts, --backend, --steps-per-call, --data-dir and the local "
+                      "optimizer")
   p.add_argument("--overwrite", action="store_true", help="delete a non-empty --output-dir first")
   p.add_argument("--backend", default=d.backend, choices=BACKENDS, help="how clients are mapped onto hardware")
   p.add_argument("--weighting", default=d.weighting, choices=WEIGHTINGS,

@@ -1,10 +1,11 @@
-"""Analyses of finished results folders: CKA, loss landscapes, update histograms, tracking, client bubbles.
+"""Analyses of finished results folders: CKA, loss landscapes, update histograms, tracking, client bubbles, BN.
 
     python -m experiments.analyze cka RUN_DIR                      # InCo paper Sec. 5.4 / App. E
     python -m experiments.analyze landscape FEDAVG_DIR FEDCROSS_DIR  # FedCross paper, loss landscape figure
     python -m experiments.analyze histograms RUN_DIR --rounds 5    # InCo paper Figs. 2c-d, 3
     python -m experiments.analyze tracking RUN_DIR                 # InCo theta / FedCross similarity per round
     python -m experiments.analyze bubbles RUN_DIR --clients 20     # FedCross paper, data distribution figure
+    python -m experiments.analyze recalibrate-bn RUN_DIR           # group accuracy with re-estimated BN statistics
 
 A results folder is what ``python -m experiments.<dataset> --output-dir RUN_DIR`` writes. The run's
 config is read from its summary.json, the simulation is rebuilt from it and the last checkpoint is
@@ -27,7 +28,8 @@ from flax import traverse_util
 
 from fedjax_hetero import analysis
 from fedjax_hetero import data as fdata
-from fedjax_hetero import runner
+from fedjax_hetero import evaluation, runner
+from fedjax_hetero.client.local import normalize
 from fedjax_hetero.engine import ServerState, Simulation
 from fedjax_hetero.runner import ExperimentConfig
 
@@ -297,6 +299,40 @@ def run_bubbles(args: argparse.Namespace) -> list[str]:
   return [png]
 
 
+# --------------------------------------------------------------------------- recalibrate-bn
+
+
+def run_recalibrate_bn(args: argparse.Namespace) -> list[str]:
+  """Each group model's test accuracy with its stored and with re-estimated BatchNorm statistics."""
+  run = load_run(args.run_dir, args.data_dir)
+  sim, state = run.sim, run.state
+  train = sim.store.images
+  n = min(args.num_examples, int(train.shape[0]))
+  chosen = np.sort(np.random.default_rng(args.seed).choice(int(train.shape[0]), n, replace=False))
+  batches = [normalize(train[chosen[i:i + args.batch_size]], sim.store.mean, sim.store.std)
+             for i in range(0, n, args.batch_size)]
+  groups = {}
+  for i, group in enumerate(sim.groups):
+    stored = sim.group_variables(state, i)
+    if "batch_stats" not in stored:
+      raise ValueError(f"{args.run_dir}: the {group.name} model has no BatchNorm layer")
+    recalibrated = analysis.recalibrate_batch_stats(group.model, stored, batches)
+    accuracy = {name: evaluation.accuracy(group.model, variables, sim.test_images, sim.test_labels, sim.store.mean,
+                                          sim.store.std)
+                for name, variables in (("stored", stored), ("recalibrated", recalibrated))}
+    groups[group.name] = accuracy
+    _log(f"{group.name}: test accuracy {accuracy['stored']:.4f} with the stored BatchNorm statistics, "
+         f"{accuracy['recalibrated']:.4f} re-estimated on {n} training images")
+  means = {k: float(np.mean([g[k] for g in groups.values()])) for k in ("stored", "recalibrated")}
+  _log(f"mean over groups: {means['stored']:.4f} stored, {means['recalibrated']:.4f} re-estimated")
+  record = {"method": sim.method.name, "round": state.round, "num_examples": n, "batch_size": args.batch_size,
+            "seed": args.seed, "test_examples": int(sim.test_labels.shape[0]), "groups": groups, "mean": means}
+  path = os.path.join(args.run_dir, "recalibrated_bn.json")
+  with open(path, "w") as f:
+    json.dump(record, f, indent=1)
+  return [path]
+
+
 # --------------------------------------------------------------------------- CLI
 
 
@@ -362,6 +398,13 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("run_dir", metavar="RUN_DIR", help="results folder")
   p.add_argument("--clients", type=_at_least(1), default=20, help="clients shown (a random sorted subset)")
   p.add_argument("--seed", type=int, default=0, help="seed of the shown subset")
+
+  p = command("recalibrate-bn", run_recalibrate_bn)
+  p.add_argument("run_dir", metavar="RUN_DIR", help="results folder")
+  p.add_argument("--num-examples", type=_at_least(1), default=10000,
+                 help="random training images (of all clients) the statistics are estimated on")
+  p.add_argument("--batch-size", type=_at_least(2), default=500, help="images per batch statistic")
+  p.add_argument("--seed", type=int, default=0, help="seed of the training-image subset")
   return parser
 
 

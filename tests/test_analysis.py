@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -214,3 +215,55 @@ def test_plot_similarity_tracking(tmp_path):
   rows.append({"round": 10, "middleware_similarity": {"mean_cosine": 0.99, "mean_l2_distance": 0.05}})
   assert is_png(analysis.plot_similarity_tracking(rows, str(tmp_path / "sim.png")))
   assert is_png(analysis.plot_similarity_tracking(rows[:2], str(tmp_path / "empty.png")))
+
+
+class DenseBatchNorm(nn.Module):
+  """x -> Dense -> BatchNorm(momentum) -> Dense: the BatchNorm's input is ``x @ kernel`` (no bias)."""
+
+  momentum: float
+
+  @nn.compact
+  def __call__(self, x, train: bool = False):
+    h = nn.Dense(3, use_bias=False, name="dense")(x.reshape(len(x), -1))
+    h = nn.BatchNorm(use_running_average=not train, momentum=self.momentum, name="bn")(h)
+    return nn.Dense(2)(h)
+
+
+@pytest.mark.parametrize("momentum", [0.9, 0.99])
+def test_recalibrate_batch_stats_matches_numpy(momentum):
+  model = DenseBatchNorm(momentum)
+  rng = np.random.default_rng(0)
+  batches = [jnp.asarray(rng.normal(i, 1.0 + i, (16, 5)), jnp.float32) for i in range(3)]
+  variables = model.init(jax.random.key(0), batches[0])
+  variables = {**variables, "batch_stats": {"bn": {"mean": jnp.full(3, 7.0), "var": jnp.full(3, 9.0)}}}
+  assert analysis.batch_norm_momenta(model, variables, batches[0]) == [momentum]
+
+  got = analysis.recalibrate_batch_stats(model, variables, iter(batches))
+
+  kernel = np.asarray(variables["params"]["dense"]["kernel"], np.float64)
+  hidden = [np.asarray(x, np.float64) @ kernel for x in batches]
+  expected = {"mean": np.mean([h.mean(0) for h in hidden], 0), "var": np.mean([h.var(0) for h in hidden], 0)}
+  chex.assert_trees_all_close(got["batch_stats"]["bn"], expected, rtol=1e-4, atol=1e-5)
+  chex.assert_trees_all_equal(got["params"], variables["params"])
+
+
+def test_recalibrate_batch_stats_restores_training_statistics():
+  """Statistics estimated on the data a ResNet is evaluated on reproduce its training-mode outputs."""
+  model = tiny_resnet()
+  images = normalize(tiny_images(32, 16), MEAN, STD)
+  variables = model_variables(model, images[:1], seed=0)
+  variables = {**variables, "batch_stats": jax.tree.map(lambda s: s + 3.0, variables["batch_stats"])}
+  train_logits, _ = model.apply(variables, images, train=True, mutable=["batch_stats"])
+  assert not np.allclose(model.apply(variables, images), train_logits, atol=1e-3)
+  recalibrated = analysis.recalibrate_batch_stats(model, variables, [images])
+  chex.assert_trees_all_close(model.apply(recalibrated, images), train_logits, rtol=1e-3, atol=1e-3)
+
+
+def test_recalibrate_batch_stats_errors():
+  model = DenseBatchNorm(0.9)
+  x = jnp.ones((4, 5))
+  variables = model.init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="at least one batch"):
+    analysis.recalibrate_batch_stats(model, variables, [])
+  with pytest.raises(ValueError, match="no BatchNorm"):
+    analysis.recalibrate_batch_stats(model, {"params": variables["params"]}, [x])

@@ -12,7 +12,7 @@ import pytest
 from flax import traverse_util
 
 from experiments import analyze
-from fedjax_hetero import analysis
+from fedjax_hetero import analysis, evaluation
 from fedjax_hetero.runner import ExperimentConfig, run_experiment
 
 TINY = dict(dataset="synthetic", steps_per_call=1, num_clients=4, clients_per_round=2, rounds=2,
@@ -103,6 +103,33 @@ def test_cka(inco_run, capsys):
     chex.assert_trees_all_close(matrix, matrix.T, atol=1e-6)
     assert np.all((matrix >= 0) & (matrix <= 1 + 1e-6)), cut
     assert entry["layer_similarity"] == pytest.approx(matrix[0, 1])
+
+
+def test_recalibrate_bn(inco_run, capsys):
+  run_dir, _ = inco_run
+  before = snapshot(run_dir)
+  written = analyze.main(["recalibrate-bn", run_dir, "--num-examples", "40", "--batch-size", "16"])
+  assert written == [os.path.join(run_dir, "recalibrated_bn.json")]
+  assert capsys.readouterr().out.split() == written
+  with open(written[0]) as f:
+    record = json.load(f)
+  assert record["method"] == "InCoAvg" and record["round"] == 2 and record["num_examples"] == 40
+  assert list(record["groups"]) == ["resnet10@0.125", "resnet14@0.125"]
+  run = analyze.load_run(run_dir)
+  stored = [evaluation.accuracy(g.model, run.sim.group_variables(run.state, i), run.sim.test_images,
+                                run.sim.test_labels, run.sim.store.mean, run.sim.store.std)
+            for i, g in enumerate(run.sim.groups)]
+  assert [g["stored"] for g in record["groups"].values()] == pytest.approx(stored)
+  for key in ("stored", "recalibrated"):
+    assert record["mean"][key] == pytest.approx(np.mean([g[key] for g in record["groups"].values()]))
+    assert all(0 <= g[key] <= 1 for g in record["groups"].values())
+  after = snapshot(run_dir)
+  assert {k: v for k, v in after.items() if k != "recalibrated_bn.json"} == before
+
+
+def test_recalibrate_bn_needs_batch_norm(fedcross_run):
+  with pytest.raises(SystemExit, match="no BatchNorm"):
+    analyze.main(["recalibrate-bn", fedcross_run[0]])
 
 
 def test_landscape(inco_run, fedcross_run, tmp_path):

@@ -1,4 +1,4 @@
-"""Analyses of finished results folders: CKA, loss landscapes, update histograms, tracking, client bubbles, BN.
+"""Analyses of results folders: CKA, loss landscapes, update histograms, tracking, client bubbles, BatchNorm.
 
     python -m experiments.analyze cka RUN_DIR                      # InCo paper Sec. 5.4 / App. E
     python -m experiments.analyze landscape FEDAVG_DIR FEDCROSS_DIR  # FedCross paper, loss landscape figure
@@ -8,9 +8,9 @@
     python -m experiments.analyze recalibrate-bn RUN_DIR           # group accuracy with re-estimated BN statistics
 
 A results folder is what ``python -m experiments.<dataset> --output-dir RUN_DIR`` writes. The run's
-config is read from its summary.json, the simulation is rebuilt from it and the last checkpoint is
-restored; nothing of the run itself (checkpoints, metrics) is changed. Each subcommand writes its
-figure (and data) and prints the written paths, one per line.
+config is read from its config.json, the simulation is rebuilt from it and the last checkpoint is
+restored (a run still in progress works too); nothing of the run itself (checkpoints, metrics) is
+changed. Each subcommand writes its figure (and data) and prints the written paths, one per line.
 """
 
 from __future__ import annotations
@@ -42,15 +42,15 @@ def _log(message: str) -> None:
 
 
 def read_config(run_dir: str, data_dir: str | None = None) -> ExperimentConfig:
-  """The run's ExperimentConfig from RUN_DIR/summary.json, pointed at RUN_DIR (`data_dir` overrides the run's)."""
-  path = os.path.join(run_dir, "summary.json")
-  if not os.path.isfile(path):
-    raise ValueError(f"{path} not found; analyze needs a finished results folder (summary.json is written "
-                     "when a run ends)")
-  with open(path) as f:
-    raw = json.load(f).get("config")
+  """The run's ExperimentConfig (config.json, or summary.json of older runs), pointed at RUN_DIR.
+
+  `data_dir` overrides the run's.
+  """
+  raw = runner.saved_config(run_dir)
+  if raw is None:
+    raise ValueError(f"{run_dir!r} has no config.json or summary.json; is it a results folder?")
   if not isinstance(raw, dict):
-    raise ValueError(f"{path} has no 'config' record")
+    raise ValueError(f"{run_dir!r}: the saved config is not a JSON object")
   fields = {f.name for f in dataclasses.fields(ExperimentConfig)}
   unknown = sorted(set(raw) - fields)
   if unknown:

@@ -207,8 +207,9 @@ LOCAL_OPTIMIZER = frozenset({"epochs", "batch_size", "optimizer", "learning_rate
                              "drop_last"})
 
 
-def _saved_config(output_dir: str) -> dict[str, Any] | None:
-  """The config a results folder was written with (``config.json``, or older runs' ``summary.json``)."""
+def saved_config(output_dir: str) -> dict[str, Any] | None:
+  """The config a results folder was written with, as JSON values (``config.json``, or older runs'
+  ``summary.json``); None if it has neither."""
   for name, key in (("config.json", None), ("summary.json", "config")):
     path = os.path.join(output_dir, name)
     if os.path.exists(path):
@@ -221,7 +222,7 @@ def _saved_config(output_dir: str) -> dict[str, Any] | None:
 def _check_resumable(config: ExperimentConfig, log: Callable[[str], None]) -> None:
   """Raises ValueError, before any compute, if ``config`` would continue a run it did not start;
   logs the local-optimizer settings it changes."""
-  saved = _saved_config(config.output_dir)
+  saved = saved_config(config.output_dir)
   if saved is None:
     return
   current = json.loads(json.dumps(dataclasses.asdict(config)))

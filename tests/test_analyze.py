@@ -76,10 +76,11 @@ def test_read_config_round_trips(inco_run):
   assert isinstance(got.groups, tuple)
 
 
-def test_read_config_ignores_unknown_fields_and_takes_data_dir(tmp_path, capsys):
+@pytest.mark.parametrize("saved_in", ["config.json", "summary.json"])  # a run in progress / an older run
+def test_read_config_ignores_unknown_fields_and_takes_data_dir(tmp_path, capsys, saved_in):
   config = dict(dataclasses.asdict(ExperimentConfig(groups=("cnn@1", "cnn@0.5"))), from_the_future=1)
-  with open(tmp_path / "summary.json", "w") as f:
-    json.dump({"config": config}, f)
+  with open(tmp_path / saved_in, "w") as f:
+    json.dump(config if saved_in == "config.json" else {"config": config}, f)
   got = analyze.read_config(str(tmp_path), data_dir="/data")
   assert got.groups == ("cnn@1", "cnn@0.5") and got.data_dir == "/data" and got.output_dir == str(tmp_path)
   assert "from_the_future" in capsys.readouterr().err
@@ -227,7 +228,7 @@ def test_bubbles(inco_run, capsys):
 
 
 def test_errors(inco_run, fedcross_run, tmp_path):
-  with pytest.raises(SystemExit, match=r"error: .*summary.json not found"):
+  with pytest.raises(SystemExit, match=r"error: .*has no config.json or summary.json"):
     analyze.main(["cka", str(tmp_path)])
   with pytest.raises(SystemExit, match=r"error: .*CKA compares architecture groups, but this FedCross run has "
                      r"one \(mlp\)"):

@@ -40,7 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-Variables = Any
+from fedjax_hetero.hetero.maps import Variables
+
 HeadApply = Callable[[Variables, jax.Array], jax.Array]
 
 # Per-dataset values from the FedCross spec (baselines, FedGen, "[C] framework config").

@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-Variables = dict[str, Any]
+from fedjax_hetero.hetero.maps import Variables
 
 
 def batch_norm_momenta(model: nn.Module, variables: Variables, sample: jax.Array) -> list[float]:

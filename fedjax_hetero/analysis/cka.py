@@ -10,7 +10,7 @@ hence different feature sizes) be compared.
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import flax.linen as nn
 import jax
@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_hetero.client.local import normalize
+from fedjax_hetero.hetero.maps import Variables
 
 Array = jax.Array
-Variables = Any
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 

@@ -18,10 +18,10 @@ import numpy as np
 import optax
 
 from fedjax_hetero.client.local import normalize
+from fedjax_hetero.hetero.maps import Variables
 
 Array = jax.Array
 Params = Any
-Variables = Any
 
 
 def _filter_normalize(direction: Array, weight: Array) -> Array:

@@ -48,7 +48,7 @@ def read_config(run_dir: str, data_dir: str | None = None) -> ExperimentConfig:
   """
   raw = runner.saved_config(run_dir)
   if raw is None:
-    raise ValueError(f"{run_dir!r} has no config.json or summary.json; is it a results folder?")
+    raise ValueError(f"{run_dir!r} has no config.json or summary.json with the run's config; is it a results folder?")
   if not isinstance(raw, dict):
     raise ValueError(f"{run_dir!r}: the saved config is not a JSON object")
   fields = {f.name for f in dataclasses.fields(ExperimentConfig)}
@@ -314,8 +314,6 @@ def run_recalibrate_bn(args: argparse.Namespace) -> list[str]:
   groups = {}
   for i, group in enumerate(sim.groups):
     stored = sim.group_variables(state, i)
-    if "batch_stats" not in stored:
-      raise ValueError(f"{args.run_dir}: the {group.name} model has no BatchNorm layer")
     recalibrated = analysis.recalibrate_batch_stats(group.model, stored, batches)
     accuracy = {name: evaluation.accuracy(group.model, variables, sim.test_images, sim.test_labels, sim.store.mean,
                                           sim.store.std)

@@ -7,7 +7,7 @@ is the baseline) this builds the run of ``--preset`` (plus overrides), runs one
 warm-up round (compilation) and ``--rounds`` timed rounds, and times the
 server step inside each round (everything after the clients' training:
 aggregation, InCo, FedCross's similarity and cross-aggregation) by wrapping the
-simulation's jitted server functions with a device sync on both sides.
+simulation's jitted server programs with a device sync on both sides.
 
 Prints one JSON line per method: ``round_s`` (median timed round),
 ``server_step_s`` (median), ``round_ratio`` (round_s / baseline's round_s) and
@@ -22,7 +22,6 @@ by the method. E.g.::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import time
@@ -32,7 +31,8 @@ import jax
 
 from benchmarks.common import emit_json_lines
 from experiments.presets import PRESETS, get_preset
-from fedjax_hetero.runner import ExperimentConfig, build_simulation
+from fedjax_hetero.config import RunConfig
+from fedjax_hetero.runner import build_simulation
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,12 +61,10 @@ def _timed(fn, record: list[float]):
   return wrapper
 
 
-def measure(config: ExperimentConfig, rounds: int, log) -> dict[str, Any]:
+def measure(config: RunConfig, rounds: int, log) -> dict[str, Any]:
   sim, _ = build_simulation(config, log=log)
   server_times: list[float] = []
-  sim._aggregate = [_timed(f, server_times) for f in sim._aggregate]
-  if sim._cross is not None:
-    sim._cross = _timed(sim._cross, server_times)
+  sim.server_programs = [_timed(f, server_times) for f in sim.server_programs]
   state = sim.init_state()
   state, warm = sim.run_round(state)
   per_round, rows = [], []
@@ -96,9 +94,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   log = lambda msg: print(msg, file=sys.stderr, flush=True)
   rows = []
   for method in methods:
-    config = dataclasses.replace(ExperimentConfig(), **{**values, "dataset": args.dataset, "method": method,
-                                                        "rounds": args.rounds + 1, "backend": args.backend,
-                                                        "progress": False})
+    config = RunConfig.from_flags(**{**values, "dataset": args.dataset, "method": method, "rounds": args.rounds + 1,
+                                     "backend": args.backend, "progress": False})
     rows.append(measure(config, args.rounds, log))
   base = rows[0]["round_s"]
   context = {"preset": preset.name, "groups": list(values["groups"]), "clients_per_round": values["clients_per_round"],

@@ -38,8 +38,9 @@ from fedjax_hetero import data as fdata
 from fedjax_hetero import models
 from fedjax_hetero.backends import BACKENDS, make_backend
 from fedjax_hetero.client.local import OPTIMIZERS, LocalTrainer
+from fedjax_hetero.config import RunConfig
 from fedjax_hetero.engine import Simulation
-from fedjax_hetero.runner import ExperimentConfig, build_simulation
+from fedjax_hetero.runner import build_simulation
 
 REQUIRED_KEYS = ("backend", "fl_samples_per_s", "centralized_samples_per_s", "ratio", "compile_s", "model",
                  "clients_per_round", "batch_size", "platform", "devices")
@@ -69,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
-def _config(args: argparse.Namespace) -> ExperimentConfig:
-  return ExperimentConfig(
+def _config(args: argparse.Namespace) -> RunConfig:
+  return RunConfig.from_flags(
       dataset=args.dataset, data_dir=args.data_dir, method="FedAvg", groups=(args.model,),
       num_clients=args.num_clients, clients_per_round=args.clients_per_round, partition=args.partition,
       alpha=args.alpha, epochs=args.epochs, batch_size=args.batch_size, optimizer=args.optimizer,
@@ -83,7 +84,8 @@ def measure_fl(sim: Simulation, backend_name: str, rounds: int) -> dict[str, Any
   """One warm-up and ``rounds`` timed rounds of ``sim``'s groups on a fresh backend."""
   backend = make_backend(backend_name)
   # A fresh Simulation makes fresh trainers, so every backend compiles its own programs.
-  fl = Simulation(sim.groups, sim.store, sim.local, sim.config, backend, sim.test_images, sim.test_labels)
+  fl = Simulation(sim.groups, sim.store, sim.local, sim.method, sim.config, backend, sim.test_images,
+                  sim.test_labels)
   state = fl.init_state()
   state, warm = fl.run_round(state)
   timed = []

@@ -26,12 +26,12 @@ import jax
 import numpy as np
 from flax import traverse_util
 
-from fedjax_hetero import analysis
+from fedjax_hetero import analysis, checkpoints
 from fedjax_hetero import data as fdata
 from fedjax_hetero import evaluation, runner
 from fedjax_hetero.client.local import normalize
+from fedjax_hetero.config import RunConfig
 from fedjax_hetero.engine import ServerState, Simulation
-from fedjax_hetero.runner import ExperimentConfig
 
 
 def _log(message: str) -> None:
@@ -41,43 +41,30 @@ def _log(message: str) -> None:
 # --------------------------------------------------------------------------- loading a run
 
 
-def read_config(run_dir: str, data_dir: str | None = None) -> ExperimentConfig:
-  """The run's ExperimentConfig (config.json, or summary.json of older runs), pointed at RUN_DIR.
+def read_config(run_dir: str, data_dir: str | None = None) -> RunConfig:
+  """The run's config (config.json, or summary.json of older runs), pointed at RUN_DIR.
 
   `data_dir` overrides the run's.
   """
-  raw = runner.saved_config(run_dir)
-  if raw is None:
+  config = runner.saved_config(run_dir, _log)
+  if config is None:
     raise ValueError(f"{run_dir!r} has no config.json or summary.json with the run's config; is it a results folder?")
-  if not isinstance(raw, dict):
-    raise ValueError(f"{run_dir!r}: the saved config is not a JSON object")
-  fields = {f.name for f in dataclasses.fields(ExperimentConfig)}
-  unknown = sorted(set(raw) - fields)
-  if unknown:
-    _log(f"note: ignoring config fields this version does not know: {', '.join(unknown)}")
-  # JSON turns tuples (the architecture groups) into lists.
-  values = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in fields}
-  config = ExperimentConfig(**values)
-  return dataclasses.replace(config, output_dir=run_dir, resume=False, overwrite=False, progress=False,
-                             data_dir=data_dir if data_dir is not None else config.data_dir)
+  return config.replace(output_dir=run_dir, resume=False, overwrite=False, progress=False,
+                        data_dir=data_dir if data_dir is not None else config.data.data_dir)
 
 
-def restore_last(sim: Simulation, config: ExperimentConfig) -> ServerState:
+def restore_last(sim: Simulation, config: RunConfig) -> ServerState:
   """The run's last checkpoint, placed as the backend trains from it."""
-  directory = os.path.join(config.output_dir, "checkpoints")
+  directory = os.path.join(config.output.dir, "checkpoints")
   if not os.path.isdir(directory):
     raise ValueError(f"{directory} not found; the run wrote no checkpoint")
-  manager = runner._checkpoint_manager(config.output_dir, config)
+  manager = checkpoints.manager(config.output.dir)
   try:
-    if manager.latest_step() is None:
-      raise ValueError(f"{directory} holds no checkpoint")
     # Shapes only: restoring needs no initialised (compiled) model.
-    template = jax.eval_shape(sim.init_state)._replace(round=0)
-    state = runner._restore(manager, template)
+    state = checkpoints.restore_latest(manager, jax.eval_shape(sim.init_state)._replace(round=0))
   finally:
     manager.close()
-  placed = sim.backend.place({"models": state.models, "server": state.server, "memory": state.memory})
-  return state._replace(**placed)
+  return sim.place(state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +72,7 @@ class LoadedRun:
   """A results folder with its rebuilt simulation and restored last state."""
 
   run_dir: str
-  config: ExperimentConfig
+  config: RunConfig
   sim: Simulation
   state: ServerState
 
@@ -197,27 +184,20 @@ def run_landscape(args: argparse.Namespace) -> list[str]:
 # --------------------------------------------------------------------------- histograms
 
 
-def _server_model(sim: Simulation, state: ServerState) -> Any:
-  """The model the server updates: the global model (FedCross) or federation 0's."""
-  if sim.method.layout == "cross":
-    return state.server[0]["global"]
-  return state.models[0]
-
-
 def tracked_layers(sim: Simulation, state: ServerState) -> list[tuple[tuple[str, ...], str]]:
   """(path, label) of the layers whose updates are recorded, in model order.
 
-  InCo methods: the cross-layer pairs' sources and targets. Others: every
-  leaf with at least two axes (conv and dense kernels; biases and BatchNorm
-  leaves are 1-D).
+  Methods with InCo's step: the cross-layer pairs' sources and targets. Others: every leaf with at
+  least two axes (conv and dense kernels; biases and BatchNorm leaves are 1-D).
   """
-  if sim.inco_pairs:
+  pairs_of = getattr(sim.federations[0].largest, "cross_layer_pairs", None)
+  if pairs_of is not None and any(step.name == "inco" for step in sim.method.server):
     roles: dict[tuple[str, ...], str] = {}
-    for target, source in sim.inco_pairs:
+    for target, source in pairs_of():
       roles.setdefault(tuple(source), "source")
       roles.setdefault(tuple(target), "target")
     return [(path, f"{'/'.join(path)} ({role})") for path, role in roles.items()]
-  flat = traverse_util.flatten_dict(_server_model(sim, state))
+  flat = traverse_util.flatten_dict(sim.server_variables(state))
   return [(path, "/".join(path)) for path, leaf in flat.items() if leaf.ndim >= 2]
 
 
@@ -239,9 +219,9 @@ def run_histograms(args: argparse.Namespace) -> list[str]:
   deltas_by_round: dict[int, dict[str, np.ndarray]] = {}
   first = state.round + 1
   for _ in range(args.rounds):
-    before = _host_leaves(_server_model(sim, state), paths)  # on the host: training may donate device buffers
+    before = _host_leaves(sim.server_variables(state), paths)  # on the host: training may donate device buffers
     state, metrics = sim.run_round(state)
-    after = _host_leaves(_server_model(sim, state), paths)
+    after = _host_leaves(sim.server_variables(state), paths)
     deltas_by_round[state.round] = {label: a - b for (_, label), a, b in zip(layers, after, before)}
     _log(f"round {state.round}: train loss {metrics['train_loss']:.4f}")
   png = os.path.join(args.run_dir, "update_histograms.png")
@@ -291,8 +271,9 @@ def run_bubbles(args: argparse.Namespace) -> list[str]:
   clients = None
   if args.clients < len(parts):
     clients = np.sort(np.random.default_rng(args.seed).choice(len(parts), args.clients, replace=False))
-  scheme = {"dirichlet": f", alpha {config.alpha:g}", "shards": f", {config.classes_per_client} classes per client"}
-  title = (f"{dataset.name}: {config.partition}{scheme.get(config.partition, '')}, "
+  d = config.data
+  scheme = {"dirichlet": f", alpha {d.alpha:g}", "shards": f", {d.classes_per_client} classes per client"}
+  title = (f"{dataset.name}: {d.partition}{scheme.get(d.partition, '')}, "
            f"{len(parts) if clients is None else len(clients)} of {len(parts)} clients")
   png = os.path.join(args.run_dir, "client_bubbles.png")
   analysis.plot_client_bubbles(counts, png, clients=clients, title=title)

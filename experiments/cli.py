@@ -1,15 +1,16 @@
 """Command-line front end shared by ``python -m experiments.<dataset>``.
 
-Each flag maps onto one field of `fedjax_hetero.runner.ExperimentConfig`; a
-dataset module supplies its own defaults (its preset) and calls `main`.
+Each flag sets one leaf of `fedjax_hetero.config.RunConfig` (the flag's name
+without dashes is the leaf's flag name, see `RunConfig.from_flags`); a dataset
+module supplies its own defaults (its preset) and calls `main`.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
+from types import SimpleNamespace
 from typing import Any, Sequence
 
 from experiments.presets import PRESETS, get_preset, paper_deviations
@@ -20,17 +21,31 @@ from fedjax_hetero.aggregators import fedcross
 from fedjax_hetero.algorithms.fedgen import PRESETS as FEDGEN_PRESETS
 from fedjax_hetero.backends import BACKENDS
 from fedjax_hetero.client.local import OPTIMIZERS
-from fedjax_hetero.engine import AGGREGATE_MODES, METHODS, WEIGHTINGS
-from fedjax_hetero.runner import ExperimentConfig, run_experiment
+from fedjax_hetero.config import RunConfig
+from fedjax_hetero.methods import AGGREGATE_MODES, methods_by_paper
+from fedjax_hetero.runner import run_experiment
 from fedjax_hetero.sampling import SIMILARITIES
+from fedjax_hetero.sampling.samplers import WEIGHTINGS
 
 
-def build_parser(defaults: ExperimentConfig, description: str) -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  d = defaults
-  method_help = "; ".join(f"{m.name}: {m.summary}" for m in METHODS.values())
-  p.add_argument("--method", default=d.method, help=f"federated method (case-insensitive). {method_help}")
-  p.add_argument("--groups", default=",".join(d.groups),
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+  """Flag defaults in the help, and the method list (the epilog) kept as written."""
+
+
+def methods_help() -> str:
+  """The methods grouped by paper, one line each."""
+  lines = ["methods (--method, case-insensitive), by paper:"]
+  for paper, entries in methods_by_paper().items():
+    lines.append(f"  {paper}:")
+    lines += [f"    {e.name:<15} {e.summary}" for e in entries]
+  return "\n".join(lines)
+
+
+def build_parser(defaults: RunConfig, description: str) -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(description=description, formatter_class=_HelpFormatter, epilog=methods_help())
+  d = SimpleNamespace(**defaults.flags())
+  p.add_argument("--method", default=d.method, help="federated method by its paper name (listed below)")
+  p.add_argument("--groups", default=",".join(d.groups), type=_group_list,
                  help="comma-separated architecture groups, smallest first, each NAME or NAME@WIDTH; "
                  f"names: {', '.join(models.MODEL_NAMES)}. Clients are split into equal contiguous blocks, "
                  "one per group")
@@ -46,7 +61,7 @@ def build_parser(defaults: ExperimentConfig, description: str) -> argparse.Argum
   p.add_argument("--batch-size", type=int, default=d.batch_size, help="local batch size")
   p.add_argument("--optimizer", default=d.optimizer, choices=OPTIMIZERS,
                  help="client optimizer, created fresh every round")
-  p.add_argument("--lr", type=float, default=d.learning_rate, help="client learning rate")
+  p.add_argument("--lr", dest="learning_rate", type=float, default=d.learning_rate, help="client learning rate")
   p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum")
   p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="decoupled weight decay")
   p.add_argument("--drop-last", action=argparse.BooleanOptionalAction, default=d.drop_last,
@@ -104,7 +119,7 @@ def build_parser(defaults: ExperimentConfig, description: str) -> argparse.Argum
                   help="norms and theta per 3x3 kernel slice (the authors' code) or per tensor (the paper's "
                   "reading); default: kernel")
   fg = p.add_argument_group("FedGen (--method FedGen) and CluSamp (--method CluSamp)")
-  fg.add_argument("--fedgen-preset", default=d.fedgen_preset, choices=tuple(FEDGEN_PRESETS),
+  fg.add_argument("--fedgen-preset", default="cifar10", choices=tuple(FEDGEN_PRESETS),
                   help="FedGen's generator and regularizer hyperparameters (the FedCross framework's per-dataset "
                   "config)")
   fg.add_argument("--clusamp-similarity", default=d.clusamp_similarity, choices=SIMILARITIES,
@@ -119,14 +134,18 @@ def build_parser(defaults: ExperimentConfig, description: str) -> argparse.Argum
   return p
 
 
-def config_from_args(args: argparse.Namespace, dataset: str) -> ExperimentConfig:
-  fields = vars(args).copy()
-  fields["groups"] = tuple(g.strip() for g in fields["groups"].split(",") if g.strip())
-  fields["learning_rate"] = fields.pop("lr")
-  return ExperimentConfig(dataset=dataset, **fields)
+def _group_list(text: str) -> tuple[str, ...]:
+  return tuple(g.strip() for g in text.split(",") if g.strip())
 
 
-def _preset_defaults(defaults: ExperimentConfig, argv: Sequence[str] | None) -> tuple[ExperimentConfig, Any]:
+def config_from_args(args: argparse.Namespace, dataset: str) -> RunConfig:
+  flags = vars(args).copy()
+  if isinstance(flags["groups"], str):  # argparse leaves an untouched default as given
+    flags["groups"] = _group_list(flags["groups"])
+  return RunConfig.from_flags(dataset=dataset, **flags)
+
+
+def _preset_defaults(defaults: RunConfig, argv: Sequence[str] | None) -> tuple[RunConfig, Any]:
   """The dataset's defaults with ``--preset``'s values applied (flags given later still win)."""
   pre = argparse.ArgumentParser(add_help=False)
   pre.add_argument("--preset", default=None)
@@ -138,12 +157,10 @@ def _preset_defaults(defaults: ExperimentConfig, argv: Sequence[str] | None) -> 
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(2) from None
-  values = {k: v for k, v in chosen.values.items()}
-  values["output_dir"] = f"runs/{defaults.dataset}-{chosen.name}"
-  return dataclasses.replace(defaults, **values), chosen
+  return defaults.replace(**chosen.values, output_dir=f"runs/{defaults.data.dataset}-{chosen.name}"), chosen
 
 
-def main(dataset: str, defaults: ExperimentConfig, description: str, argv: Sequence[str] | None = None,
+def main(dataset: str, defaults: RunConfig, description: str, argv: Sequence[str] | None = None,
          coarse_labels: bool = False) -> dict[str, Any]:
   """Parses flags and runs; ``coarse_labels`` adds ``--coarse`` (dataset ``<dataset>_coarse``, CIFAR-100's 20
   superclasses)."""
@@ -159,15 +176,18 @@ def main(dataset: str, defaults: ExperimentConfig, description: str, argv: Seque
   if coarse_labels and args.coarse:
     dataset = f"{dataset}_coarse"
   vars(args).pop("coarse", None)
-  config = config_from_args(args, dataset)
+  try:
+    config = config_from_args(args, dataset)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
   if chosen is not None:
-    changed = paper_deviations(chosen, dataclasses.asdict(config))
+    changed = paper_deviations(chosen, config.flags())
     note = "; this run differs from the paper's protocol in: " + ", ".join(
         f"{k}={v!r} (paper {p!r})" for k, (v, p) in changed.items()) if changed else ""
     scale = "REDUCED SCALE. " if chosen.reduced else ""
     print(f"preset {chosen.name}: {scale}{chosen.description}{note}", flush=True)
   try:
-    config.validate()
     summary = run_experiment(config)
   except (ValueError, fdata.DataNotFoundError, FloatingPointError) as e:
     print(f"error: {e}", file=sys.stderr)
@@ -175,9 +195,10 @@ def main(dataset: str, defaults: ExperimentConfig, description: str, argv: Seque
   final = summary["final_accuracy"] or {}
   print(json.dumps({"final_accuracy": final, "best_mean_accuracy": summary["best_mean_accuracy"],
                     "train_seconds": round(summary["train_seconds_all_rounds"], 1),
-                    "output_dir": config.output_dir}, indent=1))
+                    "output_dir": config.output.dir}, indent=1))
   return summary
 
 
-def preset(**changes: Any) -> ExperimentConfig:
-  return dataclasses.replace(ExperimentConfig(), **changes)
+def preset(**flags: Any) -> RunConfig:
+  """A dataset module's defaults: the library's, with these flags changed."""
+  return RunConfig.from_flags(**flags)

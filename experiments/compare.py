@@ -47,7 +47,8 @@ def table(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]], last
     if not accs:
       raise SystemExit(f"error: run {label!r} has no evaluation in the rounds compared")
     tail = accs[-last:]
-    lines.append(f"| {label} | {summary['config']['method']} | {rows[-1]['round']} | "
+    method = summary.get("method") or summary["config"]["method"]  # older summaries: only the flat config's
+    lines.append(f"| {label} | {method} | {rows[-1]['round']} | "
                  f"{100 * accs[-1]:.2f} | {100 * max(accs):.2f} | {100 * sum(tail) / len(tail):.2f} | "
                  f"{sum(r['round_seconds'] for r in rows):.0f} |")
   return "\n".join(lines)

@@ -42,9 +42,10 @@ class GroupResult(NamedTuple):
   weight_sum: jax.Array  # sum_c w_c
   loss_sum: jax.Array  # summed per-example training loss
   num_examples: jax.Array  # real examples processed
-  extra_sums: dict[str, Any] = {}  # sum_c w_c * extra_c of every further upload (`ClientOutput.extras`)
+  # Every client term's upload by name, reduced over the cohort as the term says (`LocalTrainer.reductions`):
+  # sum_c w_c * u_c ("weighted"), sum_c u_c ("sum"), or the clients' uploads stacked in cohort order ("stack").
+  uploads: dict[str, Any] = {}
   memory: Memory = {}  # the group's client memory with the cohort's rows updated
-  uploads: Variables | None = None  # the clients' final variables stacked in cohort order, if asked for
 
 
 class Backend(Protocol):
@@ -52,13 +53,12 @@ class Backend(Protocol):
 
   def train(self, trainer: LocalTrainer, start: Variables, store: FederatedStore, clients: np.ndarray,
             weights: np.ndarray, round_key: jax.Array, *, memory: Memory | None = None,
-            rows: np.ndarray | None = None, server: dict[str, Any] | None = None, per_client_start: bool = False,
-            keep_uploads: bool = False) -> GroupResult:
+            rows: np.ndarray | None = None, server: dict[str, Any] | None = None,
+            per_client_start: bool = False) -> GroupResult:
     """Trains ``clients`` from ``start`` (stacked per client when ``per_client_start``).
 
     ``memory`` holds the group's per-client state and ``rows`` the cohort's rows in it;
-    ``server`` is the group's share of server state; ``keep_uploads`` also returns the
-    clients' final variables stacked.
+    ``server`` is the group's share of server state, by client term name.
     """
     ...
 
@@ -84,9 +84,15 @@ def _take(tree, index):
   return jax.tree.map(lambda x: x[index], tree)
 
 
-def _weighted_sums(output: ClientOutput, weight) -> tuple[Variables, dict[str, Any]]:
+def _split(uploads: dict[str, Any], reductions: dict[str, str], kind: str) -> dict[str, Any]:
+  return {name: value for name, value in uploads.items() if reductions[name] == kind}
+
+
+def _summed(output: ClientOutput, reductions: dict[str, str], weight) -> tuple[Variables, dict[str, Any]]:
+  """The client's weighted delta and its summed uploads ("weighted" ones scaled by its weight)."""
   scale = lambda tree: jax.tree.map(lambda x: weight * x, tree)
-  return scale(output.delta), scale(output.extras)
+  uploads = {**scale(_split(output.uploads, reductions, "weighted")), **_split(output.uploads, reductions, "sum")}
+  return scale(output.delta), uploads
 
 
 @functools.cache
@@ -102,11 +108,12 @@ def _sequential_program(trainer: LocalTrainer, schedule_length: int):
   @functools.partial(jax.jit, donate_argnums=0)
   def accumulate(result: GroupResult, state: LocalState, start, memory_row, server, weight):
     output = trainer.finish(state, start, memory_row, server)
-    delta, extras = _weighted_sums(output, weight)
-    return result._replace(delta_sum=jax.tree.map(jnp.add, result.delta_sum, delta),
-                           weight_sum=result.weight_sum + weight, loss_sum=result.loss_sum + state.loss_sum,
-                           num_examples=result.num_examples + state.num_examples,
-                           extra_sums=jax.tree.map(jnp.add, result.extra_sums, extras)), output.memory
+    delta, uploads = _summed(output, trainer.reductions, weight)
+    return (result._replace(delta_sum=jax.tree.map(jnp.add, result.delta_sum, delta),
+                            weight_sum=result.weight_sum + weight, loss_sum=result.loss_sum + state.loss_sum,
+                            num_examples=result.num_examples + state.num_examples,
+                            uploads=jax.tree.map(jnp.add, result.uploads, uploads)),
+            output.memory, _split(output.uploads, trainer.reductions, "stack"))
 
   return start_client, run_steps, accumulate
 
@@ -131,17 +138,41 @@ def _stack(trees):
   return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
-def empty_result(start: Variables, extras: dict[str, Any] | None = None) -> GroupResult:
-  """Zero sums shaped like ``start`` (and like ``extras``, if given)."""
+def empty_result(start: Variables, uploads: dict[str, Any] | None = None) -> GroupResult:
+  """Zero sums shaped like ``start`` (and like ``uploads``, if given)."""
   zero = lambda: jnp.zeros((), jnp.float32)  # distinct buffers: the result is donated
-  extra_sums = jax.tree.map(jnp.zeros_like, extras) if extras else {}
-  return GroupResult(jax.tree.map(jnp.zeros_like, start), zero(), zero(), zero(), extra_sums)
+  upload_sums = jax.tree.map(jnp.zeros_like, uploads) if uploads else {}
+  return GroupResult(jax.tree.map(jnp.zeros_like, start), zero(), zero(), zero(), upload_sums)
 
 
-def extras_like(trainer: LocalTrainer, start, memory_row, server):
-  """Shapes of a client's extra uploads, without running anything."""
+def uploads_like(trainer: LocalTrainer, start, memory_row, server) -> dict[str, Any]:
+  """Shapes of one client's uploads, without running anything."""
   state = jax.eval_shape(trainer.init_state, start, memory_row, server)
-  return jax.eval_shape(trainer.finish, state, start, memory_row, server).extras
+  return jax.eval_shape(trainer.finish, state, start, memory_row, server).uploads
+
+
+def summed_uploads_like(trainer: LocalTrainer, start, memory_row, server) -> dict[str, Any]:
+  """Shapes of the uploads a cohort sums (everything but the stacked ones)."""
+  uploads = uploads_like(trainer, start, memory_row, server)
+  return {name: value for name, value in uploads.items() if trainer.reductions[name] != "stack"}
+
+
+def empty_group_result(trainer: LocalTrainer, start, memory_row, server, stack_size: int) -> GroupResult:
+  """The result of a group none of whose clients was sampled: zero sums, ``stack_size`` zero rows of
+  every stacked upload, shaped as a real (padded) result."""
+  result = empty_result(start, summed_uploads_like(trainer, start, memory_row, server))
+  stacked = {n: jax.tree.map(lambda x: jnp.zeros((stack_size,) + x.shape, x.dtype), v)
+             for n, v in uploads_like(trainer, start, memory_row, server).items() if trainer.reductions[n] == "stack"}
+  return result._replace(uploads={**result.uploads, **stacked})
+
+
+def padded_stacks(trainer: LocalTrainer, result: GroupResult, size: int) -> GroupResult:
+  """``result`` with its stacked uploads padded to ``size`` rows with copies of the first, so every round's
+  server program sees one shape."""
+  def pad(x):
+    return x if x.shape[0] == size else jnp.concatenate([x, jnp.repeat(x[:1], size - x.shape[0], 0)])
+  return result._replace(uploads={n: jax.tree.map(pad, v) if trainer.reductions[n] == "stack" else v
+                                  for n, v in result.uploads.items()})
 
 
 class SequentialBackend:
@@ -151,13 +182,13 @@ class SequentialBackend:
     return tree
 
   def train(self, trainer, start, store, clients, weights, round_key, *, memory=None, rows=None, server=None,
-            per_client_start=False, keep_uploads=False):
+            per_client_start=False):
     start_client, run_steps, accumulate = _sequential_program(trainer, _schedule_length(trainer, store))
     memory, server = memory or {}, server or {}
     first_start = _take_row(start, 0) if per_client_start else start
     first_row = _take_row(memory, int(rows[0])) if memory else {}
-    result = empty_result(first_start, extras_like(trainer, first_start, first_row, server))
-    uploads = []
+    result = empty_result(first_start, summed_uploads_like(trainer, first_start, first_row, server))
+    stacked = []
     memory = _copy(memory)  # the rows are updated in place (donated) below; the caller's state stays valid
     for i, (client, weight) in enumerate(zip(clients, weights)):
       size = int(store.sizes[client])
@@ -166,12 +197,12 @@ class SequentialBackend:
       state, ids, mask = start_client(client_start, store.index_table[client], size,
                                       jax.random.fold_in(round_key, int(client)), row, server)
       state = _run_schedule(run_steps, trainer, trainer.config.num_steps(size), state, store, ids, mask)
-      if keep_uploads:
-        uploads.append(state.variables)
-      result, new_row = accumulate(result, state, client_start, row, server, jnp.float32(weight))
+      result, new_row, own = accumulate(result, state, client_start, row, server, jnp.float32(weight))
+      stacked.append(own)
       if memory:
         memory = _set_row(memory, int(rows[i]), new_row)
-    return result._replace(memory=memory, uploads=_stack(uploads) if keep_uploads else None)
+    uploads = {**result.uploads, **(_stack(stacked) if stacked[0] else {})}
+    return result._replace(memory=memory, uploads=uploads)
 
 
 @functools.cache
@@ -189,12 +220,16 @@ def _mapped_program(trainer: LocalTrainer, schedule_length: int, per_client_star
                       static_argnums=6)
 
   @jax.jit
-  def reduce(states: LocalState, start, memory_rows, server, weights):
+  def reduce(states: LocalState, start, memory_rows, server, weights, real):
+    """The cohort's sums (padding clients have weight 0 and ``real`` 0) and its stacked uploads, padded."""
     outputs = jax.vmap(trainer.finish, in_axes=(0, start_axis, 0, None))(states, start, memory_rows, server)
-    weighted_sum = lambda tree: jax.tree.map(lambda d: jnp.tensordot(weights, d, axes=1), tree)
+    sum_with = lambda w: lambda tree: jax.tree.map(lambda d: jnp.tensordot(w, d, axes=1), tree)
+    weighted_sum = sum_with(weights)
+    uploads = {**weighted_sum(_split(outputs.uploads, trainer.reductions, "weighted")),
+               **sum_with(real)(_split(outputs.uploads, trainer.reductions, "sum"))}
     result = GroupResult(weighted_sum(outputs.delta), weights.sum(), states.loss_sum.sum(),
-                         states.num_examples.sum(), weighted_sum(outputs.extras))
-    return result, outputs.memory
+                         states.num_examples.sum(), uploads)
+    return result, outputs.memory, _split(outputs.uploads, trainer.reductions, "stack")
 
   return start_cohort, run_steps, reduce
 
@@ -240,7 +275,7 @@ class VmapBackend:
     return jax.device_put(x, NamedSharding(self.mesh, PartitionSpec("clients")))
 
   def train(self, trainer, start, store, clients, weights, round_key, *, memory=None, rows=None, server=None,
-            per_client_start=False, keep_uploads=False):
+            per_client_start=False):
     store = self._place(store)
     memory, server = memory or {}, server or {}
     size = self._padded_size(len(clients))
@@ -263,11 +298,13 @@ class VmapBackend:
                                      memory_rows, server)
     longest = max(trainer.config.num_steps(int(n)) for n in sizes[:len(clients)])
     states = _run_schedule(run_steps, trainer, longest, states, store, ids, mask)
-    result, new_rows = reduce(states, start, memory_rows, server, self._split(jnp.asarray(client_weights)))
+    real = np.arange(size) < len(clients)
+    result, new_rows, stacked = reduce(states, start, memory_rows, server, self._split(jnp.asarray(client_weights)),
+                                       self._split(jnp.asarray(real, jnp.float32)))
     if memory:
       memory = _scatter_rows(memory, padded_rows, new_rows)
-    uploads = jax.tree.map(lambda x: x[:len(clients)], states.variables) if keep_uploads else None
-    return result._replace(memory=memory, uploads=uploads)
+    stacked = jax.tree.map(lambda x: x[:len(clients)], stacked)
+    return result._replace(memory=memory, uploads={**result.uploads, **stacked})
 
 
 def make_backend(name: str) -> Backend:

@@ -7,8 +7,9 @@ import jax.numpy as jnp
 from fedjax_hetero.algorithms.fedgen import FedGenConfig
 from fedjax_hetero.backends import make_backend
 from fedjax_hetero.client.local import LocalConfig
-from fedjax_hetero.engine import ArchGroup, FLConfig, Simulation, assign_groups
-from tests.golden import ONE_GROUP, ROUNDS, group_models
+from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation, assign_groups
+from fedjax_hetero.methods import MethodOptions, build_method
+from tests.golden import ONE_GROUP, group_models
 from tests.helpers import tiny_federation
 
 TINY_FEDGEN = FedGenConfig(noise_dim=4, hidden_dim=16, batch_size=16, ensemble_epochs=2, n_teacher_iters=1,
@@ -28,6 +29,6 @@ def golden_simulation(method: str, backend: str, family: str) -> GoldenSimulatio
   groups = [ArchGroup(name, model, clients)
             for (name, model), clients in zip(models, assign_groups(store.num_clients, len(models)))]
   local = LocalConfig(epochs=2, batch_size=8, optimizer="adam", learning_rate=1e-2, steps_per_call=2)
-  config = FLConfig(method=method, rounds=ROUNDS, clients_per_round=3, seed=0, fedgen=TINY_FEDGEN)
-  return GoldenSimulation(groups, store, local, config, make_backend(backend), jnp.asarray(ds.test_images),
-                          jnp.asarray(ds.test_labels))
+  built = build_method(method, MethodOptions(fedgen=TINY_FEDGEN), local)
+  return GoldenSimulation(groups, store, local, built, FederationConfig(clients_per_round=3, seed=0),
+                          make_backend(backend), jnp.asarray(ds.test_images), jnp.asarray(ds.test_labels))

@@ -11,7 +11,8 @@ from fedjax_hetero.backends import make_backend
 from fedjax_hetero.client.local import LocalConfig
 from fedjax_hetero.data import ArrayDataset, partition, synthetic_dataset
 from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.engine import ArchGroup, FLConfig, Simulation, assign_groups
+from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation, assign_groups
+from fedjax_hetero.methods import MethodOptions, build_method
 from fedjax_hetero.models import build_model
 
 TINY_NUM_CLIENTS = 6
@@ -58,14 +59,18 @@ def tiny_federation(num_clients: int = TINY_NUM_CLIENTS) -> tuple[ArrayDataset, 
   return ds, FederatedStore.build(ds.train_images, ds.train_labels, parts, ds.num_classes, ds.mean, ds.std)
 
 
-def tiny_simulation(method: str, backend: str = "sequential", widths=(1.0,), clients_per_round: int = 3,
-                    optimizer: str = "adam", hidden=(16,), data=None, **fl_options) -> Simulation:
-  """A two-epoch simulation of MLP width groups on `tiny_federation` (or ``data``); ``fl_options`` go to FLConfig."""
+def tiny_simulation(method, backend: str = "sequential", widths=(1.0,), clients_per_round: int = 3,
+                    optimizer: str = "adam", hidden=(16,), data=None, weighting: str = "uniform",
+                    group_draw=(), **options) -> Simulation:
+  """A two-epoch simulation of MLP width groups on `tiny_federation` (or ``data``). ``method`` is a name
+  (then ``options`` are its `MethodOptions`) or a `Method`."""
   ds, store = data or tiny_federation()
   groups = [ArchGroup(f"mlp@{w}", build_model("mlp", ds.num_classes, w, hidden=hidden), clients)
             for w, clients in zip(widths, assign_groups(store.num_clients, len(widths)))]
   local = LocalConfig(epochs=2, batch_size=8, optimizer=optimizer, learning_rate=1e-2 if optimizer == "adam" else 0.05,
                       steps_per_call=2)
-  config = FLConfig(method=method, rounds=2, clients_per_round=clients_per_round, seed=0, **fl_options)
-  return Simulation(groups, store, local, config, make_backend(backend), jnp.asarray(ds.test_images),
+  if isinstance(method, str):
+    method = build_method(method, MethodOptions(**options), local)
+  config = FederationConfig(clients_per_round=clients_per_round, seed=0, weighting=weighting, group_draw=group_draw)
+  return Simulation(groups, store, local, method, config, make_backend(backend), jnp.asarray(ds.test_images),
                     jnp.asarray(ds.test_labels))

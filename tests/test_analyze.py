@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
@@ -13,7 +12,8 @@ from flax import traverse_util
 
 from experiments import analyze
 from fedjax_hetero import analysis, evaluation
-from fedjax_hetero.runner import ExperimentConfig, run_experiment
+from fedjax_hetero.config import RunConfig, as_dict
+from fedjax_hetero.runner import run_experiment
 
 TINY = dict(dataset="synthetic", steps_per_call=1, num_clients=4, clients_per_round=2, rounds=2,
             max_train_samples=128, max_test_samples=64, progress=False)
@@ -31,18 +31,18 @@ def is_png(path) -> bool:
 @pytest.fixture(scope="module")
 def inco_run(tmp_path_factory):
   """(run_dir, config) of a 2-round InCoAvg run of ResNet10/ResNet14 (4 cross-layer pairs)."""
-  config = ExperimentConfig(method="InCoAvg", groups=("resnet10@0.125", "resnet14@0.125"),
-                            output_dir=str(tmp_path_factory.mktemp("inco")), **TINY)
+  config = RunConfig.from_flags(method="InCoAvg", groups=("resnet10@0.125", "resnet14@0.125"),
+                                output_dir=str(tmp_path_factory.mktemp("inco")), **TINY)
   run_experiment(config, log=quiet)
-  return config.output_dir, config
+  return config.output.dir, config
 
 
 @pytest.fixture(scope="module")
 def fedcross_run(tmp_path_factory):
-  config = ExperimentConfig(method="FedCross", groups=("mlp",), output_dir=str(tmp_path_factory.mktemp("fedcross")),
-                            **TINY)
+  config = RunConfig.from_flags(method="FedCross", groups=("mlp",),
+                                output_dir=str(tmp_path_factory.mktemp("fedcross")), **TINY)
   run_experiment(config, log=quiet)
-  return config.output_dir, config
+  return config.output.dir, config
 
 
 def recording(seen):
@@ -72,17 +72,20 @@ def snapshot(run_dir):
 def test_read_config_round_trips(inco_run):
   run_dir, config = inco_run
   got = analyze.read_config(run_dir)
-  assert got == dataclasses.replace(config, overwrite=False, resume=False)
+  assert got == config.replace(overwrite=False, resume=False)
   assert isinstance(got.groups, tuple)
 
 
+@pytest.mark.parametrize("layout", ["tree", "flat"])  # this version's config.json / older versions' flat one
 @pytest.mark.parametrize("saved_in", ["config.json", "summary.json"])  # a run in progress / an older run
-def test_read_config_ignores_unknown_fields_and_takes_data_dir(tmp_path, capsys, saved_in):
-  config = dict(dataclasses.asdict(ExperimentConfig(groups=("cnn@1", "cnn@0.5"))), from_the_future=1)
+def test_read_config_ignores_unknown_fields_and_takes_data_dir(tmp_path, capsys, saved_in, layout):
+  config = RunConfig.from_flags(groups=("cnn@1", "cnn@0.5"), learning_rate=0.01)
+  saved = dict(as_dict(config) if layout == "tree" else config.flags(), from_the_future=1)
   with open(tmp_path / saved_in, "w") as f:
-    json.dump(config if saved_in == "config.json" else {"config": config}, f)
+    json.dump(saved if saved_in == "config.json" else {"config": saved}, f)
   got = analyze.read_config(str(tmp_path), data_dir="/data")
-  assert got.groups == ("cnn@1", "cnn@0.5") and got.data_dir == "/data" and got.output_dir == str(tmp_path)
+  assert got.groups == ("cnn@1", "cnn@0.5") and got.client.learning_rate == 0.01
+  assert got.data.data_dir == "/data" and got.output.dir == str(tmp_path)
   assert "from_the_future" in capsys.readouterr().err
 
 
@@ -184,12 +187,12 @@ def test_histograms_continue_the_run_in_memory(fedcross_run, monkeypatch):
   assert snapshot(run_dir) == before  # no checkpoint or metrics row added
   assert list(seen) == [3, 4]
   run = analyze.load_run(run_dir)
-  kernels = [path for path, leaf in traverse_util.flatten_dict(run.state.server[0]["global"]).items()
-             if leaf.ndim == 2]  # the MLP's dense kernels; its biases (1-D) are left out
+  global_model = traverse_util.flatten_dict(run.sim.server_variables(run.state))
+  kernels = [path for path, leaf in global_model.items() if leaf.ndim == 2]  # the dense kernels, not the biases
   for layers in seen.values():
     assert list(layers) == ["/".join(p) for p in kernels[:2]]
     for path, delta in zip(kernels, layers.values()):
-      chex.assert_shape(delta, traverse_util.flatten_dict(run.state.server[0]["global"])[path].shape)
+      chex.assert_shape(delta, global_model[path].shape)
       chex.assert_tree_all_finite(delta)
       assert np.any(delta != 0)
 

@@ -19,7 +19,8 @@ from fedjax_hetero.backends import BACKENDS, make_backend
 from fedjax_hetero.client.local import LocalConfig
 from fedjax_hetero.data import partition, synthetic_dataset
 from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.engine import ArchGroup, FLConfig, ServerState, Simulation, assign_groups
+from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation, assign_groups
+from fedjax_hetero.methods import build_method
 from fedjax_hetero.models import build_model
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -37,9 +38,8 @@ def build(backend, method="HeteroAvg"):
   groups = [ArchGroup(f"mlp@{w}", build_model("mlp", ds.num_classes, w, hidden=(16,)), clients)
             for w, clients in zip(widths, assign_groups(6, len(widths)))]
   local = LocalConfig(epochs=2, batch_size=8, optimizer="adam", learning_rate=1e-2, steps_per_call=2)
-  config = FLConfig(method=method, rounds=ROUNDS, clients_per_round=5, seed=0)
-  return Simulation(groups, store, local, config, make_backend(backend), jnp.asarray(ds.test_images),
-                    jnp.asarray(ds.test_labels))
+  return Simulation(groups, store, local, build_method(method), FederationConfig(clients_per_round=5, seed=0),
+                    make_backend(backend), jnp.asarray(ds.test_images), jnp.asarray(ds.test_labels))
 
 
 def initial_state(sim):
@@ -49,7 +49,7 @@ def initial_state(sim):
   rng = np.random.default_rng(0)
   flat = {p: jnp.asarray(rng.normal(size=s.shape) / np.sqrt(max(1, np.prod(s.shape[:-1]))), jnp.float32)
           for p, s in traverse_util.flatten_dict(dict(shapes)).items()}
-  return ServerState(0, (traverse_util.unflatten_dict(flat),))
+  return sim.init_state()._replace(models=(traverse_util.unflatten_dict(flat),))
 
 
 def run(sim, rounds=ROUNDS):

@@ -10,12 +10,16 @@ import pytest
 
 from experiments import cli
 from fedjax_hetero import aggregators
-from fedjax_hetero.client.local import (LocalConfig, LocalTrainer, model_contrastive_loss, nova_normalizer,
-                                        scaffold_control_update)
-from fedjax_hetero.engine import METHODS, FedCrossConfig, get_method
+from fedjax_hetero.client.local import LocalConfig, LocalTrainer
+from fedjax_hetero.client.terms import (model_contrastive_loss, nova_normalizer, scaffold_control_update,
+                                        scaffold_correction)
+from fedjax_hetero.config import RunConfig
+from fedjax_hetero.data.store import sample_clients
 from fedjax_hetero.hetero.maps import build_group_map, identity_map
+from fedjax_hetero.methods import METHODS, build_method, get_entry
 from fedjax_hetero.models import build_model
-from fedjax_hetero.runner import ExperimentConfig, run_experiment
+from fedjax_hetero.runner import run_experiment
+from fedjax_hetero.server.cross import FedCrossConfig
 from tests.helpers import model_variables, random_batch, tiny_simulation
 
 NUM_CLASSES = 4
@@ -46,12 +50,12 @@ def sgd(**kw):
 def test_scaffold_with_zero_control_variates_equals_fedavg_for_one_step(cnn):
   model, variables = cnn
   plain = LocalTrainer(model, sgd(), MEAN, STD)
-  scaffold = LocalTrainer(model, sgd(scaffold=True), MEAN, STD)
+  scaffold = LocalTrainer(model, sgd(), MEAN, STD, terms=(scaffold_correction(0.5),))
   memory = scaffold.init_memory(variables)
   zeros = jax.tree.map(jnp.zeros_like, variables["params"])
-  chex.assert_trees_all_equal(memory["control"], zeros)
+  chex.assert_trees_all_equal(memory["scaffold"], zeros)
   args = (*batch(0, 8), jnp.ones(8, bool))
-  got = jax.jit(scaffold.train_step)(scaffold.init_state(variables, memory, {"control": zeros}), *args)
+  got = jax.jit(scaffold.train_step)(scaffold.init_state(variables, memory, {"scaffold": zeros}), *args)
   want = jax.jit(plain.train_step)(plain.init_state(variables), *args)
   chex.assert_trees_all_close(got.variables, want.variables, rtol=1e-6, atol=1e-7)
 
@@ -59,12 +63,12 @@ def test_scaffold_with_zero_control_variates_equals_fedavg_for_one_step(cnn):
 def test_scaffold_step_adds_the_correction_to_the_gradient(cnn):
   model, variables = cnn
   plain = LocalTrainer(model, sgd(), MEAN, STD)
-  scaffold = LocalTrainer(model, sgd(scaffold=True), MEAN, STD)
+  scaffold = LocalTrainer(model, sgd(), MEAN, STD, terms=(scaffold_correction(0.5),))
   rng = np.random.default_rng(1)
   noise = lambda: jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), variables["params"])
   c_i, c = noise(), noise()
   args = (*batch(0, 8), jnp.ones(8, bool))
-  got = jax.jit(scaffold.train_step)(scaffold.init_state(variables, {"control": c_i}, {"control": c}), *args)
+  got = jax.jit(scaffold.train_step)(scaffold.init_state(variables, {"scaffold": c_i}, {"scaffold": c}), *args)
   want = jax.jit(plain.train_step)(plain.init_state(variables), *args)
   # SGD: y <- y - lr (g + c - c_i)
   expected = jax.tree.map(lambda w, a, b: w - 0.5 * (a - b), want.variables["params"], c, c_i)
@@ -184,7 +188,7 @@ def test_vmap_backend_matches_sequential(method):
   vmap_state, vmap_rows = run(simulation(method, "vmap", **options))
   chex.assert_trees_all_close(vmap_state.models, seq_state.models, rtol=2e-4, atol=2e-5)
   # SCAFFOLD's c_i = -delta / (K lr) scales float differences of the weights by 1 / (K lr) ~ 10.
-  chex.assert_trees_all_close(vmap_state.server, seq_state.server, rtol=2e-3, atol=2e-3)
+  chex.assert_trees_all_close(vmap_state.steps, seq_state.steps, rtol=2e-3, atol=2e-3)
   chex.assert_trees_all_close(vmap_state.memory, seq_state.memory, rtol=2e-3, atol=2e-3)
   assert [r["clients"] for r in vmap_rows] == [r["clients"] for r in seq_rows]
 
@@ -195,12 +199,13 @@ def test_scaffold_keeps_per_client_control_variates_for_sampled_clients_only():
   state1, row = sim.run_round(state0)
   sampled = set(row["clients"])
   for gi, group in enumerate(sim.groups):
-    chex.assert_shape(jax.tree.leaves(state1.memory[gi]["control"])[0], (len(group.clients),) + jax.tree.leaves(
-        state0.memory[gi]["control"])[0].shape[1:])
+    chex.assert_shape(jax.tree.leaves(state1.memory[gi]["scaffold"])[0], (len(group.clients),) + jax.tree.leaves(
+        state0.memory[gi]["scaffold"])[0].shape[1:])
     for row, client in enumerate(group.clients):
-      moved = any(float(jnp.abs(x[row]).max()) > 0 for x in jax.tree.leaves(state1.memory[gi]["control"]))
+      moved = any(float(jnp.abs(x[row]).max()) > 0 for x in jax.tree.leaves(state1.memory[gi]["scaffold"]))
       assert moved == (int(client) in sampled), (group.name, client)
-  assert any(float(jnp.abs(x).max()) > 0 for x in jax.tree.leaves(state1.server[0]["control"]))
+  control = state1.steps[0][[s.name for s in sim.method.server].index("scaffold")]
+  assert any(float(jnp.abs(x).max()) > 0 for x in jax.tree.leaves(control))
 
 
 def test_moon_keeps_each_clients_previous_model():
@@ -209,8 +214,8 @@ def test_moon_keeps_each_clients_previous_model():
   assert "projection_out" in state0.models[0]["params"]
   state1, metrics = sim.run_round(state0)
   for row, client in enumerate(sim.groups[0].clients):
-    prev0 = jax.tree.map(lambda x: x[row], state0.memory[0]["previous"])
-    prev1 = jax.tree.map(lambda x: x[row], state1.memory[0]["previous"])
+    prev0 = jax.tree.map(lambda x: x[row], state0.memory[0]["moon"])
+    prev1 = jax.tree.map(lambda x: x[row], state1.memory[0]["moon"])
     changed = any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(prev0), jax.tree.leaves(prev1)))
     assert changed == (int(client) in metrics["clients"])
 
@@ -222,10 +227,10 @@ def test_fedcross_round_trains_each_middleware_model_and_cross_aggregates():
   middleware0 = state0.models[0]
   chex.assert_tree_shape_prefix(middleware0, (4,))
   state1, metrics = sim.run_round(state0)
-  assert sorted(metrics["clients"]) == sorted(sim.sampled_clients(0).tolist())
+  assert sorted(metrics["clients"]) == sample_clients(sim.store.num_clients, 4, 0, 0).tolist()
   assert metrics["fedcross_stage"] == "cross" and 0 <= metrics["middleware_similarity"]["mean_cosine"] <= 1
   # in-order selection mixes with weights that keep the slot mean: the global model is the uploads' mean
-  chex.assert_trees_all_close(state1.server[0]["global"], aggregators.global_model(state1.models[0]), rtol=1e-6)
+  chex.assert_trees_all_close(sim.server_variables(state1), aggregators.global_model(state1.models[0]), rtol=1e-6)
   # the slots differ after one round (each trained by another client)
   first = jax.tree.leaves(state1.models[0])[0]
   assert not np.allclose(first[0], first[1])
@@ -244,7 +249,7 @@ def test_fedcross_with_alpha_one_keeps_the_uploads_and_warmup_averages():
 
 
 def test_fedcross_needs_one_group():
-  with pytest.raises(ValueError, match="FedCross trains one architecture, got 2 groups"):
+  with pytest.raises(ValueError, match=r"FedCross trains one architecture \(.*\), got 2 groups"):
     simulation("FedCross")
 
 
@@ -253,8 +258,8 @@ def test_method_table_has_every_paper_name():
           "HeteroNova", "HeteroMOON", "InCoAvg", "InCoProx", "InCoScaffold", "InCoNova", "InCoMOON"]
   fedcross = ["FedAvg", "FedProx", "SCAFFOLD", "FedCross"]
   for name in inco + fedcross:
-    assert get_method(name).name.lower() == name.lower()
-  help_text = cli.build_parser(ExperimentConfig(), "test").format_help()
+    assert get_entry(name).name.lower() == name.lower()
+  help_text = cli.build_parser(RunConfig(), "test").format_help()
   for name in inco + ["FedCross", "lowest_similarity", "highest_similarity", "in_order", "layerwise"]:
     assert name in help_text
 
@@ -262,11 +267,12 @@ def test_method_table_has_every_paper_name():
 @pytest.mark.parametrize("method", sorted(m.name for m in METHODS.values()))
 def test_every_method_runs_from_the_runner(tmp_path, method):
   resnets = ("resnet10@0.125", "resnet14@0.125")
-  groups = ("mlp",) if get_method(method).one_group else ("mlp@0.5", "mlp")
-  if get_method(method).inco_variant:
+  built = build_method(method)
+  groups = ("mlp",) if built.one_group else ("mlp@0.5", "mlp")
+  if any(step.name == "inco" for step in built.server):
     groups = resnets
-  config = ExperimentConfig(dataset="synthetic", method=method, groups=groups, num_clients=4, clients_per_round=2,
-                            rounds=1, epochs=1, batch_size=16, steps_per_call=1, output_dir=str(tmp_path),
-                            progress=False, max_train_samples=128, max_test_samples=64)
+  config = RunConfig.from_flags(dataset="synthetic", method=method, groups=groups, num_clients=4, clients_per_round=2,
+                                rounds=1, epochs=1, batch_size=16, steps_per_call=1, output_dir=str(tmp_path),
+                                progress=False, max_train_samples=128, max_test_samples=64)
   summary = run_experiment(config, log=lambda m: None)
   assert np.isfinite(summary["final_accuracy"]["mean"])

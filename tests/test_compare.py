@@ -7,15 +7,16 @@ import os
 import pytest
 
 from experiments import compare
-from fedjax_hetero.runner import ExperimentConfig, run_experiment
+from fedjax_hetero.config import RunConfig
+from fedjax_hetero.runner import run_experiment
 
 
 def test_compare_tables_and_plots_two_runs(tmp_path):
   dirs = []
   for method in ("FedAvg", "HeteroAvg"):
     out = str(tmp_path / method)
-    run_experiment(ExperimentConfig(dataset="synthetic", method=method, groups=("mlp@0.5", "mlp"), num_clients=4,
-                                    clients_per_round=2, rounds=2, eval_every=1, output_dir=out, progress=False),
+    run_experiment(RunConfig.from_flags(dataset="synthetic", method=method, groups=("mlp@0.5", "mlp"), num_clients=4,
+                                        clients_per_round=2, rounds=2, eval_every=1, output_dir=out, progress=False),
                    log=lambda m: None)
     dirs.append(out)
   plot = str(tmp_path / "cmp.png")

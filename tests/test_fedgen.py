@@ -159,8 +159,8 @@ def test_round_with_cnn_heads():
   state = fedgen.init_generator(generator, jax.random.key(0), config.weight_decay)
   counts = np.array([[4, 0, 0, 2, 0], [0, 3, 0, 0, 0], [1, 1, 0, 0, 9]])
   new_state, metrics = fedgen.train_generator_round(state, config, generator, head_apply, heads, counts,
-                                                    round_index=1, key=jax.random.key(1),
-                                                    valid=np.array([True, True, False]))
+                                                    learning_rate=np.float32(config.generator_learning_rate(1)),
+                                                    key=jax.random.key(1), valid=np.array([True, True, False]))
   chex.assert_shape(metrics["loss"], (4,))
   chex.assert_tree_all_finite((new_state, metrics))
   logits = fedgen.stacked_head_logits(head_apply, heads, jnp.ones((3, 8)))

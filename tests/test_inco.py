@@ -16,7 +16,8 @@ from fedjax_hetero.backends import empty_result, make_backend
 from fedjax_hetero.client.local import LocalConfig
 from fedjax_hetero.data import partition, synthetic_dataset
 from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.engine import ArchGroup, FLConfig, ServerState, Simulation, assign_groups
+from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation, assign_groups
+from fedjax_hetero.methods import MethodOptions, build_method
 from fedjax_hetero.hetero import build_group_map
 from fedjax_hetero.models import build_model
 
@@ -262,49 +263,54 @@ def test_theta_zero_without_normalization_equals_hetero_avg():
 # ----------------------------------------------------------------------------------------- the engine
 
 
-def simulation(method, names, **fl_options):
+def simulation(method, names, **options):
   ds = synthetic_dataset(num_train=48, num_test=8, seed=0)
   parts = partition(ds.train_labels, "iid", 6, 0)
   store = FederatedStore.build(ds.train_images, ds.train_labels, parts, ds.num_classes, ds.mean, ds.std)
   small = lambda n: {"base_channels": 4} if n.startswith("resnet") else {"hidden": (8,)}
   groups = [ArchGroup(n, build_model(n, ds.num_classes, **small(n)), c)
             for n, c in zip(names, assign_groups(6, len(names)))]
-  return Simulation(groups, store, LocalConfig(), FLConfig(method=method, rounds=1, clients_per_round=3, **fl_options),
-                    make_backend("sequential"), jnp.asarray(ds.test_images), jnp.asarray(ds.test_labels))
+  return Simulation(groups, store, LocalConfig(), build_method(method, MethodOptions(**options)),
+                    FederationConfig(clients_per_round=3), make_backend("sequential"), jnp.asarray(ds.test_images),
+                    jnp.asarray(ds.test_labels))
 
 
 def test_incoavg_needs_a_model_with_cross_layer_pairs():
-  with pytest.raises(ValueError, match=r"InCoAvg needs cross-layer pairs, but the global model mlp \(MLP\)"):
+  with pytest.raises(ValueError, match=r"InCo's cross-layer step needs cross-layer pairs, but the largest model "
+                     r"\(MLP\)"):
     simulation("InCoAvg", ["mlp"])
 
 
 @pytest.mark.parametrize("variant, granularity", [(None, None), ("no_optimization", "tensor")])
 def test_incoavg_aggregate_applies_inco_to_the_mean_delta(variant, granularity):
   sim = simulation("InCoAvg", ["resnet10", "resnet14"], inco_variant=variant, inco_granularity=granularity)
-  assert sim.inco_pairs == build_model("resnet14", 10).cross_layer_pairs()
+  pairs = build_model("resnet14", 10).cross_layer_pairs()
+  assert sim.federations[0].largest.cross_layer_pairs() == pairs
   shapes = [jax.eval_shape(g.model.init, jax.random.key(0), sim._sample_input) for g in sim.groups]
   rng = np.random.default_rng(11)
   as_arrays = lambda tree: jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape) * 0.05, jnp.float32), tree)
   model = as_arrays(shapes[1])
-  starts = [sim.group_variables(ServerState(0, (model,)), i) for i in range(2)]
+  state = sim.init_state()._replace(models=(model,))
+  starts = [sim.group_variables(state, i) for i in range(2)]
   sums, weights = [as_arrays(s) for s in shapes], [jnp.float32(1.0), jnp.float32(2.0)]
   results = [empty_result(st)._replace(delta_sum=s, weight_sum=w) for st, s, w in zip(starts, sums, weights)]
-  new, _, stats = sim._aggregate[0](model, {}, starts, results)
+  cohorts = [np.array([0]), np.array([3, 4])]
+  new, _, metrics = sim.aggregate(0, state, starts, [{}, {}], results, cohorts)
 
   @jax.jit
   def reference(model, sums, weights):
     delta = aggregators.heterogeneous_mean_delta(sums, weights, sim.maps, model)
-    return jax.tree.map(jnp.add, model, inco(delta, sim.inco_pairs, variant or "code", granularity or "kernel")[0])
+    return jax.tree.map(jnp.add, model, inco(delta, pairs, variant or "code", granularity or "kernel")[0])
 
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7), new,
                reference(model, sums, weights))
-  assert set(stats) == {"/".join(t) for t, _ in sim.inco_pairs}
+  assert set(metrics["inco"]) == {"/".join(t) for t, _ in pairs}
 
 
 def test_inco_options_are_checked():
   with pytest.raises(ValueError, match="unknown InCo variant 'nope'; accepted: code, theorem, paper"):
-    FLConfig(method="InCoAvg", inco_variant="nope")
+    MethodOptions(inco_variant="nope")
   with pytest.raises(ValueError, match="unknown InCo granularity 'row'; accepted: kernel, tensor"):
-    FLConfig(method="InCoAvg", inco_granularity="row")
+    MethodOptions(inco_granularity="row")
   with pytest.raises(ValueError, match="apply to the InCo\\* methods, not HeteroAvg"):
-    FLConfig(method="HeteroAvg", inco_variant="theorem")
+    build_method("HeteroAvg", MethodOptions(inco_variant="theorem"))

@@ -6,8 +6,8 @@ import pytest
 
 from experiments import cli, fmnist
 from experiments.presets import PRESETS, get_preset, paper_deviations
-from fedjax_hetero.client.local import LocalConfig
-from fedjax_hetero.engine import client_config, get_method
+from fedjax_hetero.methods import build_method
+from tests.test_prox import prox_mu
 
 
 @pytest.fixture
@@ -27,16 +27,17 @@ def test_inco_preset_is_the_papers_protocol(captured, capsys):
   cli.main("fashion_mnist", fmnist.DEMO, "test", ["--preset", "inco"])
   (config,) = captured
   assert config.groups == ("resnet10", "resnet14", "resnet18", "resnet22", "resnet26")
-  assert (config.num_clients, config.clients_per_round, config.alpha, config.epochs, config.batch_size) == (
-      100, 10, 0.5, 5, 64)
-  assert (config.optimizer, config.learning_rate, config.rounds, config.method) == ("adam", 1e-3, 500, "InCoAvg")
+  assert (config.data.num_clients, config.federation.clients_per_round, config.data.alpha, config.client.epochs,
+          config.client.batch_size) == (100, 10, 0.5, 5, 64)
+  assert (config.client.optimizer, config.client.learning_rate, config.rounds, config.method.name) == (
+      "adam", 1e-3, 500, "InCoAvg")
   assert "differs from the paper" not in capsys.readouterr().out
 
 
 def test_cpu_preset_says_how_it_differs_and_flags_override(captured, capsys):
   cli.main("fashion_mnist", fmnist.DEMO, "test", ["--preset", "inco-cpu", "--rounds", "7", "--method", "HeteroNova"])
   (config,) = captured
-  assert config.rounds == 7 and config.method == "HeteroNova" and config.groups[0] == "resnet10@0.125"
+  assert config.rounds == 7 and config.method.name == "HeteroNova" and config.groups[0] == "resnet10@0.125"
   out = capsys.readouterr().out
   assert "REDUCED SCALE" in out and "rounds=7 (paper 500)" in out and "method" not in out.split("differs")[1]
 
@@ -44,9 +45,9 @@ def test_cpu_preset_says_how_it_differs_and_flags_override(captured, capsys):
 def test_fedcross_cpu_preset(captured):
   cli.main("fashion_mnist", fmnist.DEMO, "test", ["--preset", "fedcross-cpu"])
   (config,) = captured
-  assert (config.method, config.groups, config.batch_size, config.optimizer, config.momentum) == (
-      "FedCross", ("cnn_cifar",), 50, "sgd", 0.5)
-  assert (config.fedcross_alpha, config.fedcross_strategy) == (0.99, "lowest_similarity")
+  assert (config.method.name, config.groups, config.client.batch_size, config.client.optimizer,
+          config.client.momentum) == ("FedCross", ("cnn_cifar",), 50, "sgd", 0.5)
+  assert (config.method.fedcross.alpha, config.method.fedcross.strategy) == (0.99, "lowest_similarity")
   assert paper_deviations(PRESETS["fedcross-cpu"], PRESETS["fedcross"].values) == {}
 
 
@@ -61,8 +62,8 @@ def test_unknown_preset(capsys):
 def test_fedcross_preset_baselines_follow_the_authors_framework(captured):
   cli.main("fashion_mnist", fmnist.DEMO, "test", ["--preset", "fedcross-cpu", "--method", "FedProx"])
   cli.main("fashion_mnist", fmnist.DEMO, "test", ["--preset", "fedcross-cpu", "--method", "FedCross"])
-  prox, cross = (config.fl_config() for config in captured)
-  assert prox.weighting == "num_samples"
+  prox, cross = captured
+  assert prox.federation.weighting == "num_samples"
   # FedProx gets the paper's CIFAR-10 mu; FedCross, with no proximal term, gets none.
-  assert client_config(get_method("FedProx"), LocalConfig(), prox.prox_mu, None, None, prox.fedprox_mu).prox_mu == 0.01
-  assert client_config(get_method("FedCross"), LocalConfig(), cross.prox_mu, None, None, cross.fedprox_mu).prox_mu == 0
+  assert prox_mu(build_method("FedProx", prox.method, prox.client)) == pytest.approx(0.01)
+  assert prox_mu(build_method("FedCross", cross.method, cross.client)) == 0

@@ -13,14 +13,16 @@ from flax import traverse_util
 
 from experiments import cli
 from fedjax_hetero.backends import make_backend
-from fedjax_hetero.client.local import LocalConfig, LocalTrainer, proximal_term
+from fedjax_hetero.client.local import LocalConfig, LocalTrainer
+from fedjax_hetero.client.terms import proximal, proximal_term
+from fedjax_hetero.config import RunConfig
 from fedjax_hetero.data import partition, synthetic_dataset
 from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.engine import (FEDPROX_MU, METHODS, ArchGroup, FLConfig, ServerState, Simulation, assign_groups,
-                                  client_config, get_method)
+from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation, assign_groups
 from fedjax_hetero.hetero.maps import extract
+from fedjax_hetero.methods import FEDPROX_MU, METHODS, PER_GROUP, MethodOptions, build_method, get_entry
 from fedjax_hetero.models import build_model
-from fedjax_hetero.runner import ExperimentConfig, build_simulation
+from fedjax_hetero.runner import build_simulation
 from tests.helpers import numpy_variables, random_batch
 
 NUM_CLASSES = 4
@@ -38,6 +40,15 @@ def batch(seed, size):
 
 def flat(tree):
   return {"/".join(p): np.asarray(v, np.float64) for p, v in traverse_util.flatten_dict(dict(tree)).items()}
+
+
+def prox_mu(method) -> float:
+  """The mu of a method's proximal term (0 without one), read off the term's loss: mu/2 * ||1 - 0||^2."""
+  terms = [t for t in method.terms if t.name == "prox"]
+  if not terms:
+    return 0.0
+  anchor = terms[0].init(type("R", (), {"start": {"params": {"w": jnp.zeros(1)}}})())
+  return 2 * float(terms[0].loss({"params": {"w": jnp.ones(1)}}, anchor, None, None, None))
 
 
 # ------------------------------------------------------------------------------------------ the local step
@@ -58,27 +69,26 @@ def test_proximal_term_matches_numpy():
 def sgd_trainers():
   """Plain and proximal SGD trainers of one small CNN (no momentum: one step is p - lr * grad)."""
   model = build_model("cnn", NUM_CLASSES, 1.0, channels=(4, 8), hidden=8)
-  make = lambda mu: LocalTrainer(model, LocalConfig(batch_size=8, optimizer="sgd", learning_rate=0.5, prox_mu=mu),
-                                 MEAN, STD)
-  plain, prox = make(0.0), make(0.5)
+  config = LocalConfig(batch_size=8, optimizer="sgd", learning_rate=0.5)
+  plain, prox = LocalTrainer(model, config, MEAN, STD), LocalTrainer(model, config, MEAN, STD, terms=(proximal(0.5),))
   return model_variables(model, 1), plain, jax.jit(plain.train_step), prox, jax.jit(prox.train_step)
 
 
 def test_proximal_gradient_is_mu_times_distance_to_anchor(sgd_trainers):
   variables, plain, plain_step, prox, prox_step = sgd_trainers
   state0 = prox.init_state(variables)
-  chex.assert_trees_all_equal(state0.context["start"], variables)
+  chex.assert_trees_all_equal(state0.terms[0], variables["params"])
   # Step 1 starts at the anchor, where the proximal gradient mu * (w - w^t) vanishes.
   state1 = prox_step(state0, *batch(0, 8), jnp.ones(8, bool))
   reference1 = plain_step(plain.init_state(variables), *batch(0, 8), jnp.ones(8, bool))
   chex.assert_trees_all_close(state1.variables, reference1.variables, rtol=1e-6, atol=1e-7)
-  chex.assert_trees_all_equal(state1.context["start"], variables)  # the anchor never moves
+  chex.assert_trees_all_equal(state1.terms[0], variables["params"])  # the anchor never moves
 
   # Step 2 from the same w1 (now away from the anchor), with and without the proximal term.
   images, labels = batch(1, 8)
   mask = jnp.asarray(np.array([1, 1, 0, 1, 1, 1, 0, 1], bool))
   with_prox = prox_step(state1, images, labels, mask)
-  without = plain_step(state1._replace(context={}), images, labels, mask)
+  without = plain_step(state1._replace(terms=()), images, labels, mask)
   w1, anchor = flat(state1.variables["params"]), flat(variables["params"])
   got_prox, got_plain = flat(with_prox.variables["params"]), flat(without.variables["params"])
   largest = 0.0
@@ -95,8 +105,8 @@ def test_proximal_gradient_is_mu_times_distance_to_anchor(sgd_trainers):
 def test_zero_mu_keeps_the_plain_state_and_program(sgd_trainers):
   variables, plain, plain_step, *_ = sgd_trainers
   state = plain.init_state(variables)
-  assert state.context == {}
-  # prox_mu == 0 adds no leaf to the state and no op to the step.
+  assert state.terms == ()
+  # Without the term there is no leaf in the state and no op in the step.
   assert len(jax.tree.leaves(state)) == len(jax.tree.leaves((variables, state.opt_state))) + 3
   explicit = LocalTrainer(plain.model, LocalConfig(batch_size=8, optimizer="sgd", learning_rate=0.5), MEAN, STD)
   args = (state, *batch(2, 8), jnp.ones(8, bool))
@@ -104,32 +114,26 @@ def test_zero_mu_keeps_the_plain_state_and_program(sgd_trainers):
   chex.assert_trees_all_equal(plain_step(*args), jax.jit(explicit.train_step)(*args))
 
 
-def test_prox_step_needs_an_anchor(sgd_trainers):
-  variables, plain, _, prox, _ = sgd_trainers
-  with pytest.raises(ValueError, match="build the state with init_state"):
-    prox.train_step(plain.init_state(variables), *batch(0, 8), jnp.ones(8, bool))
-
-
 def test_all_masked_step_is_a_no_op_with_prox_and_batch_norm():
   model = build_model("resnet10", NUM_CLASSES, 1.0, base_channels=4)
   variables = model_variables(model, 0)
-  trainer = LocalTrainer(model, LocalConfig(batch_size=8, optimizer="adam", learning_rate=0.1, prox_mu=0.1),
-                         MEAN, STD)
+  trainer = LocalTrainer(model, LocalConfig(batch_size=8, optimizer="adam", learning_rate=0.1), MEAN, STD,
+                         terms=(proximal(0.1),))
   step = jax.jit(trainer.train_step)
   state1 = step(trainer.init_state(variables), *batch(0, 8), jnp.ones(8, bool))
   state2 = step(state1, *batch(1, 8), jnp.ones(8, bool))  # away from the anchor: the penalty is nonzero
-  assert float(proximal_term(state2.variables["params"], state2.context["start"]["params"], 0.1)) > 0
+  assert float(proximal_term(state2.variables["params"], state2.terms[0], 0.1)) > 0
   state3 = step(state2, *batch(2, 8), jnp.zeros(8, bool))
   chex.assert_trees_all_equal(state3, state2)  # params, batch_stats, adam state, counters, anchor
-  chex.assert_trees_all_equal(state3.context["start"], variables)
+  chex.assert_trees_all_equal(state3.terms[0], variables["params"])
 
 
 @pytest.mark.parametrize("kwargs", [dict(prox_mu=-0.1), dict(prox_mu=float("nan")), dict(prox_mu=float("inf"))])
 def test_configs_reject_bad_mu(kwargs):
   with pytest.raises(ValueError, match="prox_mu must be finite and >= 0"):
-    LocalConfig(**kwargs)
+    MethodOptions(**kwargs)
   with pytest.raises(ValueError, match="prox_mu must be finite and >= 0"):
-    FLConfig(method="FedProx", **kwargs)
+    RunConfig.from_flags(method="FedProx", **kwargs)
 
 
 # ------------------------------------------------------------------------------------------- the methods
@@ -137,31 +141,30 @@ def test_configs_reject_bad_mu(kwargs):
 
 def test_prox_methods_are_registered():
   assert FEDPROX_MU == 0.1  # InCo paper: "The hyper-parameter mu/2 for FedProx and InCoProx is 0.05"
-  for name, per_group, variant in [("FedProx", True, None), ("HeteroProx", False, None),
-                                   ("InCoProx", False, "code")]:
+  for name, per_group, inco in [("FedProx", True, False), ("HeteroProx", False, False), ("InCoProx", False, True)]:
     for spelling in (name, name.lower(), name.upper()):
-      method = get_method(spelling)
-      assert method.name == name and method.per_group == per_group and method.inco_variant == variant
-      assert method.client == "prox"
+      method = build_method(spelling)
+      assert method.name == name and (method.sharing == PER_GROUP) == per_group
+      assert ("inco" in [s.name for s in method.server]) == inco
+      assert [t.name for t in method.terms] == ["prox"] and prox_mu(method) == pytest.approx(FEDPROX_MU)
   for name in ("FedAvg", "HeteroAvg", "InCoAvg"):
-    assert get_method(name).client == "avg"
+    assert build_method(name).terms == ()
   with pytest.raises(ValueError, match=r"unknown method 'FedMoon'; accepted: FedAvg, HeteroAvg, InCoAvg, FedProx, "
                      r"HeteroProx, InCoProx"):
-    get_method("FedMoon")
+    get_entry("FedMoon")
   assert {"fedprox", "heteroprox", "incoprox"} <= set(METHODS)
 
 
-def test_client_config_prox_mu_precedence():
-  prox, avg = get_method("FedProx"), get_method("FedAvg")
-  mu = lambda method, run=None, local=0.0: client_config(method, LocalConfig(prox_mu=local), prox_mu=run).prox_mu
-  assert mu(prox) == 0.1
-  assert mu(prox, 0.0) == 0.0  # an explicit 0 turns the term off
-  assert mu(prox, 0.3) == 0.3
-  assert mu(prox, None, 0.2) == 0.2
-  assert mu(prox, 0.3, 0.2) == 0.3
-  assert mu(avg) == 0.0
-  assert mu(avg, 0.05) == 0.05
-  assert mu(avg, None, 0.2) == 0.2
+def test_prox_mu_precedence():
+  mu = lambda name, **options: prox_mu(build_method(name, MethodOptions(**options)))
+  assert mu("FedProx") == pytest.approx(0.1)
+  assert mu("FedProx", prox_mu=0.0) == 0.0  # an explicit 0 turns the term off
+  assert mu("FedProx", prox_mu=0.3) == pytest.approx(0.3)
+  assert mu("FedProx", fedprox_mu=0.2) == pytest.approx(0.2)
+  assert mu("FedProx", prox_mu=0.3, fedprox_mu=0.2) == pytest.approx(0.3)
+  assert mu("FedAvg") == 0.0
+  assert mu("FedAvg", prox_mu=0.05) == pytest.approx(0.05)  # a nonzero mu adds the term to any method
+  assert mu("FedAvg", fedprox_mu=0.2) == 0.0
 
 
 def mlp_simulation(method, backend="sequential", prox_mu=None):
@@ -172,17 +175,17 @@ def mlp_simulation(method, backend="sequential", prox_mu=None):
   groups = [ArchGroup(f"mlp@{w}", build_model("mlp", ds.num_classes, w, hidden=(16,)), clients)
             for w, clients in zip((0.5, 1.0), assign_groups(6, 2))]
   local = LocalConfig(epochs=2, batch_size=8, optimizer="adam", learning_rate=1e-2, steps_per_call=2)
-  config = FLConfig(method=method, rounds=2, clients_per_round=5, seed=0, prox_mu=prox_mu)
-  return Simulation(groups, store, local, config, make_backend(backend), jnp.asarray(ds.test_images),
-                    jnp.asarray(ds.test_labels))
+  return Simulation(groups, store, local, build_method(method, MethodOptions(prox_mu=prox_mu), local),
+                    FederationConfig(clients_per_round=5, seed=0), make_backend(backend),
+                    jnp.asarray(ds.test_images), jnp.asarray(ds.test_labels))
 
 
 def initial_state(sim):
   shapes = jax.eval_shape(sim.groups[sim.global_index].model.init, jax.random.key(0), sim._sample_input)
   global_vars = numpy_variables(shapes, 0)
-  if sim.method.per_group:
-    return ServerState(0, tuple(extract(global_vars, m) for m in sim.maps))
-  return ServerState(0, (global_vars,))
+  models = tuple(extract(global_vars, sim.maps[f.members[0]]) if len(f.members) == 1 else global_vars
+                 for f in sim.federations)
+  return sim.init_state()._replace(models=models)
 
 
 def run(sim, rounds=1):
@@ -207,12 +210,12 @@ def mlp_runs():
 @pytest.mark.parametrize("prox,plain", [("FedProx", "FedAvg"), ("HeteroProx", "HeteroAvg")])
 def test_prox_methods_run_a_round_with_the_default_mu(mlp_runs, prox, plain):
   sim, state, rows = mlp_runs[prox, None]
-  assert sim.prox_mu == 0.1 and all(t.config.prox_mu == 0.1 for t in sim.trainers)
+  assert prox_mu(sim.method) == pytest.approx(0.1) and all(t.terms == sim.method.terms for t in sim.trainers)
   assert len(state.models) == (2 if prox == "FedProx" else 1)
   assert set(rows[0]["train_loss_per_group"]) == {"mlp@0.5", "mlp@1.0"}
   assert np.isfinite(rows[0]["train_loss"])
   plain_sim, plain_state, plain_rows = mlp_runs[plain, None]
-  assert plain_sim.prox_mu == 0.0
+  assert prox_mu(plain_sim.method) == 0.0
   assert rows[0]["clients"] == plain_rows[0]["clients"] and rows[0]["examples"] == plain_rows[0]["examples"]
   moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state.models), jax.tree.leaves(plain_state.models))]
   assert any(moved), "the proximal term must change the trained models"
@@ -226,7 +229,7 @@ def test_prox_methods_run_a_round_with_the_default_mu(mlp_runs, prox, plain):
 @pytest.mark.parametrize("prox,plain", [("FedProx", "FedAvg"), ("HeteroProx", "HeteroAvg")])
 def test_prox_methods_with_zero_mu_equal_the_plain_methods_bit_for_bit(mlp_runs, prox, plain):
   sim, state, rows = mlp_runs[prox, 0.0]
-  assert sim.prox_mu == 0.0
+  assert prox_mu(sim.method) == 0.0
   _, plain_state, plain_rows = mlp_runs[plain, None]
   chex.assert_trees_all_equal(state.models, plain_state.models)
   assert rows[0]["train_loss"] == plain_rows[0]["train_loss"]
@@ -266,13 +269,14 @@ def test_incoprox_runs_a_round_on_resnets():
   groups = [ArchGroup(n, build_model(n, ds.num_classes, base_channels=4), c)
             for n, c in zip(("resnet10", "resnet14"), assign_groups(6, 2))]
   local = LocalConfig(batch_size=8, steps_per_call=1)
-  sim = Simulation(groups, store, local, FLConfig(method="incoprox", rounds=1, clients_per_round=3),
+  sim = Simulation(groups, store, local, build_method("incoprox"), FederationConfig(clients_per_round=3),
                    make_backend("sequential"), jnp.asarray(ds.test_images), jnp.asarray(ds.test_labels))
-  assert sim.method.name == "InCoProx" and sim.prox_mu == 0.1
-  assert sim.inco_pairs == groups[1].model.cross_layer_pairs() != ()
+  assert sim.method.name == "InCoProx" and prox_mu(sim.method) == pytest.approx(0.1)
+  pairs = groups[1].model.cross_layer_pairs()
+  assert pairs != ()
   state, rows = run(sim)
   assert state.round == 1 and np.isfinite(rows[0]["train_loss"])
-  assert set(rows[0]["inco"]) == {"/".join(t) for t, _ in sim.inco_pairs}
+  assert set(rows[0]["inco"]) == {"/".join(t) for t, _ in pairs}
   leaves = jax.tree.leaves(state.models)
   assert all(np.isfinite(np.asarray(x)).all() for x in leaves)
 
@@ -294,11 +298,11 @@ def test_cli_prox_mu_flag_reaches_the_simulation():
            ([], None, 0.0)]
   for argv, flag, effective in cases:
     config = cli.config_from_args(parser.parse_args(argv + common), "synthetic")
-    assert config.prox_mu == flag and config.fl_config().prox_mu == flag
+    assert config.method.prox_mu == flag
     logs = []
     sim, _ = build_simulation(config, dataset, log=logs.append)
-    assert sim.prox_mu == effective and all(t.config.prox_mu == effective for t in sim.trainers), argv
-    assert ("prox mu" in logs[-1]) == bool(effective), logs
+    assert prox_mu(sim.method) == pytest.approx(effective) and all(t.terms == sim.method.terms for t in sim.trainers)
+    assert ("client terms: prox" in logs[-1]) == bool(effective), logs
   with pytest.raises(ValueError, match="prox_mu must be finite and >= 0, got -1.0"):
-    ExperimentConfig(dataset="synthetic", prox_mu=-1.0).validate()
+    RunConfig.from_flags(dataset="synthetic", prox_mu=-1.0)
   assert isinstance(parser.parse_args([]), argparse.Namespace) and parser.parse_args([]).prox_mu is None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -17,12 +16,13 @@ import numpy as np
 import pytest
 
 from experiments import cli
-from fedjax_hetero import engine
+from fedjax_hetero import checkpoints, engine
 from fedjax_hetero.backends import BACKENDS
+from fedjax_hetero.config import RunConfig, as_dict
 from fedjax_hetero.data import synthetic_dataset
-from fedjax_hetero.engine import METHODS, NonFiniteLossError
-from fedjax_hetero.runner import (ExperimentConfig, _checkpoint_manager, _restore, build_simulation,
-                                  run_experiment)
+from fedjax_hetero.engine import NonFiniteLossError
+from fedjax_hetero.methods import METHODS
+from fedjax_hetero.runner import build_simulation, run_experiment
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GROUPS = ("mlp@1", "mlp@0.5")
@@ -38,10 +38,9 @@ def dataset():
 
 
 def base_config(output_dir, **changes):
-  config = ExperimentConfig(dataset="synthetic", groups=GROUPS, num_clients=6, clients_per_round=3, rounds=4,
-                            checkpoint_every=2, eval_every=2, progress=False, output_dir=str(output_dir),
-                            batch_size=16, steps_per_call=2)
-  return dataclasses.replace(config, **changes)
+  flags = dict(dataset="synthetic", groups=GROUPS, num_clients=6, clients_per_round=3, rounds=4, checkpoint_every=2,
+               eval_every=2, progress=False, output_dir=str(output_dir), batch_size=16, steps_per_call=2)
+  return RunConfig.from_flags(**{**flags, **changes})
 
 
 def read_rows(output_dir):
@@ -53,16 +52,16 @@ def restore(config, dataset, step=None):
   """The models of checkpoint `step` (the latest if None), via the runner's own manager."""
   sim, _ = build_simulation(config, dataset, log=quiet)
   template = jax.eval_shape(sim.init_state)._replace(round=0)
-  manager = _checkpoint_manager(config.output_dir, config)
+  manager = checkpoints.manager(config.output.dir, config.output.checkpoint_every)
   if step is not None:
     assert step in manager.all_steps(), manager.all_steps()
     manager = _OnlyStep(manager, step)
-  state = _restore(manager, template)
+  state = checkpoints.restore_latest(manager, template)
   return state, manager
 
 
 class _OnlyStep:
-  """A manager view whose latest step is `step` (so `_restore` loads that one)."""
+  """A manager view whose latest step is `step` (so `restore_latest` loads that one)."""
 
   def __init__(self, manager, step):
     self._manager, self._step = manager, step
@@ -102,7 +101,7 @@ def test_resume_equals_uninterrupted_metrics(straight, resumed):
   config, first, rows_after_first, summary, logs = resumed
   assert first["final_round"] == 2 and [r["round"] for r in rows_after_first] == [1, 2]
   assert any("resumed from round 2" in line for line in logs), logs
-  a, b = read_rows(straight_config.output_dir), read_rows(config.output_dir)
+  a, b = read_rows(straight_config.output.dir), read_rows(config.output.dir)
   assert [r["round"] for r in a] == [r["round"] for r in b] == [1, 2, 3, 4]
   for ra, rb in zip(a, b):
     assert ra["clients"] == rb["clients"] and ra["examples"] == rb["examples"]
@@ -142,14 +141,14 @@ def test_resume_after_a_crash_between_checkpoints(dataset, straight, tmp_path, m
   monkeypatch.setattr(engine.Simulation, "run_round", crash_in_round_4)
   with pytest.raises(Interrupted):
     run_experiment(config, dataset, log=quiet)
-  assert [r["round"] for r in read_rows(config.output_dir)] == [1, 2, 3]
-  manager = _checkpoint_manager(config.output_dir, config)
+  assert [r["round"] for r in read_rows(config.output.dir)] == [1, 2, 3]
+  manager = checkpoints.manager(config.output.dir, config.output.checkpoint_every)
   # (orbax also keeps round 1: a manager with no checkpoint yet saves its first step.)
   assert manager.latest_step() == 2 and 3 not in manager.all_steps(), manager.all_steps()
 
   monkeypatch.setattr(engine.Simulation, "run_round", run_round)
-  run_experiment(dataclasses.replace(config, resume=True), dataset, log=quiet)
-  rows, want = read_rows(config.output_dir), read_rows(straight[0].output_dir)
+  run_experiment(config.replace(resume=True), dataset, log=quiet)
+  rows, want = read_rows(config.output.dir), read_rows(straight[0].output.dir)
   assert [r["round"] for r in rows] == [1, 2, 3, 4]
   assert [r["train_loss"] for r in rows] == [r["train_loss"] for r in want]
   assert [r["test_accuracy"] for r in rows] == [r["test_accuracy"] for r in want]
@@ -158,7 +157,7 @@ def test_resume_after_a_crash_between_checkpoints(dataset, straight, tmp_path, m
 
 def test_results_folder(resumed):
   config, _, _, summary, _ = resumed
-  out = config.output_dir
+  out = config.output.dir
   rows = read_rows(out)
   assert [r["round"] for r in rows] == [1, 2, 3, 4], "exactly one row per round after resume"
   for row in rows:
@@ -166,7 +165,7 @@ def test_results_folder(resumed):
       assert key in row, (key, row)
     assert math.isfinite(row["train_loss"]) and row["train_loss"] > 0
     assert row["round_seconds"] > 0 and row["samples_per_s"] > 0
-    assert len(row["clients"]) == config.clients_per_round
+    assert len(row["clients"]) == config.federation.clients_per_round
     if row["round"] % config.eval_every == 0:
       acc = row["test_accuracy"]
       assert set(acc) == set(GROUPS) | {"mean"}
@@ -186,28 +185,28 @@ def test_results_folder(resumed):
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   assert os.path.isfile(os.path.join(out, "partition.txt"))
   with open(os.path.join(out, "config.json")) as f:
-    assert json.load(f) == json.loads(json.dumps(dataclasses.asdict(config)))
+    assert json.load(f) == json.loads(json.dumps(as_dict(config)))
 
 
 def test_non_empty_output_dir_needs_resume_or_overwrite(dataset, straight):
-  config = dataclasses.replace(straight[0], resume=False, overwrite=False)
+  config = straight[0].replace(resume=False, overwrite=False)
   with pytest.raises(ValueError, match=r"output directory .* is not empty; pass --resume"):
     run_experiment(config, dataset, log=quiet)
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"method": "FedAvg"}, r"method: 'HeteroAvg' -> 'FedAvg'"),
-    ({"groups": ("mlp@1",)}, r"groups: \['mlp@1', 'mlp@0.5'\] -> \['mlp@1'\]"),
-    ({"seed": 1, "alpha": 0.1}, r"alpha: 0.5 -> 0.1; seed: 0 -> 1"),
+    ({"method": "FedAvg"}, r"method.name: 'HeteroAvg' -> 'FedAvg'"),
+    ({"groups": ("mlp@1",)}, r"groups: \('mlp@1', 'mlp@0.5'\) -> \('mlp@1',\)"),
+    ({"seed": 1, "alpha": 0.1}, r"data.alpha: 0.5 -> 0.1; federation.seed: 0 -> 1"),
 ])
 @pytest.mark.parametrize("saved_in", ["config.json", "summary.json"])
 def test_resume_with_other_settings_fails_before_compute(dataset, straight, tmp_path, no_compute, change, message,
                                                          saved_in):
   out = tmp_path / "copy"
-  shutil.copytree(straight[0].output_dir, out)
+  shutil.copytree(straight[0].output.dir, out)
   if saved_in == "summary.json":  # a folder written before config.json existed
     os.remove(out / "config.json")
-  config = dataclasses.replace(straight[0], output_dir=str(out), resume=True, rounds=6, **change)
+  config = straight[0].replace(output_dir=str(out), resume=True, rounds=6, **change)
   with pytest.raises(ValueError, match=rf"^cannot resume '{re.escape(str(out))}' with different settings "
                                        rf"\({message}\); repeat the run's own flags"):
     run_experiment(config, dataset, log=quiet)
@@ -224,7 +223,7 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(dataset, tmp_
   assert good_state.round == 2
 
   # Continue the same run with a learning rate that makes the loss overflow in round 3.
-  diverging = dataclasses.replace(good, rounds=4, resume=True, learning_rate=1e30)
+  diverging = good.replace(rounds=4, resume=True, learning_rate=1e30)
   with pytest.raises(NonFiniteLossError, match=r"^round 3: training loss of group (mlp@1|mlp@0\.5) is") as info:
     run_experiment(diverging, dataset, log=quiet)
   assert isinstance(info.value, FloatingPointError)
@@ -237,8 +236,8 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(dataset, tmp_
 
   # The run can go on from the good checkpoint, with a sane learning rate again.
   logs = []
-  summary = run_experiment(dataclasses.replace(good, rounds=3, resume=True), dataset, log=logs.append)
-  assert "resuming with changed local training: learning_rate: 1e+30 -> 0.05" in logs
+  summary = run_experiment(good.replace(rounds=3, resume=True), dataset, log=logs.append)
+  assert "resuming with changed local training: client.learning_rate: 1e+30 -> 0.05" in logs
   assert summary["final_round"] == 3
   assert [r["round"] for r in read_rows(out)] == [1, 2, 3]
 
@@ -289,7 +288,7 @@ BAD_ARGS = [
 def test_cli_rejects_bad_input_before_compute(dataset_name, argv, message, tmp_path, capsys, no_compute):
   out = tmp_path / "out"
   argv = [a.replace("{tmp}", str(tmp_path)) for a in argv] + ["--output-dir", str(out), "--no-progress"]
-  defaults = cli.preset(dataset=dataset_name, output_dir=str(out))
+  defaults = cli.preset(dataset="synthetic", output_dir=str(out))  # main() sets the dataset under test
   with pytest.raises(SystemExit) as info:
     cli.main(dataset_name, defaults, "test", argv)
   assert info.value.code == 2
@@ -313,20 +312,19 @@ def test_cli_rejects_unknown_backend_choice(capsys, tmp_path, no_compute):
     (dict(alpha=0.0), r"alpha must be > 0, got 0.0"),
     (dict(alpha=float("nan")), r"alpha must be > 0, got nan"),
     (dict(clients_per_round=7), r"clients_per_round=7 must be between 1 and num_clients=6"),
-    (dict(clients_per_round=0), r"clients_per_round=0 must be between 1 and num_clients=6"),
+    (dict(clients_per_round=0), r"clients_per_round must be >= 1, got 0"),
     (dict(data_dir="/definitely/not/here"), r"data directory '/definitely/not/here' does not exist"),
     (dict(backend="gpu"), r"unknown backend 'gpu'"),
     (dict(rounds=0), r"rounds must be >= 1, got 0"),
 ])
 def test_config_validate(changes, message, tmp_path):
   with pytest.raises(ValueError, match=message):
-    base_config(tmp_path, **changes).validate()
+    base_config(tmp_path, **changes).data.check_paths()
 
 
 def test_more_clients_than_samples_is_rejected_before_compute(tmp_path, no_compute):
   small = synthetic_dataset(num_train=5, num_test=4, seed=0)
-  config = base_config(tmp_path / "small", num_clients=6, clients_per_round=2)
-  config.validate()  # only the data can tell
+  config = base_config(tmp_path / "small", num_clients=6, clients_per_round=2)  # valid: only the data can tell
   with pytest.raises(ValueError, match=r"num_clients=6 exceeds the 5 training samples"):
     run_experiment(config, small, log=quiet)
   assert not (tmp_path / "small" / "metrics.jsonl").exists()

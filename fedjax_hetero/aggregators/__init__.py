@@ -2,7 +2,7 @@
 
 Usable without the engine: give them the server variables, each architecture
 group's weighted sum of client updates, the groups' total weights and their
-`GroupMap`s (see `fedjax_hetero.hetero`). FedCross's cross-aggregation
+`SubmodelMap`s (see `fedjax_hetero.hetero`). FedCross's cross-aggregation
 (`fedcross`) works instead on K middleware models stacked along a leading axis.
 """
 
@@ -27,8 +27,9 @@ from fedjax_hetero.aggregators.hetero_avg import (
     heterogeneous_mean_delta,
     heterogeneous_sums,
     masked_mean,
+    weighted_coverage,
 )
-from fedjax_hetero.aggregators.server_steps import fednova_delta, scaffold_server_control, weighted_coverage
+from fedjax_hetero.aggregators.fednova_scaffold import fednova_delta, scaffold_server_control
 from fedjax_hetero.aggregators.inco import GRANULARITIES as INCO_GRANULARITIES
 from fedjax_hetero.aggregators.inco import VARIANTS as INCO_VARIANTS
 from fedjax_hetero.aggregators.inco import (
@@ -40,8 +41,9 @@ from fedjax_hetero.aggregators.inco import (
 )
 
 __all__ = ["INCO_GRANULARITIES", "INCO_VARIANTS", "check_pairs", "cross_aggregate", "cross_layer_theta",
-           "cross_layer_update", "inco", "projection_coefficients", "dynamic_alpha", "fedavg", "fedcross_aggregate", "fednova_delta", "global_model", "hetero_avg",
-           "hetero_avg_weights", "heterogeneous_mean_delta", "heterogeneous_sums", "highest_similarity_partners",
+           "cross_layer_update", "inco", "projection_coefficients", "dynamic_alpha", "fedavg", "fedcross_aggregate",
+           "fednova_delta", "global_model", "hetero_avg", "hetero_avg_weights", "heterogeneous_mean_delta",
+           "heterogeneous_sums", "highest_similarity_partners",
            "in_order_partners", "lowest_similarity_partners", "masked_mean", "middleware_similarity_stats",
            "propeller_aggregate", "propeller_partners", "scaffold_server_control", "select_partners",
            "similarity_matrix", "weighted_coverage"]

@@ -14,7 +14,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from fedjax_hetero.hetero.maps import GroupMap, Variables, coverage, embed
+from fedjax_hetero.hetero.maps import SubmodelMap, Variables, coverage, embed
 
 
 def masked_mean(weighted_sums: Variables, weight_sums: Variables, fallback: Variables) -> Variables:
@@ -28,48 +28,56 @@ def masked_mean(weighted_sums: Variables, weight_sums: Variables, fallback: Vari
 
 
 def heterogeneous_sums(group_sums: Sequence[Variables], group_weights: Sequence[jax.Array],
-                       group_maps: Sequence[GroupMap], global_like: Variables) -> tuple[Variables, Variables]:
+                       group_maps: Sequence[SubmodelMap], global_like: Variables,
+                       offset=0) -> tuple[Variables, Variables]:
   """Global-shaped numerator and denominator of the layer-wise mean.
 
-  numerator = sum_g embed(S_g), denominator = sum_g W_g * coverage_g.
+  numerator = sum_g embed(S_g), denominator = sum_g W_g * coverage_g; ``offset`` places the rolled
+  windows of rolling maps (FedRolex).
   """
   numerator = jax.tree.map(jnp.zeros_like, global_like)
-  denominator = jax.tree.map(jnp.zeros_like, global_like)
-  for sums, weight, group_map in zip(group_sums, group_weights, group_maps):
-    numerator = jax.tree.map(jnp.add, numerator, embed(sums, group_map, global_like))
-    mask = coverage(group_map, global_like)
-    denominator = jax.tree.map(lambda d, m: d + weight * m, denominator, mask)
-  return numerator, denominator
+  for sums, group_map in zip(group_sums, group_maps):
+    numerator = jax.tree.map(jnp.add, numerator, embed(sums, group_map, global_like, offset))
+  return numerator, weighted_coverage(group_weights, group_maps, global_like, offset)
+
+
+def weighted_coverage(group_weights: Sequence[jax.Array], group_maps: Sequence[SubmodelMap],
+                      global_like: Variables, offset=0) -> Variables:
+  """``sum_g W_g * coverage_g``: per element, the total weight of the groups that hold it."""
+  total = jax.tree.map(jnp.zeros_like, global_like)
+  for weight, group_map in zip(group_weights, group_maps):
+    total = jax.tree.map(lambda t, m, w=weight: t + w * m, total, coverage(group_map, global_like, offset=offset))
+  return total
 
 
 def heterogeneous_mean_delta(group_delta_sums: Sequence[Variables], group_weights: Sequence[jax.Array],
-                             group_maps: Sequence[GroupMap], global_like: Variables) -> Variables:
+                             group_maps: Sequence[SubmodelMap], global_like: Variables, offset=0) -> Variables:
   """Layer-wise mean of client deltas over the clients that own each element.
 
   InCo paper Sec. 3.1 (the equation for ``w_{l_i}``): each element is averaged
   over exactly the sampled clients whose architecture contains it; elements
   nobody owns this round get a zero update.
   """
-  numerator, denominator = heterogeneous_sums(group_delta_sums, group_weights, group_maps, global_like)
+  numerator, denominator = heterogeneous_sums(group_delta_sums, group_weights, group_maps, global_like, offset)
   zeros = jax.tree.map(jnp.zeros_like, global_like)
   return masked_mean(numerator, denominator, zeros)
 
 
 def hetero_avg(global_vars: Variables, group_delta_sums: Sequence[Variables], group_weights: Sequence[jax.Array],
-               group_maps: Sequence[GroupMap]) -> Variables:
+               group_maps: Sequence[SubmodelMap], offset=0) -> Variables:
   """HeteroAvg on deltas: ``w <- w + mean_{c owns l} Δ_c`` per element (InCo Sec. 3.1)."""
-  delta = heterogeneous_mean_delta(group_delta_sums, group_weights, group_maps, global_vars)
+  delta = heterogeneous_mean_delta(group_delta_sums, group_weights, group_maps, global_vars, offset)
   return jax.tree.map(jnp.add, global_vars, delta)
 
 
 def hetero_avg_weights(global_vars: Variables, group_weight_sums: Sequence[Variables],
-                       group_weights: Sequence[jax.Array], group_maps: Sequence[GroupMap]) -> Variables:
+                       group_weights: Sequence[jax.Array], group_maps: Sequence[SubmodelMap], offset=0) -> Variables:
   """HeteroAvg on uploaded weights: ``w_l = mean_{c owns l} w_{c,l}``, untouched if uncovered.
 
   Equal to `hetero_avg` when every client started from the current global
   weights; kept because some methods upload weights rather than deltas.
   """
-  numerator, denominator = heterogeneous_sums(group_weight_sums, group_weights, group_maps, global_vars)
+  numerator, denominator = heterogeneous_sums(group_weight_sums, group_weights, group_maps, global_vars, offset)
   return masked_mean(numerator, denominator, global_vars)
 
 

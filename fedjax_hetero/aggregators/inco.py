@@ -56,11 +56,13 @@ Decisions (spec §6):
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import traverse_util
+
+from fedjax_hetero.hetero.maps import flatten
 
 Array = jax.Array
 Path = tuple[str, ...]
@@ -181,16 +183,12 @@ def cross_layer_update(g_k: Array, g_0: Array, variant: str = "code", granularit
   return _cross_layer(g_k, g_0, variant, granularity, theta, eps, theta_max, update_clip)[0]
 
 
-def _as_dict(tree: Any) -> dict:
-  return {k: _as_dict(v) if isinstance(v, Mapping) else v for k, v in tree.items()}
-
-
 def check_pairs(pairs: Sequence[Pair], tree: Any) -> None:
   """Raises ValueError unless every pair names two leaves of ``tree`` with equal shapes.
 
   ``tree`` may hold arrays or `jax.ShapeDtypeStruct`s (e.g. from `jax.eval_shape`).
   """
-  flat = traverse_util.flatten_dict(_as_dict(tree))
+  flat = flatten(tree)
   for target, source in pairs:
     for path in (target, source):
       if tuple(path) not in flat:
@@ -233,8 +231,8 @@ def inco(delta: Any, pairs: Sequence[Pair], variant: str = "code", granularity: 
     ``covered``, the fraction of slices covered (NaN means: none covered).
   """
   _check(variant, granularity)
-  flat = traverse_util.flatten_dict(_as_dict(delta))
-  cover = None if coverage is None else traverse_util.flatten_dict(_as_dict(coverage))
+  flat = flatten(delta)
+  cover = None if coverage is None else flatten(coverage)
   check_pairs(pairs, delta)
   out = dict(flat)
   stats: dict[str, dict[str, Array]] = {}

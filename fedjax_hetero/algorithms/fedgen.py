@@ -312,15 +312,16 @@ def train_generator(state: GeneratorState, generator: Generator, head_apply: Hea
 
 
 def train_generator_round(state: GeneratorState, config: FedGenConfig, generator: Generator, head_apply: HeadApply,
-                          client_head_vars: Variables, label_counts: jax.Array, round_index: int, key: jax.Array,
-                          valid: jax.Array | None = None) -> tuple[GeneratorState, dict[str, jax.Array]]:
-  """`train_generator` with everything derived from ``config`` and the K clients' label counts [K, C]."""
+                          client_head_vars: Variables, label_counts: jax.Array, learning_rate: jax.Array,
+                          key: jax.Array, valid: jax.Array | None = None
+                          ) -> tuple[GeneratorState, dict[str, jax.Array]]:
+  """`train_generator` with everything else derived from ``config`` and the K clients' label counts [K, C]
+  (``valid`` False: a padding slot); ``learning_rate`` is the round's (`FedGenConfig.generator_learning_rate`)."""
   return train_generator(state, generator, head_apply, client_head_vars,
                          ensemble_label_weights(label_counts, config.label_pseudo_count, valid),
                          present_label_probs(label_counts if valid is None
                                              else jnp.asarray(label_counts) * jnp.asarray(valid)[:, None]),
-                         key, jnp.float32(config.generator_learning_rate(round_index)),
-                         num_steps=config.generator_steps, batch_size=config.batch_size,
+                         key, learning_rate, num_steps=config.generator_steps, batch_size=config.batch_size,
                          weight_decay=config.weight_decay, teacher_weight=config.ensemble_alpha,
                          diversity_weight=config.ensemble_eta)
 
@@ -395,11 +396,3 @@ def feature_width(model: nn.Module, sample_input: jax.Array, cut: str = "feature
     return model.apply(variables, x, stop=cut)
 
   return int(np.prod(jax.eval_shape(features, sample_input).shape[1:]))
-
-
-__all__ = [
-    "FeatureHead", "FedGenConfig", "Generator", "GeneratorState", "PRESETS", "client_regularizer",
-    "decayed_coefficient", "diversity_loss", "ensemble_label_weights", "ensemble_teacher_loss", "feature_head",
-    "feature_width", "generate", "generator_loss", "generator_optimizer", "init_generator", "make_generator",
-    "present_label_probs", "sample_noise", "stacked_head_logits", "train_generator", "train_generator_round",
-]

@@ -5,24 +5,30 @@ whether the slot is real) is drawn on the device from its padded index row, so
 no data leaves the device. Steps run in jitted *chunks* of fully unrolled
 steps: XLA:CPU runs convolutions inside a while loop (or a ``lax.cond``) about
 ten times slower than the same ops unrolled, and a chunk loop on the host costs
-one dispatch per chunk (see DESIGN.md, performance facts). A client's step count
+one dispatch per chunk (see docs/architecture.md). A client's step count
 is covered exactly by chunks of ``steps_per_call`` steps followed by
 power-of-two chunks (e.g. 19 = 8 + 8 + 2 + 1), so no padded step is computed
 on the sequential path. A step whose batch holds no real example (vmapped
 cohorts of unequal clients) leaves the whole state untouched, optimizer included.
+
+What a client optimizes beyond the data loss, and what it uploads, comes from
+the method's `ClientTerm`s (see `fedjax_hetero.client.terms`); the trainer
+itself knows no method.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+import functools
+from typing import Any, Callable, NamedTuple, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_hetero.algorithms import fedgen
+from fedjax_hetero.client.terms import (Batch, ClientFinal, ClientTerm, Outputs, RoundInput, StepContext,
+                                        tree_sub)
 from fedjax_hetero.hetero.maps import Variables
 
 OPTIMIZERS = ("sgd", "adam")
@@ -40,15 +46,6 @@ class LocalConfig:
   weight_decay: float = 0.0
   drop_last: bool = False
   steps_per_call: int = 8
-  # Client-side pieces of the base methods (InCo paper Table 2; FedCross baselines):
-  prox_mu: float = 0.0  # FedProx's mu; 0 trains on the plain cross-entropy
-  scaffold: bool = False  # SCAFFOLD's control-variate gradient correction (option II update of c_i)
-  moon_mu: float = 0.0  # MOON's weight of the model-contrastive loss; 0: off
-  moon_temperature: float = 0.5  # MOON's tau
-  normalize_delta: bool = False  # FedNova: upload delta / a_i and a_i (see `nova_normalizer`)
-  # FedGen's generative regularizer with this many generated labels per step; 0: off. Needs the trainer's
-  # `generator` and the server's generator variables (see `LocalTrainer.init_state`).
-  fedgen_batch_size: int = 0
 
   def __post_init__(self):
     if self.optimizer not in OPTIMIZERS:
@@ -58,13 +55,6 @@ class LocalConfig:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
     if not self.learning_rate > 0:
       raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
-    for name in ("prox_mu", "moon_mu"):
-      if not 0 <= getattr(self, name) < float("inf"):
-        raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)}")
-    if self.fedgen_batch_size < 0:
-      raise ValueError(f"fedgen_batch_size must be >= 0, got {self.fedgen_batch_size}")
-    if not self.moon_temperature > 0:
-      raise ValueError(f"moon_temperature must be > 0, got {self.moon_temperature}")
 
   def steps_per_epoch(self, num_examples: int) -> int:
     if self.drop_last:
@@ -100,19 +90,18 @@ def make_optimizer(config: LocalConfig) -> optax.GradientTransformation:
 class LocalState(NamedTuple):
   variables: Variables
   opt_state: Any
-  loss_sum: jax.Array  # summed per-example cross-entropy over real examples seen (no regularizers)
+  loss_sum: jax.Array  # summed per-example data loss over real examples seen (no regularizers)
   num_examples: jax.Array
   num_steps: jax.Array  # steps that saw at least one real example (FedNova's tau_i)
-  # What the round's objective needs besides the batch, fixed during the round (see `ClientContext`).
-  context: dict[str, Any] = {}
+  terms: tuple[Any, ...] = ()  # each client term's state for the round, in the terms' order
 
 
 class ClientOutput(NamedTuple):
   """What one client hands back after a round."""
 
-  delta: Variables  # local - start (FedNova: divided by a_i)
-  extras: dict[str, Any]  # further uploads, summed with the client's weight by the backends
-  memory: dict[str, Any]  # the client's state kept across rounds (SCAFFOLD c_i, MOON's previous model)
+  delta: Variables  # local - start (after the terms' finish, e.g. FedNova's normalization)
+  uploads: dict[str, Any]  # further uploads by term name, reduced over the cohort as the term says
+  memory: dict[str, Any]  # the client's state kept across rounds, by term name
 
 
 def normalize(images: jax.Array, mean: tuple[float, ...], std: tuple[float, ...]) -> jax.Array:
@@ -127,48 +116,7 @@ def masked_cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.Array) 
   return total / jnp.maximum(mask.sum(), 1.0), total
 
 
-def proximal_term(params: Variables, anchor: Variables, mu: float) -> jax.Array:
-  """FedProx's proximal term (Li et al. 2020, Eq. 2): ``mu/2 ||w - w^t||^2`` over all leaves of ``params``."""
-  squares = jax.tree.map(lambda p, a: jnp.sum(jnp.square(p - a)), params, anchor)
-  return 0.5 * mu * sum(jax.tree.leaves(squares))
-
-
-def _cosine(u: jax.Array, v: jax.Array, eps: float = 1e-8) -> jax.Array:
-  return jnp.sum(u * v, -1) / jnp.maximum(jnp.linalg.norm(u, axis=-1) * jnp.linalg.norm(v, axis=-1), eps)
-
-
-def model_contrastive_loss(z: jax.Array, z_global: jax.Array, z_previous: jax.Array, temperature: float,
-                           mask: jax.Array) -> jax.Array:
-  """MOON's model-contrastive loss (Li, He, Song 2021, Eq. 3), mean over real rows.
-
-  ``-log(e^{sim(z, z_glob)/tau} / (e^{sim(z, z_glob)/tau} + e^{sim(z, z_prev)/tau}))`` with cosine
-  similarity, i.e. ``softplus((sim(z, z_prev) - sim(z, z_glob)) / tau)``.
-  """
-  positive = _cosine(z, z_global) / temperature
-  negative = _cosine(z, z_previous) / temperature
-  return jnp.sum(jax.nn.softplus(negative - positive) * mask) / jnp.maximum(mask.sum(), 1.0)
-
-
-def nova_normalizer(num_steps: jax.Array, optimizer: str, momentum: float) -> jax.Array:
-  """FedNova's a_i (Wang et al. 2020, Sec. 4 and App. for momentum): the norm of the local
-  aggregation vector. Plain SGD: ``tau``; SGD with momentum rho: ``[tau - rho(1 - rho^tau)/(1 - rho)]/(1 - rho)``.
-
-  Adam has no such closed form; we use ``tau`` for it (each Adam step moves a weight by about
-  the learning rate whatever the gradient scale, so the update grows linearly in ``tau``).
-  """
-  tau = jnp.asarray(num_steps, jnp.float32)
-  if optimizer == "sgd" and momentum:
-    rho = momentum
-    return (tau - rho * (1.0 - rho ** tau) / (1.0 - rho)) / (1.0 - rho)
-  return tau
-
-
-def scaffold_control_update(control: Variables, server_control: Variables, delta_params: Variables,
-                            num_steps: jax.Array, learning_rate: float) -> Variables:
-  """SCAFFOLD's option II (Karimireddy et al. 2020, Alg. 1 line 12):
-  ``c_i+ = c_i - c + (x - y_i) / (K eta)`` with ``x - y_i = -delta``, K the client's local steps."""
-  scale = 1.0 / (jnp.maximum(jnp.asarray(num_steps, jnp.float32), 1.0) * learning_rate)
-  return jax.tree.map(lambda ci, c, d: ci - c - scale * d, control, server_control, delta_params)
+GradientRule = Callable[[dict[str, Variables]], Variables]  # gradients by name -> the step's gradient
 
 
 def draw_schedule(index_row: jax.Array, num_examples: jax.Array, key: jax.Array, *, epochs: int,
@@ -202,140 +150,138 @@ def draw_schedule(index_row: jax.Array, num_examples: jax.Array, key: jax.Array,
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class LocalTrainer:
-  """The pieces of local training for one architecture group (pure; jitted by backends)."""
+  """The pieces of local training for one architecture group (pure; jitted by backends).
+
+  ``terms`` are the method's client terms; with terms in more than one ``gradient``, ``combine``
+  turns the gradients by name into the one the optimizer applies.
+  """
 
   model: nn.Module
   config: LocalConfig
   mean: tuple[float, ...]
   std: tuple[float, ...]
-  generator: nn.Module | None = None  # FedGen's feature generator (`fedgen.Generator`), frozen on the client
+  terms: tuple[ClientTerm, ...] = ()
+  combine: GradientRule | None = None
 
   def __post_init__(self):
-    if self.config.fedgen_batch_size and self.generator is None:
-      raise ValueError("fedgen_batch_size > 0 needs the FedGen generator module (LocalTrainer.generator)")
+    names = [t.name for t in self.terms]
+    if len(set(names)) != len(names):
+      raise ValueError(f"client term names must be unique, got {names}")
+    if len(self.gradient_names) > 1 and self.combine is None:
+      raise ValueError(f"terms take gradients {self.gradient_names}; a rule to combine them is needed")
+    known = tuple(getattr(self.model, "cut_points", ()))
+    for cut in self.cuts:
+      if cut not in known:
+        raise ValueError(f"a client term reads cut point {cut!r}, which {type(self.model).__name__} does not "
+                         f"have; its cut points: {', '.join(known)}")
 
   @property
   def tx(self) -> optax.GradientTransformation:
     return make_optimizer(self.config)
 
-  @property
-  def contrastive(self) -> bool:
-    return bool(self.config.moon_mu)
+  @functools.cached_property
+  def cuts(self) -> tuple[str, ...]:
+    """The cut points the terms read, in the model's order."""
+    wanted = {c for t in self.terms for c in t.cuts}
+    order = tuple(getattr(self.model, "cut_points", ()))
+    return tuple(sorted(wanted, key=lambda c: order.index(c) if c in order else len(order)))
+
+  @functools.cached_property
+  def gradient_names(self) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(["local"] + [t.gradient for t in self.terms if t.loss]))
 
   @property
-  def context_keys(self) -> set[str]:
-    """What `init_state` puts in ``LocalState.context`` for this configuration."""
-    c = self.config
-    return ({"start"} if c.prox_mu or self.contrastive else set()) | ({"correction"} if c.scaffold else set()) | (
-        {"previous"} if self.contrastive else set()) | (
-        {"key", "generator", "fedgen_coefficients", "label_probs"} if c.fedgen_batch_size else set())
+  def reductions(self) -> dict[str, str]:
+    """How each term's upload is summed over a cohort."""
+    return {t.name: t.reduce for t in self.terms}
 
   def init_memory(self, variables: Variables) -> dict[str, Any]:
     """A client's persistent state before its first round (empty for stateless methods)."""
-    memory = {}
-    if self.config.scaffold:
-      memory["control"] = jax.tree.map(jnp.zeros_like, variables["params"])  # c_i = 0 (SCAFFOLD Alg. 1)
-    if self.contrastive:
-      memory["previous"] = variables  # MOON's previous local model; the initial model before round 1
-    return memory
+    return {t.name: t.init_memory(variables) for t in self.terms if t.init_memory}
 
   def init_state(self, start: Variables, memory: dict[str, Any] | None = None,
                  server: dict[str, Any] | None = None, key: jax.Array | None = None) -> LocalState:
     """A client's state at the start of a round, from the server's ``start`` variables, the
-    client's ``memory`` (`init_memory`), the group's share of server state (SCAFFOLD's c; FedGen's
-    "generator" variables, "fedgen_coefficients" [alpha, beta] and "label_probs") and the client's
-    round ``key`` (FedGen draws its generated batches from it; shape-only uses may leave it out)."""
-    c = self.config
+    client's ``memory`` (`init_memory`), its group's share of server state (by term name) and the
+    client's round ``key`` (shape-only uses may leave it out)."""
     memory, server = memory or {}, server or {}
-    context = {}
-    if c.prox_mu or self.contrastive:
-      context["start"] = start  # FedProx's anchor w^t; MOON's global model
-    if c.scaffold:
-      context["correction"] = tree_sub(server["control"], memory["control"])  # c - c_i
-    if self.contrastive:
-      context["previous"] = memory["previous"]
-    if c.fedgen_batch_size:
-      for name in ("generator", "fedgen_coefficients", "label_probs"):
-        context[name] = server[name]
-      if key is not None:
-        context["key"] = key
+    terms = tuple(t.init(RoundInput(start, memory.get(t.name), server.get(t.name), key)) if t.init else ()
+                  for t in self.terms)
     zero = jnp.zeros((), jnp.float32)
-    return LocalState(start, self.tx.init(start["params"]), zero, zero, zero, context)
+    return LocalState(start, self.tx.init(start["params"]), zero, zero, zero, terms)
 
-  def _forward(self, variables: Variables, x: jax.Array, train: bool, mask: jax.Array | None):
-    """``((logits, z or None), batch_stats updates)``; z is MOON's projection."""
-    kwargs = {"mutable": ["batch_stats"]} if train and "batch_stats" in variables else {}
-    if self.contrastive:
-      out = self.model.apply(variables, x, train=train, mask=mask, method="logits_and_projection", **kwargs)
-    else:
-      out = self.model.apply(variables, x, train=train, mask=mask, **kwargs)
-    outputs, updates = out if kwargs else (out, {})
-    return (outputs if self.contrastive else (outputs, None)), updates
+  def forward(self, variables: Variables, x: jax.Array, train: bool, mask: jax.Array | None,
+              cuts: Sequence[str] = ()) -> tuple[Outputs, Variables]:
+    """The model's logits and its activations at ``cuts`` (one pass, split at the cut points), and
+    the updated batch statistics in training mode."""
+    mutable = train and "batch_stats" in variables
+    activations, start, h = {}, "input", x
+    for stop in tuple(cuts) + ("logits",):
+      out = self.model.apply(variables, h, train=train, mask=mask, start=start, stop=stop,
+                             **({"mutable": ["batch_stats"]} if mutable else {}))
+      if mutable:
+        out, updates = out
+        variables = {**variables, **updates}
+      activations[stop], start, h = out, stop, out
+    logits = activations.pop("logits")
+    return Outputs(logits, activations), ({"batch_stats": variables["batch_stats"]} if mutable else {})
 
   def train_step(self, state: LocalState, images: jax.Array, labels: jax.Array, mask: jax.Array) -> LocalState:
-    """One masked step on the mean cross-entropy of the real rows, plus the configured client terms:
-    FedProx's ``mu/2 ||w - w^t||^2``, MOON's ``mu * l_con``, SCAFFOLD's gradient correction ``c - c_i``,
-    FedGen's generative regularizer (Zhu et al. 2021, `fedgen.client_regularizer`)."""
-    c, ctx = self.config, state.context
-    missing = self.context_keys - set(ctx)
-    if missing:
-      raise ValueError(f"the client objective needs {sorted(missing)} in LocalState.context; build the state "
-                       "with init_state")
+    """One masked step on the mean data loss of the real rows plus the terms' losses, with the
+    terms' gradient transforms applied before the optimizer."""
     x = normalize(images, self.mean, self.std)
     maskf = mask.astype(jnp.float32)
-    if self.contrastive:  # representations of the frozen global and previous models (eval mode)
-      z_global = jax.lax.stop_gradient(self._forward(ctx["start"], x, False, None)[0][1])
-      z_previous = jax.lax.stop_gradient(self._forward(ctx["previous"], x, False, None)[0][1])
-    if c.fedgen_batch_size:
-      # Counting real steps only, so padded steps (vmap cohorts) do not shift the key sequence.
-      step_key = jax.random.fold_in(ctx["key"], state.num_steps.astype(jnp.uint32))
+    ctx = StepContext(self.model, Batch(x, labels, mask, maskf), state.num_steps, self.forward)
+    prepared = [t.prepare(s, ctx) if t.prepare else None for t, s in zip(self.terms, state.terms)]
 
-    def loss_fn(params):
-      (logits, z), updates = self._forward({**state.variables, "params": params}, x, True, mask)
-      loss, total = masked_cross_entropy(logits, labels, maskf)
-      # Python-level branches: a method without a term traces exactly the plain program.
-      if c.prox_mu:
-        loss = loss + proximal_term(params, ctx["start"]["params"], c.prox_mu)
-      if self.contrastive:
-        loss = loss + c.moon_mu * model_contrastive_loss(z, z_global, z_previous, c.moon_temperature, maskf)
-      if c.fedgen_batch_size:
-        alpha, beta = ctx["fedgen_coefficients"][0], ctx["fedgen_coefficients"][1]
-        loss = loss + fedgen.client_regularizer(
-            fedgen.feature_head(self.model), {**state.variables, "params": params}, self.generator, ctx["generator"],
-            logits, labels, ctx["label_probs"], step_key, alpha=alpha, beta=beta,
-            gen_batch_size=c.fedgen_batch_size, mask=maskf, gen_ratio=c.fedgen_batch_size / c.batch_size)[0]
-      return loss, (updates, total)
+    def losses(params):
+      variables = {**state.variables, "params": params}
+      outputs, updates = self.forward(variables, x, True, mask, self.cuts)
+      loss, total = masked_cross_entropy(outputs.logits, labels, maskf)
+      by_gradient = {"local": loss}
+      for term, term_state, aux in zip(self.terms, state.terms, prepared):
+        if term.loss:
+          value = term.loss(variables, term_state, aux, outputs, ctx)
+          by_gradient[term.gradient] = by_gradient[term.gradient] + value if term.gradient in by_gradient else value
+      return by_gradient, (updates, total, outputs if self._updates_terms else None)
 
-    (_, (model_updates, total)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.variables["params"])
-    if c.scaffold:
-      grads = jax.tree.map(jnp.add, grads, ctx["correction"])
-    updates, opt_state = self.tx.update(grads, state.opt_state, state.variables["params"])
-    variables = {**state.variables, **model_updates, "params": optax.apply_updates(state.variables["params"], updates)}
+    def local_loss(params):
+      parts, aux = losses(params)
+      return parts["local"], aux
+
+    params = state.variables["params"]
+    if len(self.gradient_names) == 1:
+      (_, (model_updates, total, outputs)), grads = jax.value_and_grad(local_loss, has_aux=True)(params)
+    else:
+      parts, pullback, (model_updates, total, outputs) = jax.vjp(losses, params, has_aux=True)
+      grads = self.combine({name: pullback({n: jnp.float32(n == name) for n in parts})[0] for name in parts})
+    for term, term_state in zip(self.terms, state.terms):
+      if term.grad:
+        grads = term.grad(grads, term_state)
+    updates, opt_state = self.tx.update(grads, state.opt_state, params)
+    variables = {**state.variables, **model_updates, "params": optax.apply_updates(params, updates)}
+    terms = state.terms
+    if self._updates_terms:
+      outputs = jax.lax.stop_gradient(outputs)
+      terms = tuple(t.update(s, outputs, ctx) if t.update else s for t, s in zip(self.terms, state.terms))
     active = maskf.sum() > 0
     stepped = LocalState(variables, opt_state, state.loss_sum + total, state.num_examples + maskf.sum(),
-                         state.num_steps + 1.0, ctx)
+                         state.num_steps + 1.0, terms)
     return jax.tree.map(lambda new, old: jnp.where(active, new, old), stepped, state)
+
+  @property
+  def _updates_terms(self) -> bool:
+    return any(t.update for t in self.terms)
 
   def finish(self, state: LocalState, start: Variables, memory: dict[str, Any] | None = None,
              server: dict[str, Any] | None = None) -> ClientOutput:
     """The client's upload and its memory for the next round it is sampled in."""
-    c = self.config
     memory, server = memory or {}, server or {}
-    delta = tree_sub(state.variables, start)
-    extras, new_memory = {}, {}
-    if c.scaffold:
-      control = scaffold_control_update(memory["control"], server["control"], delta["params"], state.num_steps,
-                                        c.learning_rate)
-      extras["control_delta"] = tree_sub(control, memory["control"])
-      new_memory["control"] = control
-    if self.contrastive:
-      new_memory["previous"] = state.variables
-    if c.normalize_delta:
-      a = nova_normalizer(state.num_steps, c.optimizer, c.momentum)
-      safe = jnp.where(a > 0, a, 1.0)  # a client without steps (vmap padding) has a zero delta
-      delta = jax.tree.map(lambda d: d / safe, delta)
-      extras["nova_a"] = a
-    return ClientOutput(delta, extras, new_memory)
+    final = ClientFinal(start, state.variables, tree_sub(state.variables, start), state.num_steps, {}, {})
+    for term, term_state in zip(self.terms, state.terms):
+      if term.finish:
+        final = term.finish(term_state, final, memory.get(term.name), server.get(term.name))
+    return ClientOutput(final.delta, final.uploads, final.memory)
 
   def run_steps(self, state: LocalState, images: jax.Array, labels: jax.Array, ids: jax.Array, mask: jax.Array,
                 offset: jax.Array, count: int) -> LocalState:
@@ -350,12 +296,3 @@ class LocalTrainer:
     c = self.config
     return draw_schedule(index_row, num_examples, key, epochs=c.epochs, batch_size=c.batch_size,
                          num_steps=num_steps, drop_last=c.drop_last)
-
-
-def tree_sub(a: Variables, b: Variables) -> Variables:
-  return jax.tree.map(jnp.subtract, a, b)
-
-
-def weighted_add(acc: Variables, tree: Variables, weight: jax.Array) -> Variables:
-  return jax.tree.map(lambda a, t: a + weight * t, acc, tree)
-

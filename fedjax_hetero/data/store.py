@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from fedjax_hetero.data.partition import class_counts
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -49,6 +52,13 @@ class FederatedStore:
   @property
   def max_size(self) -> int:
     return int(self.index_table.shape[1])
+
+  @functools.cached_property
+  def label_counts(self) -> np.ndarray:
+    """Host int64 [num_clients, num_classes]: every client's label counts."""
+    table = np.asarray(self.index_table)
+    parts = [table[c, :n] for c, n in enumerate(self.sizes)]
+    return class_counts(np.asarray(self.labels), parts, self.num_classes)
 
   def placed(self, sharding: jax.sharding.Sharding) -> "FederatedStore":
     """The same store with its arrays placed by ``sharding`` (e.g. replicated on a mesh)."""

@@ -1,20 +1,33 @@
-"""Static maps between an architecture group's variables and the global ones.
+"""Sub-model maps: where a client's variables sit inside the global (server) variables.
 
-A group's model is a *sub-model* of the global (largest) model: it owns a
-subset of the global leaves (depth: fewer blocks per stage) and, of each leaf
-it owns, the leading slice along every axis (width: fewer channels, as in
-HeteroFL). Models name their layers by structural position (`stage3_block1/
-conv2`), so the correspondence is the identity on tree paths; the map records,
-for every global leaf, the shape of the slice the group owns (or ``None``).
+Every client leaf is a *window* of one global leaf: the leading block of each
+axis (HeteroFL's width slices; the whole leaf when the shapes are equal) or,
+on *rolled* axes, a block that starts at an offset and wraps around (FedRolex's
+rolling window; the offset is a traced value, usually the round index, so a
+new window compiles nothing). A map has two sides:
 
-Everything here is static Python structure built once from shapes; the three
-operations on arrays (`extract`, `embed`, `coverage`) are pure and jittable.
+* **pull** (`extract`): every client leaf <- its window of one global leaf;
+* **push** (`embed`, `coverage`): every global leaf <- the sum of the client
+  leaves placed into it, each at its window.
+
+Normally push is pull inverted. Depth grafting (FedFA, `graft`) adds pushes of
+a shallow client's last block into the deeper global blocks it lacks, so one
+client leaf feeds several global leaves; several client leaves may also pull
+one global leaf. The layer-wise mean over holders (`aggregators.
+heterogeneous_sums`) only needs `embed` and `coverage`, so it serves every kind.
+
+Models name their layers by structural position (``stage3_block1/conv2``), so
+the correspondence is found from shapes and tree paths, never by matching
+parameter names. Maps are static, hashable Python structure built once; the
+array operations are pure and jittable, and accept any subtree of the
+variables (e.g. ``params`` only).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+import math
+from typing import Any, Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,42 +38,71 @@ Path = tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)
-class GroupMap:
-  """Which leading slice of each global leaf a group owns.
+class Window:
+  """A client leaf's place in a global leaf: ``shape`` at the start of every axis, except that
+  on the ``rolled`` axes it starts at the offset and wraps around."""
+
+  shape: tuple[int, ...]
+  rolled: tuple[int, ...] = ()
+
+  def index(self, global_shape: tuple[int, ...], offset) -> tuple[Any, ...]:
+    """Per axis: a static slice, or an index array for a rolled axis (use with `jnp.ix_` semantics)."""
+    return tuple((offset + jnp.arange(n)) % g if axis in self.rolled else slice(0, n)
+                 for axis, (n, g) in enumerate(zip(self.shape, global_shape)))
+
+  def take(self, leaf: jax.Array, offset) -> jax.Array:
+    if not self.rolled:
+      return leaf[tuple(slice(0, n) for n in self.shape)]
+    for axis, index in enumerate(self.index(leaf.shape, offset)):
+      leaf = jnp.take(leaf, index, axis=axis) if axis in self.rolled else jax.lax.slice_in_dim(
+          leaf, 0, index.stop, axis=axis)
+    return leaf
+
+  def place(self, leaf: jax.Array, global_shape: tuple[int, ...], dtype, offset) -> jax.Array:
+    """``leaf`` put into zeros of ``global_shape`` at this window."""
+    leaf = leaf.astype(dtype)
+    if not self.rolled:
+      return jnp.pad(leaf, [(0, g - n) for n, g in zip(self.shape, global_shape)])
+    index = [jnp.arange(n) if isinstance(i, slice) else i for i, n in zip(self.index(global_shape, offset), self.shape)]
+    return jnp.zeros(global_shape, dtype).at[jnp.ix_(*index)].set(leaf)
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+  """One client leaf <-> one global leaf, at a window."""
+
+  client: Path
+  global_: Path
+  window: Window
+
+
+@dataclasses.dataclass(frozen=True)
+class SubmodelMap:
+  """A client model's place in the global one (see the module docstring).
 
   Attributes:
-    owned: for every global leaf path, the group's leaf shape, or ``None`` if
-      the group does not have that layer (depth heterogeneity).
+    pull: the link every client leaf is extracted through (one per client leaf).
+    push: the links the global leaves are rebuilt from (any number per global leaf).
+    global_shapes: every global leaf's shape, in path order.
   """
 
-  owned: Mapping[Path, tuple[int, ...] | None]
-
-  def __hash__(self) -> int:  # static structure: usable as a jit static argument
-    return hash(tuple(self.owned.items()))
+  pull: tuple[Link, ...]
+  push: tuple[Link, ...]
+  global_shapes: tuple[tuple[Path, tuple[int, ...]], ...]
 
   @property
-  def paths(self) -> tuple[Path, ...]:
-    return tuple(p for p, s in self.owned.items() if s is not None)
-
-  def restrict(self, collection: str) -> "GroupMap":
-    """The map of one variable collection (e.g. ``"params"``), for trees holding only that collection."""
-    return GroupMap(owned={p: s for p, s in self.owned.items() if p[0] == collection})
+  def owned(self) -> dict[Path, tuple[int, ...] | None]:
+    """For every global leaf, the shape of the window the client holds of it (None: none)."""
+    held = {link.global_: link.window.shape for link in self.push}
+    return {path: held.get(path) for path, _ in self.global_shapes}
 
   def num_owned(self) -> int:
-    """Number of scalars the group owns."""
-    total = 0
-    for shape in self.owned.values():
-      if shape is not None:
-        size = 1
-        for d in shape:
-          size *= d
-        total += size
-    return total
+    """Number of scalars the client model holds."""
+    return sum(math.prod(link.window.shape) for link in self.pull)
 
-
-def _flat_shapes(tree: Variables) -> dict[Path, tuple[int, ...]]:
-  flat = traverse_util.flatten_dict(_as_dict(tree))
-  return {path: tuple(leaf.shape) for path, leaf in flat.items()}
+  @property
+  def rolling(self) -> bool:
+    return any(link.window.rolled for link in self.pull + self.push)
 
 
 def _as_dict(tree: Variables) -> dict:
@@ -68,83 +110,123 @@ def _as_dict(tree: Variables) -> dict:
   return {k: _as_dict(v) if isinstance(v, Mapping) else v for k, v in tree.items()}
 
 
-def build_group_map(global_shapes: Variables, group_shapes: Variables, group_name: str = "group") -> GroupMap:
-  """Builds the map of a group onto the global tree from the two trees' shapes.
+def flatten(tree: Variables) -> dict[Path, Any]:
+  """``{("params", "conv1", "kernel"): leaf, ...}`` of a nested-dict (or FrozenDict) pytree."""
+  return traverse_util.flatten_dict(_as_dict(tree))
 
-  Accepts arrays or `jax.ShapeDtypeStruct` leaves (e.g. from `jax.eval_shape`).
-  Raises ValueError naming the first leaf that is not a sub-slice of the global.
+
+def _flat_shapes(tree: Variables) -> dict[Path, tuple[int, ...]]:
+  return {path: tuple(leaf.shape) for path, leaf in flatten(tree).items()}
+
+
+def _name(path: Path) -> str:
+  return "/".join(path)
+
+
+def build_group_map(global_shapes: Variables, group_shapes: Variables, group_name: str = "group",
+                    rolling: bool = False) -> SubmodelMap:
+  """The map of a depth/width sub-model, from the two trees' shapes (arrays or `jax.ShapeDtypeStruct`s).
+
+  Every group leaf is the leading slice of the global leaf at the same path, or with ``rolling``
+  a rolled window on every axis where it is narrower (FedRolex). Raises ValueError naming the first
+  leaf that is not a sub-slice of the global one.
   """
   global_flat = _flat_shapes(global_shapes)
-  group_flat = _flat_shapes(group_shapes)
-  for path, shape in group_flat.items():
+  links = []
+  for path, shape in _flat_shapes(group_shapes).items():
     if path not in global_flat:
-      raise ValueError(f"{group_name}: layer {'/'.join(path)} does not exist in the global model; "
+      raise ValueError(f"{group_name}: layer {_name(path)} does not exist in the global model; "
                        "every group must be a depth/width subset of the largest model")
     gshape = global_flat[path]
     if len(shape) != len(gshape) or any(s > g for s, g in zip(shape, gshape)):
-      raise ValueError(f"{group_name}: layer {'/'.join(path)} has shape {shape}, which is not a "
+      raise ValueError(f"{group_name}: layer {_name(path)} has shape {shape}, which is not a "
                        f"leading slice of the global shape {gshape}")
-  return GroupMap(owned={path: group_flat.get(path) for path in global_flat})
+    rolled = tuple(a for a, (s, g) in enumerate(zip(shape, gshape)) if s < g) if rolling else ()
+    links.append(Link(path, path, Window(shape, rolled)))
+  return SubmodelMap(tuple(links), tuple(links), tuple(global_flat.items()))
+
+
+def identity_map(tree: Variables) -> SubmodelMap:
+  """The map of a model onto itself (one architecture is its own federation)."""
+  return build_group_map(tree, tree)
+
+
+def graft(group_map: SubmodelMap, blocks: Iterable[tuple[Path, Path]], group_name: str = "group") -> SubmodelMap:
+  """``group_map`` with depth grafting (FedFA): each ``(global_block, client_block)`` pair of module
+  paths (without the collection, e.g. ``("stage1_block2",), ("stage1_block0",)``) also pushes every
+  leaf the client holds under ``client_block`` into the same leaf under ``global_block``.
+
+  Raises ValueError if a grafted leaf has no global counterpart of the same shape (e.g. a client
+  deeper than the global model).
+  """
+  shapes = dict(group_map.global_shapes)
+  extra = []
+  for global_block, client_block in blocks:
+    width = len(client_block)
+    found = False
+    for link in group_map.pull:
+      collection, rest = link.client[:1], link.client[1:]
+      if rest[:width] != tuple(client_block):
+        continue
+      target = collection + tuple(global_block) + rest[width:]
+      source_shape = shapes.get(link.global_)
+      if shapes.get(target) != source_shape:
+        raise ValueError(f"{group_name}: cannot graft {_name(link.client)} onto {_name(target)}: "
+                         f"the global model has {'no such layer' if target not in shapes else shapes[target]}")
+      extra.append(Link(link.client, target, link.window))
+      found = True
+    if not found:
+      raise ValueError(f"{group_name}: the client model has no block {_name(client_block)} to graft")
+  return dataclasses.replace(group_map, push=group_map.push + tuple(extra))
 
 
 def pick_global(group_shapes: Sequence[Variables], names: Sequence[str]) -> int:
   """Index of the group every other group embeds into (the largest one)."""
-  sizes = [sum(_size(s) for s in _flat_shapes(t).values()) for t in group_shapes]
+  sizes = [sum(math.prod(s) for s in _flat_shapes(t).values()) for t in group_shapes]
   biggest = max(range(len(sizes)), key=sizes.__getitem__)
   for tree, name in zip(group_shapes, names):
     build_group_map(group_shapes[biggest], tree, name)  # raises if it does not embed
   return biggest
 
 
-def _size(shape: tuple[int, ...]) -> int:
-  n = 1
-  for d in shape:
-    n *= d
-  return n
+def extract(global_vars: Variables, group_map: SubmodelMap, offset=0) -> Variables:
+  """The client's variables: each client leaf's window of its global leaf.
 
-
-def _leading_slice(shape: tuple[int, ...]) -> tuple[slice, ...]:
-  return tuple(slice(0, d) for d in shape)
-
-
-def extract(global_vars: Variables, group_map: GroupMap) -> Variables:
-  """The group's variables: its owned leading slice of each global leaf it owns."""
-  flat = traverse_util.flatten_dict(_as_dict(global_vars))
-  out = {path: flat[path][_leading_slice(shape)] for path, shape in group_map.owned.items() if shape is not None}
+  Takes any subtree of the global variables (e.g. ``params`` only) and returns the matching subtree.
+  """
+  flat = flatten(global_vars)
+  out = {link.client: link.window.take(flat[link.global_], offset) for link in group_map.pull if link.global_ in flat}
   return traverse_util.unflatten_dict(out)
 
 
-def embed(group_vars: Variables, group_map: GroupMap, global_like: Variables) -> Variables:
-  """Zero-pads a group-shaped tree to the global shapes (zeros where not owned)."""
-  flat = traverse_util.flatten_dict(_as_dict(group_vars))
-  like = traverse_util.flatten_dict(_as_dict(global_like))
+def embed(group_vars: Variables, group_map: SubmodelMap, global_like: Variables, offset=0) -> Variables:
+  """Global-shaped tree: every global leaf is the sum of the client leaves pushed into it (zeros if none)."""
+  flat = flatten(group_vars)
+  pushes = _pushes(group_map)
   out = {}
-  for path, target in like.items():
-    shape = group_map.owned[path]
-    if shape is None:
-      out[path] = jnp.zeros(target.shape, target.dtype)
-    else:
-      pad = [(0, g - s) for s, g in zip(shape, target.shape)]
-      out[path] = jnp.pad(flat[path].astype(target.dtype), pad)
+  for path, target in flatten(global_like).items():
+    placed = [link.window.place(flat[link.client], target.shape, target.dtype, offset)
+              for link in pushes.get(path, ()) if link.client in flat]
+    out[path] = sum(placed[1:], placed[0]) if placed else jnp.zeros(target.shape, target.dtype)
   return traverse_util.unflatten_dict(out)
 
 
-def coverage(group_map: GroupMap, global_like: Variables, dtype=jnp.float32) -> Variables:
-  """A global-shaped 0/1 mask of the elements the group owns."""
-  like = traverse_util.flatten_dict(_as_dict(global_like))
+def coverage(group_map: SubmodelMap, global_like: Variables, dtype=jnp.float32, offset=0) -> Variables:
+  """Global-shaped count of the client elements pushed into every element (0/1 without grafting)."""
+  pushes = _pushes(group_map)
   out = {}
-  for path, target in like.items():
-    shape = group_map.owned[path]
-    if shape is None:
-      out[path] = jnp.zeros(target.shape, dtype)
-    else:
-      out[path] = jnp.pad(jnp.ones(shape, dtype), [(0, g - s) for s, g in zip(shape, target.shape)])
+  for path, target in flatten(global_like).items():
+    placed = [link.window.place(jnp.ones(link.window.shape, dtype), target.shape, dtype, offset)
+              for link in pushes.get(path, ())]
+    out[path] = sum(placed[1:], placed[0]) if placed else jnp.zeros(target.shape, dtype)
   return traverse_util.unflatten_dict(out)
 
 
-def identity_map(tree: Variables) -> GroupMap:
-  """The map of a model onto itself (one architecture = its own federation)."""
-  return GroupMap(owned=_flat_shapes(tree))
+def _pushes(group_map: SubmodelMap) -> dict[Path, list[Link]]:
+  pushes: dict[Path, list[Link]] = {}
+  for link in group_map.push:
+    pushes.setdefault(link.global_, []).append(link)
+  return pushes
 
 
 def shapes_of(tree: Variables) -> Variables:

@@ -2,9 +2,9 @@
 
 `ProjectedModel(base)` behaves exactly like ``base`` (same call signature, cut
 points and logits, so evaluation and the hetero maps are unchanged apart from
-the extra head), and `logits_and_projection` also returns the projected
-representation ``z = W2 relu(W1 h)`` of the base model's "features" ``h``,
-which MOON's model-contrastive loss compares. MOON puts its classifier on the
+the extra head), and its ``project`` method maps the base model's "features"
+``h`` to ``z = W2 relu(W1 h)``, which MOON's model-contrastive loss compares
+(``model.apply(variables, h, method="project")``). MOON puts its classifier on the
 projection; we keep the base model's own head on ``h`` so that MOON and
 non-MOON runs evaluate the same architecture.
 """
@@ -39,18 +39,19 @@ class ProjectedModel(nn.Module):
                stop: str = "logits") -> Array:
     # Touch the projection at init so the variables always hold it.
     if self.is_initializing():
-      self.logits_and_projection(x, train, mask)
+      self.project(self.base(x, train=train, mask=mask, stop="features"))
     return self.base(x, train=train, mask=mask, start=start, stop=stop)
 
   @nn.compact
-  def logits_and_projection(self, x: Array, train: bool = False, mask: Array | None = None) -> tuple[Array, Array]:
-    features = self.base(x, train=train, mask=mask, stop="features")
-    logits = self.base(features, train=train, mask=mask, start="features")
-    width = features.shape[-1]
-    h = nn.relu(nn.Dense(width, name="projection_hidden")(features))
-    return logits, nn.Dense(self.projection_dim, name="projection_out")(h)
+  def project(self, features: Array) -> Array:
+    """MOON's projection ``z`` of the base model's "features" activation."""
+    h = nn.relu(nn.Dense(features.shape[-1], name="projection_hidden")(features))
+    return nn.Dense(self.projection_dim, name="projection_out")(h)
 
 
 def with_projection_head(model: nn.Module, projection_dim: int = MOON_PROJECTION_DIM) -> ProjectedModel:
-  """``model`` plus MOON's two-layer projection head (hidden width = the features' width)."""
+  """``model`` plus MOON's two-layer projection head (hidden width = the features' width); a model
+  that has one already is returned as it is."""
+  if isinstance(model, ProjectedModel):
+    return model
   return ProjectedModel(model, projection_dim)

@@ -1,7 +1,7 @@
 """Server steps of the base methods beyond averaging: FedNova and SCAFFOLD, heterogeneous.
 
 Like `hetero_avg`, every rule takes each architecture group's weighted sums of
-client uploads, the groups' total weights and their `GroupMap`s, and works
+client uploads, the groups' total weights and their `SubmodelMap`s, and works
 element-wise over exactly the sampled clients that own an element; with one
 group and the identity map they are the homogeneous rules of the papers.
 """
@@ -13,22 +13,13 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from fedjax_hetero.aggregators.hetero_avg import heterogeneous_mean_delta, heterogeneous_sums
-from fedjax_hetero.hetero.maps import GroupMap, Variables, coverage
-
-
-def weighted_coverage(group_weights: Sequence[jax.Array], group_maps: Sequence[GroupMap],
-                      global_like: Variables) -> Variables:
-  """``sum_g W_g * coverage_g``: per element, the total weight of the groups that own it."""
-  total = jax.tree.map(jnp.zeros_like, global_like)
-  for weight, group_map in zip(group_weights, group_maps):
-    total = jax.tree.map(lambda t, m, w=weight: t + w * m, total, coverage(group_map, global_like))
-  return total
+from fedjax_hetero.aggregators.hetero_avg import heterogeneous_mean_delta, heterogeneous_sums, weighted_coverage
+from fedjax_hetero.hetero.maps import SubmodelMap, Variables
 
 
 def fednova_delta(group_normalized_sums: Sequence[Variables], group_weights: Sequence[jax.Array],
-                  group_a_sums: Sequence[jax.Array], group_maps: Sequence[GroupMap],
-                  global_like: Variables) -> Variables:
+                  group_a_sums: Sequence[jax.Array], group_maps: Sequence[SubmodelMap],
+                  global_like: Variables, offset=0) -> Variables:
   """FedNova's server update (Wang et al. 2020, Eq. 7), per element over its owners.
 
   With client weights ``p_i`` (normalized over the owners), normalized updates
@@ -37,8 +28,8 @@ def fednova_delta(group_normalized_sums: Sequence[Variables], group_weights: Seq
   ``W_g = sum w_i`` and ``A_g = sum w_i a_i``. Elements no sampled client owns get 0.
   With equal ``a_i`` this is exactly the (heterogeneous) FedAvg delta.
   """
-  numerator, denominator = heterogeneous_sums(group_normalized_sums, group_weights, group_maps, global_like)
-  tau_numerator = weighted_coverage(group_a_sums, group_maps, global_like)
+  numerator, denominator = heterogeneous_sums(group_normalized_sums, group_weights, group_maps, global_like, offset)
+  tau_numerator = weighted_coverage(group_a_sums, group_maps, global_like, offset)
 
   def leaf(n, d, t):
     covered = d > 0
@@ -49,10 +40,11 @@ def fednova_delta(group_normalized_sums: Sequence[Variables], group_weights: Seq
 
 
 def scaffold_server_control(control: Variables, group_control_delta_sums: Sequence[Variables],
-                            group_weights: Sequence[jax.Array], group_maps: Sequence[GroupMap]) -> Variables:
+                            group_weights: Sequence[jax.Array], group_maps: Sequence[SubmodelMap],
+                            offset=0) -> Variables:
   """SCAFFOLD's server control update (Karimireddy et al. 2020, Alg. 1 line 17) as NIID-Bench does it:
   ``c <- c + mean_i delta_c_i`` over the sampled clients (that own the element), rather than the
-  paper's ``|S|/N`` scaling. ``control`` and the sums cover ``params`` only; pass maps restricted
-  to them (`GroupMap.restrict`)."""
-  delta = heterogeneous_mean_delta(group_control_delta_sums, group_weights, group_maps, control)
+  paper's ``|S|/N`` scaling. ``control`` and the sums may cover ``params`` only (``{"params": ...}``):
+  the maps act on whatever subtree they are given."""
+  delta = heterogeneous_mean_delta(group_control_delta_sums, group_weights, group_maps, control, offset)
   return jax.tree.map(jnp.add, control, delta)

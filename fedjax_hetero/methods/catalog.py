@@ -1,0 +1,193 @@
+"""Every method of the papers as a short declaration, and the registry the CLI looks names up in.
+
+The InCo paper's 15 methods are five base methods (the client side and the
+averaging rule) under three ways of sharing server models: each architecture group its own
+federation (FedAvg, FedProx, Scaffold, FedNova, MOON), one global model
+averaged layer-wise (Hetero*), and the latter plus InCo's cross-layer step
+(InCo*). FedCross and its two further baselines, FedGen and CluSamp, follow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, NamedTuple
+
+from fedjax_hetero import aggregators
+from fedjax_hetero.algorithms.fedgen import FedGenConfig
+from fedjax_hetero.client import terms
+from fedjax_hetero.client.local import LocalConfig
+from fedjax_hetero.methods.api import PER_GROUP, SHARED, STACKED, Method, Sharing
+from fedjax_hetero.methods.fedgen import generative_regularizer, generator_training
+from fedjax_hetero.sampling.clustered import SIMILARITIES
+from fedjax_hetero.sampling.samplers import clustered, shuffled
+from fedjax_hetero.server import steps
+from fedjax_hetero.server.cross import FedCrossConfig, cross_aggregation
+
+# InCo paper: "The hyper-parameter mu/2 for FedProx and InCoProx is 0.05", so mu = 0.1.
+FEDPROX_MU = 0.1
+# MOON (Li, He, Song 2021): mu = 5 and tau = 0.5 are its CIFAR-10 settings; the InCo paper gives none.
+MOON_MU, MOON_TEMPERATURE = 5.0, 0.5
+AGGREGATE_MODES = ("deltas", "weights")
+INCO_PAPER = "InCo Aggregation (Chan et al., ICLR 2024) and its baselines"
+FEDCROSS_PAPER = "FedCross (Hu et al., ICDE 2024) and its baselines"
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodOptions:
+  """Methods' hyper-parameters; each method reads the ones it has."""
+
+  aggregate: str = "deltas"  # average client deltas, or their uploaded weights
+  prox_mu: float | None = None  # FedProx's mu on any method; None: the method's default
+  fedprox_mu: float = FEDPROX_MU  # the *Prox methods' default mu
+  moon_mu: float | None = None  # MOON's mu on any method; None: the method's default
+  moon_temperature: float = MOON_TEMPERATURE
+  inco_variant: str | None = None  # None: "code", the authors' code
+  inco_granularity: str | None = None  # None: "kernel"
+  fedcross: FedCrossConfig = FedCrossConfig()
+  fedgen: FedGenConfig = FedGenConfig()  # FedGen's generator and regularizer (CIFAR-10 values)
+  clusamp_similarity: str = "L1"
+
+  def __post_init__(self):
+    for name in ("prox_mu", "moon_mu", "fedprox_mu"):
+      value = getattr(self, name)
+      if value is not None and not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be finite and >= 0, got {value}")
+    if not self.moon_temperature > 0:
+      raise ValueError(f"moon_temperature must be > 0, got {self.moon_temperature}")
+    for name, value, accepted in (("aggregate mode", self.aggregate, AGGREGATE_MODES),
+                                  ("InCo variant", self.inco_variant, aggregators.INCO_VARIANTS),
+                                  ("InCo granularity", self.inco_granularity, aggregators.INCO_GRANULARITIES),
+                                  ("CluSamp similarity", self.clusamp_similarity, SIMILARITIES)):
+      if value is not None and value not in accepted:
+        raise ValueError(f"unknown {name} {value!r}; accepted: {', '.join(accepted)}")
+
+
+class Base(NamedTuple):
+  """A base method's client side and averaging rule."""
+
+  name: str  # the per-group method's name
+  suffix: str  # of the Hetero*/InCo* names
+  client: str  # what the clients do, for --help
+  build: Callable[[MethodOptions, LocalConfig], tuple[tuple[terms.ClientTerm, ...], tuple[steps.ServerStep, ...]]]
+
+
+def _averaging(o: MethodOptions) -> steps.ServerStep:
+  return steps.mean_of_weights() if o.aggregate == "weights" else steps.mean_delta()
+
+
+def _deltas_only(name: str, o: MethodOptions) -> None:
+  if o.aggregate == "weights":
+    raise ValueError(f"{name} aggregates deltas; --aggregate weights is not defined for it")
+
+
+def _scaffold(o, local):
+  _deltas_only("SCAFFOLD", o)
+  return (terms.scaffold_correction(local.learning_rate),), (steps.mean_delta(), steps.apply_delta(),
+                                                             steps.scaffold_control())
+
+
+def _nova(o, local):
+  _deltas_only("FedNova", o)
+  return (terms.nova_normalization(local.optimizer, local.momentum),), (steps.nova_mean(), steps.apply_delta())
+
+
+BASES = (
+    Base("FedAvg", "Avg", "plain cross-entropy", lambda o, local: ((), (_averaging(o), steps.apply_delta()))),
+    Base("FedProx", "Prox", f"CE + mu/2 ||w - w_glob||^2 (FedProx, default mu {FEDPROX_MU})",
+         lambda o, local: ((terms.proximal(o.fedprox_mu),), (_averaging(o), steps.apply_delta()))),
+    Base("Scaffold", "Scaffold", "SCAFFOLD's control-variate correction (option II)", _scaffold),
+    Base("FedNova", "Nova", "FedNova's normalized averaging by each client's local step count", _nova),
+    Base("MOON", "MOON", f"CE + mu * model-contrastive loss on a projection head (MOON, mu {MOON_MU:g})",
+         lambda o, local: ((terms.model_contrastive(MOON_MU, o.moon_temperature),),
+                           (_averaging(o), steps.apply_delta()))),
+)
+
+
+def _layered(name: str, base: Base, sharing: Sharing, inco: bool) -> Callable[[MethodOptions, LocalConfig], Method]:
+  def build(o: MethodOptions, local: LocalConfig) -> Method:
+    client, server = base.build(o, local)
+    method = Method(name, INCO_PAPER, "", client, server, sharing)
+    if inco:
+      method = method.with_step_before("apply", steps.inco(o.inco_variant or "code", o.inco_granularity or "kernel"))
+    return method
+
+  return build
+
+
+def fedcross(o: MethodOptions, local: LocalConfig) -> Method:
+  return Method("FedCross", FEDCROSS_PAPER, "", terms=(terms.upload_variables("cross"),),
+                server=(cross_aggregation(o.fedcross),), sharing=STACKED, sampler=shuffled(),
+                one_group="(its K middleware models share one shape)")
+
+
+def fedgen(o: MethodOptions, local: LocalConfig) -> Method:
+  return Method("FedGen", FEDCROSS_PAPER, "", terms=(generative_regularizer(o.fedgen),),
+                server=(_averaging(o), steps.apply_delta(), generator_training(o.fedgen)), sharing=PER_GROUP)
+
+
+def clusamp(o: MethodOptions, local: LocalConfig) -> Method:
+  return Method("CluSamp", FEDCROSS_PAPER, "", terms=(terms.upload_flat_delta("clustered"),),
+                server=(_averaging(o), steps.apply_delta()), sharing=PER_GROUP,
+                sampler=clustered(o.clusamp_similarity),
+                one_group="(clustering compares all clients' representative gradients, so they need one shape)")
+
+
+class Entry(NamedTuple):
+  name: str
+  paper: str
+  summary: str
+  build: Callable[[MethodOptions, LocalConfig], Method]
+
+
+def _entries() -> list[Entry]:
+  out = []
+  for base in BASES:
+    hetero, inco = f"Hetero{base.suffix}", f"InCo{base.suffix}"
+    out += [Entry(base.name, INCO_PAPER, f"every architecture group its own federation; clients: {base.client}",
+                  _layered(base.name, base, PER_GROUP, False)),
+            Entry(hetero, INCO_PAPER, f"one global model averaged layer-wise; clients: {base.client}",
+                  _layered(hetero, base, SHARED, False)),
+            Entry(inco, INCO_PAPER, f"{hetero} + InCo's cross-layer step on same-shape layers (authors' code "
+                  "variant, per 3x3 kernel)", _layered(inco, base, SHARED, True))]
+  out += [Entry("FedCross", FEDCROSS_PAPER, "K middleware models trained by the sampled clients, cross-aggregated "
+                "w_i = a v_i + (1-a) v_partner(i) (one architecture group)", fedcross),
+          Entry("FedGen", FEDCROSS_PAPER, "per-group federations with a server-trained feature generator and "
+                "FedGen's generative regularizer on the clients (Zhu et al. 2021)", fedgen),
+          Entry("CluSamp", FEDCROSS_PAPER, "FedAvg with clients drawn by clustered sampling on representative-"
+                "gradient similarity (Fraboni et al. 2021, Alg. 2; one architecture group)", clusamp)]
+  return out
+
+
+METHODS: dict[str, Entry] = {e.name.lower(): e for e in _entries()}
+
+
+def get_entry(name: str) -> Entry:
+  try:
+    return METHODS[name.lower()]
+  except (KeyError, AttributeError):
+    raise ValueError(f"unknown method {name!r}; accepted: {', '.join(e.name for e in METHODS.values())}") from None
+
+
+def build_method(name: str, options: MethodOptions = MethodOptions(), local: LocalConfig = LocalConfig()) -> Method:
+  """The method called ``name`` (case-insensitive), with ``options``; ``prox_mu``/``moon_mu``
+  override a method's own mu, and a nonzero value adds the term to a method without it."""
+  entry = get_entry(name)
+  method = dataclasses.replace(entry.build(options, local), summary=entry.summary)
+  names = [s.name for s in method.server]
+  if (options.inco_variant or options.inco_granularity) and "inco" not in names:
+    raise ValueError(f"--inco-variant/--inco-granularity apply to the InCo* methods, not {entry.name}")
+  moon = lambda mu: terms.model_contrastive(mu, options.moon_temperature)
+  for term_name, mu, make in (("prox", options.prox_mu, terms.proximal), ("moon", options.moon_mu, moon)):
+    if mu is None:
+      continue
+    kept = tuple(t for t in method.terms if t.name != term_name)
+    method = dataclasses.replace(method, terms=kept + ((make(mu),) if mu else ()))
+  return method
+
+
+def methods_by_paper() -> dict[str, list[Entry]]:
+  out: dict[str, list[Entry]] = {}
+  for entry in METHODS.values():
+    out.setdefault(entry.paper, []).append(entry)
+  return out

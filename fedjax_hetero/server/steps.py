@@ -1,0 +1,232 @@
+"""The server side of a method: a pipeline of `ServerStep`s over typed, checkpointable state.
+
+A round's server work for one federation is one jitted program: the steps run
+in order, each reading the round's uploads (`RoundInputs`) and threading a
+`Carry` -- the model being built, the aggregated update ``delta`` and its
+``coverage`` (per element, the total weight of the clients that held it) --
+in the manner of optax's ``update``: an averaging step fills ``delta``,
+transforms (InCo's cross-layer step) change it, and `apply_delta` adds it to
+the model. Each step owns its state (SCAFFOLD's ``c``, FedCross's global
+model, FedGen's generator), may ``broadcast`` a share of it to its group's
+clients (the client term of the same name reads it), and reads the uploads of
+the client term of its own name.
+
+A step's ``plan(round)`` gives host-side, per-round settings: ``static``
+values the program is specialized on (FedCross's stage), traced ``inputs``
+(a learning rate), and ``log`` entries for the round's metrics.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Hashable, NamedTuple, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fedjax_hetero import aggregators
+from fedjax_hetero.data.store import FederatedStore
+from fedjax_hetero.hetero.maps import SubmodelMap, Variables, extract
+
+
+class Federation(NamedTuple):
+  """Static description of one federation: a server model and the architecture groups training it."""
+
+  index: int
+  name: str  # its group's name, or "global" when groups share it
+  members: tuple[int, ...]  # indices of its architecture groups
+  group_names: tuple[str, ...]
+  models: tuple[nn.Module, ...]  # the member groups' models
+  maps: tuple[SubmodelMap, ...]  # member group -> federation variables
+  clients: tuple[np.ndarray, ...]  # the member groups' clients
+  stack_sizes: tuple[int, ...]  # rows of a member's stacked uploads (its largest possible cohort)
+  largest: nn.Module  # the model whose variables the federation keeps
+  store: FederatedStore
+  seed: int
+  init_key: jax.Array  # server randomness for the steps' init
+
+
+class RoundInputs(NamedTuple):
+  """What every server step reads in a round (per member group where a tuple)."""
+
+  model: Variables  # the federation's variables before the round
+  starts: tuple[Variables, ...]  # what each member group's clients started from
+  results: tuple[Any, ...]  # each member group's `backends.GroupResult`
+  valid: tuple[jax.Array, ...]  # bool [stack size]: which rows of stacked uploads are real clients
+  cohorts: tuple[jax.Array, ...]  # int [stack size]: their client ids (padding: num_clients)
+  round: Any  # round index (0-based)
+  key: jax.Array  # this federation's server key of the round
+  federation: Federation
+
+  def uploads(self, name: str) -> list[Any]:
+    return [r.uploads[name] for r in self.results]
+
+  @property
+  def weights(self) -> list[jax.Array]:
+    return [r.weight_sum for r in self.results]
+
+  @property
+  def offset(self) -> Any:
+    """The sub-model maps' window offset (FedRolex's rolling window moves one step per round)."""
+    return self.round
+
+
+class Carry(NamedTuple):
+  model: Variables
+  delta: Variables | None = None
+  coverage: Variables | None = None
+  metrics: dict[str, Any] = {}
+
+
+class Plan(NamedTuple):
+  static: Hashable = None
+  inputs: Any = None
+  log: dict[str, Any] = {}
+
+
+class ServerStep(NamedTuple):
+  """One step of a method's server pipeline (see the module docstring); all functions pure."""
+
+  name: str
+  update: Callable[[Carry, Any, RoundInputs, Plan], tuple[Carry, Any]]
+  init: Callable[[Variables, Federation], Any] | None = None
+  broadcast: Callable[[Any, Federation, int, int], Any] | None = None  # (state, federation, member, round)
+  plan: Callable[[int], Plan] | None = None
+  evaluate: Callable[[Any], Variables] | None = None  # the variables to evaluate, if not the federation's
+
+
+def server_program(steps: Sequence[ServerStep], federation: Federation):
+  """The steps as one jitted program per round: ``(model, step states, starts, results, valid, cohorts,
+  round, key, plan inputs, statics=plan statics) -> (model, step states, metrics)``."""
+
+  @functools.partial(jax.jit, static_argnames="statics")
+  def run(model, states, starts, results, valid, cohorts, round_index, key, inputs, statics):
+    round_inputs = RoundInputs(model, starts, results, valid, cohorts, round_index, key, federation)
+    carry, new_states = Carry(model), []
+    for step, state, static, dynamic in zip(steps, states, statics, inputs):
+      carry, state = step.update(carry, state, round_inputs, Plan(static, dynamic))
+      new_states.append(state)
+    return carry.model, tuple(new_states), carry.metrics
+
+  return run
+
+
+def _zeros_like(tree: Variables) -> Variables:
+  return jax.tree.map(jnp.zeros_like, tree)
+
+
+def mean_delta() -> ServerStep:
+  """Layer-wise mean of the client deltas over the clients holding each element (InCo Sec. 3.1,
+  `aggregators.heterogeneous_mean_delta`); FedAvg (McMahan et al. 2017, Alg. 1) with one group.
+  Elements nobody held get a zero update."""
+
+  def update(carry, state, inputs, plan):
+    zeros = _zeros_like(carry.model)
+    num, den = aggregators.heterogeneous_sums([r.delta_sum for r in inputs.results], inputs.weights,
+                                              inputs.federation.maps, carry.model, inputs.offset)
+    return carry._replace(delta=aggregators.masked_mean(num, den, zeros), coverage=den), state
+
+  return ServerStep("mean", update)
+
+
+def mean_of_weights() -> ServerStep:
+  """The mean of the uploaded weights ``start + delta`` over the holders of each element, as an
+  update relative to the current model (untouched where nobody held an element)."""
+
+  def update(carry, state, inputs, plan):
+    uploads = [jax.tree.map(lambda d, s, w=r.weight_sum: d + w * s, r.delta_sum, start)
+               for r, start in zip(inputs.results, inputs.starts)]
+    num, den = aggregators.heterogeneous_sums(uploads, inputs.weights, inputs.federation.maps, carry.model,
+                                              inputs.offset)
+    delta = jax.tree.map(jnp.subtract, aggregators.masked_mean(num, den, carry.model), carry.model)
+    return carry._replace(delta=delta, coverage=den), state
+
+  return ServerStep("mean", update)
+
+
+def nova_mean() -> ServerStep:
+  """FedNova's server update (Wang et al. 2020, Eq. 7) per element over its holders, from the
+  normalized deltas and the ``a_i`` the "nova" client term uploads (`aggregators.fednova_delta`)."""
+
+  def update(carry, state, inputs, plan):
+    maps = inputs.federation.maps
+    delta = aggregators.fednova_delta([r.delta_sum for r in inputs.results], inputs.weights, inputs.uploads("nova"),
+                                      maps, carry.model, inputs.offset)
+    coverage = aggregators.weighted_coverage(inputs.weights, maps, carry.model, inputs.offset)
+    return carry._replace(delta=delta, coverage=coverage), state
+
+  return ServerStep("nova", update)
+
+
+def apply_delta(optimizer: optax.GradientTransformation | None = None) -> ServerStep:
+  """``w <- w + delta``; with a server ``optimizer`` (e.g. FedAvgM's ``optax.sgd(1.0, momentum)``)
+  the negated delta is its pseudo-gradient (Reddi et al. 2021, Alg. 2), its state the step's."""
+
+  def update(carry, state, inputs, plan):
+    if optimizer is None:
+      return carry._replace(model=jax.tree.map(jnp.add, carry.model, carry.delta)), state
+    updates, state = optimizer.update(jax.tree.map(jnp.negative, carry.delta), state, carry.model)
+    return carry._replace(model=optax.apply_updates(carry.model, updates)), state
+
+  init = None if optimizer is None else lambda model, federation: optimizer.init(model)
+  return ServerStep("apply", update, init)
+
+
+def inco(variant: str = "code", granularity: str = "kernel") -> ServerStep:
+  """InCo Aggregation's cross-layer step on the aggregated delta (Chan et al. 2024, Alg. 1 lines 6-11;
+  `aggregators.inco`), on the (target, source) pairs of the federation's largest model. Logs θ and
+  the fraction of b > 0 per target layer."""
+
+  def pairs(federation: Federation) -> tuple:
+    pairs_of = getattr(federation.largest, "cross_layer_pairs", None)
+    if pairs_of is None:
+      raise ValueError(f"InCo's cross-layer step needs cross-layer pairs, but the largest model "
+                       f"({type(federation.largest).__name__}) has no cross_layer_pairs(); use a ResNet or ViT")
+    return tuple(pairs_of())
+
+  def init(model, federation):
+    aggregators.check_pairs(pairs(federation), model)
+    return ()
+
+  def update(carry, state, inputs, plan):
+    delta, stats = aggregators.inco(carry.delta, pairs(inputs.federation), variant, granularity,
+                                    coverage=carry.coverage)
+    return carry._replace(delta=delta, metrics={**carry.metrics, "inco": stats}), state
+
+  return ServerStep("inco", update, init)
+
+
+@functools.cache
+def _extractor(group_map: SubmodelMap):
+  return jax.jit(lambda tree: extract(tree, group_map))
+
+
+def scaffold_control() -> ServerStep:
+  """SCAFFOLD's server control variate ``c`` (Karimireddy et al. 2020, Alg. 1 line 17, as NIID-Bench:
+  ``c <- c + mean_i delta_c_i`` over the sampled holders of each element; `aggregators.
+  scaffold_server_control`). Starts at zero; each group's clients get their slice of it."""
+
+  def init(model, federation):
+    return {"params": _zeros_like(model["params"])}
+
+  def update(carry, control, inputs, plan):
+    deltas = [{"params": d} for d in inputs.uploads("scaffold")]
+    return carry, aggregators.scaffold_server_control(control, deltas, inputs.weights, inputs.federation.maps,
+                                                      inputs.offset)
+
+  def broadcast(control, federation, member, round_index):
+    return _extractor(federation.maps[member])(control)["params"]
+
+  return ServerStep("scaffold", update, init, broadcast)
+
+
+def insert_before(steps: Sequence[ServerStep], name: str, step: ServerStep) -> tuple[ServerStep, ...]:
+  """``steps`` with ``step`` inserted before the step called ``name``."""
+  names = [s.name for s in steps]
+  if name not in names:
+    raise ValueError(f"no server step {name!r} in {names}")
+  at = names.index(name)
+  return tuple(steps[:at]) + (step,) + tuple(steps[at:])

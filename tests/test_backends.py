@@ -138,7 +138,9 @@ SHARDED_SCRIPT = textwrap.dedent("""
 
 def test_sharded_matches_sequential_on_four_cpu_devices(sequential_run, tmp_path):
   out = str(tmp_path / "sharded.npz")
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+  # Its own compilation cache: executables built for a 4-device client must not be read by this 1-device process.
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+         "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla_cache_4_devices")}
   proc = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT.format(tests_dir=TESTS_DIR, out=out)],
                         env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

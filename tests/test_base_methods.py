@@ -264,8 +264,20 @@ def test_method_table_has_every_paper_name():
     assert name in help_text
 
 
-@pytest.mark.parametrize("method", sorted(m.name for m in METHODS.values()))
-def test_every_method_runs_from_the_runner(tmp_path, method):
+# Every method runs through the engine in tests/test_golden.py; through the runner (results folder,
+# checkpoints of its state), one method of each kind of server state, sharing and sampler.
+RUNNER_METHODS = ("FedAvg", "HeteroScaffold", "InCoMOON", "HeteroNova", "FedCross", "FedGen", "CluSamp")
+
+
+def test_runner_methods_cover_every_kind():
+  built = [build_method(m) for m in RUNNER_METHODS]
+  assert {m.sharing.name for m in built} == {"per_group", "shared", "stacked"}
+  assert {m.sampler.name for m in built} == {"uniform", "shuffled", "clustered"}
+  assert set(METHODS) >= {m.lower() for m in RUNNER_METHODS}
+
+
+@pytest.mark.parametrize("method", RUNNER_METHODS)
+def test_methods_run_from_the_runner(tmp_path, method):
   resnets = ("resnet10@0.125", "resnet14@0.125")
   built = build_method(method)
   groups = ("mlp",) if built.one_group else ("mlp@0.5", "mlp")

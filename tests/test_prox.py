@@ -14,7 +14,7 @@ from flax import traverse_util
 from experiments import cli
 from fedjax_hetero.backends import make_backend
 from fedjax_hetero.client.local import LocalConfig, LocalTrainer
-from fedjax_hetero.client.terms import proximal, proximal_term
+from fedjax_hetero.client.terms import RoundInput, proximal, proximal_term
 from fedjax_hetero.config import RunConfig
 from fedjax_hetero.data import partition, synthetic_dataset
 from fedjax_hetero.data.store import FederatedStore
@@ -47,7 +47,7 @@ def prox_mu(method) -> float:
   terms = [t for t in method.terms if t.name == "prox"]
   if not terms:
     return 0.0
-  anchor = terms[0].init(type("R", (), {"start": {"params": {"w": jnp.zeros(1)}}})())
+  anchor = terms[0].init(RoundInput({"params": {"w": jnp.zeros(1)}}, None, None, None))
   return 2 * float(terms[0].loss({"params": {"w": jnp.ones(1)}}, anchor, None, None, None))
 
 

@@ -60,8 +60,7 @@ def restore_last(sim: Simulation, config: RunConfig) -> ServerState:
     raise ValueError(f"{directory} not found; the run wrote no checkpoint")
   manager = checkpoints.manager(config.output.dir)
   try:
-    # Shapes only: restoring needs no initialised (compiled) model.
-    state = checkpoints.restore_latest(manager, jax.eval_shape(sim.init_state)._replace(round=0))
+    state = checkpoints.restore_latest(manager, sim.state_shapes)
   finally:
     manager.close()
   return sim.place(state)

@@ -163,7 +163,8 @@ class Simulation:
     parameter_count = sum(x.size for x in jax.tree.leaves(shapes[self.global_index]["params"]))
     self.sampling = SamplingInfo(store.sizes, config.clients_per_round, config.seed, config.weighting,
                                  parameter_count)
-    # Shapes only: runs every step's and the sampler's checks (e.g. InCo's layer pairs) before any compute.
+    # Shapes only: runs every step's and the sampler's checks (e.g. InCo's layer pairs) before any compute;
+    # also the template a checkpoint is restored into.
     self.state_shapes = jax.eval_shape(self.init_state)
 
   def init_state(self) -> ServerState:

@@ -204,7 +204,7 @@ def test_clusamp_resume_equals_an_uninterrupted_run(tmp_path):
 
   def final_state(config):
     sim, _ = build_simulation(config, dataset, log=lambda _: None)
-    return checkpoints.restore_latest(checkpoints.manager(config.output.dir), jax.eval_shape(sim.init_state))
+    return checkpoints.restore_latest(checkpoints.manager(config.output.dir), sim.state_shapes)
 
   a, b = final_state(straight), final_state(resumed)
   chex.assert_trees_all_equal((a.models, a.steps, a.sampler), (b.models, b.steps, b.sampler))

@@ -51,7 +51,7 @@ def read_rows(output_dir):
 def restore(config, dataset, step=None):
   """The models of checkpoint `step` (the latest if None), via the runner's own manager."""
   sim, _ = build_simulation(config, dataset, log=quiet)
-  template = jax.eval_shape(sim.init_state)._replace(round=0)
+  template = sim.state_shapes
   manager = checkpoints.manager(config.output.dir, config.output.checkpoint_every)
   if step is not None:
     assert step in manager.all_steps(), manager.all_steps()

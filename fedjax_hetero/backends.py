@@ -8,7 +8,8 @@ of the clients' deltas (plus loss totals), all still on the device. Backends:
   chunks of unrolled steps; only the chunks a client needs are run. Fastest
   on XLA:CPU, where vmapped convolutions become slow grouped convolutions.
 - ``vmap``: the cohort as a leading axis of one program; the cohort is padded
-  to a power of two with empty clients (all steps masked) to bound recompiles.
+  with empty clients (all steps masked) to the largest cohort the group can
+  have, so every round runs the programs the first one compiled.
 - ``sharded``: the ``vmap`` program with that axis split over a
   ``jax.sharding.Mesh`` of all local devices (cohort padded to a multiple).
 - ``auto``: ``sequential`` on CPU, ``sharded`` on several accelerators,
@@ -21,6 +22,7 @@ is ``fold_in(round_key, client_id)``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 from typing import Any, NamedTuple, Protocol
 
@@ -54,11 +56,13 @@ class Backend(Protocol):
   def train(self, trainer: LocalTrainer, start: Variables, store: FederatedStore, clients: np.ndarray,
             weights: np.ndarray, round_key: jax.Array, *, memory: Memory | None = None,
             rows: np.ndarray | None = None, server: dict[str, Any] | None = None,
-            per_client_start: bool = False) -> GroupResult:
+            per_client_start: bool = False, capacity: int | None = None) -> GroupResult:
     """Trains ``clients`` from ``start`` (stacked per client when ``per_client_start``).
 
     ``memory`` holds the group's per-client state and ``rows`` the cohort's rows in it;
-    ``server`` is the group's share of server state, by client term name.
+    ``server`` is the group's share of server state, by client term name. ``capacity`` is the
+    largest cohort the group can have in a round (default: this one's): stacked uploads come back
+    with that many rows, the ones past the cohort copies of the first, so every round has one shape.
     """
     ...
 
@@ -71,7 +75,28 @@ def _schedule_length(trainer: LocalTrainer, store: FederatedStore) -> int:
   return max(1, trainer.config.num_steps(store.max_size))
 
 
-def _run_schedule(run_steps, trainer: LocalTrainer, num_steps: int, state, store: FederatedStore, ids, mask):
+class ChunkPrograms:
+  """A group's jitted chunk of ``count`` unrolled steps, compiled for every chunk length the schedule can
+  use (`LocalConfig.chunk_lengths`) when the first chunk runs, side by side in threads.
+
+  Compiling them all at once means no later round compiles (a round whose clients first need a one-step
+  tail would), and XLA compiles the two programs on two cores at the same time.
+  """
+
+  def __init__(self, run_steps, lengths: tuple[int, ...]):
+    self._jitted, self._lengths, self._compiled = run_steps, lengths, {}
+
+  def __call__(self, state, images, labels, ids, mask, offset: int, count: int):
+    offset = np.int32(offset)
+    if not self._compiled:
+      compile_one = lambda n: self._jitted.lower(state, images, labels, ids, mask, offset, n).compile()
+      with concurrent.futures.ThreadPoolExecutor(len(self._lengths)) as pool:
+        self._compiled = dict(zip(self._lengths, pool.map(compile_one, self._lengths)))
+    return self._compiled[count](state, images, labels, ids, mask, offset)
+
+
+def _run_schedule(run_steps: ChunkPrograms, trainer: LocalTrainer, num_steps: int, state, store: FederatedStore,
+                  ids, mask):
   """Runs the first ``num_steps`` scheduled steps as a host loop over unrolled chunks."""
   offset = 0
   for count in trainer.config.chunk_sizes(num_steps):
@@ -103,7 +128,8 @@ def _sequential_program(trainer: LocalTrainer, schedule_length: int):
     ids, mask = trainer.schedule(index_row, num_examples, key, schedule_length)
     return trainer.init_state(start, memory_row, server, key), ids, mask
 
-  run_steps = jax.jit(trainer.run_steps, donate_argnums=0, static_argnames="count")
+  run_steps = ChunkPrograms(jax.jit(trainer.run_steps, donate_argnums=0, static_argnums=6),
+                            trainer.config.chunk_lengths(schedule_length))
 
   @functools.partial(jax.jit, donate_argnums=0)
   def accumulate(result: GroupResult, state: LocalState, start, memory_row, server, weight):
@@ -131,11 +157,6 @@ def _set_row(tree, index, row):
 @jax.jit
 def _copy(tree):
   return jax.tree.map(jnp.copy, tree)
-
-
-@jax.jit
-def _stack(trees):
-  return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
 def empty_result(start: Variables, uploads: dict[str, Any] | None = None) -> GroupResult:
@@ -166,13 +187,13 @@ def empty_group_result(trainer: LocalTrainer, start, memory_row, server, stack_s
   return result._replace(uploads={**result.uploads, **stacked})
 
 
-def padded_stacks(trainer: LocalTrainer, result: GroupResult, size: int) -> GroupResult:
-  """``result`` with its stacked uploads padded to ``size`` rows with copies of the first, so every round's
-  server program sees one shape."""
+@jax.jit
+def _pad_rows(tree, num_rows):
+  """Rows ``num_rows`` and on of every leaf replaced by copies of row 0 (``num_rows`` is traced)."""
   def pad(x):
-    return x if x.shape[0] == size else jnp.concatenate([x, jnp.repeat(x[:1], size - x.shape[0], 0)])
-  return result._replace(uploads={n: jax.tree.map(pad, v) if trainer.reductions[n] == "stack" else v
-                                  for n, v in result.uploads.items()})
+    real = (jnp.arange(x.shape[0]) < num_rows).reshape((-1,) + (1,) * (x.ndim - 1))
+    return jnp.where(real, x, x[:1])
+  return jax.tree.map(pad, tree)
 
 
 class SequentialBackend:
@@ -182,13 +203,15 @@ class SequentialBackend:
     return tree
 
   def train(self, trainer, start, store, clients, weights, round_key, *, memory=None, rows=None, server=None,
-            per_client_start=False):
+            per_client_start=False, capacity=None):
     start_client, run_steps, accumulate = _sequential_program(trainer, _schedule_length(trainer, store))
     memory, server = memory or {}, server or {}
     first_start = _take_row(start, 0) if per_client_start else start
     first_row = _take_row(memory, int(rows[0])) if memory else {}
-    result = empty_result(first_start, summed_uploads_like(trainer, first_start, first_row, server))
-    stacked = []
+    result = empty_group_result(trainer, first_start, first_row, server, capacity or len(clients))
+    summed = {n: v for n, v in result.uploads.items() if trainer.reductions[n] != "stack"}
+    stacked = {n: v for n, v in result.uploads.items() if trainer.reductions[n] == "stack"}
+    result = result._replace(uploads=summed)
     memory = _copy(memory)  # the rows are updated in place (donated) below; the caller's state stays valid
     for i, (client, weight) in enumerate(zip(clients, weights)):
       size = int(store.sizes[client])
@@ -198,26 +221,37 @@ class SequentialBackend:
                                       jax.random.fold_in(round_key, int(client)), row, server)
       state = _run_schedule(run_steps, trainer, trainer.config.num_steps(size), state, store, ids, mask)
       result, new_row, own = accumulate(result, state, client_start, row, server, jnp.float32(weight))
-      stacked.append(own)
+      if stacked:
+        stacked = _set_row(stacked, i, own)
       if memory:
         memory = _set_row(memory, int(rows[i]), new_row)
-    uploads = {**result.uploads, **(_stack(stacked) if stacked[0] else {})}
-    return result._replace(memory=memory, uploads=uploads)
+    stacked = _pad_rows(stacked, len(clients)) if stacked else {}
+    return result._replace(memory=memory, uploads={**result.uploads, **stacked})
 
 
 @functools.cache
-def _mapped_program(trainer: LocalTrainer, schedule_length: int, per_client_start: bool):
+def _mapped_program(trainer: LocalTrainer, schedule_length: int, per_client_start: bool, mesh: Mesh | None):
   start_axis = 0 if per_client_start else None
+  # On a mesh the chunk program's shardings are fixed (clients split, data replicated), so the programs
+  # compiled ahead by `ChunkPrograms` accept every chunk's inputs.
+  split = NamedSharding(mesh, PartitionSpec("clients")) if mesh else None
+  replicated = NamedSharding(mesh, PartitionSpec()) if mesh else None
+  chunk_shardings = dict(in_shardings=(split, replicated, replicated, split, split, replicated),
+                         out_shardings=split) if mesh else {}
 
-  @jax.jit
+  @functools.partial(jax.jit, out_shardings=(split, split, split) if mesh else None)
   def start_cohort(start, index_rows, num_examples, keys, memory_rows, server):
     ids, mask = jax.vmap(lambda r, n, k: trainer.schedule(r, n, k, schedule_length))(index_rows, num_examples, keys)
     states = jax.vmap(trainer.init_state, in_axes=(start_axis, 0, None, 0), axis_size=len(keys))(
         start, memory_rows, server, keys)
     return states, ids, mask
 
-  run_steps = jax.jit(jax.vmap(trainer.run_steps, in_axes=(0, None, None, 0, 0, None, None)), donate_argnums=0,
-                      static_argnums=6)
+  def run_cohort_steps(states, images, labels, ids, mask, offset, count):
+    run = lambda state, ids, mask: trainer.run_steps(state, images, labels, ids, mask, offset, count)
+    return jax.vmap(run)(states, ids, mask)
+
+  run_steps = ChunkPrograms(jax.jit(run_cohort_steps, donate_argnums=0, static_argnums=6, **chunk_shardings),
+                            trainer.config.chunk_lengths(schedule_length))
 
   @jax.jit
   def reduce(states: LocalState, start, memory_rows, server, weights, real):
@@ -248,8 +282,8 @@ class VmapBackend:
     self.name = "vmap" if mesh is None else "sharded"
     self._placed: dict[int, FederatedStore] = {}
 
-  def _padded_size(self, cohort: int) -> int:
-    size = 1 << (cohort - 1).bit_length()
+  def _padded_size(self, cohort: int, capacity: int | None) -> int:
+    size = max(capacity or 0, cohort)
     if self.mesh is not None:
       devices = self.mesh.size
       size = -(-size // devices) * devices
@@ -275,10 +309,10 @@ class VmapBackend:
     return jax.device_put(x, NamedSharding(self.mesh, PartitionSpec("clients")))
 
   def train(self, trainer, start, store, clients, weights, round_key, *, memory=None, rows=None, server=None,
-            per_client_start=False):
+            per_client_start=False, capacity=None):
     store = self._place(store)
     memory, server = memory or {}, server or {}
-    size = self._padded_size(len(clients))
+    size = self._padded_size(len(clients), capacity)
     pad = size - len(clients)
     # Empty clients own no examples, so every one of their steps is masked.
     padded = np.concatenate([clients, np.zeros(pad, clients.dtype)])
@@ -286,13 +320,14 @@ class VmapBackend:
     client_weights = np.concatenate([weights, np.zeros(pad)]).astype(np.float32)
     keys = jax.vmap(lambda c: jax.random.fold_in(round_key, c))(jnp.asarray(padded))
     if per_client_start:
-      start = self._split(jax.tree.map(lambda x: jnp.concatenate([x, jnp.repeat(x[:1], pad, 0)]), start))
+      start = self._split(jax.tree.map(lambda x: jnp.concatenate([x, jnp.repeat(x[:1], size - len(x), 0)]), start))
     memory_rows, padded_rows = {}, None
     if memory:
       num_rows = len(jax.tree.leaves(memory)[0])
       padded_rows = jnp.asarray(np.concatenate([rows, np.full(pad, num_rows)]), jnp.int32)
       memory_rows = self._split(jax.tree.map(lambda m: jnp.take(m, padded_rows, axis=0, mode="clip"), memory))
-    start_cohort, run_steps, reduce = _mapped_program(trainer, _schedule_length(trainer, store), per_client_start)
+    start_cohort, run_steps, reduce = _mapped_program(trainer, _schedule_length(trainer, store), per_client_start,
+                                                  self.mesh)
     index_rows = self._split(store.index_table[jnp.asarray(padded)])
     states, ids, mask = start_cohort(start, index_rows, self._split(jnp.asarray(sizes)), self._split(keys),
                                      memory_rows, server)
@@ -303,7 +338,8 @@ class VmapBackend:
                                        self._split(jnp.asarray(real, jnp.float32)))
     if memory:
       memory = _scatter_rows(memory, padded_rows, new_rows)
-    stacked = jax.tree.map(lambda x: x[:len(clients)], stacked)
+    if stacked:
+      stacked = _pad_rows(jax.tree.map(lambda x: x[:capacity or len(clients)], stacked), len(clients))
     return result._replace(memory=memory, uploads={**result.uploads, **stacked})
 
 

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_hetero.backends import Backend, empty_group_result, padded_stacks
+from fedjax_hetero.backends import Backend, empty_group_result
 from fedjax_hetero.client.local import LocalConfig, LocalTrainer
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.evaluation import accuracy
@@ -166,6 +166,8 @@ class Simulation:
     # Shapes only: runs every step's and the sampler's checks (e.g. InCo's layer pairs) before any compute;
     # also the template a checkpoint is restored into.
     self.state_shapes = jax.eval_shape(self.init_state)
+    self._compiled = False  # see _compile_every_group
+    self._empty_results: dict[int, Any] = {}
 
   def init_state(self) -> ServerState:
     """Every federation starts from one initialization of the largest model."""
@@ -230,6 +232,8 @@ class Simulation:
     key = round_key(seed, r)
     chosen = self.method.sampler.sample(state.sampler, r, self.sampling)
     starts, shares, cohorts, results = [], [], [], []
+    if not self._compiled:
+      self._compile_every_group(state, chosen.clients, key)
     memory = list(state.memory)
     losses: dict[str, float] = {}
     examples = 0.0
@@ -244,11 +248,11 @@ class Simulation:
         continue
       result = self.backend.train(self.trainers[gi], starts[gi], self.store, cohort, chosen.weights[in_group], key,
                                   memory=memory[gi], rows=self.row_of_client[cohort], server=shares[gi],
-                                  per_client_start=self.method.sharing.stacked)
+                                  per_client_start=self.method.sharing.stacked, capacity=self._stack_size(gi))
       memory[gi] = result.memory
       losses[group.name] = self._check_loss(r, group, result)
       examples += float(result.num_examples)
-      results.append(padded_stacks(self.trainers[gi], result._replace(memory={}), self._stack_size(gi)))
+      results.append(result._replace(memory={}))
     models, steps = list(state.models), list(state.steps)
     metrics: dict[str, Any] = {}
     for f in self.federations:
@@ -269,13 +273,35 @@ class Simulation:
                "round_seconds": seconds, "samples_per_s": examples / seconds, **metrics}
     return ServerState(r + 1, tuple(models), tuple(steps), sampler_state, tuple(memory)), metrics
 
+  def _compile_every_group(self, state: ServerState, clients: np.ndarray, key: jax.Array) -> None:
+    """Compiles, in this object's first round, the programs of the groups the round leaves out, so that no
+    later round compiles: trains one client of each such group and drops the result. Also keeps every
+    group's empty result (the stand-in for a group with no client in a round)."""
+    present = set(self.groups_of_round(state.round)[clients].tolist())
+    starts = [self._start(state, gi) for gi in range(len(self.groups))]
+    shares = [self.group_share(state, gi) for gi in range(len(self.groups))]
+    for gi in range(len(self.groups)):
+      self._empty_results[gi] = self._empty_result(gi, starts[gi], shares[gi], state)
+      if gi not in present:
+        client = self.groups[gi].clients[:1]
+        jax.block_until_ready(self.backend.train(
+            self.trainers[gi], starts[gi], self.store, client, np.ones(1), key, memory=state.memory[gi],
+            rows=self.row_of_client[client], server=shares[gi], per_client_start=self.method.sharing.stacked,
+            capacity=self._stack_size(gi)))
+    no_results, no_clients = [None] * len(self.groups), [np.zeros(0, int)] * len(self.groups)
+    for f in self.federations:
+      if not present.intersection(f.members):
+        jax.block_until_ready(self.aggregate(f.index, state, starts, shares, no_results, no_clients)[:2])
+    self._compiled = True
+
   def aggregate(self, federation: int, state: ServerState, starts: Sequence[Variables], shares: Sequence[Any],
                 results: Sequence[Any], cohorts: Sequence[np.ndarray]) -> tuple[Variables, tuple[Any, ...], dict]:
     """The server pipeline of one federation on the round's group results (None: nobody of that group
     was sampled; per group as in `run_round`): its new model, step states and host metrics."""
     f, r = self.federations[federation], state.round
     plans = [s.plan(r) if s.plan else Plan() for s in self.method.server]
-    filled = tuple(results[g] or self._empty_result(g, starts[g], shares[g], state) for g in f.members)
+    filled = tuple(results[g] or self._empty_results.get(g) or self._empty_result(g, starts[g], shares[g], state)
+                   for g in f.members)
     sizes = [self._stack_size(g) for g in f.members]
     valid = tuple(np.arange(n) < len(cohorts[g]) for g, n in zip(f.members, sizes))
     ids = tuple(np.concatenate([cohorts[g], np.full(n - len(cohorts[g]), self.store.num_clients)])

@@ -3,7 +3,10 @@
 ``python -m tests.golden`` (from the repository root) runs every method on the sequential and vmap
 backends and writes ``tests/golden_methods.json``; `tests/test_golden.py` reruns them and requires the
 same numbers bit for bit. The record was made before the method API was rebuilt (issue 14), so it
-pins the behaviour every refactor must keep.
+pins the behaviour every refactor must keep. The vmap entries were re-recorded once, in the speed work
+(issue 21), when the vmap backend began padding a group's cohort to the largest cohort it can have instead
+of the next power of two: the old engine padded that way reproduces the new record bit for bit, and
+every sequential entry stayed as it was.
 
 The setting: 6 synthetic clients of unequal sizes (`tiny_federation`), two depth groups of a small MLP
 (hidden 16-16 and 16-16-16, so InCo has a same-shape pair, hidden3 <- hidden2), 3 clients per round,
@@ -68,14 +71,23 @@ def fingerprint(variables) -> dict[str, Any]:
   return {"sha256": digest.hexdigest(), "sum": total}
 
 
-def record(method: str, backend: str, family: str = "mlp") -> list[dict[str, Any]]:
-  """Per round: train losses, examples, clients, test accuracies and each group model's fingerprint."""
+def record(method: str, backend: str, family: str = "mlp",
+           compiled: list[list[str]] | None = None) -> list[dict[str, Any]]:
+  """Per round: train losses, examples, clients, test accuracies and each group model's fingerprint.
+
+  ``compiled``, if given, receives per round the names of the programs the round and its evaluation
+  lowered (not part of the record)."""
+  from fedjax_hetero.compilation import CompileLog
   from tests.golden_setting import golden_simulation  # the API-specific part
 
   sim = golden_simulation(method, backend, family)
   state, rows = sim.init_state(), []
   for _ in range(ROUNDS):
-    state, metrics = sim.run_round(state)
+    with CompileLog() as log:
+      state, metrics = sim.run_round(state)
+      sim.evaluate(state)
+    if compiled is not None:
+      compiled.append(log.names)
     rows.append({"train_loss": metrics["train_loss"], "train_loss_per_group": metrics["train_loss_per_group"],
                  "examples": metrics["examples"], "clients": metrics["clients"],
                  "test_accuracy": sim.evaluate(state),

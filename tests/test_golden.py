@@ -2,7 +2,8 @@
 
 The record (``python -m tests.golden``) was made with the engine as it was before the method API
 was rebuilt; a change that alters any method's numbers on either backend fails here, naming the
-method, backend, round and quantity.
+method, backend, round and quantity. Every entry also checks that rounds 2 on compile nothing
+(evaluation included): each group's programs compile once, in the first round.
 """
 
 from __future__ import annotations
@@ -24,7 +25,11 @@ def test_method_reproduces_its_golden_record(entry):
   if jax.__version__ != RECORD["jax"]:
     pytest.skip(f"the record was made with jax {RECORD['jax']}; this is {jax.__version__}: rerun "
                 "`python -m tests.golden` on the commit before your change to compare like with like")
-  got = golden.record(*entry)
+  compiled = []
+  got = golden.record(*entry, compiled=compiled)
   for round_index, (want, have) in enumerate(zip(expected, got), start=1):
     for name in want:
       assert have[name] == want[name], f"{golden.key(*entry)} round {round_index}: {name} differs"
+  assert compiled[0], "the first round compiles the programs"
+  for round_index, names in enumerate(compiled[1:], start=2):
+    assert not names, f"{golden.key(*entry)} round {round_index} compiled {names}"

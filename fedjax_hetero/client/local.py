@@ -5,10 +5,10 @@ whether the slot is real) is drawn on the device from its padded index row, so
 no data leaves the device. Steps run in jitted *chunks* of fully unrolled
 steps: XLA:CPU runs convolutions inside a while loop (or a ``lax.cond``) about
 ten times slower than the same ops unrolled, and a chunk loop on the host costs
-one dispatch per chunk (see docs/architecture.md). A client's step count
-is covered exactly by chunks of ``steps_per_call`` steps followed by
-power-of-two chunks (e.g. 19 = 8 + 8 + 2 + 1), so no padded step is computed
-on the sequential path. A step whose batch holds no real example (vmapped
+one dispatch per chunk (see docs/performance.md). A client's step count
+is covered exactly by chunks of ``steps_per_call`` steps followed by single
+steps (e.g. 19 = 8 + 8 + 1 + 1 + 1): no padded step is computed on the
+sequential path, and a group needs at most two compiled chunk programs. A step whose batch holds no real example (vmapped
 cohorts of unequal clients) leaves the whole state untouched, optimizer included.
 
 What a client optimizes beyond the data loss, and what it uploads, comes from
@@ -65,16 +65,13 @@ class LocalConfig:
     return self.epochs * self.steps_per_epoch(num_examples)
 
   def chunk_sizes(self, num_steps: int) -> list[int]:
-    """Unrolled chunk lengths covering ``num_steps`` exactly: full chunks, then powers of two."""
+    """Unrolled chunk lengths covering ``num_steps`` exactly: full chunks, then single steps."""
     full, rest = divmod(num_steps, self.steps_per_call)
-    sizes = [self.steps_per_call] * full
-    size = 1 << max(self.steps_per_call.bit_length() - 1, 0)
-    while rest:
-      if size <= rest:
-        sizes.append(size)
-        rest -= size
-      size >>= 1
-    return sizes
+    return [self.steps_per_call] * full + [1] * rest
+
+  def chunk_lengths(self, max_steps: int) -> tuple[int, ...]:
+    """Every chunk length a schedule of at most ``max_steps`` steps can use (one compiled program each)."""
+    return tuple(sorted({n for n in (self.steps_per_call, 1) if n <= max(max_steps, 1)}, reverse=True))
 
 
 def make_optimizer(config: LocalConfig) -> optax.GradientTransformation:

@@ -1,0 +1,79 @@
+"""Compilation: jax's persistent cache in a user cache directory, and a count of what gets compiled.
+
+A simulation compiles each architecture group's programs in its first round and none after
+(see docs/performance.md); `CompileLog` is how the tests and the runner check and report that.
+The persistent cache makes a second run of the same command skip XLA's compilation altogether.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+
+import jax
+
+CACHE_ENV = "FEDJAX_HETERO_CACHE_DIR"  # a directory, or "off"
+_LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def default_cache_dir() -> str:
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "fedjax_hetero", "xla")
+
+
+def enable_persistent_cache(directory: str | None = None) -> str | None:
+  """Turns on jax's persistent compilation cache and returns its directory (None: left off).
+
+  The directory is ``directory`` if given, else ``$FEDJAX_HETERO_CACHE_DIR``, else
+  ``~/.cache/fedjax_hetero/xla``; "off" (either way) leaves the cache off. A cache the user already
+  configured for jax (``JAX_COMPILATION_CACHE_DIR`` or ``jax.config``) is kept as it is.
+  """
+  if jax.config.jax_compilation_cache_dir:
+    return jax.config.jax_compilation_cache_dir
+  directory = directory or os.environ.get(CACHE_ENV) or default_cache_dir()
+  if directory.lower() == "off":
+    return None
+  os.makedirs(directory, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", directory)
+  # Cache every program, however quick to compile: a round starts dozens of small ones.
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  return directory
+
+
+@dataclasses.dataclass
+class CompileLog:
+  """Counts programs lowered (jit cache misses, persistent cache hits included) and XLA compile time.
+
+  Use as a context manager::
+
+    with CompileLog() as log:
+      state, _ = sim.run_round(state)
+    assert log.count == 0, log.names
+  """
+
+  names: list[str] = dataclasses.field(default_factory=list)
+  backend_seconds: float = 0.0
+
+  def __post_init__(self):
+    self._lock = threading.Lock()  # programs compile in threads (`backends.ChunkPrograms`)
+
+  @property
+  def count(self) -> int:
+    return len(self.names)
+
+  def _listen(self, event: str, seconds: float, **kwargs) -> None:
+    with self._lock:
+      if event == _LOWERING_EVENT:
+        self.names.append(str(kwargs.get("fun_name", "?")))
+      elif event == _BACKEND_COMPILE_EVENT:
+        self.backend_seconds += seconds
+
+  def __enter__(self) -> "CompileLog":
+    jax.monitoring.register_event_duration_secs_listener(self._listen)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    jax.monitoring.unregister_event_duration_listener(self._listen)

@@ -6,12 +6,13 @@ timed rounds. Throughput is real training examples per second over the timed
 rounds; ``compile_s`` is the warm-up round's time minus the median timed round.
 
 The centralized limit trains the same model with the same optimizer on the same
-number of samples per round, in ordinary mini-batches of the whole cohort's
-batch (``clients_per_round * batch_size``) with the same strategy: a jitted
-chunk of ``steps_per_call`` unrolled ``LocalTrainer.train_step`` calls gathering
-its batches from the device-resident uint8 images, a host loop over chunks. Its
-batches are always full (no partial or masked slot) and its samples are drawn
-from ordinary epochs over the whole training set.
+number of samples per round, in ordinary mini-batches, with the same strategy: a
+jitted chunk of ``steps_per_call`` unrolled ``LocalTrainer.train_step`` calls
+gathering its batches from the device-resident uint8 images, a host loop over
+chunks. Its batches are always full (no partial or masked slot) and its samples
+are drawn from ordinary epochs over the whole training set. It is the best of
+three batch sizes (the local batch, twice it, and the whole cohort's batch
+``clients_per_round * batch_size``), since no one size is fastest everywhere.
 
 Prints one JSON line per backend, e.g.::
 
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--rounds", type=int, default=3, help="timed rounds (after one warm-up round)")
   p.add_argument("--backends", default="auto,sequential,vmap",
                  help=f"comma-separated backends out of {', '.join(BACKENDS)}")
-  p.add_argument("--steps-per-call", type=int, default=8, help="local steps unrolled in one jitted call")
+  p.add_argument("--steps-per-call", type=int, default=1, help="local steps unrolled in one jitted call")
   p.add_argument("--max-train-samples", type=int, default=None, help="class-balanced training subset")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--output", default=None, help="also write the JSON lines to this file")
@@ -101,14 +102,14 @@ def measure_fl(sim: Simulation, backend_name: str, rounds: int) -> dict[str, Any
           "warmup_round_s": warm["round_seconds"], "timed_round_s": seconds}
 
 
-def measure_centralized(sim: Simulation, samples_per_round: float, rounds: int, seed: int = 0) -> dict[str, float]:
-  """Full batches of ``clients_per_round * batch_size`` on the same data, same chunked strategy.
+def measure_centralized(sim: Simulation, samples_per_round: float, rounds: int, batch: int,
+                        seed: int = 0) -> dict[str, float]:
+  """Full batches of ``batch`` samples on the same data and model, with the same chunked strategy.
 
   Runs at least ``rounds * samples_per_round`` samples, in whole chunks of
   ``steps_per_call`` steps, after one warm-up chunk; every batch slot is real.
   """
   store, local = sim.store, sim.local
-  batch = sim.config.clients_per_round * local.batch_size
   config = dataclasses.replace(local, batch_size=batch)
   trainer = LocalTrainer(sim.groups[0].model, config, store.mean, store.std)
   k = config.steps_per_call
@@ -149,6 +150,19 @@ def measure_centralized(sim: Simulation, samples_per_round: float, rounds: int, 
           "centralized_batch": batch}
 
 
+def centralized_limit(sim: Simulation, samples_per_round: float, rounds: int, seed: int = 0) -> dict[str, Any]:
+  """The fastest centralized configuration: the local batch, twice it, and the whole cohort's batch.
+
+  No batch size is the fastest everywhere (on XLA:CPU a batch of 640 is slower than one of 64), so
+  the limit the FL loop is measured against is the best of them; every one is reported.
+  """
+  local = sim.local.batch_size
+  batches = sorted({local, 2 * local, sim.config.clients_per_round * local})
+  tried = [measure_centralized(sim, samples_per_round, rounds, b, seed) for b in batches]
+  best = max(tried, key=lambda t: t["centralized_samples_per_s"])
+  return {**best, "centralized_by_batch": {t["centralized_batch"]: t["centralized_samples_per_s"] for t in tried}}
+
+
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   """Runs the benchmark; prints (and returns) one JSON-able dict per backend."""
   args = build_parser().parse_args(argv)
@@ -175,8 +189,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     fl_results.append(result)
   # One centralized measurement, shared by every backend's line.
   samples_per_round = max(r["examples_per_round"] for r in fl_results)
-  central = measure_centralized(sim, samples_per_round, args.rounds, args.seed)
-  log(f"centralized (batch {central['centralized_batch']}): {central['centralized_samples_per_s']:.0f} samples/s")
+  central = centralized_limit(sim, samples_per_round, args.rounds, args.seed)
+  log(f"centralized limit (best of batches {sorted(central['centralized_by_batch'])}: batch "
+      f"{central['centralized_batch']}): {central['centralized_samples_per_s']:.0f} samples/s")
 
   rows = []
   for result in fl_results:

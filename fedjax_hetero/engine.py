@@ -13,6 +13,7 @@ all groups (layer-wise averaging). See docs/architecture.md.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
 import time
@@ -166,7 +167,7 @@ class Simulation:
     # Shapes only: runs every step's and the sampler's checks (e.g. InCo's layer pairs) before any compute;
     # also the template a checkpoint is restored into.
     self.state_shapes = jax.eval_shape(self.init_state)
-    self._compiled = False  # see _compile_every_group
+    self._compiled = False  # see run_round and _compile_every_federation
     self._empty_results: dict[int, Any] = {}
 
   def init_state(self) -> ServerState:
@@ -231,24 +232,37 @@ class Simulation:
     r, seed = state.round, self.config.seed
     key = round_key(seed, r)
     chosen = self.method.sampler.sample(state.sampler, r, self.sampling)
-    starts, shares, cohorts, results = [], [], [], []
-    if not self._compiled:
-      self._compile_every_group(state, chosen.clients, key)
-    memory = list(state.memory)
+    groups_now = self.groups_of_round(r)
+    cohorts = [chosen.clients[groups_now[chosen.clients] == gi] for gi in range(len(self.groups))]
+    weights = [chosen.weights[groups_now[chosen.clients] == gi] for gi in range(len(self.groups))]
+    starts = [self._start(state, gi) for gi in range(len(self.groups))]
+    shares = [self.group_share(state, gi) for gi in range(len(self.groups))]
+
+    def train(gi: int):
+      cohort, group_weights = cohorts[gi], weights[gi]
+      if len(cohort) == 0:
+        if self._compiled:
+          return None
+        # This object's first round: the group trains one client, result dropped, so that its programs
+        # compile now rather than in the first round that samples it.
+        cohort, group_weights = self.groups[gi].clients[:1], np.ones(1)
+      return self.backend.train(self.trainers[gi], starts[gi], self.store, cohort, group_weights, key,
+                                memory=state.memory[gi], rows=self.row_of_client[cohort], server=shares[gi],
+                                per_client_start=self.method.sharing.stacked, capacity=self._stack_size(gi))
+
+    if self._compiled:
+      trained = [train(gi) for gi in range(len(self.groups))]
+    else:  # the groups compile side by side (XLA compiles on one core)
+      with concurrent.futures.ThreadPoolExecutor(len(self.groups)) as pool:
+        trained = list(pool.map(train, range(len(self.groups))))
+      self._compile_every_federation(state, starts, shares, cohorts)
+    memory, results = list(state.memory), []
     losses: dict[str, float] = {}
     examples = 0.0
-    for gi, group in enumerate(self.groups):
-      in_group = self.groups_of_round(r)[chosen.clients] == gi
-      cohort = chosen.clients[in_group]
-      starts.append(self._start(state, gi))
-      shares.append(self.group_share(state, gi))
-      cohorts.append(cohort)
-      if len(cohort) == 0:
+    for gi, (group, result) in enumerate(zip(self.groups, trained)):
+      if len(cohorts[gi]) == 0:
         results.append(None)
         continue
-      result = self.backend.train(self.trainers[gi], starts[gi], self.store, cohort, chosen.weights[in_group], key,
-                                  memory=memory[gi], rows=self.row_of_client[cohort], server=shares[gi],
-                                  per_client_start=self.method.sharing.stacked, capacity=self._stack_size(gi))
       memory[gi] = result.memory
       losses[group.name] = self._check_loss(r, group, result)
       examples += float(result.num_examples)
@@ -273,25 +287,17 @@ class Simulation:
                "round_seconds": seconds, "samples_per_s": examples / seconds, **metrics}
     return ServerState(r + 1, tuple(models), tuple(steps), sampler_state, tuple(memory)), metrics
 
-  def _compile_every_group(self, state: ServerState, clients: np.ndarray, key: jax.Array) -> None:
-    """Compiles, in this object's first round, the programs of the groups the round leaves out, so that no
-    later round compiles: trains one client of each such group and drops the result. Also keeps every
-    group's empty result (the stand-in for a group with no client in a round)."""
-    present = set(self.groups_of_round(state.round)[clients].tolist())
-    starts = [self._start(state, gi) for gi in range(len(self.groups))]
-    shares = [self.group_share(state, gi) for gi in range(len(self.groups))]
+  def _compile_every_federation(self, state: ServerState, starts: Sequence[Variables], shares: Sequence[Any],
+                                cohorts: Sequence[np.ndarray]) -> None:
+    """In this object's first round, runs (and drops) the server program of every federation the round
+    leaves out, and keeps every group's empty result (the stand-in for a group with no client in a
+    round), so that no later round compiles."""
     for gi in range(len(self.groups)):
       self._empty_results[gi] = self._empty_result(gi, starts[gi], shares[gi], state)
-      if gi not in present:
-        client = self.groups[gi].clients[:1]
-        jax.block_until_ready(self.backend.train(
-            self.trainers[gi], starts[gi], self.store, client, np.ones(1), key, memory=state.memory[gi],
-            rows=self.row_of_client[client], server=shares[gi], per_client_start=self.method.sharing.stacked,
-            capacity=self._stack_size(gi)))
-    no_results, no_clients = [None] * len(self.groups), [np.zeros(0, int)] * len(self.groups)
+    no_results = [None] * len(self.groups)
     for f in self.federations:
-      if not present.intersection(f.members):
-        jax.block_until_ready(self.aggregate(f.index, state, starts, shares, no_results, no_clients)[:2])
+      if not any(len(cohorts[g]) for g in f.members):
+        jax.block_until_ready(self.aggregate(f.index, state, starts, shares, no_results, cohorts)[:2])
     self._compiled = True
 
   def aggregate(self, federation: int, state: ServerState, starts: Sequence[Variables], shares: Sequence[Any],

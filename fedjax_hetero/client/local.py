@@ -45,7 +45,7 @@ class LocalConfig:
   momentum: float = 0.0
   weight_decay: float = 0.0
   drop_last: bool = False
-  steps_per_call: int = 8
+  steps_per_call: int = 1  # one compiled step per group; >1 unrolls that many (see docs/performance.md)
 
   def __post_init__(self):
     if self.optimizer not in OPTIMIZERS:

@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fedjax_hetero.models.common import Part, run_parts, scale_channels
+from fedjax_hetero.models.common import Part, max_pool, run_parts, scale_channels
 
 Array = jax.Array
 
@@ -43,7 +43,7 @@ class CNN(nn.Module):
 
     def conv(name: str, channels: int, h: Array) -> Array:
       h = nn.relu(nn.Conv(scale_channels(channels, self.width), (3, 3), padding="SAME", name=name)(h))
-      return nn.max_pool(h, (2, 2), (2, 2))
+      return max_pool(h, (2, 2), (2, 2))
 
     def features(h: Array) -> Array:
       h = flatten_channel_major(h)

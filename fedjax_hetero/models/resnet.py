@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fedjax_hetero.models.common import Part, bn_mask, run_parts, scale_channels
+from fedjax_hetero.models.common import Part, bn_mask, max_pool, run_parts, scale_channels
 
 Array = jax.Array
 
@@ -109,8 +109,7 @@ class ResNet(nn.Module):
                   dtype=self.dtype, name="stem_conv")(h)
       h = nn.relu(_batch_norm(train, self.dtype, "stem_bn")(h, mask=bn_mask(mask, h)))
       if self.stem == "imagenet":
-        # flax pads max_pool with -inf, like PyTorch.
-        h = nn.max_pool(h, (3, 3), (2, 2), padding=((1, 1), (1, 1)))
+        h = max_pool(h, (3, 3), (2, 2), ((1, 1), (1, 1)))  # padded with -inf, like PyTorch
       return h
 
     def stage(index: int, h: Array) -> Array:

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_hetero.models.cnn import flatten_channel_major
-from fedjax_hetero.models.common import Part, bn_mask, run_parts, scale_channels
+from fedjax_hetero.models.common import Part, bn_mask, max_pool, run_parts, scale_channels
 from fedjax_hetero.models.resnet import conv_init
 
 Array = jax.Array
@@ -78,7 +78,7 @@ class VGG16(nn.Module):
         h = nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5, dtype=self.dtype,
                          name=f"{prefix}bn{j + 1}")(h, mask=m)
         h = nn.relu(h)
-      return nn.max_pool(h, (2, 2), (2, 2), padding="SAME")
+      return max_pool(h, (2, 2), (2, 2), "SAME")
 
     def features(h: Array) -> Array:
       size = scale_channels(self.hidden, self.width)

@@ -1,0 +1,420 @@
+"""Peer benchmark: HeteroAvg in fedjax_hetero against a plain PyTorch loop on the same clients.
+
+The workload is the one the papers' PyTorch repositories run: HeteroAvg over
+ResNet depth groups (default ResNet10 and ResNet18 at width 0.25) on
+Fashion-MNIST, Dirichlet(alpha) over ``--num-clients`` clients, one local epoch
+of Adam (a fresh optimizer every round) in batches of ``--batch-size`` with the
+last partial batch kept, server update weighted by client sample count.
+
+Each side runs in its own subprocess, launched back to back by the parent, so
+both whole-process wall times (interpreter start, imports, compilation, data
+loading, rounds, evaluation) are measured the same way:
+
+* ``jax``: the library's own `Simulation` (``build_simulation`` of the same
+  `RunConfig` with ``weighting="num_samples"``) on JAX's default platform;
+* ``torch``: the same ResNets written in PyTorch (same channels, strides,
+  BatchNorm, pooling, classifier and initialization; layers named alike, so a
+  shallower group's ``state_dict`` keys are a subset of the deepest one's),
+  clients trained one after another from their group's slice of the global
+  model with a DataLoader-free tensor loop, and deltas averaged per parameter
+  name over the clients that hold it (BatchNorm running statistics included,
+  as our ``batch_stats``), weighted by sample count. Threads are torch's default.
+
+The torch side builds the client index lists with the library's numpy data code
+(`fedjax_hetero.data`, as `runner.partitioned_dataset` does, without importing
+JAX) and draws each round's clients with the rule of `data.store.sample_clients`
+(sorted, uniform without replacement, seeded by (seed, round)); both sides
+report a digest of the partition and the drawn clients, and the summary line
+says whether they agree.
+
+Per side: samples/s over rounds 2..N, the first round's seconds, the
+subprocess's wall time, per-round seconds, parameter counts per group and test
+accuracy of every group's model on the first ``--eval-samples`` test images.
+The summary holds the jax/torch ratios (medians over ``--repeats``)::
+
+  python -m benchmarks.peer_torch
+  python -m benchmarks.peer_torch --rounds 2 --num-clients 8 --clients-per-round 2 --max-train-samples 2000
+
+Needs PyTorch: ``pip install -e '.[peer]'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from benchmarks.common import emit_json_lines
+from fedjax_hetero import data as fdata
+
+SIDES = ("torch", "jax")
+# Stage sizes of the library's ImageNet-stem ResNet presets (`models.resnet.RESNET_PRESETS`; not imported:
+# it pulls in flax). The jax side's parameter counts check the torch models against them.
+TORCH_RESNETS: dict[str, tuple[int, ...]] = {
+    "resnet10": (1, 1, 1, 1), "resnet14": (1, 1, 2, 2), "resnet18": (2, 2, 2, 2), "resnet22": (2, 2, 3, 3),
+    "resnet26": (3, 3, 3, 3)}
+FORWARDED = ("rounds", "num_clients", "clients_per_round", "groups", "batch_size", "epochs", "lr", "alpha", "seed",
+             "backend", "steps_per_call", "max_train_samples", "eval_samples", "device", "data_dir")
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--rounds", type=int, default=6)
+  p.add_argument("--num-clients", type=int, default=20)
+  p.add_argument("--clients-per-round", type=int, default=4)
+  p.add_argument("--groups", default="resnet10@0.25,resnet18@0.25",
+                 help=f"comma-separated NAME@WIDTH, smallest first; names: {', '.join(TORCH_RESNETS)}")
+  p.add_argument("--batch-size", type=int, default=64)
+  p.add_argument("--epochs", type=int, default=1, help="local epochs per round")
+  p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
+  p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--backend", default="auto", help="our side's backend")
+  p.add_argument("--steps-per-call", type=int, default=None, help="our side's steps per jitted call (default: ours)")
+  p.add_argument("--max-train-samples", type=int, default=None, help="class-balanced training subset")
+  p.add_argument("--eval-samples", type=int, default=2000, help="test images every group's model is evaluated on")
+  p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="torch's device (ours: JAX's default)")
+  p.add_argument("--data-dir", default=None, help="directory holding the Fashion-MNIST IDX files")
+  p.add_argument("--repeats", type=int, default=1, help="back-to-back pairs of runs")
+  p.add_argument("--sides", default="both", choices=("both",) + SIDES)
+  p.add_argument("--side", default=None, choices=SIDES, help="run one side in this process (what the parent launches)")
+  p.add_argument("--output", default=None, help="also write the JSON lines to this file")
+  return p
+
+
+def _log(msg: str) -> None:
+  print(msg, file=sys.stderr, flush=True)
+
+
+def parse_groups(text: str) -> list[tuple[str, str, float]]:
+  """``"resnet10@0.25,..."`` -> ``[(spec, name, width), ...]``."""
+  out = []
+  for spec in (s.strip() for s in text.split(",") if s.strip()):
+    name, _, width = spec.partition("@")
+    name = name.lower()
+    if name not in TORCH_RESNETS:
+      raise SystemExit(f"error: group {spec!r}: the torch side has {', '.join(TORCH_RESNETS)} only")
+    out.append((spec, name, float(width) if width else 1.0))
+  if not out:
+    raise SystemExit("error: --groups is empty")
+  return out
+
+
+def federated_data(args: argparse.Namespace) -> tuple[fdata.ArrayDataset, list[np.ndarray]]:
+  """The dataset (its subset if asked) and client partition of `runner.partitioned_dataset`, without JAX."""
+  dataset = fdata.load_dataset("fashion_mnist", args.data_dir)
+  if args.max_train_samples:
+    dataset = dataset.subset(args.max_train_samples, None, seed=args.seed)
+  parts = fdata.partition(dataset.train_labels, "dirichlet", args.num_clients, args.seed, alpha=args.alpha)
+  return dataset, parts
+
+
+def round_clients(num_clients: int, clients_per_round: int, seed: int, round_index: int) -> np.ndarray:
+  """`data.store.sample_clients`: the round's clients, sorted."""
+  rng = np.random.default_rng([seed, round_index])
+  return np.sort(rng.choice(num_clients, size=clients_per_round, replace=False))
+
+
+def partition_digest(parts: Sequence[np.ndarray]) -> str:
+  h = hashlib.sha1()
+  for p in parts:
+    h.update(np.asarray(p, np.int64).tobytes() + b"|")
+  return h.hexdigest()[:16]
+
+
+def _timing(round_s: Sequence[float], examples: Sequence[float], trained: Sequence[Sequence[str]]) -> dict[str, Any]:
+  """Throughput fields; ``trained`` are the groups with clients in each round (a group first trained after
+  round 1 compiles its programs then, on our side)."""
+  later = sum(round_s[1:])
+  first = {}
+  for r, names in enumerate(trained):
+    for name in names:
+      first.setdefault(name, r + 1)
+  return {"samples_per_s_after_first": sum(examples[1:]) / later if later > 0 else None,
+          "first_round_s": round_s[0], "round_s": list(round_s), "examples_per_round": list(examples),
+          "first_round_of_group": first}
+
+
+@functools.cache
+def _torch_resnet_class() -> type:
+  """The torch ResNet (classes built on first use, so this module imports without torch)."""
+  from torch import nn
+
+  def scale(channels: int, width: float) -> int:
+    return max(1, int(round(channels * width)))
+
+  class BasicBlock(nn.Module):
+
+    def __init__(self, cin: int, cout: int, stride: int):
+      super().__init__()
+      self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+      self.bn1 = nn.BatchNorm2d(cout)
+      self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+      self.bn2 = nn.BatchNorm2d(cout)
+      self.downsample = None
+      if stride != 1 or cin != cout:
+        self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, 0, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+      y = self.bn2(self.conv2(self.bn1(self.conv1(x)).relu()))
+      return (y + (x if self.downsample is None else self.downsample(x))).relu()
+
+  class ResNet(nn.Module):
+    """`models.resnet.ResNet` with the ImageNet stem; modules named as our layers (stem_conv, stage2_block1, head)."""
+
+    def __init__(self, stage_sizes: Sequence[int], num_classes: int, width: float, in_channels: int = 1):
+      super().__init__()
+      channels = scale(64, width)
+      self.stem_conv = nn.Conv2d(in_channels, channels, 7, 2, 3, bias=False)
+      self.stem_bn = nn.BatchNorm2d(channels)
+      self.pool = nn.MaxPool2d(3, 2, 1)
+      self.blocks = []
+      cin = channels
+      for stage, blocks in enumerate(stage_sizes):
+        cout = scale(64 * 2**stage, width)
+        for b in range(blocks):
+          name = f"stage{stage + 1}_block{b}"
+          self.add_module(name, BasicBlock(cin, cout, 2 if stage > 0 and b == 0 else 1))
+          self.blocks.append(name)
+          cin = cout
+      self.head = nn.Linear(cin, num_classes)
+      for m in self.modules():
+        if isinstance(m, nn.Conv2d):
+          nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+      nn.init.zeros_(self.head.bias)
+
+    def forward(self, x):
+      x = self.pool(self.stem_bn(self.stem_conv(x)).relu())
+      for name in self.blocks:
+        x = getattr(self, name)(x)
+      return self.head(x.mean(dim=(2, 3)))
+
+  return ResNet
+
+
+def run_torch(args: argparse.Namespace) -> dict[str, Any]:
+  t_start = time.perf_counter()
+  try:
+    import torch
+    import torch.nn.functional as F
+  except ImportError:
+    raise SystemExit("error: the torch side needs PyTorch: pip install -e '.[peer]'") from None
+  if args.device == "cuda" and not torch.cuda.is_available():
+    raise SystemExit("error: --device cuda but torch sees no CUDA device")
+  device = torch.device(args.device)
+  sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+  groups = parse_groups(args.groups)
+  dataset, parts = federated_data(args)
+  torch.manual_seed(args.seed)
+  resnet = _torch_resnet_class()
+  models = [resnet(TORCH_RESNETS[name], dataset.num_classes, width, dataset.train_images.shape[-1]).to(device)
+            for _, name, width in groups]
+  sizes = [sum(p.numel() for p in m.parameters()) for m in models]
+  big = max(range(len(models)), key=sizes.__getitem__)
+  global_state = {k: v.detach().clone() for k, v in models[big].state_dict().items()}
+  for (spec, _, _), model in zip(groups, models):
+    for k, v in model.state_dict().items():
+      if k not in global_state or global_state[k].shape != v.shape:
+        raise SystemExit(f"error: group {spec}: {k} {tuple(v.shape)} is not a layer of the largest model")
+
+  images = torch.from_numpy(dataset.train_images).permute(0, 3, 1, 2).contiguous().to(device)
+  labels = torch.from_numpy(dataset.train_labels).long().to(device)
+  client_ids = [torch.from_numpy(np.asarray(p, np.int64)).to(device) for p in parts]
+  group_of = np.empty(args.num_clients, int)
+  for g, block in enumerate(np.array_split(np.arange(args.num_clients), len(groups))):
+    group_of[block] = g
+  mean = torch.tensor(dataset.mean, device=device).view(1, -1, 1, 1)
+  std = torch.tensor(dataset.std, device=device).view(1, -1, 1, 1)
+  shuffle = torch.Generator().manual_seed(args.seed)
+  skipped = 0
+
+  def train_client(model, ids: torch.Tensor) -> tuple[dict[str, torch.Tensor], int]:
+    nonlocal skipped
+    start = {k: global_state[k] for k in model.state_dict()}
+    model.load_state_dict(start)
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    n, seen = len(ids), 0
+    for _ in range(args.epochs):
+      order = ids[torch.randperm(n, generator=shuffle).to(device)]
+      for s in range(0, n, args.batch_size):
+        batch = order[s:s + args.batch_size]
+        if len(batch) == 1:  # torch's train-mode BatchNorm refuses one value per channel (the 1x1 last stage)
+          skipped += 1
+          continue
+        x = (images[batch].float() / 255 - mean) / std
+        loss = F.cross_entropy(model(x), labels[batch])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        seen += len(batch)
+    delta = {k: v.detach() - start[k] for k, v in model.state_dict().items() if v.is_floating_point()}
+    return delta, seen
+
+  round_s, examples, drawn = [], [], []
+  for r in range(args.rounds):
+    t0 = time.perf_counter()
+    clients = round_clients(args.num_clients, args.clients_per_round, args.seed, r)
+    total = {k: torch.zeros_like(v) for k, v in global_state.items() if v.is_floating_point()}
+    weight = dict.fromkeys(total, 0.0)
+    seen_round = 0
+    for c in clients:
+      delta, seen = train_client(models[group_of[c]], client_ids[c])
+      seen_round += seen
+      w = float(len(parts[c]))
+      for k, d in delta.items():
+        total[k].add_(d, alpha=w)
+        weight[k] += w
+    for k, w in weight.items():
+      if w > 0:
+        global_state[k] += total[k] / w
+    sync()
+    round_s.append(time.perf_counter() - t0)
+    examples.append(seen_round)
+    drawn.append([int(c) for c in clients])
+    _log(f"torch round {r + 1}: {round_s[-1]:.2f} s, {seen_round} examples")
+
+  n_eval = min(args.eval_samples, len(dataset.test_labels))
+  test_x = torch.from_numpy(dataset.test_images[:n_eval]).permute(0, 3, 1, 2).to(device)
+  test_y = torch.from_numpy(dataset.test_labels[:n_eval]).long().to(device)
+  accuracy = {}
+  with torch.no_grad():
+    for (spec, _, _), model in zip(groups, models):
+      model.load_state_dict({k: global_state[k] for k in model.state_dict()})
+      model.eval()
+      correct = sum(int((model((test_x[s:s + 500].float() / 255 - mean) / std).argmax(1) == test_y[s:s + 500]).sum())
+                    for s in range(0, n_eval, 500))
+      accuracy[spec] = correct / n_eval
+  trained = [sorted({groups[group_of[c]][0] for c in clients}) for clients in drawn]
+  return {"side": "torch", **_timing(round_s, examples, trained), "run_s": time.perf_counter() - t_start,
+          "test_accuracy": accuracy, "eval_samples": n_eval,
+          "param_counts": {spec: n for (spec, _, _), n in zip(groups, sizes)},
+          "singleton_batches_skipped": skipped, "clients": drawn, "partition_digest": partition_digest(parts),
+          "framework": f"torch {torch.__version__}", "device": str(device),
+          "torch_num_threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
+
+
+def run_jax(args: argparse.Namespace) -> dict[str, Any]:
+  t_start = time.perf_counter()
+  import jax
+
+  from fedjax_hetero.config import RunConfig
+  from fedjax_hetero.evaluation import accuracy
+  from fedjax_hetero.runner import build_simulation
+
+  groups = [spec for spec, _, _ in parse_groups(args.groups)]
+  extra = {"steps_per_call": args.steps_per_call} if args.steps_per_call else {}
+  try:
+    config = RunConfig.from_flags(
+        dataset="fashion_mnist", data_dir=args.data_dir, groups=tuple(groups), method="HeteroAvg",
+        num_clients=args.num_clients, clients_per_round=args.clients_per_round, partition="dirichlet",
+        alpha=args.alpha, epochs=args.epochs, batch_size=args.batch_size, optimizer="adam", learning_rate=args.lr,
+        weighting="num_samples", rounds=args.rounds, seed=args.seed, backend=args.backend,
+        max_train_samples=args.max_train_samples, progress=False, **extra)
+    sim, parts = build_simulation(config, log=_log)
+  except (ValueError, fdata.DataNotFoundError) as e:
+    raise SystemExit(f"error: {e}") from None
+  state = sim.init_state()
+  round_s, examples, drawn, trained = [], [], [], []
+  for r in range(args.rounds):
+    state, m = sim.run_round(state)
+    trained.append(sorted(m["train_loss_per_group"]))
+    round_s.append(m["round_seconds"])
+    examples.append(m["examples"])
+    drawn.append(m["clients"])
+    _log(f"jax round {r + 1}: {round_s[-1]:.2f} s, {m['examples']} examples")
+  n_eval = min(args.eval_samples, int(sim.test_labels.shape[0]))
+  images, labels = sim.test_images[:n_eval], sim.test_labels[:n_eval]
+  acc, counts = {}, {}
+  for gi, group in enumerate(sim.groups):
+    variables = sim.group_variables(state, gi)
+    acc[group.name] = accuracy(group.model, variables, images, labels, sim.store.mean, sim.store.std, 500)
+    counts[group.name] = int(sum(x.size for x in jax.tree.leaves(variables["params"])))
+  return {"side": "jax", **_timing(round_s, examples, trained), "run_s": time.perf_counter() - t_start,
+          "test_accuracy": acc, "eval_samples": n_eval, "param_counts": counts, "clients": drawn,
+          "partition_digest": partition_digest(parts), "framework": f"jax {jax.__version__}",
+          "device": f"{jax.default_backend()} x{jax.device_count()}", "backend": sim.backend.name,
+          "steps_per_call": config.client.steps_per_call, "cpu_count": os.cpu_count()}
+
+
+def _child_argv(args: argparse.Namespace, side: str) -> list[str]:
+  argv = [sys.executable, "-m", "benchmarks.peer_torch", "--side", side]
+  for name in FORWARDED:
+    value = getattr(args, name)
+    if value is not None:
+      argv += [f"--{name.replace('_', '-')}", str(value)]
+  return argv
+
+
+def launch(args: argparse.Namespace, side: str) -> dict[str, Any]:
+  """One side in a fresh subprocess; its row plus the process's whole wall time."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+  t0 = time.perf_counter()
+  done = subprocess.run(_child_argv(args, side), stdout=subprocess.PIPE, text=True, env=env, cwd=root)
+  wall = time.perf_counter() - t0
+  if done.returncode != 0:
+    raise SystemExit(f"error: the {side} side exited with status {done.returncode}")
+  row = json.loads(done.stdout.strip().splitlines()[-1])
+  keys = ("side", "samples_per_s_after_first", "first_round_s")
+  return {**{k: row[k] for k in keys}, "wall_s": wall, **{k: v for k, v in row.items() if k not in keys}}
+
+
+def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+  by_side = {s: [r for r in rows if r["side"] == s] for s in SIDES}
+
+  def ratio(key: str) -> float | None:
+    pairs = [(j[key], t[key]) for j, t in zip(by_side["jax"], by_side["torch"]) if j[key] and t[key]]
+    return statistics.median(j / t for j, t in pairs) if pairs else None
+
+  def same(key: str) -> bool:
+    return all(r[key] == rows[0][key] for r in rows)
+
+  return {"summary": True, "ratio_samples_per_s_after_first_jax_over_torch": ratio("samples_per_s_after_first"),
+          "ratio_wall_s_jax_over_torch": ratio("wall_s"), "repeats": len(by_side["jax"]),
+          **{f"median_{k}_{s}": statistics.median(r[k] for r in by_side[s]) if all(r[k] for r in by_side[s]) else None
+             for s in SIDES for k in ("samples_per_s_after_first", "wall_s")},
+          "same_partition": same("partition_digest"), "same_clients": same("clients"),
+          "same_examples": same("examples_per_round"), "same_param_counts": same("param_counts"),
+          "first_round_of_group": rows[0]["first_round_of_group"],
+          "torch_num_threads": by_side["torch"][0]["torch_num_threads"]}
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+  """Runs the benchmark; prints (and returns) one JSON-able dict per side and run, then the summary."""
+  args = build_parser().parse_args(argv)
+  for name in ("rounds", "repeats", "num_clients", "clients_per_round", "batch_size", "epochs", "eval_samples"):
+    if getattr(args, name) < 1:
+      raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1")
+  parse_groups(args.groups)
+  if args.side:
+    row = (run_torch if args.side == "torch" else run_jax)(args)
+    emit_json_lines([row])
+    return [row]
+  sides = SIDES if args.sides == "both" else (args.sides,)
+  rows = []
+  for repeat in range(args.repeats):
+    for side in sides:
+      row = {**launch(args, side), "repeat": repeat}
+      speed = row["samples_per_s_after_first"]
+      _log(f"{side}: wall {row['wall_s']:.1f} s, first round {row['first_round_s']:.1f} s"
+           + (f", {speed:.0f} samples/s after it" if speed else "") + f", accuracy {row['test_accuracy']}")
+      rows.append(row)
+  if len(sides) == 2:
+    rows.append(summarize(rows))
+  emit_json_lines(rows, args.output)
+  return rows
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,63 @@
+"""Compile time and steady speed of one group's local-step program, by model and steps per call.
+
+    python -m benchmarks.step_modes MODEL WIDTH BATCH STEPS_PER_CALL     e.g. resnet18 0.25 64 1
+
+Compiles `LocalTrainer.run_steps` for STEPS_PER_CALL unrolled steps (Adam, 28x28x1 uint8 inputs) and
+times three runs of 48 steps; prints one JSON line (set XLA_FLAGS to try XLA:CPU options).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_hetero.client.local import LocalConfig, LocalTrainer
+from fedjax_hetero.models import build_model
+
+STEPS = 48
+
+
+def main(argv: list[str]) -> dict:
+  name, width, batch, per_call = argv[0], float(argv[1]), int(argv[2]), int(argv[3])
+  model = build_model(name, 10, width=width)
+  trainer = LocalTrainer(model, LocalConfig(batch_size=batch, steps_per_call=per_call), (0.28,), (0.35,))
+  rng = np.random.default_rng(0)
+  images = jnp.asarray(rng.integers(0, 255, (4096, 28, 28, 1), dtype=np.uint8))
+  labels = jnp.asarray(rng.integers(0, 10, (4096,)), jnp.int32)
+  variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 28, 28, 1)))
+  ids = jnp.asarray(rng.integers(0, 4096, (STEPS, batch)), jnp.int32)
+  mask = jnp.ones((STEPS, batch), bool)
+  init = jax.jit(trainer.init_state)
+  t0 = time.perf_counter()
+  run = jax.jit(trainer.run_steps, donate_argnums=0, static_argnums=6).lower(
+      init(variables), images, labels, ids, mask, np.int32(0), per_call).compile()
+  compile_s = time.perf_counter() - t0
+
+  def train():
+    state = init(variables)
+    for offset in range(0, STEPS, per_call):
+      state = run(state, images, labels, ids, mask, np.int32(offset))
+    jax.block_until_ready(state)
+
+  train()
+  rates = []
+  for _ in range(3):
+    t0 = time.perf_counter()
+    train()
+    rates.append(round(STEPS * batch / (time.perf_counter() - t0)))
+  row = {"model": f"{name}@{width}", "batch": batch, "steps_per_call": per_call, "compile_s": round(compile_s, 1),
+         "samples_per_s": rates, "xla_flags": os.environ.get("XLA_FLAGS", "")}
+  print(json.dumps(row), flush=True)
+  return row
+
+
+if __name__ == "__main__":
+  if len(sys.argv) != 5:
+    raise SystemExit(__doc__)
+  main(sys.argv[1:])

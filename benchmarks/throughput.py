@@ -160,7 +160,8 @@ def centralized_limit(sim: Simulation, samples_per_round: float, rounds: int, se
   batches = sorted({local, 2 * local, sim.config.clients_per_round * local})
   tried = [measure_centralized(sim, samples_per_round, rounds, b, seed) for b in batches]
   best = max(tried, key=lambda t: t["centralized_samples_per_s"])
-  return {**best, "centralized_by_batch": {t["centralized_batch"]: t["centralized_samples_per_s"] for t in tried}}
+  # String keys, so that the row survives a JSON round trip unchanged.
+  return {**best, "centralized_by_batch": {str(t["centralized_batch"]): t["centralized_samples_per_s"] for t in tried}}
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
@@ -190,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   # One centralized measurement, shared by every backend's line.
   samples_per_round = max(r["examples_per_round"] for r in fl_results)
   central = centralized_limit(sim, samples_per_round, args.rounds, args.seed)
-  log(f"centralized limit (best of batches {sorted(central['centralized_by_batch'])}: batch "
+  log(f"centralized limit (best of batches {', '.join(central['centralized_by_batch'])}: batch "
       f"{central['centralized_batch']}): {central['centralized_samples_per_s']:.0f} samples/s")
 
   rows = []

@@ -172,19 +172,19 @@ def uploads_like(trainer: LocalTrainer, start, memory_row, server) -> dict[str, 
   return jax.eval_shape(trainer.finish, state, start, memory_row, server).uploads
 
 
-def summed_uploads_like(trainer: LocalTrainer, start, memory_row, server) -> dict[str, Any]:
-  """Shapes of the uploads a cohort sums (everything but the stacked ones)."""
-  uploads = uploads_like(trainer, start, memory_row, server)
-  return {name: value for name, value in uploads.items() if trainer.reductions[name] != "stack"}
+def _by_reduction(uploads: dict[str, Any], reductions: dict[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
+  """``uploads`` split into the ones a cohort sums and the ones it stacks."""
+  stacked = _split(uploads, reductions, "stack")
+  return {n: v for n, v in uploads.items() if n not in stacked}, stacked
 
 
 def empty_group_result(trainer: LocalTrainer, start, memory_row, server, stack_size: int) -> GroupResult:
   """The result of a group none of whose clients was sampled: zero sums, ``stack_size`` zero rows of
   every stacked upload, shaped as a real (padded) result."""
-  result = empty_result(start, summed_uploads_like(trainer, start, memory_row, server))
-  stacked = {n: jax.tree.map(lambda x: jnp.zeros((stack_size,) + x.shape, x.dtype), v)
-             for n, v in uploads_like(trainer, start, memory_row, server).items() if trainer.reductions[n] == "stack"}
-  return result._replace(uploads={**result.uploads, **stacked})
+  summed, stacked = _by_reduction(uploads_like(trainer, start, memory_row, server), trainer.reductions)
+  result = empty_result(start, summed)
+  rows = {n: jax.tree.map(lambda x: jnp.zeros((stack_size,) + x.shape, x.dtype), v) for n, v in stacked.items()}
+  return result._replace(uploads={**result.uploads, **rows})
 
 
 @jax.jit
@@ -209,8 +209,7 @@ class SequentialBackend:
     first_start = _take_row(start, 0) if per_client_start else start
     first_row = _take_row(memory, int(rows[0])) if memory else {}
     result = empty_group_result(trainer, first_start, first_row, server, capacity or len(clients))
-    summed = {n: v for n, v in result.uploads.items() if trainer.reductions[n] != "stack"}
-    stacked = {n: v for n, v in result.uploads.items() if trainer.reductions[n] == "stack"}
+    summed, stacked = _by_reduction(result.uploads, trainer.reductions)
     result = result._replace(uploads=summed)
     memory = _copy(memory)  # the rows are updated in place (donated) below; the caller's state stays valid
     for i, (client, weight) in enumerate(zip(clients, weights)):

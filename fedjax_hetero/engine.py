@@ -232,9 +232,9 @@ class Simulation:
     r, seed = state.round, self.config.seed
     key = round_key(seed, r)
     chosen = self.method.sampler.sample(state.sampler, r, self.sampling)
-    groups_now = self.groups_of_round(r)
-    cohorts = [chosen.clients[groups_now[chosen.clients] == gi] for gi in range(len(self.groups))]
-    weights = [chosen.weights[groups_now[chosen.clients] == gi] for gi in range(len(self.groups))]
+    group_of_chosen = self.groups_of_round(r)[chosen.clients]
+    cohorts = [chosen.clients[group_of_chosen == gi] for gi in range(len(self.groups))]
+    weights = [chosen.weights[group_of_chosen == gi] for gi in range(len(self.groups))]
     starts = [self._start(state, gi) for gi in range(len(self.groups))]
     shares = [self.group_share(state, gi) for gi in range(len(self.groups))]
 
@@ -293,7 +293,7 @@ class Simulation:
     leaves out, and keeps every group's empty result (the stand-in for a group with no client in a
     round), so that no later round compiles."""
     for gi in range(len(self.groups)):
-      self._empty_results[gi] = self._empty_result(gi, starts[gi], shares[gi], state)
+      self._empty_result(gi, starts[gi], shares[gi], state)
     no_results = [None] * len(self.groups)
     for f in self.federations:
       if not any(len(cohorts[g]) for g in f.members):
@@ -306,8 +306,7 @@ class Simulation:
     was sampled; per group as in `run_round`): its new model, step states and host metrics."""
     f, r = self.federations[federation], state.round
     plans = [s.plan(r) if s.plan else Plan() for s in self.method.server]
-    filled = tuple(results[g] or self._empty_results.get(g) or self._empty_result(g, starts[g], shares[g], state)
-                   for g in f.members)
+    filled = tuple(results[g] or self._empty_result(g, starts[g], shares[g], state) for g in f.members)
     sizes = [self._stack_size(g) for g in f.members]
     valid = tuple(np.arange(n) < len(cohorts[g]) for g, n in zip(f.members, sizes))
     ids = tuple(np.concatenate([cohorts[g], np.full(n - len(cohorts[g]), self.store.num_clients)])
@@ -332,8 +331,12 @@ class Simulation:
     return self.federations[self.federation_of[group]].stack_sizes[self.member_of[group]]
 
   def _empty_result(self, group: int, start: Variables, share: dict[str, Any], state: ServerState):
-    row = jax.tree.map(lambda x: x[0], state.memory[group]) if state.memory and state.memory[group] else {}
-    return empty_group_result(self.trainers[group], start, row, share, self._stack_size(group))
+    """Zeros shaped as the group's result, made once (made again, they would compile in a later round)."""
+    if group not in self._empty_results:
+      row = jax.tree.map(lambda x: x[0], state.memory[group]) if state.memory and state.memory[group] else {}
+      self._empty_results[group] = empty_group_result(self.trainers[group], start, row, share,
+                                                      self._stack_size(group))
+    return self._empty_results[group]
 
   def evaluate(self, state: ServerState, batch_size: int = 1000) -> dict[str, float]:
     """Test accuracy of every group's model, and their mean under ``"mean"``."""

@@ -124,8 +124,9 @@ def _summed(output: ClientOutput, reductions: dict[str, str], weight) -> tuple[V
 def _sequential_program(trainer: LocalTrainer, schedule_length: int):
 
   @jax.jit
-  def start_client(start, index_row, num_examples, key, memory_row, server):
-    ids, mask = trainer.schedule(index_row, num_examples, key, schedule_length)
+  def start_client(start, index_table, client, num_examples, round_key, memory_row, server):
+    key = jax.random.fold_in(round_key, client)
+    ids, mask = trainer.schedule(index_table[client], num_examples, key, schedule_length)
     return trainer.init_state(start, memory_row, server, key), ids, mask
 
   run_steps = ChunkPrograms(jax.jit(trainer.run_steps, donate_argnums=0, static_argnums=6),
@@ -187,6 +188,11 @@ def empty_group_result(trainer: LocalTrainer, start, memory_row, server, stack_s
   return result._replace(uploads={**result.uploads, **rows})
 
 
+# One compiled program instead of a trace and a dispatch per leaf every round; its outputs are fresh
+# buffers each call, as the sequential backend's `accumulate` donates them.
+_zero_result = jax.jit(empty_group_result, static_argnums=(0, 4))
+
+
 @jax.jit
 def _pad_rows(tree, num_rows):
   """Rows ``num_rows`` and on of every leaf replaced by copies of row 0 (``num_rows`` is traced)."""
@@ -208,7 +214,7 @@ class SequentialBackend:
     memory, server = memory or {}, server or {}
     first_start = _take_row(start, 0) if per_client_start else start
     first_row = _take_row(memory, int(rows[0])) if memory else {}
-    result = empty_group_result(trainer, first_start, first_row, server, capacity or len(clients))
+    result = _zero_result(trainer, first_start, first_row, server, capacity or len(clients))
     summed, stacked = _by_reduction(result.uploads, trainer.reductions)
     result = result._replace(uploads=summed)
     memory = _copy(memory)  # the rows are updated in place (donated) below; the caller's state stays valid
@@ -216,10 +222,10 @@ class SequentialBackend:
       size = int(store.sizes[client])
       client_start = _take_row(start, i) if per_client_start else start
       row = _take_row(memory, int(rows[i])) if memory else {}
-      state, ids, mask = start_client(client_start, store.index_table[client], size,
-                                      jax.random.fold_in(round_key, int(client)), row, server)
+      state, ids, mask = start_client(client_start, store.index_table, np.int32(client), np.int32(size), round_key,
+                                      row, server)
       state = _run_schedule(run_steps, trainer, trainer.config.num_steps(size), state, store, ids, mask)
-      result, new_row, own = accumulate(result, state, client_start, row, server, jnp.float32(weight))
+      result, new_row, own = accumulate(result, state, client_start, row, server, np.float32(weight))
       if stacked:
         stacked = _set_row(stacked, i, own)
       if memory:

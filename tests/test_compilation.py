@@ -1,0 +1,84 @@
+"""XLA:CPU's kernel choice (`compilation.use_cpu_fusions`) and the compile counter."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_hetero import compilation
+
+FLAG = "--xla_cpu_experimental_ynn_fusion_type"
+
+
+@pytest.fixture
+def fresh_process(monkeypatch):
+  """`use_cpu_fusions` as if jax had not computed yet, with no fusion settings in the environment."""
+  monkeypatch.setattr(compilation.xla_bridge, "backends_are_initialized", lambda: False)
+  monkeypatch.delenv(compilation.CPU_FUSIONS_ENV, raising=False)
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+
+
+def test_default_fusions_are_added_to_xla_flags(fresh_process):
+  assert compilation.use_cpu_fusions() == compilation.DEFAULT_CPU_FUSIONS
+  assert os.environ["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=1 {FLAG}=dot,reduce"
+
+
+def test_fusions_from_the_environment_or_off(fresh_process, monkeypatch):
+  monkeypatch.setenv(compilation.CPU_FUSIONS_ENV, "dot")
+  assert compilation.use_cpu_fusions() == "dot"
+  assert os.environ["XLA_FLAGS"].endswith(f"{FLAG}=dot")
+  monkeypatch.setenv("XLA_FLAGS", "")
+  monkeypatch.setenv(compilation.CPU_FUSIONS_ENV, "off")
+  assert compilation.use_cpu_fusions() is None
+  assert FLAG not in os.environ["XLA_FLAGS"]
+
+
+def test_a_users_xla_flag_is_kept(fresh_process, monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", f"{FLAG}=dot,eltwise")
+  assert compilation.use_cpu_fusions("reduce") == "dot,eltwise"
+  assert os.environ["XLA_FLAGS"] == f"{FLAG}=dot,eltwise"
+
+
+def test_nothing_changes_once_jax_has_computed(monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "")
+  monkeypatch.delenv(compilation.CPU_FUSIONS_ENV, raising=False)
+  jnp.zeros(1).block_until_ready()
+  assert compilation.use_cpu_fusions() is None
+  assert os.environ["XLA_FLAGS"] == ""
+
+
+_CONV_GRADIENT = """
+import json, os
+import fedjax_hetero, jax, jax.numpy as jnp, numpy as np
+rng = np.random.default_rng(0)
+x = jnp.asarray(rng.normal(size=(32, 14, 14, 32)), jnp.float32)
+w = jnp.asarray(rng.normal(size=(3, 3, 32, 64)) * 0.1, jnp.float32)
+v = jnp.asarray(rng.normal(size=(6272, 16)) * 0.01, jnp.float32)
+conv = lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+loss = lambda x, w: (jax.nn.relu(conv(x, w)) ** 2).mean() + jnp.tanh(x.reshape(32, -1) @ v).sum()
+gx, gw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+print(json.dumps({"flags": os.environ.get("XLA_FLAGS", ""),
+                  "gx": np.asarray(gx).ravel()[::97].tolist(), "gw": np.asarray(gw).ravel()[::31].tolist()}))
+"""
+
+
+def _conv_gradient(fusions: str) -> dict:
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env[compilation.CPU_FUSIONS_ENV] = fusions
+  out = subprocess.run([sys.executable, "-c", _CONV_GRADIENT], env=env, capture_output=True, text=True, check=True)
+  return json.loads(out.stdout.splitlines()[-1])
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the fusions are an XLA:CPU option")
+def test_library_kernels_agree_with_xlas_own_within_float_tolerance():
+  fused, plain = _conv_gradient("dot,reduce"), _conv_gradient("off")
+  assert f"{FLAG}=dot,reduce" in fused["flags"] and FLAG not in plain["flags"]
+  for name in ("gx", "gw"):
+    np.testing.assert_allclose(fused[name], plain[name], rtol=1e-4, atol=1e-6)

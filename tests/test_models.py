@@ -12,6 +12,7 @@ from flax import traverse_util
 
 from fedjax_hetero import models
 from fedjax_hetero.models import MODEL_NAMES, build_model, parse_group_spec
+from fedjax_hetero.models.common import max_pool
 
 BATCH = 4
 TINY_RESNET = dict(base_channels=4)
@@ -275,3 +276,16 @@ def test_parse_group_spec():
                     ("vgg@0.5", "vgg")):
     with pytest.raises(ValueError, match=bad):
       parse_group_spec(spec)
+
+
+@pytest.mark.parametrize("window,strides,padding", [((2, 2), (2, 2), "VALID"), ((3, 3), (2, 2), "SAME"),
+                                                    ((3, 3), (1, 1), "SAME"), ((3, 2), (2, 1), "VALID"),
+                                                    ((2, 2), (2, 2), "SAME"), ((2, 2), (1, 1), ((1, 0), (0, 1)))])
+def test_max_pool_matches_flax_in_value_and_gradient(window, strides, padding):
+  x = jax.random.normal(jax.random.key(0), (3, 14, 15, 4))  # no ties, so one gradient
+  ours, flax_pool = (lambda x: max_pool(x, window, strides, padding)), (lambda x: nn.max_pool(x, window, strides, padding))
+  chex.assert_trees_all_equal(ours(x), flax_pool(x))
+  cotangent = jax.random.normal(jax.random.key(1), ours(x).shape)
+  grad = lambda pool: jax.grad(lambda x: (pool(x) * cotangent).sum())(x)
+  # An input that is the maximum of overlapping windows sums their cotangents in another order.
+  chex.assert_trees_all_close(grad(ours), grad(flax_pool), rtol=1e-6, atol=1e-6)

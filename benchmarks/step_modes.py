@@ -3,7 +3,8 @@
     python -m benchmarks.step_modes MODEL WIDTH BATCH STEPS_PER_CALL     e.g. resnet18 0.25 64 1
 
 Compiles `LocalTrainer.run_steps` for STEPS_PER_CALL unrolled steps (Adam, 28x28x1 uint8 inputs) and
-times a first and then three more runs of 48 steps; prints one JSON line (set XLA_FLAGS to try XLA:CPU options).
+times a first and then three more runs of 48 steps; prints one JSON line (set XLA_FLAGS to try
+XLA:CPU options).
 """
 
 from __future__ import annotations
@@ -53,9 +54,10 @@ def main(argv: list[str]) -> dict:
     t0 = time.perf_counter()
     train()
     rates.append(round(STEPS * batch / (time.perf_counter() - t0)))
+  params_l1 = float(sum(jnp.abs(x).sum() for x in jax.tree.leaves(state.variables["params"])))  # shows a numeric change
   row = {"model": f"{name}@{width}", "batch": batch, "steps_per_call": per_call, "compile_s": round(compile_s, 1),
-         "first_run_s": round(first_s, 2),
-         "params_l1": float(sum(jnp.abs(x).sum() for x in jax.tree.leaves(state.variables["params"]))), "samples_per_s": rates, "xla_flags": os.environ.get("XLA_FLAGS", "")}
+         "first_run_s": round(first_s, 2), "params_l1": params_l1, "samples_per_s": rates,
+         "xla_flags": os.environ.get("XLA_FLAGS", "")}
   print(json.dumps(row), flush=True)
   return row
 

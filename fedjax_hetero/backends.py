@@ -79,8 +79,7 @@ def compile_side_by_side(jobs: list[Callable[[], Any]]) -> None:
   """Runs compile jobs in threads: XLA compiles one program per core, and jit's cache keeps the results,
   so the calls that follow find their programs compiled."""
   with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-    for _ in pool.map(lambda job: job(), jobs):
-      pass
+    list(pool.map(lambda job: job(), jobs))  # re-raises a job's error
 
 
 class ChunkPrograms:

@@ -283,7 +283,8 @@ def test_parse_group_spec():
                                                     ((2, 2), (2, 2), "SAME"), ((2, 2), (1, 1), ((1, 0), (0, 1)))])
 def test_max_pool_matches_flax_in_value_and_gradient(window, strides, padding):
   x = jax.random.normal(jax.random.key(0), (3, 14, 15, 4))  # no ties, so one gradient
-  ours, flax_pool = (lambda x: max_pool(x, window, strides, padding)), (lambda x: nn.max_pool(x, window, strides, padding))
+  ours = lambda x: max_pool(x, window, strides, padding)
+  flax_pool = lambda x: nn.max_pool(x, window, strides, padding)
   chex.assert_trees_all_equal(ours(x), flax_pool(x))
   cotangent = jax.random.normal(jax.random.key(1), ours(x).shape)
   grad = lambda pool: jax.grad(lambda x: (pool(x) * cotangent).sum())(x)

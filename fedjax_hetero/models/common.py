@@ -9,7 +9,6 @@ split a model anywhere (e.g. features -> logits for a classifier-only update).
 from __future__ import annotations
 
 import functools
-
 from typing import Callable, Sequence
 
 import jax

@@ -51,3 +51,12 @@ def test_method_overhead_prints_one_line_per_method(capsys):
   assert lines[0]["round_ratio"] == 1.0
   for row in lines:
     assert row["round_s"] > 0 and 0 < row["server_step_s"] < row["round_s"] and row["baseline"] == "FedAvg"
+
+
+def test_step_modes_prints_compile_time_rates_and_a_checksum(capsys):
+  from benchmarks import step_modes
+  row = step_modes.main(["mlp", "1", "8", "2"])
+  assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == row
+  assert row["model"] == "mlp@1.0" and row["steps_per_call"] == 2 and row["compile_s"] >= 0
+  assert len(row["samples_per_s"]) == 3 and all(rate > 0 for rate in row["samples_per_s"])
+  assert math.isfinite(row["params_l1"]) and row["params_l1"] > 0

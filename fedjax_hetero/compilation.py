@@ -14,7 +14,7 @@ import os
 import threading
 
 import jax
-from jax._src import xla_bridge
+from jax._src import xla_bridge  # private, but jax has no public way to ask whether it has computed yet
 
 CACHE_ENV = "FEDJAX_HETERO_CACHE_DIR"  # a directory, or "off"
 CPU_FUSIONS_ENV = "FEDJAX_HETERO_XLA_CPU_FUSIONS"  # comma-separated fusion types, or "off"

@@ -8,6 +8,7 @@ partition report and plot, and orbax checkpoints under ``checkpoints/``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import shutil
@@ -174,12 +175,14 @@ def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
   sim, parts = build_simulation(config, dataset, log)
   with open(os.path.join(out, "config.json"), "w") as f:
     json.dump(as_dict(config), f, indent=2)
-  labels = np.asarray(sim.store.labels)
-  with open(os.path.join(out, "partition.txt"), "w") as f:
-    f.write(fdata.partition_report(labels, parts, sim.store.num_classes))
-  fdata.plot_partition(fdata.class_counts(labels, parts, sim.store.num_classes), os.path.join(out, "partition.png"))
-
-  state = sim.init_state()
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    initial = pool.submit(sim.init_state)  # XLA compiles the initialization while the partition is drawn
+    labels = np.asarray(sim.store.labels)
+    with open(os.path.join(out, "partition.txt"), "w") as f:
+      f.write(fdata.partition_report(labels, parts, sim.store.num_classes))
+    fdata.plot_partition(fdata.class_counts(labels, parts, sim.store.num_classes),
+                         os.path.join(out, "partition.png"))
+    state = initial.result()
   manager = checkpoints.manager(out, config.output.checkpoint_every)
   metrics_path = os.path.join(out, "metrics.jsonl")
   rows: list[dict[str, Any]] = []

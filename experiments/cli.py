@@ -128,7 +128,7 @@ def build_parser(defaults: RunConfig, description: str) -> argparse.ArgumentPars
   p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="checkpoint every N rounds")
   p.add_argument("--steps-per-call", type=int, default=d.steps_per_call,
                  help="local steps unrolled in one jitted call: 1 compiles fastest and is as fast for ResNets; "
-                      "8 trains a full-width CNN ~15%% faster on XLA:CPU (docs/performance.md)")
+                      "4 trains a full-width CNN ~6%% faster on XLA:CPU (docs/performance.md)")
   p.add_argument("--max-train-samples", type=int, default=d.max_train_samples,
                  help="use a class-balanced subset of the training set (quick runs)")
   p.add_argument("--max-test-samples", type=int, default=d.max_test_samples, help="subset of the test set")

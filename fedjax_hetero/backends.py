@@ -235,10 +235,9 @@ class SequentialBackend:
     summed, stacked = _by_reduction(result.uploads, trainer.reductions)
     result = result._replace(uploads=summed)
     memory = _copy(memory)  # the rows are updated in place (donated) below; the caller's state stays valid
-    start_args = lambda i, client: (_take_row(start, i) if per_client_start else start, store.index_table,
-                                    np.int32(client), np.int32(store.sizes[client]), round_key)
+    client_args = lambda client: (store.index_table, np.int32(client), np.int32(store.sizes[client]), round_key)
     if not run_steps.compiled:  # the group's first round: its programs compile side by side
-      first_args = (*start_args(0, clients[0]), first_row, server)
+      first_args = (first_start, *client_args(clients[0]), first_row, server)
       state, ids, mask = jax.eval_shape(start_client, *first_args)
       compile_side_by_side([lambda: start_client.lower(*first_args).compile(),
                             lambda: accumulate.lower(result, state, first_start, first_row, server,
@@ -246,9 +245,9 @@ class SequentialBackend:
                             *run_steps.compile_jobs(state, store.images, store.labels, ids, mask)])
     for i, (client, weight) in enumerate(zip(clients, weights)):
       size = int(store.sizes[client])
-      client_start, *client_args = start_args(i, client)
+      client_start = _take_row(start, i) if per_client_start else start
       row = _take_row(memory, int(rows[i])) if memory else {}
-      state, ids, mask = start_client(client_start, *client_args, row, server)
+      state, ids, mask = start_client(client_start, *client_args(client), row, server)
       state = _run_schedule(run_steps, trainer, trainer.config.num_steps(size), state, store, ids, mask)
       result, new_row, own = accumulate(result, state, client_start, row, server, np.float32(weight))
       if stacked:

@@ -8,6 +8,15 @@ pins the behaviour every refactor must keep. The vmap entries were re-recorded o
 of the next power of two: the old engine padded that way reproduces the new record bit for bit, and
 every sequential entry stayed as it was.
 
+XLA:CPU compiles for the host's vector instructions, so float results differ in the last bits between CPUs
+(AVX2 against AVX-512: ~1e-7 relative after three rounds; MOON's contrastive loss under Adam turns such bits
+into percent-level differences). The file therefore holds one record per CPU signature (`cpu_signature`:
+the instruction-set extensions XLA and its kernels dispatch on). A machine with a record of its own is held
+to it bit for bit; another is compared with the first record within `TOLERANCE`. ``python -m tests.golden``
+adds (or replaces) the record of the machine it runs on; record on the commit *before* a change, so the
+record pins the old behaviour. The first record (cpu null) was made on the machines of the sessions before
+2026-11-25, whose signature was not recorded; the second on an AVX-512 AMD EPYC (Zen 4), from the same commit.
+
 The setting: 6 synthetic clients of unequal sizes (`tiny_federation`), two depth groups of a small MLP
 (hidden 16-16 and 16-16-16, so InCo has a same-shape pair, hidden3 <- hidden2), 3 clients per round,
 2 local epochs of batch 8, Adam 1e-2, 3 rounds, evaluation after every round. FedCross and CluSamp
@@ -20,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import sys
 from typing import Any
 
@@ -38,6 +48,30 @@ METHODS = ("FedAvg", "HeteroAvg", "InCoAvg", "FedProx", "HeteroProx", "InCoProx"
            "CluSamp")
 ONE_GROUP = ("FedCross", "CluSamp")
 RESNET_ENTRY = ("InCoAvg", "sequential", "resnet")
+# CPU extensions that change which kernels XLA:CPU and YNNPACK run, so the last bits of float results.
+SIMD_FLAGS = frozenset({"sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512bw",
+                        "avx512vl", "avx512cd", "avx512ifma", "avx512vbmi", "avx512_vbmi2", "avx512_vnni",
+                        "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "asimd",
+                        "sve", "sve2"})
+# On a CPU without a record of its own: relative tolerance of losses and parameter sums, absolute of accuracies.
+TOLERANCE = dict(loss=1e-4, parameter_sum=1e-3, accuracy=1e-9)
+# Methods whose numbers a foreign CPU cannot be held to: MOON's model-contrastive loss under Adam turns last-bit
+# differences of near-zero gradients into full steps (5-10% loss differences after three rounds).
+CPU_SENSITIVE = ("MOON", "HeteroMOON", "InCoMOON")
+
+
+def cpu_signature() -> str:
+  """``machine:ext1,ext2,...``: the architecture and its SIMD extensions (from /proc/cpuinfo where there is one)."""
+  flags: set[str] = set()
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith(("flags", "Features")):
+          flags = set(line.split(":", 1)[1].split())
+          break
+  except OSError:
+    pass
+  return f"{platform.machine()}:{','.join(sorted(flags & SIMD_FLAGS))}"
 
 
 class PairedMLP(MLP):
@@ -107,10 +141,19 @@ def key(method: str, backend: str, family: str) -> str:
 
 
 def main() -> None:
-  out = {"jax": jax.__version__, "platform": jax.default_backend(), "runs": {}}
+  """Records this machine's runs into the file (keeping the other machines' records)."""
+  out = {"jax": jax.__version__, "platform": jax.default_backend(), "records": []}
+  if os.path.exists(GOLDEN_PATH):
+    with open(GOLDEN_PATH) as f:
+      out = json.load(f)
+    if out["jax"] != jax.__version__:
+      raise SystemExit(f"the records were made with jax {out['jax']}; delete {GOLDEN_PATH} to start anew")
+  runs = {}
   for entry in entries():
     print(key(*entry), file=sys.stderr, flush=True)
-    out["runs"][key(*entry)] = record(*entry)
+    runs[key(*entry)] = record(*entry)
+  signature = cpu_signature()
+  out["records"] = [r for r in out["records"] if r["cpu"] != signature] + [{"cpu": signature, "runs": runs}]
   with open(GOLDEN_PATH, "w") as f:
     json.dump(out, f, indent=1)
 

@@ -19,6 +19,7 @@ from fedjax_hetero import data as fdata
 from fedjax_hetero import models
 from fedjax_hetero.aggregators import fedcross
 from fedjax_hetero.algorithms.fedgen import PRESETS as FEDGEN_PRESETS
+from fedjax_hetero.algorithms.fedimpro import LOSS_MODES, SAMPLE_SOURCES
 from fedjax_hetero.backends import BACKENDS
 from fedjax_hetero.client.local import OPTIMIZERS
 from fedjax_hetero.compilation import CACHE_ENV, default_cache_dir, enable_persistent_cache
@@ -125,6 +126,30 @@ def build_parser(defaults: RunConfig, description: str) -> argparse.ArgumentPars
                   "config)")
   fg.add_argument("--clusamp-similarity", default=d.clusamp_similarity, choices=SIMILARITIES,
                   help="dissimilarity of the clients' representative gradients in clustered sampling")
+  fi = p.add_argument_group("FedImpro (--method FedImpro) and the gradient-dissimilarity metric")
+  fi.add_argument("--fedimpro-cut", default=d.fedimpro_cut,
+                  help="cut point splitting the model into low and high parts (FedImpro's shared features, and the "
+                  "low/high split of the dissimilarity metric); default: the model's (cnn: conv2, ResNets: stage2)")
+  fi.add_argument("--fedimpro-beta", type=float, default=d.fedimpro_beta,
+                  help="momentum of the clients' per-class feature estimate (Eq. 7); 0 replaces it by every batch's "
+                  "statistics, which is what the authors' code does in effect")
+  fi.add_argument("--fedimpro-std-max", type=float, default=d.fedimpro_std_max,
+                  help="upper clamp of the estimated feature standard deviation (the authors' code)")
+  fi.add_argument("--fedimpro-weight", type=float, default=d.fedimpro_weight,
+                  help="weight of the cross-entropy on synthetic features")
+  fi.add_argument("--fedimpro-loss", default=d.fedimpro_loss, choices=LOSS_MODES,
+                  help="sum: CE(real) + weight CE(synthetic) (Eq. 6); concat: the mean over real and synthetic rows "
+                  "(the authors' code)")
+  fi.add_argument("--fedimpro-sample-from", default=d.fedimpro_sample_from, choices=SAMPLE_SOURCES,
+                  help="draw synthetic features from the round's global estimate (Alg. 1) or from the client's "
+                  "running estimate (the authors' code)")
+  fi.add_argument("--fedimpro-noise", type=float, default=d.fedimpro_noise,
+                  help="std of Gaussian noise on the uploaded means and deviations (the paper's privacy experiment)")
+  fi.add_argument("--fedimpro-synthetic", type=int, default=d.fedimpro_synthetic,
+                  help="synthetic features per local step; default: the batch size (the paper's N-hat = N)")
+  fi.add_argument("--dissimilarity", action=argparse.BooleanOptionalAction, default=d.dissimilarity,
+                  help="log every round's gradient dissimilarity of the client updates, for the low and the high "
+                  "part, per group (any method)")
   p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="checkpoint every N rounds")
   p.add_argument("--steps-per-call", type=int, default=d.steps_per_call,
                  help="local steps unrolled in one jitted call: 1 compiles fastest and is as fast for ResNets; "

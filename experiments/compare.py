@@ -8,15 +8,28 @@ rounds, final and best mean accuracy, the accuracy averaged over the last few
 evaluations (less noisy than the final one), and the training wall time (sum
 of the rounds' wall times, the first round's compilation included).
 ``--up-to-round R`` cuts every run at round R, to compare runs of different
-lengths at equal rounds.
+lengths at equal rounds; ``--target 0.87`` adds the first round each run reached
+87% mean accuracy.
+
+``--baseline METHOD`` adds paired statistics: every other method's runs are paired
+with the baseline's runs of the same seed, round by round at the rounds both
+evaluated, and the table gives the mean per-round difference in accuracy points
+with a 95% interval (normal, over the per-round pairs; neighbouring rounds are
+correlated, so read it as a lower bound on the uncertainty), the fraction of
+rounds ahead, and each seed's mean difference. Where runs log the gradient
+dissimilarity (``fedjax_hetero.dissimilarity``) the plot shows it per round
+beside the accuracy.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from typing import Any, Sequence
+
+import numpy as np
 
 
 def load_run(run_dir: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -39,18 +52,86 @@ def up_to_round(rows: Sequence[dict[str, Any]], last_round: int | None) -> list[
   return [r for r in rows if last_round is None or r["round"] <= last_round]
 
 
-def table(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]], last: int) -> str:
-  lines = [f"| run | method | rounds | final mean acc (%) | best (%) | mean of last {last} evals (%) | train time (s) |",
-           "|---|---|---|---|---|---|---|"]
+def method_of(summary: dict[str, Any]) -> str:
+  return summary.get("method") or summary["config"]["method"]  # older summaries: only the flat config's
+
+
+def seed_of(summary: dict[str, Any]) -> int:
+  config = summary["config"]
+  return config["federation"]["seed"] if "federation" in config else config["seed"]
+
+
+def rounds_to(rows: Sequence[dict[str, Any]], target: float) -> int | None:
+  """The first evaluated round whose mean accuracy is at least ``target`` (a fraction), or None."""
+  return next((r for r, a in evaluated(rows) if a >= target), None)
+
+
+def table(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]], last: int,
+          target: float | None = None) -> str:
+  to = f" rounds to {100 * target:g}% |" if target is not None else ""
+  spread = " dissimilarity low / high (mean over rounds) |" if any(r.get("dissimilarity") for _, _, rows in runs
+                                                                    for r in rows) else ""
+  lines = [f"| run | method | rounds | final mean acc (%) | best (%) | mean of last {last} evals (%) |{to}{spread} "
+           "train time (s) |", "|---|---|---|---|---|---|" + ("---|" if to else "") + ("---|" if spread else "") + "---|"]
   for label, summary, rows in runs:
     accs = [a for _, a in evaluated(rows)]
     if not accs:
       raise SystemExit(f"error: run {label!r} has no evaluation in the rounds compared")
     tail = accs[-last:]
-    method = summary.get("method") or summary["config"]["method"]  # older summaries: only the flat config's
-    lines.append(f"| {label} | {method} | {rows[-1]['round']} | "
-                 f"{100 * accs[-1]:.2f} | {100 * max(accs):.2f} | {100 * sum(tail) / len(tail):.2f} | "
+    reached = "" if target is None else f" {rounds_to(rows, target) or 'not reached'} |"
+    if spread:
+      low, high = (mean_dissimilarity(rows, part) for part in ("low", "high"))
+      reached += f" {low:.2f} / {high:.2f} |"
+    lines.append(f"| {label} | {method_of(summary)} | {rows[-1]['round']} | "
+                 f"{100 * accs[-1]:.2f} | {100 * max(accs):.2f} | {100 * sum(tail) / len(tail):.2f} |{reached} "
                  f"{sum(r['round_seconds'] for r in rows):.0f} |")
+  return "\n".join(lines)
+
+
+def dissimilarity_per_round(rows: Sequence[dict[str, Any]], part: str) -> list[tuple[int, float]]:
+  """(round, the part's gradient dissimilarity averaged over the groups) for every round that logged it."""
+  out = []
+  for r in rows:
+    values = [g[part] for g in (r.get("dissimilarity") or {}).values() if g.get(part) is not None]
+    if values:
+      out.append((r["round"], float(np.mean(values))))
+  return out
+
+
+def mean_dissimilarity(rows: Sequence[dict[str, Any]], part: str) -> float:
+  values = [v for _, v in dissimilarity_per_round(rows, part)]
+  return float(np.mean(values)) if values else float("nan")
+
+
+def paired_differences(method_rows: Sequence[list[dict[str, Any]]],
+                       baseline_rows: Sequence[list[dict[str, Any]]]) -> list[np.ndarray]:
+  """Per seed pair: the accuracy differences (points) at the rounds both runs evaluated."""
+  out = []
+  for rows, base in zip(method_rows, baseline_rows):
+    base_acc = dict(evaluated(base))
+    out.append(np.array([100 * (a - base_acc[r]) for r, a in evaluated(rows) if r in base_acc]))
+  return out
+
+
+def paired_table(runs, baseline: str) -> str:
+  """Every method against ``baseline``, paired by seed and round (see the module docstring)."""
+  by_method: dict[str, dict[int, list[dict[str, Any]]]] = {}
+  for _, summary, rows in runs:
+    by_method.setdefault(method_of(summary), {})[seed_of(summary)] = rows
+  if baseline not in by_method:
+    raise SystemExit(f"error: no run of the baseline {baseline!r}; methods: {', '.join(by_method)}")
+  lines = [f"| method - {baseline} | seeds | mean per-round difference (points) [95% interval] | rounds ahead | "
+           "per seed |", "|---|---|---|---|---|"]
+  for method, seeds in by_method.items():
+    common = sorted(set(seeds) & set(by_method[baseline]))
+    if method == baseline or not common:
+      continue
+    diffs = paired_differences([seeds[s] for s in common], [by_method[baseline][s] for s in common])
+    pooled = np.concatenate(diffs)
+    half = 1.96 * pooled.std(ddof=1) / math.sqrt(len(pooled)) if len(pooled) > 1 else float("nan")
+    per_seed = ", ".join(f"s{s}: {d.mean():+.2f}" for s, d in zip(common, diffs))
+    lines.append(f"| {method} | {len(common)} | {pooled.mean():+.2f} [{pooled.mean() - half:+.2f}, "
+                 f"{pooled.mean() + half:+.2f}] | {np.mean(pooled > 0):.0%} of {len(pooled)} | {per_seed} |")
   return "\n".join(lines)
 
 
@@ -58,9 +139,12 @@ def plot(runs, path: str, title: str) -> str:
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
 
-  fig = Figure(figsize=(7, 4.5))
+  parts = sorted({p for _, _, rows in runs for r in rows for g in r.get("dissimilarity", {}).values() for p in g},
+                 reverse=True)  # "low", "high"
+  fig = Figure(figsize=(7 + 4.5 * len(parts), 4.5))
   FigureCanvasAgg(fig)
-  ax = fig.add_subplot()
+  axes = fig.subplots(1, 1 + len(parts), squeeze=False)[0]
+  ax = axes[0]
   for label, _, rows in runs:
     points = evaluated(rows)
     ax.plot([r for r, _ in points], [100 * a for _, a in points], marker=".", lw=1.5, label=label)
@@ -69,6 +153,16 @@ def plot(runs, path: str, title: str) -> str:
   ax.set_title(title)
   ax.grid(alpha=0.3)
   ax.legend(loc="lower right")
+  for part, ax in zip(parts, axes[1:]):
+    for label, _, rows in runs:
+      points = dissimilarity_per_round(rows, part)
+      if points:
+        ax.plot(*zip(*points), lw=1.2, label=label)
+    ax.set_yscale("log")
+    ax.set_xlabel("round")
+    ax.set_ylabel("Σ p_c ‖d_c − d̄‖² / ‖d̄‖²")
+    ax.set_title(f"gradient dissimilarity, {part} part")
+    ax.grid(alpha=0.3)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   return path
@@ -82,6 +176,10 @@ def main(argv: Sequence[str] | None = None) -> str:
   p.add_argument("--title", default="mean test accuracy")
   p.add_argument("--last", type=int, default=3, help="evaluations averaged in the 'last' column")
   p.add_argument("--up-to-round", type=int, default=None, help="cut every run at this round (default: no cut)")
+  p.add_argument("--target", type=float, default=None, help="add the first round reaching this mean accuracy "
+                 "(a fraction, e.g. 0.87)")
+  p.add_argument("--baseline", default=None, help="add every method's paired per-round difference from this "
+                 "method's runs of the same seeds")
   args = p.parse_args(argv)
   labels = args.labels.split(",") if args.labels else [os.path.basename(os.path.normpath(d)) for d in args.run_dirs]
   if len(labels) != len(args.run_dirs):
@@ -90,7 +188,9 @@ def main(argv: Sequence[str] | None = None) -> str:
   for label, run_dir in zip(labels, args.run_dirs):
     summary, rows = load_run(run_dir)
     runs.append((label, summary, up_to_round(rows, args.up_to_round)))
-  text = table(runs, args.last)
+  text = table(runs, args.last, args.target)
+  if args.baseline:
+    text += "\n\n" + paired_table(runs, args.baseline)
   print(text)
   if args.output:
     print(f"wrote {plot(runs, args.output, args.title)}")

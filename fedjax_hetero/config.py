@@ -82,6 +82,7 @@ class RunConfig:
   rounds: int = 100
   eval_every: int = 5
   backend: str = "auto"
+  dissimilarity: bool = True  # log the clients' gradient dissimilarity per round (`fedjax_hetero.dissimilarity`)
   output: OutputConfig = OutputConfig()
 
   def __post_init__(self):
@@ -103,6 +104,12 @@ class RunConfig:
     for name in ("rounds", "eval_every"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    for spec in self.groups:  # the low/high split of FedImpro and of the dissimilarity metric
+      name, width = models.parse_group_spec(spec)
+      try:
+        models.resolve_cut(models.build_model(name, 10, width), self.method.fedimpro.cut)
+      except ValueError as e:
+        raise ValueError(f"--fedimpro-cut, group {spec}: {e}") from None
 
   @classmethod
   def from_flags(cls, **flags: Any) -> "RunConfig":
@@ -181,8 +188,10 @@ def _flag_table() -> dict[str, str]:
   for path in flatten(RunConfig()):
     if path.startswith("method.fedgen."):
       continue
-    flag = renamed.get(path) or (f"fedcross_{path.rsplit('.', 1)[1]}" if path.startswith("method.fedcross.")
-                                 else path.rsplit(".", 1)[-1])
+    leaf = path.rsplit(".", 1)[-1]
+    prefixed = next((f"{family}_{leaf}" for family in ("fedcross", "fedimpro") if path.startswith(f"method.{family}.")),
+                    None)
+    flag = renamed.get(path) or prefixed or leaf
     if flag in table:
       raise AssertionError(f"two settings share the flag name {flag!r}")
     table[flag] = path

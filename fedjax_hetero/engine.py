@@ -24,12 +24,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_hetero import dissimilarity
 from fedjax_hetero.backends import Backend, empty_group_result
 from fedjax_hetero.client.local import LocalConfig, LocalTrainer
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.evaluation import EVAL_BATCH, accuracy
 from fedjax_hetero.hetero.maps import SubmodelMap, Variables, extract, identity_map, pick_global
 from fedjax_hetero.methods.api import Method
+from fedjax_hetero.models import parameter_split, resolve_cut
 from fedjax_hetero.sampling.samplers import WEIGHTINGS, SamplingInfo
 from fedjax_hetero.server.steps import Federation, Plan, server_program
 
@@ -124,7 +126,11 @@ class Simulation:
   """Runs rounds of one method over architecture groups on a federated store."""
 
   def __init__(self, groups: Sequence[ArchGroup], store: FederatedStore, local: LocalConfig, method: Method,
-               config: FederationConfig, backend: Backend, test_images: jax.Array, test_labels: jax.Array):
+               config: FederationConfig, backend: Backend, test_images: jax.Array, test_labels: jax.Array,
+               track_dissimilarity: bool = False, dissimilarity_cut: str | None = None):
+    """``track_dissimilarity``: log every round's gradient dissimilarity (`fedjax_hetero.dissimilarity`) per
+    group, split at ``dissimilarity_cut`` (None: each model's `decoupling_cut`). It adds an upload to the
+    client programs, which can change results in the last float bits; off by default."""
     if config.clients_per_round > store.num_clients:
       raise ValueError(f"clients_per_round={config.clients_per_round} exceeds the {store.num_clients} clients")
     if method.one_group and len(groups) != 1:
@@ -155,8 +161,10 @@ class Simulation:
                                     store)
     self.federation_of = [next(f.index for f in self.federations if g in f.members) for g in range(len(self.groups))]
     self.member_of = [self.federations[f].members.index(g) for g, f in enumerate(self.federation_of)]
-    self.trainers = [LocalTrainer(g.model, local, store.mean, store.std, method.terms, method.combine)
-                     for g in self.groups]
+    terms = method.terms + ((dissimilarity.update_norms(),) if track_dissimilarity else ())
+    self.trainers = [LocalTrainer(g.model, local, store.mean, store.std, terms, method.combine) for g in self.groups]
+    self._dissimilarity = [self._dissimilarity_program(g.model, dissimilarity_cut) for g in self.groups
+                           if track_dissimilarity]
     self._extract = [jax.jit(lambda v, offset, m=self.federations[f].maps[i]: extract(v, m, offset))
                      for f, i in zip(self.federation_of, self.member_of)]
     # One jitted server program per federation (public so that benchmarks can time it).
@@ -258,13 +266,18 @@ class Simulation:
       self._compile_every_federation(state, starts, shares, cohorts)
     memory, results = list(state.memory), []
     losses: dict[str, float] = {}
+    dissimilarities: dict[str, dict[str, float]] = {}
     examples = 0.0
     for gi, (group, result) in enumerate(zip(self.groups, trained)):
+      if self._dissimilarity and result is not None:  # (a first round's dropped result compiles it too)
+        spread = self._dissimilarity[gi](result.delta_sum, result.weight_sum, result.uploads[dissimilarity.NAME])
       if len(cohorts[gi]) == 0:
         results.append(None)
         continue
       memory[gi] = result.memory
       losses[group.name] = self._check_loss(r, group, result)
+      if self._dissimilarity:
+        dissimilarities[group.name] = _host_metrics(spread)
       examples += float(result.num_examples)
       results.append(result._replace(memory={}))
     models, steps = list(state.models), list(state.steps)
@@ -285,7 +298,14 @@ class Simulation:
     metrics = {"round": r + 1, "train_loss": sum(losses.values()) / max(len(losses), 1),
                "train_loss_per_group": losses, "clients": [int(c) for c in chosen.draws], "examples": int(examples),
                "round_seconds": seconds, "samples_per_s": examples / seconds, **metrics}
+    if dissimilarities:
+      metrics[dissimilarity.NAME] = dissimilarities
     return ServerState(r + 1, tuple(models), tuple(steps), sampler_state, tuple(memory)), metrics
+
+  def _dissimilarity_program(self, model: nn.Module, cut: str | None):
+    low, high = parameter_split(model, self._sample_input, resolve_cut(model, cut))
+    return jax.jit(lambda delta_sum, weight_sum, norms: dissimilarity.gradient_dissimilarity(
+        delta_sum, weight_sum, norms, {"low": low, "high": high}))
 
   def _compile_every_federation(self, state: ServerState, starts: Sequence[Variables], shares: Sequence[Any],
                                 cohorts: Sequence[np.ndarray]) -> None:

@@ -56,7 +56,8 @@ def build_simulation(config: RunConfig, dataset: fdata.ArrayDataset | None = Non
   backend = make_backend(config.backend)
   method = build_method(config.method.name, config.method, config.client)
   sim = Simulation(groups, store, config.client, method, config.federation, backend,
-                   jnp.asarray(dataset.test_images), jnp.asarray(dataset.test_labels))
+                   jnp.asarray(dataset.test_images), jnp.asarray(dataset.test_labels),
+                   track_dissimilarity=config.dissimilarity, dissimilarity_cut=config.method.fedimpro.cut)
   terms = ", ".join(t.name for t in method.terms)
   log(f"{dataset.name}: {len(dataset.train_labels)} train / {len(dataset.test_labels)} test samples, "
       f"{config.data.num_clients} clients ({config.data.partition}), groups {', '.join(config.groups)}, "
@@ -75,12 +76,13 @@ def _prepare_output(config: RunConfig) -> None:
   os.makedirs(out, exist_ok=True)
 
 
-# Settings a resumed run may change. The first set leaves the trajectory as it was (the backends agree
-# up to float tolerance; steps_per_call only groups the same steps into jitted calls). The second is the
-# clients' local optimizer, rebuilt every round: lowering the learning rate after a divergence is the
-# usual reason to resume. Anything else (data, partition, models, method and its settings) is a
+# Settings a resumed run may change. The first set leaves the trajectory as it was up to float tolerance (the
+# backends agree to it; steps_per_call only groups the same steps into jitted calls; the dissimilarity metric only
+# adds an upload). The second is the clients' local optimizer, rebuilt every round: lowering the learning rate
+# after a divergence is the usual reason to resume. Anything else (data, partition, models, method and its settings) is a
 # different run.
-UNCHANGED_TRAJECTORY = frozenset({"data.data_dir", "rounds", "eval_every", "backend", "client.steps_per_call"})
+UNCHANGED_TRAJECTORY = frozenset({"data.data_dir", "rounds", "eval_every", "backend", "client.steps_per_call",
+                                  "dissimilarity"})
 LOCAL_OPTIMIZER = frozenset(f"client.{name}" for name in ("epochs", "batch_size", "optimizer", "learning_rate",
                                                           "momentum", "weight_decay", "drop_last"))
 
@@ -137,14 +139,28 @@ def _read_metrics(path: str, upto: int) -> list[dict[str, Any]]:
 
 
 def plot_accuracy(rows: Sequence[dict[str, Any]], path: str, title: str) -> None:
-  """Test accuracy vs round, one line per architecture group plus the mean."""
+  """Test accuracy vs round, one line per architecture group plus the mean; beside it, if the rows log it, the
+  gradient dissimilarity of the low and high parts per group."""
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
 
   evaluated = [r for r in rows if r.get("test_accuracy")]
-  fig = Figure(figsize=(7, 4.5))
+  spread = [r for r in rows if r.get("dissimilarity")]
+  fig = Figure(figsize=(12, 4.5) if spread else (7, 4.5))
   FigureCanvasAgg(fig)
-  ax = fig.add_subplot()
+  ax, *right = fig.subplots(1, 2 if spread else 1, squeeze=False)[0]
+  if spread:
+    for group in spread[-1]["dissimilarity"]:
+      for part, style in (("low", "--"), ("high", "-")):
+        points = [(r["round"], r["dissimilarity"][group][part]) for r in spread
+                  if r["dissimilarity"].get(group, {}).get(part) is not None]
+        if points:
+          right[0].plot(*zip(*points), style, lw=1.1, label=f"{group} {part}")
+    right[0].set_yscale("log")
+    right[0].set_xlabel("round")
+    right[0].set_title("gradient dissimilarity Σ p_c ‖d_c − d̄‖² / ‖d̄‖²")
+    right[0].grid(alpha=0.3)
+    right[0].legend(fontsize="small")
   if evaluated:
     for name in evaluated[-1]["test_accuracy"]:
       xs = [r["round"] for r in evaluated]

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +20,18 @@ from fedjax_hetero.methods import MethodOptions, build_method
 from fedjax_hetero.models import build_model
 
 TINY_NUM_CLIENTS = 6
+FMNIST_FILE = "/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_fmnist_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+  """``python -m experiments.fmnist ARGS`` from the repository root; skips the test without the Debian package."""
+  import pytest
+
+  if not os.path.exists(FMNIST_FILE):
+    pytest.skip("Fashion-MNIST Debian package not installed (apt-get install dataset-fashion-mnist)")
+  return subprocess.run([sys.executable, "-m", "experiments.fmnist", *args], cwd=REPO, capture_output=True, text=True,
+                        timeout=timeout)
 
 
 def numpy_variables(shapes, seed: int):
@@ -61,7 +77,7 @@ def tiny_federation(num_clients: int = TINY_NUM_CLIENTS) -> tuple[ArrayDataset, 
 
 def tiny_simulation(method, backend: str = "sequential", widths=(1.0,), clients_per_round: int = 3,
                     optimizer: str = "adam", hidden=(16,), data=None, weighting: str = "uniform",
-                    group_draw=(), **options) -> Simulation:
+                    group_draw=(), track_dissimilarity: bool = False, **options) -> Simulation:
   """A two-epoch simulation of MLP width groups on `tiny_federation` (or ``data``). ``method`` is a name
   (then ``options`` are its `MethodOptions`) or a `Method`."""
   ds, store = data or tiny_federation()
@@ -73,4 +89,4 @@ def tiny_simulation(method, backend: str = "sequential", widths=(1.0,), clients_
     method = build_method(method, MethodOptions(**options), local)
   config = FederationConfig(clients_per_round=clients_per_round, seed=0, weighting=weighting, group_draw=group_draw)
   return Simulation(groups, store, local, method, config, make_backend(backend), jnp.asarray(ds.test_images),
-                    jnp.asarray(ds.test_labels))
+                    jnp.asarray(ds.test_labels), track_dissimilarity=track_dissimilarity)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 from experiments import compare
@@ -32,3 +33,26 @@ def test_compare_tables_and_plots_two_runs(tmp_path):
     compare.main(dirs[:1] + ["--labels", "a,b"])
   with pytest.raises(SystemExit, match="not found"):
     compare.main([str(tmp_path)])
+
+
+def fake_run(method, seed, accuracies, dissimilarity=None):
+  rows = [{"round": r, "round_seconds": 1.0, "test_accuracy": None if a is None else {"mean": a},
+           **({"dissimilarity": {"g": {"low": dissimilarity, "high": 2 * dissimilarity}}} if dissimilarity else {})}
+          for r, a in enumerate(accuracies, start=1)]
+  return f"{method}_s{seed}", {"method": method, "config": {"federation": {"seed": seed}}}, rows
+
+
+def test_paired_statistics_rounds_to_target_and_dissimilarity_columns():
+  runs = [fake_run("A", 0, [0.5, 0.6, 0.7]), fake_run("A", 1, [0.5, None, 0.75]),
+          fake_run("B", 0, [0.6, 0.6, 0.9], dissimilarity=0.5), fake_run("B", 1, [0.25, 0.9, 1.0], dissimilarity=1.5)]
+  lines = compare.paired_table(runs, "A").splitlines()
+  # Pairs at rounds both evaluated: seed 0: +10, 0, +20; seed 1: -25, +25 (round 2 of A_s1 has no evaluation).
+  diffs = np.array([10, 0, 20, -25, 25])
+  half = 1.96 * diffs.std(ddof=1) / np.sqrt(5)
+  assert lines[2] == (f"| B | 2 | +6.00 [{6 - half:+.2f}, {6 + half:+.2f}] | 60% of 5 | s0: +10.00, s1: +0.00 |")
+  assert len(lines) == 3  # no row for the baseline itself
+  with pytest.raises(SystemExit, match="no run of the baseline 'C'"):
+    compare.paired_table(runs, "C")
+  rows = compare.table(runs, last=2, target=0.8).splitlines()
+  assert "rounds to 80% |" in rows[0] and "dissimilarity low / high" in rows[0]
+  assert rows[2].endswith("| not reached | nan / nan | 3 |") and rows[5].endswith("| 2 | 1.50 / 3.00 | 3 |")

@@ -1,25 +1,20 @@
 """End to end on real Fashion-MNIST: the CLI learns and writes its results folder."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-FMNIST = "/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import REPO, run_fmnist_cli
 
 
 @pytest.mark.slow
 def test_fmnist_cli_learns_and_writes_results(tmp_path):
-  if not os.path.exists(FMNIST):
-    pytest.skip("Fashion-MNIST Debian package not installed (apt-get install dataset-fashion-mnist)")
   out = tmp_path / "run"
-  cmd = [sys.executable, "-m", "experiments.fmnist", "--groups", "cnn@0.5,cnn@0.25", "--max-train-samples", "4000",
-         "--max-test-samples", "1000", "--num-clients", "8", "--clients-per-round", "4", "--alpha", "1.0",
-         "--epochs", "2", "--rounds", "4", "--eval-every", "2", "--output-dir", str(out), "--no-progress"]
-  proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+  proc = run_fmnist_cli("--groups", "cnn@0.5,cnn@0.25", "--max-train-samples", "4000", "--max-test-samples", "1000",
+                        "--num-clients", "8", "--clients-per-round", "4", "--alpha", "1.0", "--epochs", "2", "--rounds",
+                        "4", "--eval-every", "2", "--output-dir", str(out), "--no-progress")
   assert proc.returncode == 0, proc.stderr[-3000:]
 
   rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

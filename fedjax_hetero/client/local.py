@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_hetero.client.terms import (Batch, ClientFinal, ClientTerm, Outputs, RoundInput, StepContext,
-                                        tree_sub)
+                                        term_cuts, tree_sub)
 from fedjax_hetero.hetero.maps import Variables
 
 OPTIMIZERS = ("sgd", "adam")
@@ -179,7 +179,7 @@ class LocalTrainer:
   @functools.cached_property
   def cuts(self) -> tuple[str, ...]:
     """The cut points the terms read, in the model's order."""
-    wanted = {c for t in self.terms for c in t.cuts}
+    wanted = {c for t in self.terms for c in term_cuts(t, self.model)}
     order = tuple(getattr(self.model, "cut_points", ()))
     return tuple(sorted(wanted, key=lambda c: order.index(c) if c in order else len(order)))
 

@@ -10,7 +10,8 @@ each term of a method may add to that, in the style of an optax chain:
   one name the trainer takes one gradient per name and combines them with the
   method's rule (`LocalTrainer.combine`);
 * ``cuts``: cut points of the model whose activations its loss or its
-  ``update`` read (`Outputs.activations`);
+  ``update`` read (`Outputs.activations`), or a function of the group's model
+  giving them (a split point that depends on the architecture);
 * ``update``: a change of its own state after each step, from that step's
   training outputs (e.g. running per-class feature statistics);
 * ``finish``: what it adds to the client's upload or memory after the round
@@ -95,9 +96,14 @@ class ClientTerm(NamedTuple):
   update: Callable[[Any, Outputs, StepContext], Any] | None = None  # per step, after the gradient step
   finish: Callable[[Any, ClientFinal, Any, Any], ClientFinal] | None = None  # (state, final, memory, share)
   reduce: str = "weighted"
-  cuts: tuple[str, ...] = ()
+  cuts: tuple[str, ...] | Callable[[nn.Module], tuple[str, ...]] = ()
   gradient: str = "local"
   wrap_model: Callable[[nn.Module], nn.Module] | None = None  # e.g. MOON's projection head
+
+
+def term_cuts(term: ClientTerm, model: nn.Module) -> tuple[str, ...]:
+  """The cut points ``term`` reads on ``model``."""
+  return tuple(term.cuts(model) if callable(term.cuts) else term.cuts)
 
 
 def tree_sub(a: Variables, b: Variables) -> Variables:

@@ -15,10 +15,12 @@ from typing import Callable, NamedTuple
 
 from fedjax_hetero import aggregators
 from fedjax_hetero.algorithms.fedgen import FedGenConfig
+from fedjax_hetero.algorithms.fedimpro import FedImproConfig
 from fedjax_hetero.client import terms
 from fedjax_hetero.client.local import LocalConfig
 from fedjax_hetero.methods.api import PER_GROUP, SHARED, STACKED, Method, Sharing
 from fedjax_hetero.methods.fedgen import generative_regularizer, generator_training
+from fedjax_hetero.methods.fedimpro import feature_sharing, feature_statistics
 from fedjax_hetero.sampling.clustered import SIMILARITIES
 from fedjax_hetero.sampling.samplers import clustered, shuffled
 from fedjax_hetero.server import steps
@@ -31,6 +33,7 @@ MOON_MU, MOON_TEMPERATURE = 5.0, 0.5
 AGGREGATE_MODES = ("deltas", "weights")
 INCO_PAPER = "InCo Aggregation (Chan et al., ICLR 2024) and its baselines"
 FEDCROSS_PAPER = "FedCross (Hu et al., ICDE 2024) and its baselines"
+FEDIMPRO_PAPER = "FedImpro (decoupled gradient dissimilarity; its baselines are FedAvg, FedProx, Scaffold, FedNova)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +50,7 @@ class MethodOptions:
   fedcross: FedCrossConfig = FedCrossConfig()
   fedgen: FedGenConfig = FedGenConfig()  # FedGen's generator and regularizer (CIFAR-10 values)
   clusamp_similarity: str = "L1"
+  fedimpro: FedImproConfig = FedImproConfig()
 
   def __post_init__(self):
     for name in ("prox_mu", "moon_mu", "fedprox_mu"):
@@ -133,6 +137,11 @@ def clusamp(o: MethodOptions, local: LocalConfig) -> Method:
                 one_group="(clustering compares all clients' representative gradients, so they need one shape)")
 
 
+def fedimpro(o: MethodOptions, local: LocalConfig) -> Method:
+  return Method("FedImpro", FEDIMPRO_PAPER, "", terms=(feature_sharing(o.fedimpro),),
+                server=(_averaging(o), steps.apply_delta(), feature_statistics(o.fedimpro)), sharing=SHARED)
+
+
 class Entry(NamedTuple):
   name: str
   paper: str
@@ -155,7 +164,9 @@ def _entries() -> list[Entry]:
           Entry("FedGen", FEDCROSS_PAPER, "per-group federations with a server-trained feature generator and "
                 "FedGen's generative regularizer on the clients (Zhu et al. 2021)", fedgen),
           Entry("CluSamp", FEDCROSS_PAPER, "FedAvg with clients drawn by clustered sampling on representative-"
-                "gradient similarity (Fraboni et al. 2021, Alg. 2; one architecture group)", clusamp)]
+                "gradient similarity (Fraboni et al. 2021, Alg. 2; one architecture group)", clusamp),
+          Entry("FedImpro", FEDIMPRO_PAPER, "FedAvg (layer-wise over groups) + the high part also trained on features "
+                "drawn from the clients' shared per-class Gaussians at a cut point (Eqs. 6-8)", fedimpro)]
   return out
 
 

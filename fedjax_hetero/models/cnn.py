@@ -35,6 +35,7 @@ class CNN(nn.Module):
   hidden: int = 128
 
   cut_points = ("input", "conv1", "conv2", "features", "logits")
+  decoupling_cut = "conv2"  # FedImpro's default low/high split (`models.resolve_cut`)
 
   @nn.compact
   def __call__(self, x: Array, train: bool = False, mask: Array | None = None, start: str = "input",

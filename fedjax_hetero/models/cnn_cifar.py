@@ -30,6 +30,7 @@ class CNNCifar(nn.Module):
   hidden: Sequence[int] = (120, 84)
 
   cut_points = ("input", "conv1", "conv2", "fc1", "features", "logits")
+  decoupling_cut = "conv2"  # FedImpro's default low/high split (`models.resolve_cut`)
 
   @nn.compact
   def __call__(self, x: Array, train: bool = False, mask: Array | None = None, start: str = "input",

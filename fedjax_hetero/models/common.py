@@ -88,3 +88,46 @@ def _tiled_max_pool(x: Array, window: tuple[int, int]) -> Array:
   x = x.reshape(b, h // window[0], window[0], w // window[1], window[1], c)
   rows = functools.reduce(jnp.maximum, [x[:, :, i] for i in range(window[0])])
   return functools.reduce(jnp.maximum, [rows[:, :, :, j] for j in range(window[1])])
+
+
+def resolve_cut(model, cut: str | None = None) -> str:
+  """The cut point that splits ``model`` into a low part (input -> cut) and a high part (cut -> logits).
+
+  ``None`` means the model's own ``decoupling_cut`` (CNN: "conv2"; ResNets: "stage2"). Any cut point
+  strictly between "input" and "logits" is valid; another name is an error listing the valid ones.
+  """
+  valid = tuple(model.cut_points)[1:-1]
+  chosen = getattr(model, "decoupling_cut", None) if cut is None else cut
+  if chosen not in valid:
+    raise ValueError(f"{type(model).__name__} has no cut point {chosen!r} to split at; valid cut points: "
+                     f"{', '.join(valid)}")
+  return chosen
+
+
+def cut_shape(model, sample_input: Array, cut: str) -> tuple[int, ...]:
+  """The shape of one example's activation at ``cut`` (shape-only: nothing is computed)."""
+  variables = jax.eval_shape(model.init, jax.random.key(0), sample_input)
+  return tuple(jax.eval_shape(lambda v, x: model.apply(v, x, stop=cut), variables, sample_input).shape[1:])
+
+
+def parameter_split(model, sample_input: Array, cut: str):
+  """Which ``params`` leaves the low part (input -> ``cut``) and the high part (``cut`` -> logits) use.
+
+  Returns two pytrees of bools shaped like ``params``; a leaf used by neither (MOON's projection head) is
+  False in both. Found by tracing each part and looking at which parameters its program reads, so no
+  parameter name is matched.
+  """
+  variables = jax.eval_shape(model.init, jax.random.key(0), sample_input)
+  features = jax.eval_shape(lambda v, x: model.apply(v, x, stop=cut), variables, sample_input)
+
+  def reads(part, inputs):
+    leaves, treedef = jax.tree.flatten(variables["params"])
+    others = {k: v for k, v in variables.items() if k != "params"}
+    closed = jax.make_jaxpr(lambda ps, rest, x: part({**rest, "params": treedef.unflatten(ps)}, x))(leaves, others,
+                                                                                                  inputs)
+    used = {id(v) for eqn in closed.jaxpr.eqns for v in eqn.invars} | {id(v) for v in closed.jaxpr.outvars}
+    return treedef.unflatten([id(v) in used for v in closed.jaxpr.invars[:len(leaves)]])
+
+  low = reads(lambda v, x: model.apply(v, x, stop=cut), sample_input)
+  high = reads(lambda v, h: model.apply(v, h, start=cut), features)
+  return low, high

@@ -29,6 +29,11 @@ class MLP(nn.Module):
   def cut_points(self) -> tuple[str, ...]:
     return ("input",) + tuple(f"hidden{i + 1}" for i in range(len(self.hidden))) + ("features", "logits")
 
+  @property
+  def decoupling_cut(self) -> str:
+    """FedImpro's default low/high split (`models.resolve_cut`): after the first hidden layer."""
+    return "hidden1" if self.hidden else "features"
+
   @nn.compact
   def __call__(self, x: Array, train: bool = False, mask: Array | None = None, start: str = "input",
                stop: str = "logits") -> Array:

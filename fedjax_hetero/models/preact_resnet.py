@@ -93,6 +93,11 @@ class PreActResNet(nn.Module):
     stages = tuple(f"stage{i + 1}" for i in range(len(self.stage_sizes)))
     return ("input", "stem") + stages + ("features", "logits")
 
+  @property
+  def decoupling_cut(self) -> str:
+    """FedImpro's default low/high split (`models.resolve_cut`): after stage 2."""
+    return "stage2"
+
   @nn.compact
   def __call__(self, x: Array, train: bool = False, mask: Array | None = None, start: str = "input",
                stop: str = "logits") -> Array:

@@ -28,6 +28,11 @@ class ProjectedModel(nn.Module):
     return self.base.cut_points
 
   @property
+  def decoupling_cut(self) -> str:
+    """The base model's."""
+    return self.base.decoupling_cut
+
+  @property
   def cross_layer_pairs(self):
     """The base model's InCo pairs (None if it has none), re-rooted: its variables live under "base"."""
     pairs_of = getattr(self.base, "cross_layer_pairs", None)

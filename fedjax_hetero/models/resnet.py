@@ -76,6 +76,11 @@ class ResNet(nn.Module):
     stages = tuple(f"stage{i + 1}" for i in range(len(self.stage_sizes)))
     return ("input", "stem") + stages + ("features", "logits")
 
+  @property
+  def decoupling_cut(self) -> str:
+    """FedImpro's default low/high split: after stage 2, the paper's "9-th layer" of ResNet-18."""
+    return "stage2"
+
   @nn.nowrap
   def cross_layer_pairs(self) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
     """InCo's (target, source) 'params' kernel paths, from `stage_sizes` (InCo Sec. 3.2).

@@ -61,6 +61,11 @@ class VGG16(nn.Module):
   def cut_points(self) -> tuple[str, ...]:
     return ("input",) + tuple(f"block{i + 1}" for i in range(len(self.blocks))) + ("features", "logits")
 
+  @property
+  def decoupling_cut(self) -> str:
+    """FedImpro's default low/high split (`models.resolve_cut`): after the middle block."""
+    return f"block{(len(self.blocks) + 1) // 2}"
+
   @nn.compact
   def __call__(self, x: Array, train: bool = False, mask: Array | None = None, start: str = "input",
                stop: str = "logits") -> Array:

@@ -96,6 +96,11 @@ class ViT(nn.Module):
   def cut_points(self) -> tuple[str, ...]:
     return ("input", "embed") + tuple(f"block{i + 1}" for i in range(self.depth)) + ("features", "logits")
 
+  @property
+  def decoupling_cut(self) -> str:
+    """FedImpro's default low/high split (`models.resolve_cut`): after the middle block."""
+    return f"block{self.depth // 2}" if self.depth >= 2 else "embed"
+
   @nn.nowrap
   def cross_layer_pairs(self) -> tuple[tuple[Path, Path], ...]:
     """InCo's (target, source) 'params' paths: every block's norm2 scale takes its own norm1 scale.

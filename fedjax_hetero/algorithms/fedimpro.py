@@ -1,0 +1,166 @@
+"""FedImpro's pieces as pure functions ("Harnessing Client Drift with Decoupled Gradient Dissimilarity",
+later published as FedImpro; the method and its open choices are read in the project's FedImpro spec).
+
+The model is split at a cut point into a low part ``h = low(x)`` and a high part ``high(h)``. Every
+client keeps a per-class diagonal Gaussian estimate of its features ``h`` (mean and standard deviation
+per class and feature, Eq. 7), the server averages the estimates (Eq. 8) and sends the result back,
+and local training adds the cross-entropy of the high part on features drawn from that Gaussian
+(Eq. 6). The drawn features are constants, so their loss reaches only the high part.
+
+Choices where the paper is silent or differs from the authors' code (each is a `FedImproConfig` field):
+
+* ``beta`` (Eq. 7's momentum) is 0 by default: the authors' code weights the new batch by
+  ``min(1, D / 5000)`` with D the feature size, so a stage-2 split (D = 32768) replaces the estimate
+  by each batch's statistics. The paper gives no value.
+* the estimate is of the standard deviation (the authors' code; Eq. 7 writes "variance"), unbiased
+  over the batch's rows of the class, and clamped from above at ``std_max`` = 0.1 as in that code. A
+  class needs one row to update its mean and two to update its deviation.
+* synthetic labels are class-balanced (``arange(n) % C``), as in the authors' code and as the
+  variance argument of Theorem 4.2 needs (the same synthetic distribution on every client); Algorithm
+  1's literal reading would reuse the batch's labels.
+* ``n = batch size`` synthetic features per step (the paper's N-hat = N; the code draws
+  ``C * (B // C + 1)``).
+* the loss is Eq. 6's sum ``CE(real) + weight * CE(synthetic)``; ``loss="concat"`` takes the
+  authors' code's default, the mean over the concatenated real and synthetic rows.
+* features are drawn from the round's global estimate (Algorithm 1); ``sample_from="local"`` draws
+  them from the client's running estimate instead, as the authors' code does.
+* the server averages each class over the clients that saw it (a client that never saw a class
+  does not pull its mean towards its starting value); the code averages every class over all
+  sampled clients. A class nobody has seen yet stays at the prior N(0, 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+LOSS_MODES = ("sum", "concat")
+SAMPLE_SOURCES = ("global", "local")
+
+
+@dataclasses.dataclass(frozen=True)
+class FedImproConfig:
+  """FedImpro's settings (see the module docstring for each default's source)."""
+
+  cut: str | None = None  # split point; None: the model's `decoupling_cut` (CNN conv2, ResNets stage2)
+  beta: float = 0.0  # Eq. 7 momentum of the feature estimate
+  std_max: float = 0.1  # upper clamp of the estimated standard deviation
+  weight: float = 1.0  # weight of the synthetic-feature cross-entropy
+  loss: str = "sum"  # "sum" (Eq. 6) or "concat" (mean over real + synthetic rows)
+  sample_from: str = "global"  # "global" (Algorithm 1) or "local" (the authors' code)
+  noise: float = 0.0  # std of Gaussian noise added to the uploaded means and deviations (App. D.3)
+  synthetic: int | None = None  # synthetic features per step; None: the batch size
+
+  def __post_init__(self):
+    if not 0.0 <= self.beta < 1.0:
+      raise ValueError(f"fedimpro_beta must be in [0, 1), got {self.beta}")
+    for name in ("std_max", "weight", "noise"):
+      value = getattr(self, name)
+      if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"fedimpro_{name} must be finite and >= 0, got {value}")
+    if not self.std_max > 0:
+      raise ValueError(f"fedimpro_std_max must be > 0, got {self.std_max}")
+    if self.loss not in LOSS_MODES:
+      raise ValueError(f"unknown fedimpro_loss {self.loss!r}; accepted: {', '.join(LOSS_MODES)}")
+    if self.sample_from not in SAMPLE_SOURCES:
+      raise ValueError(f"unknown fedimpro_sample_from {self.sample_from!r}; accepted: {', '.join(SAMPLE_SOURCES)}")
+    if self.synthetic is not None and self.synthetic < 1:
+      raise ValueError(f"fedimpro_synthetic must be >= 1, got {self.synthetic}")
+
+
+class FeatureStats(NamedTuple):
+  """Per-class diagonal Gaussians of the features at the cut: ``mean``, ``std`` [C, D] and ``seen`` [C]
+  (a client: which classes it has estimated this round; the server: which any client has ever seen)."""
+
+  mean: jax.Array
+  std: jax.Array
+  seen: jax.Array
+
+
+def prior_stats(num_classes: int, feature_size: int) -> FeatureStats:
+  """The estimate before any client has seen a class: N(0, 1) for every feature."""
+  return FeatureStats(jnp.zeros((num_classes, feature_size), jnp.float32),
+                      jnp.ones((num_classes, feature_size), jnp.float32), jnp.zeros((num_classes,), jnp.float32))
+
+
+def batch_class_stats(features: jax.Array, labels: jax.Array, mask: jax.Array,
+                      num_classes: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Per-class mean, unbiased standard deviation and row count of a batch's real rows.
+
+  ``features`` [B, D], ``labels`` [B], ``mask`` [B] (1 for a real row). Returns ``(mean [C, D], std [C, D],
+  count [C])``; the mean of a class without rows and the deviation of a class with fewer than two are 0.
+  """
+  onehot = jax.nn.one_hot(labels, num_classes, dtype=jnp.float32) * mask[:, None].astype(jnp.float32)
+  count = onehot.sum(0)
+  mean = (onehot.T @ features) / jnp.maximum(count, 1.0)[:, None]
+  # sum_b (h_b - mean)^2 = sum_b h_b^2 - n mean^2: two [C, D] products instead of a [C, B, D] tensor.
+  squares = jnp.maximum(onehot.T @ jnp.square(features) - count[:, None] * jnp.square(mean), 0.0)
+  std = jnp.sqrt(squares / jnp.maximum(count - 1.0, 1.0)[:, None])
+  return mean, std, count
+
+
+def update_estimate(stats: FeatureStats, features: jax.Array, labels: jax.Array, mask: jax.Array, beta: float,
+                    std_max: float) -> FeatureStats:
+  """Eq. 7 per class: ``mu_c <- beta mu_c + (1 - beta) mean_c(h)`` for every class with a row in the batch,
+  ``sigma_c <- min(beta sigma_c + (1 - beta) std_c(h), std_max)`` for every class with two or more."""
+  mean, std, count = batch_class_stats(features, labels, mask, stats.mean.shape[0])
+  has_mean, has_std = (count >= 1)[:, None], (count >= 2)[:, None]
+  new_mean = jnp.where(has_mean, beta * stats.mean + (1.0 - beta) * mean, stats.mean)
+  new_std = jnp.where(has_std, jnp.minimum(beta * stats.std + (1.0 - beta) * std, std_max), stats.std)
+  return FeatureStats(new_mean, new_std, jnp.maximum(stats.seen, (count >= 1).astype(jnp.float32)))
+
+
+def balanced_labels(num: int, num_classes: int) -> jax.Array:
+  """``0, 1, ..., C-1, 0, 1, ...`` of length ``num``: every class as often as the others (+-1)."""
+  return jnp.arange(num, dtype=jnp.int32) % num_classes
+
+
+def sample_features(stats: FeatureStats, labels: jax.Array, key: jax.Array) -> jax.Array:
+  """``h ~ N(mu[y], diag(sigma[y]^2))`` per label: [N, D] (Eq. 6's synthetic features)."""
+  noise = jax.random.normal(key, (labels.shape[0], stats.mean.shape[1]), jnp.float32)
+  return stats.mean[labels] + stats.std[labels] * noise
+
+
+def noisy_upload(stats: FeatureStats, key: jax.Array, noise: float) -> FeatureStats:
+  """App. D.3's privacy noise: ``N(0, noise^2)`` added to every uploaded mean and deviation; a deviation made
+  negative by the noise is reflected (``|sigma|``)."""
+  if not noise:
+    return stats
+  k_mean, k_std = jax.random.split(key)
+  mean = stats.mean + noise * jax.random.normal(k_mean, stats.mean.shape, jnp.float32)
+  std = jnp.abs(stats.std + noise * jax.random.normal(k_std, stats.std.shape, jnp.float32))
+  return stats._replace(mean=mean, std=std)
+
+
+class StatsUpload(NamedTuple):
+  """A client's estimate as summed over a cohort: per class, the sums of the means and deviations of the
+  clients that saw it, their number, and how many clients were dropped for non-finite statistics."""
+
+  mean_sum: jax.Array  # [C, D]
+  std_sum: jax.Array  # [C, D]
+  holders: jax.Array  # [C]
+  dropped: jax.Array  # []
+
+
+def client_upload(stats: FeatureStats) -> StatsUpload:
+  """One client's contribution to the server's per-class mean (`server_mean`); a client whose estimate of a
+  class it saw is not finite contributes nothing and counts as dropped."""
+  seen = stats.seen[:, None]
+  finite = jnp.all(jnp.where(seen > 0, jnp.isfinite(stats.mean) & jnp.isfinite(stats.std), True))
+  keep = finite.astype(jnp.float32)
+  safe = lambda x: jnp.where((seen > 0) & finite, x, 0.0)  # (not x * keep: NaN * 0 is NaN)
+  return StatsUpload(safe(stats.mean), safe(stats.std), stats.seen * keep, 1.0 - keep)
+
+
+def server_mean(previous: FeatureStats, upload: StatsUpload) -> FeatureStats:
+  """Eq. 8 per class over its holders: ``mu_g[c] = (1/|S_c|) sum_{i in S_c} mu_i[c]`` (and sigma alike), with
+  S_c the round's clients that saw class c; a class no client saw this round keeps its previous value."""
+  held = (upload.holders > 0)[:, None]
+  count = jnp.maximum(upload.holders, 1.0)[:, None]
+  return FeatureStats(jnp.where(held, upload.mean_sum / count, previous.mean),
+                      jnp.where(held, upload.std_sum / count, previous.std),
+                      jnp.maximum(previous.seen, (upload.holders > 0).astype(jnp.float32)))

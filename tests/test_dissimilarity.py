@@ -1,0 +1,81 @@
+"""The gradient-dissimilarity metric: its formula, the low/high parameter split, and its logging in the engine."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import traverse_util
+
+from fedjax_hetero.compilation import CompileLog
+from fedjax_hetero.config import RunConfig
+from fedjax_hetero.data import synthetic_dataset
+from fedjax_hetero.dissimilarity import gradient_dissimilarity
+from fedjax_hetero.models import build_model, parameter_split
+from fedjax_hetero.models.projection import with_projection_head
+from fedjax_hetero.runner import run_experiment
+from tests.helpers import tiny_simulation
+
+
+def test_matches_the_direct_formula_on_hand_made_updates():
+  """sum_c p_c ||d_c - d_bar||^2 / ||d_bar||^2 per part, from the cohort's weighted sums alone."""
+  rng = np.random.default_rng(0)
+  deltas = [{"params": {"a": rng.normal(size=(3, 2)), "b": rng.normal(size=4), "c": rng.normal(size=5)}}
+            for _ in range(4)]
+  weights = np.array([1.0, 2.0, 0.5, 3.0])
+  parts = {"low": {"a": True, "b": True, "c": False}, "high": {"a": False, "b": False, "c": True}}
+  delta_sum = jax.tree.map(lambda *ds: sum(w * d for w, d in zip(weights, ds)), *deltas)
+  norm_sums = jax.tree.map(lambda *ds: sum(w * np.sum(d ** 2) for w, d in zip(weights, ds)),
+                           *[d["params"] for d in deltas])
+  got = gradient_dissimilarity(jax.tree.map(jnp.asarray, delta_sum), jnp.asarray(weights.sum()), norm_sums, parts)
+
+  p = weights / weights.sum()
+  for name, mask in parts.items():
+    flat = [np.concatenate([np.ravel(d["params"][k]) for k in "abc" if mask[k]]) for d in deltas]
+    mean = sum(pc * f for pc, f in zip(p, flat))
+    want = sum(pc * np.sum((f - mean) ** 2) for pc, f in zip(p, flat)) / np.sum(mean ** 2)
+    np.testing.assert_allclose(got[name], want, rtol=1e-5)
+  identical = gradient_dissimilarity(jax.tree.map(lambda d: 3 * d, deltas[0]), jnp.float32(3.0),
+                                     jax.tree.map(lambda d: 3 * np.sum(d ** 2), deltas[0]["params"]), parts)
+  np.testing.assert_allclose([identical["low"], identical["high"]], 0.0, atol=1e-6)
+
+
+def test_parameter_split_of_the_cnn_and_of_moon_projection():
+  x = jnp.zeros((1, 28, 28, 1))
+  low, high = (traverse_util.flatten_dict(t) for t in parameter_split(build_model("cnn", 10, 0.5), x, "conv2"))
+  assert {p[0] for p, v in low.items() if v} == {"conv1", "conv2"}
+  assert {p[0] for p, v in high.items() if v} == {"fc1", "head"}
+  low, high = (traverse_util.flatten_dict(t)
+               for t in parameter_split(with_projection_head(build_model("cnn", 10, 0.5)), x, "features"))
+  assert {p[1] for p, v in high.items() if v} == {"head"}
+  assert not low[("projection_out", "kernel")] and not high[("projection_out", "kernel")]
+
+
+@pytest.mark.parametrize("method", ["FedAvg", "HeteroNova"])
+def test_engine_logs_it_per_group_and_compiles_it_in_the_first_round(method):
+  # 1 client per round over 2 groups: the first round leaves one group out, so its program must still compile then.
+  sim = tiny_simulation(method, widths=(1.0, 0.5), clients_per_round=1, track_dissimilarity=True)
+  state, logged = sim.init_state(), set()
+  for r in range(6):
+    with CompileLog() as log:
+      state, metrics = sim.run_round(state)
+    if r:
+      assert not log.names, f"round {r + 1} compiled {log.names}"
+    (group, values), = metrics["dissimilarity"].items()
+    assert set(values) == {"low", "high"}
+    assert values["low"] < 1e-5 and values["high"] < 1e-5  # one client: its update is the mean (up to rounding)
+    logged.add(group)
+  assert logged == {g.name for g in sim.groups}
+
+
+def test_runs_log_it_by_default_and_the_flag_turns_it_off(tmp_path):
+  dataset = synthetic_dataset(num_train=160, num_test=32, seed=0)
+  base = RunConfig.from_flags(dataset="synthetic", method="HeteroAvg", groups=("mlp@0.5", "mlp"), num_clients=6,
+                              clients_per_round=4, rounds=1, batch_size=16, progress=False)
+  on = run_experiment(base.replace(output_dir=str(tmp_path / "on")), dataset, log=lambda _: None)
+  off = run_experiment(base.replace(output_dir=str(tmp_path / "off"), dissimilarity=False), dataset,
+                       log=lambda _: None)
+  rows = {name: (tmp_path / name / "metrics.jsonl").read_text() for name in ("on", "off")}
+  assert '"dissimilarity"' in rows["on"] and '"dissimilarity"' not in rows["off"]
+  assert on["config"]["dissimilarity"] and not off["config"]["dissimilarity"]

@@ -144,20 +144,27 @@ def plot(runs, path: str, title: str) -> str:
   fig = Figure(figsize=(7 + 4.5 * len(parts), 4.5))
   FigureCanvasAgg(fig)
   axes = fig.subplots(1, 1 + len(parts), squeeze=False)[0]
+  # One colour per method, one line style per run of it (e.g. per seed).
+  methods = list(dict.fromkeys(method_of(summary) for _, summary, _ in runs))
+  styles, seen = [], {}
+  for _, summary, _ in runs:
+    method = method_of(summary)
+    repeat = seen[method] = seen.get(method, -1) + 1
+    styles.append(dict(color=f"C{methods.index(method) % 10}", ls=("-", "--", ":", "-.")[repeat % 4]))
   ax = axes[0]
-  for label, _, rows in runs:
+  for (label, _, rows), style in zip(runs, styles):
     points = evaluated(rows)
-    ax.plot([r for r, _ in points], [100 * a for _, a in points], marker=".", lw=1.5, label=label)
+    ax.plot([r for r, _ in points], [100 * a for _, a in points], marker=".", lw=1.5, label=label, **style)
   ax.set_xlabel("round")
   ax.set_ylabel("mean test accuracy (%)")
   ax.set_title(title)
   ax.grid(alpha=0.3)
   ax.legend(loc="lower right")
   for part, ax in zip(parts, axes[1:]):
-    for label, _, rows in runs:
+    for (label, _, rows), style in zip(runs, styles):
       points = dissimilarity_per_round(rows, part)
       if points:
-        ax.plot(*zip(*points), lw=1.2, label=label)
+        ax.plot(*zip(*points), lw=1.2, label=label, **style)
     ax.set_yscale("log")
     ax.set_xlabel("round")
     ax.set_ylabel("Σ p_c ‖d_c − d̄‖² / ‖d̄‖²")

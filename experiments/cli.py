@@ -145,8 +145,9 @@ def build_parser(defaults: RunConfig, description: str) -> argparse.ArgumentPars
                   "running estimate (the authors' code)")
   fi.add_argument("--fedimpro-noise", type=float, default=d.fedimpro_noise,
                   help="std of Gaussian noise on the uploaded means and deviations (the paper's privacy experiment)")
-  fi.add_argument("--fedimpro-synthetic", type=int, default=d.fedimpro_synthetic,
-                  help="synthetic features per local step; default: the batch size (the paper's N-hat = N)")
+  fi.add_argument("--fedimpro-num-synthetic", type=int, default=d.fedimpro_num_synthetic,
+                  help="synthetic features per local step; default: as many as the batch has real rows (the "
+                  "paper's N-hat = N)")
   fi.add_argument("--dissimilarity", action=argparse.BooleanOptionalAction, default=d.dissimilarity,
                   help="log every round's gradient dissimilarity of the client updates, for the low and the high "
                   "part, per group (any method)")

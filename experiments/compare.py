@@ -139,8 +139,8 @@ def plot(runs, path: str, title: str) -> str:
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
 
-  parts = sorted({p for _, _, rows in runs for r in rows for g in r.get("dissimilarity", {}).values() for p in g},
-                 reverse=True)  # "low", "high"
+  parts = [p for p in ("low", "high") if any(p in g for _, _, rows in runs for r in rows
+                                              for g in (r.get("dissimilarity") or {}).values())]
   fig = Figure(figsize=(7 + 4.5 * len(parts), 4.5))
   FigureCanvasAgg(fig)
   axes = fig.subplots(1, 1 + len(parts), squeeze=False)[0]

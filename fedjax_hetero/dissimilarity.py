@@ -7,8 +7,10 @@ round, on the updates the clients upload:
     D_part = sum_c p_c ||d_c - d_bar||^2 / ||d_bar||^2,   d_bar = sum_c p_c d_c,   p_c = w_c / sum_c w_c
 
 over the ``params`` leaves of the part (low: input -> cut, high: cut -> logits; `models.parameter_split`),
-with ``w_c`` the clients' aggregation weights. The cohort is reduced on the device, so each client uploads
-only the squared norm of each leaf of its update (``update_norms``), and
+with ``w_c`` the clients' aggregation weights. The numerator alone, the *spread* ``sum_c p_c ||d_c - d_bar||^2``,
+is logged too (``low_spread``, ``high_spread``): a method that adds an update component common to all clients
+lowers the ratio through its denominator without bringing the clients closer. The cohort is reduced on the
+device, so each client uploads only the squared norm of each leaf of its update (``update_norms``), and
 ``sum_c p_c ||d_c - d_bar||^2 = sum_c p_c ||d_c||^2 - ||d_bar||^2``.
 """
 
@@ -36,9 +38,10 @@ def update_norms() -> ClientTerm:
 
 def gradient_dissimilarity(delta_sum: Any, weight_sum: jax.Array, norm_sums: Any,
                            parts: dict[str, Any]) -> dict[str, jax.Array]:
-  """``D_part`` (module docstring) for every part, from a cohort's sums: ``delta_sum = sum_c w_c d_c``
-  (variables), ``norm_sums = sum_c w_c ||d_c leaf||^2`` (per ``params`` leaf) and ``parts``: name -> a tree
-  of bools over ``params`` marking the part's leaves. NaN when the mean update of a part is zero."""
+  """``D_part`` (module docstring) for every part, and its numerator as ``<part>_spread``, from a cohort's sums:
+  ``delta_sum = sum_c w_c d_c`` (variables), ``norm_sums = sum_c w_c ||d_c leaf||^2`` (per ``params`` leaf) and
+  ``parts``: name -> a tree of bools over ``params`` marking the part's leaves. NaN when the mean update of a
+  part is zero."""
   mean = jax.tree.map(lambda d: d / weight_sum, delta_sum["params"])
   out = {}
   for name, mask in parts.items():
@@ -46,5 +49,6 @@ def gradient_dissimilarity(delta_sum: Any, weight_sum: jax.Array, norm_sums: Any
       continue
     spread = sum(s / weight_sum for s, m in zip(jax.tree.leaves(norm_sums), jax.tree.leaves(mask)) if m)
     mean_norm = sum(jnp.sum(jnp.square(d)) for d, m in zip(jax.tree.leaves(mean), jax.tree.leaves(mask)) if m)
-    out[name] = jnp.maximum(spread - mean_norm, 0.0) / mean_norm  # >= 0 but for float cancellation
+    out[f"{name}_spread"] = jnp.maximum(spread - mean_norm, 0.0)  # >= 0 but for float cancellation
+    out[name] = out[f"{name}_spread"] / mean_norm
   return out

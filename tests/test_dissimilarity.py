@@ -34,8 +34,9 @@ def test_matches_the_direct_formula_on_hand_made_updates():
   for name, mask in parts.items():
     flat = [np.concatenate([np.ravel(d["params"][k]) for k in "abc" if mask[k]]) for d in deltas]
     mean = sum(pc * f for pc, f in zip(p, flat))
-    want = sum(pc * np.sum((f - mean) ** 2) for pc, f in zip(p, flat)) / np.sum(mean ** 2)
-    np.testing.assert_allclose(got[name], want, rtol=1e-5)
+    spread = sum(pc * np.sum((f - mean) ** 2) for pc, f in zip(p, flat))
+    np.testing.assert_allclose(got[f"{name}_spread"], spread, rtol=1e-5)
+    np.testing.assert_allclose(got[name], spread / np.sum(mean ** 2), rtol=1e-5)
   identical = gradient_dissimilarity(jax.tree.map(lambda d: 3 * d, deltas[0]), jnp.float32(3.0),
                                      jax.tree.map(lambda d: 3 * np.sum(d ** 2), deltas[0]["params"]), parts)
   np.testing.assert_allclose([identical["low"], identical["high"]], 0.0, atol=1e-6)
@@ -63,7 +64,7 @@ def test_engine_logs_it_per_group_and_compiles_it_in_the_first_round(method):
     if r:
       assert not log.names, f"round {r + 1} compiled {log.names}"
     (group, values), = metrics["dissimilarity"].items()
-    assert set(values) == {"low", "high"}
+    assert set(values) == {"low", "high", "low_spread", "high_spread"}
     assert values["low"] < 1e-5 and values["high"] < 1e-5  # one client: its update is the mean (up to rounding)
     logged.add(group)
   assert logged == {g.name for g in sim.groups}

@@ -9,12 +9,14 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import traverse_util
 
 from fedjax_hetero import checkpoints
 from fedjax_hetero.algorithms import fedimpro as fi
 from fedjax_hetero.backends import empty_result
+from fedjax_hetero.client.local import masked_cross_entropy
 from fedjax_hetero.client.terms import Batch, Outputs, RoundInput, StepContext
 from fedjax_hetero.config import RunConfig
 from fedjax_hetero.data import synthetic_dataset
@@ -55,7 +57,9 @@ def test_batch_class_stats_match_numpy():
 def test_ema_estimator_matches_a_direct_computation(beta, std_max):
   """Eq. 7 over three batches: classes with a row update the mean, classes with two update the deviation."""
   rng = np.random.default_rng(1)
-  stats = fi.FeatureStats(jnp.asarray(rng.normal(size=(C, D)), jnp.float32), jnp.full((C, D), 0.05, jnp.float32),
+  start_std = np.full((C, D), 0.05, np.float32)
+  start_std[0] = 1.0  # e.g. the prior: clamped even where no batch updates it
+  stats = fi.FeatureStats(jnp.asarray(rng.normal(size=(C, D)), jnp.float32), jnp.asarray(start_std),
                           jnp.zeros((C,), jnp.float32))
   mean, std, seen = np.asarray(stats.mean, np.float64), np.asarray(stats.std, np.float64), np.zeros(C)
   for step in range(3):
@@ -70,11 +74,28 @@ def test_ema_estimator_matches_a_direct_computation(beta, std_max):
         mean[c] = beta * mean[c] + (1 - beta) * batch_mean[c]
         seen[c] = 1
       if count[c] >= 2:
-        std[c] = np.minimum(beta * std[c] + (1 - beta) * batch_std[c], std_max)
+        std[c] = beta * std[c] + (1 - beta) * batch_std[c]
+    std = np.minimum(std, std_max)
   np.testing.assert_allclose(stats.mean, mean, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(stats.std, std, rtol=1e-4, atol=1e-6)
   np.testing.assert_array_equal(stats.seen, seen)
   assert seen[C - 1] == 0 and np.all(np.asarray(stats.std) <= std_max + 1e-7)
+
+
+def test_a_class_seen_one_row_at_a_time_uploads_a_clamped_deviation():
+  received = fi.prior_stats(C, D)  # nobody has seen any class yet: sigma = 1
+  one_row = fi.update_estimate(received, jnp.ones((1, D)), jnp.array([2]), jnp.array([True]), 0.0, 0.1)
+  upload = fi.client_upload(one_row)
+  np.testing.assert_array_equal(upload.holders, [0, 0, 1, 0])
+  np.testing.assert_allclose(upload.mean_sum[2], 1.0)
+  np.testing.assert_allclose(upload.std_sum[2], 0.1)  # the prior's 1, clamped
+
+
+def test_balanced_labels_spread_the_remainder_by_offset():
+  labels = np.asarray(fi.balanced_labels(128, 10, 7))
+  assert labels[0] == 7 and labels[1] == 8 and labels[3] == 0
+  counts = np.bincount(labels, minlength=10)
+  assert counts.max() - counts.min() == 1 and counts[7] == 13 and counts[5] == 12
 
 
 def test_synthetic_features_follow_the_class_gaussians():
@@ -112,6 +133,8 @@ def test_the_synthetic_term_reaches_only_the_high_part(name, width, kwargs, loss
   # The real logits as constants: the term's own gradient, not the data loss's.
   outputs = Outputs(jax.lax.stop_gradient(model.apply(variables, x)), {cut: h})
 
+  # The real logits enter as constants: the gradient checked is the synthetic rows' alone (in "concat" mode the
+  # term also reweights the real rows' loss, whose gradient reaches every part, as it should).
   grads = jax.grad(lambda p: term.loss({**variables, "params": p}, state, synthetic, outputs, ctx))(variables["params"])
   flat, low, high = (traverse_util.flatten_dict(t) for t in (grads, low, high))
   assert any(low.values()) and any(high.values())
@@ -119,6 +142,46 @@ def test_the_synthetic_term_reaches_only_the_high_part(name, width, kwargs, loss
     if low[path]:
       assert not np.any(np.asarray(g)), f"low-part parameter {path} got a gradient from the synthetic term"
   assert any(np.any(np.asarray(flat[p])) for p in flat if high[p])
+
+
+def cnn_step(config, real_rows=8):
+  """A CNN, its variables, a batch of 8 rows of which ``real_rows`` are real, and the term's prepared step."""
+  model = build_model("cnn", C, 0.25)
+  images, labels = random_batch(1, 8, C, (12, 12, 1))
+  x = images.astype(jnp.float32) / 255.0
+  variables = model_variables(model, x, seed=1)
+  mask = jnp.arange(8) < real_rows
+  ctx = StepContext(model, Batch(x, labels, mask, mask.astype(jnp.float32)), jnp.float32(3), None)
+  h = model.apply(variables, x, stop="conv2")
+  size = int(np.prod(h.shape[1:]))
+  received = fi.FeatureStats(jnp.zeros((C, size)), jnp.full((C, size), 0.5), jnp.ones(C))
+  term = feature_sharing(config)
+  state = term.init(RoundInput(variables, None, received, jax.random.key(2)))
+  return model, variables, ctx, h, term, state
+
+
+def test_concat_mode_makes_the_loss_the_mean_over_real_and_synthetic_rows():
+  model, variables, ctx, h, term, state = cnn_step(fi.FedImproConfig(loss="concat"), real_rows=6)
+  synthetic = term.prepare(state, ctx)
+  assert float(synthetic.mask.sum()) == 6  # as many synthetic rows as real ones
+  logits = model.apply(variables, ctx.batch.x)
+  total = masked_cross_entropy(logits, ctx.batch.labels, ctx.batch.weights)[0] + term.loss(
+      variables, state, synthetic, Outputs(logits, {"conv2": h}), ctx)
+  fake_logits = model.apply(variables, synthetic.features.reshape((-1,) + h.shape[1:]), start="conv2")
+  per_row = np.concatenate([np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits, ctx.batch.labels))[:6],
+                            np.asarray(optax.softmax_cross_entropy_with_integer_labels(fake_logits,
+                                                                                       synthetic.labels))[:6]])
+  np.testing.assert_allclose(total, per_row.mean(), rtol=1e-5)
+
+
+def test_local_sampling_draws_from_the_running_estimate_and_noise_keeps_deviations_non_negative():
+  _, _, ctx, _, term, state = cnn_step(fi.FedImproConfig(sample_from="local", num_synthetic=40))
+  state = state._replace(local=state.local._replace(mean=state.local.mean + 100.0))
+  synthetic = term.prepare(state, ctx)
+  chex.assert_shape(synthetic.labels, (40,))
+  assert float(synthetic.mask.sum()) == 40 and abs(float(synthetic.features.mean()) - 100.0) < 1.0
+  noisy = fi.noisy_upload(state.local, jax.random.key(0), 0.5)
+  assert np.all(np.asarray(noisy.std) >= 0) and not np.allclose(noisy.mean, state.local.mean)
 
 
 def upload(means, stds, seen):
@@ -233,5 +296,6 @@ def test_fedimpro_preset_smoke_run_on_fashion_mnist(tmp_path):
   assert [r["round"] for r in rows] == [1, 2]
   for r in rows:
     assert r["fedimpro"]["cnn"]["dropped_clients"] == 0 and r["fedimpro"]["cnn"]["known_classes"] > 0
-    assert set(r["dissimilarity"]["cnn"]) == {"low", "high"} and 0 <= r["test_accuracy"]["mean"] <= 1
+    assert set(r["dissimilarity"]["cnn"]) == {"low", "high", "low_spread", "high_spread"}
+    assert 0 <= r["test_accuracy"]["mean"] <= 1
     assert np.isfinite(r["train_loss"]) and r["examples"] > 0

@@ -13,15 +13,20 @@ Choices where the paper is silent or differs from the authors' code (each is a `
   ``min(1, D / 5000)`` with D the feature size, so a stage-2 split (D = 32768) replaces the estimate
   by each batch's statistics. The paper gives no value.
 * the estimate is of the standard deviation (the authors' code; Eq. 7 writes "variance"), unbiased
-  over the batch's rows of the class, and clamped from above at ``std_max`` = 0.1 as in that code. A
-  class needs one row to update its mean and two to update its deviation.
-* synthetic labels are class-balanced (``arange(n) % C``), as in the authors' code and as the
-  variance argument of Theorem 4.2 needs (the same synthetic distribution on every client); Algorithm
+  over the batch's rows of the class, and every deviation of a client's estimate is clamped from
+  above at ``std_max`` = 0.1 as in that code. A class needs one row to update its mean and two to
+  update its deviation.
+* synthetic labels are class-balanced, as in the authors' code and as the variance argument of
+  Theorem 4.2 needs (the same synthetic distribution on every client): ``(offset + arange(n)) % C``
+  with a random offset per step, so that no class is favoured when C does not divide n. Algorithm
   1's literal reading would reuse the batch's labels.
-* ``n = batch size`` synthetic features per step (the paper's N-hat = N; the code draws
-  ``C * (B // C + 1)``).
+* as many synthetic features per step as the batch has real rows (the paper's N-hat = N; a partial
+  last batch gets as few); the code draws ``C * (B // C + 1)``. ``num_synthetic`` fixes the count.
 * the loss is Eq. 6's sum ``CE(real) + weight * CE(synthetic)``; ``loss="concat"`` takes the
   authors' code's default, the mean over the concatenated real and synthetic rows.
+* the synthetic rows go through the high part in a pass of their own, so BatchNorm normalizes them
+  by their own batch statistics (and its running statistics follow the real rows only); the
+  authors' code passes real and synthetic rows as one batch.
 * features are drawn from the round's global estimate (Algorithm 1); ``sample_from="local"`` draws
   them from the client's running estimate instead, as the authors' code does.
 * the server averages each class over the clients that saw it (a client that never saw a class
@@ -53,7 +58,7 @@ class FedImproConfig:
   loss: str = "sum"  # "sum" (Eq. 6) or "concat" (mean over real + synthetic rows)
   sample_from: str = "global"  # "global" (Algorithm 1) or "local" (the authors' code)
   noise: float = 0.0  # std of Gaussian noise added to the uploaded means and deviations (App. D.3)
-  synthetic: int | None = None  # synthetic features per step; None: the batch size
+  num_synthetic: int | None = None  # synthetic features per step; None: the batch's real rows
 
   def __post_init__(self):
     if not 0.0 <= self.beta < 1.0:
@@ -68,8 +73,8 @@ class FedImproConfig:
       raise ValueError(f"unknown fedimpro_loss {self.loss!r}; accepted: {', '.join(LOSS_MODES)}")
     if self.sample_from not in SAMPLE_SOURCES:
       raise ValueError(f"unknown fedimpro_sample_from {self.sample_from!r}; accepted: {', '.join(SAMPLE_SOURCES)}")
-    if self.synthetic is not None and self.synthetic < 1:
-      raise ValueError(f"fedimpro_synthetic must be >= 1, got {self.synthetic}")
+    if self.num_synthetic is not None and self.num_synthetic < 1:
+      raise ValueError(f"fedimpro_num_synthetic must be >= 1, got {self.num_synthetic}")
 
 
 class FeatureStats(NamedTuple):
@@ -97,8 +102,7 @@ def batch_class_stats(features: jax.Array, labels: jax.Array, mask: jax.Array,
   onehot = jax.nn.one_hot(labels, num_classes, dtype=jnp.float32) * mask[:, None].astype(jnp.float32)
   count = onehot.sum(0)
   mean = (onehot.T @ features) / jnp.maximum(count, 1.0)[:, None]
-  # sum_b (h_b - mean)^2 = sum_b h_b^2 - n mean^2: two [C, D] products instead of a [C, B, D] tensor.
-  squares = jnp.maximum(onehot.T @ jnp.square(features) - count[:, None] * jnp.square(mean), 0.0)
+  squares = onehot.T @ jnp.square(features - mean[labels])  # each row's deviation from its class mean
   std = jnp.sqrt(squares / jnp.maximum(count - 1.0, 1.0)[:, None])
   return mean, std, count
 
@@ -106,17 +110,19 @@ def batch_class_stats(features: jax.Array, labels: jax.Array, mask: jax.Array,
 def update_estimate(stats: FeatureStats, features: jax.Array, labels: jax.Array, mask: jax.Array, beta: float,
                     std_max: float) -> FeatureStats:
   """Eq. 7 per class: ``mu_c <- beta mu_c + (1 - beta) mean_c(h)`` for every class with a row in the batch,
-  ``sigma_c <- min(beta sigma_c + (1 - beta) std_c(h), std_max)`` for every class with two or more."""
+  ``sigma_c <- beta sigma_c + (1 - beta) std_c(h)`` for every class with two or more; then every deviation
+  ``<= std_max`` (also those the batch did not update, e.g. a class seen one row at a time)."""
   mean, std, count = batch_class_stats(features, labels, mask, stats.mean.shape[0])
   has_mean, has_std = (count >= 1)[:, None], (count >= 2)[:, None]
   new_mean = jnp.where(has_mean, beta * stats.mean + (1.0 - beta) * mean, stats.mean)
-  new_std = jnp.where(has_std, jnp.minimum(beta * stats.std + (1.0 - beta) * std, std_max), stats.std)
+  new_std = jnp.minimum(jnp.where(has_std, beta * stats.std + (1.0 - beta) * std, stats.std), std_max)
   return FeatureStats(new_mean, new_std, jnp.maximum(stats.seen, (count >= 1).astype(jnp.float32)))
 
 
-def balanced_labels(num: int, num_classes: int) -> jax.Array:
-  """``0, 1, ..., C-1, 0, 1, ...`` of length ``num``: every class as often as the others (+-1)."""
-  return jnp.arange(num, dtype=jnp.int32) % num_classes
+def balanced_labels(num: int, num_classes: int, offset: jax.Array | int = 0) -> jax.Array:
+  """``offset, offset + 1, ...`` modulo C, ``num`` of them: every class as often as the others (+-1); a
+  random ``offset`` spreads the +1 over the classes."""
+  return (jnp.arange(num, dtype=jnp.int32) + offset) % num_classes
 
 
 def sample_features(stats: FeatureStats, labels: jax.Array, key: jax.Array) -> jax.Array:

@@ -20,7 +20,6 @@ from typing import NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 
 from fedjax_hetero.algorithms import fedimpro as fi
 from fedjax_hetero.client.local import masked_cross_entropy
@@ -29,6 +28,8 @@ from fedjax_hetero.models import cut_shape, resolve_cut
 from fedjax_hetero.server.steps import ServerStep
 
 NAME = "fedimpro"
+# The term draws from its own stream of the client's round key: the key itself also draws the client's batches.
+KEY_STREAM = 0x46496D70
 
 
 class ClientEstimate(NamedTuple):
@@ -37,13 +38,19 @@ class ClientEstimate(NamedTuple):
   local: fi.FeatureStats  # the client's running estimate (Eq. 7), started from ``received``
 
 
-def high_part_logits(model: nn.Module, variables, features: jax.Array, cut: str) -> jax.Array:
+class Synthetic(NamedTuple):
+  features: jax.Array  # [N, D], drawn outside differentiation
+  labels: jax.Array  # [N]
+  mask: jax.Array  # [N] float: the rows in use (as many as the batch has real rows, unless fixed)
+
+
+def high_part_logits(model: nn.Module, variables, features: jax.Array, mask: jax.Array, cut: str) -> jax.Array:
   """The high part's logits on ``features`` at ``cut``, in training mode; BatchNorm normalizes the synthetic
-  rows by their own statistics and its running statistics are left as the real batch set them."""
+  rows in ``mask`` by their own statistics and its running statistics are left as the real batch set them."""
   if "batch_stats" in variables:
-    logits, _ = model.apply(variables, features, train=True, start=cut, mutable=["batch_stats"])
+    logits, _ = model.apply(variables, features, train=True, mask=mask, start=cut, mutable=["batch_stats"])
     return logits
-  return model.apply(variables, features, train=True, start=cut)
+  return model.apply(variables, features, train=True, mask=mask, start=cut)
 
 
 def feature_sharing(config: fi.FedImproConfig = fi.FedImproConfig()) -> ClientTerm:
@@ -54,25 +61,29 @@ def feature_sharing(config: fi.FedImproConfig = fi.FedImproConfig()) -> ClientTe
 
   def init(r):
     key = jax.random.key(0) if r.key is None else r.key  # (no key: a shape-only use)
-    return ClientEstimate(key, r.share, r.share._replace(seen=jnp.zeros_like(r.share.seen)))
+    return ClientEstimate(jax.random.fold_in(key, KEY_STREAM), r.share,
+                          r.share._replace(seen=jnp.zeros_like(r.share.seen)))
 
   def prepare(state, ctx):
     # Counting real steps only, so padded steps (vmap cohorts) do not shift the key sequence.
-    key = jax.random.fold_in(state.key, ctx.num_steps.astype(jnp.uint32))
+    offset_key, feature_key = jax.random.split(jax.random.fold_in(state.key, ctx.num_steps.astype(jnp.uint32)))
     source = state.received if config.sample_from == "global" else state.local
-    labels = fi.balanced_labels(config.synthetic or ctx.batch.labels.shape[0], source.mean.shape[0])
-    return fi.sample_features(source, labels, key), labels
+    num_classes, rows = source.mean.shape[0], ctx.batch.labels.shape[0]
+    num = config.num_synthetic or rows
+    labels = fi.balanced_labels(num, num_classes, jax.random.randint(offset_key, (), 0, num_classes))
+    in_use = jnp.ones(num) if config.num_synthetic else (jnp.arange(num) < ctx.batch.weights.sum())
+    return Synthetic(fi.sample_features(source, labels, feature_key), labels, in_use.astype(jnp.float32))
 
   def loss(variables, state, synthetic, outputs, ctx):
-    features, labels = synthetic
     cut = cuts(ctx.model)[0]
-    features = features.reshape((features.shape[0],) + outputs.activations[cut].shape[1:])
-    logits = high_part_logits(ctx.model, variables, features, cut)
-    synthetic_ce = config.weight * optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    features = synthetic.features.reshape((synthetic.features.shape[0],) + outputs.activations[cut].shape[1:])
+    logits = high_part_logits(ctx.model, variables, features, synthetic.mask, cut)
+    synthetic_ce, _ = masked_cross_entropy(logits, synthetic.labels, synthetic.mask)
+    synthetic_ce = config.weight * synthetic_ce
     if config.loss == "sum":
       return synthetic_ce
     real_ce, _ = masked_cross_entropy(outputs.logits, ctx.batch.labels, ctx.batch.weights)
-    real, fake = ctx.batch.weights.sum(), jnp.float32(labels.shape[0])
+    real, fake = ctx.batch.weights.sum(), synthetic.mask.sum()
     # The trainer already adds the real rows' mean CE; this term turns the total into the concatenated mean.
     return (real * real_ce + fake * synthetic_ce) / (real + fake) - real_ce
 
@@ -83,7 +94,7 @@ def feature_sharing(config: fi.FedImproConfig = fi.FedImproConfig()) -> ClientTe
     return state._replace(local=local)
 
   def finish(state, final, memory, share):
-    noise_key = jax.random.fold_in(state.key, jnp.uint32(2**31))  # apart from the steps' keys
+    noise_key = jax.random.fold_in(state.key, jnp.uint32(2**31))  # apart from the steps' keys (< 2**31)
     return with_upload(final, NAME, fi.client_upload(fi.noisy_upload(state.local, noise_key, config.noise)))
 
   return ClientTerm(NAME, init=init, prepare=prepare, loss=loss, update=update, finish=finish, reduce="sum",

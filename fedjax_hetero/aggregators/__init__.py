@@ -4,6 +4,10 @@ Usable without the engine: give them the server variables, each architecture
 group's weighted sum of client updates, the groups' total weights and their
 `SubmodelMap`s (see `fedjax_hetero.hetero`). FedCross's cross-aggregation
 (`fedcross`) works instead on K middleware models stacked along a leading axis.
+
+Misuse raises a ValueError naming the argument and leaf (`checks`): sequence
+lengths, tree structure and leaf shapes always, weights, partner indices and
+alpha only where concrete, so jitted callers pay nothing.
 """
 
 from fedjax_hetero.aggregators.fedcross import (

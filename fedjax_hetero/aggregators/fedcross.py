@@ -24,6 +24,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from fedjax_hetero.aggregators import checks
+
 Stacked = Any  # a pytree whose leaves all have a leading axis of size K
 Scalar = Any  # a Python or JAX scalar
 
@@ -37,7 +39,8 @@ def _num_models(stacked: Stacked) -> int:
     raise ValueError("the stacked middleware models have no leaves")
   sizes = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
   if len(sizes) != 1 or None in sizes:
-    raise ValueError(f"every leaf needs the same leading (model) axis; got leading sizes {sizes}")
+    shapes = ", ".join(f"{path} {shape}" for path, shape in checks.leaf_shapes(stacked).items())
+    raise ValueError(f"every leaf needs the same leading (model) axis; got leading sizes {sizes} ({shapes})")
   num_models = sizes.pop()
   _check_num_models(num_models)
   return num_models
@@ -222,6 +225,8 @@ def select_partners(uploaded: Stacked, round_idx: Scalar, strategy: str = "lowes
   """
   if strategy not in STRATEGIES:
     raise ValueError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")
+  checks.check_scalar("round_idx", round_idx)
+  checks.check_integer("round_idx", round_idx)
   if strategy == "in_order":
     return in_order_partners(_num_models(uploaded), round_idx)
   sim = similarity_matrix(uploaded, similarity)
@@ -243,7 +248,10 @@ def cross_aggregate(uploaded: Stacked, partners: jax.Array, alpha: Scalar) -> St
   statistics as the authors' code does. ``alpha = 1`` returns ``uploaded``
   exactly; the paper uses ``alpha`` in [0.5, 1), 0.99 in its experiments.
   """
-  _num_models(uploaded)
+  num_models = _num_models(uploaded)
+  checks.check_shape("partners", partners, (num_models,))
+  checks.check_index_range("partners", partners, num_models)
+  checks.check_unit_interval("alpha", alpha)
   partners = jnp.asarray(partners, jnp.int32)
 
   def mix(v):
@@ -307,9 +315,15 @@ def propeller_aggregate(uploaded: Stacked, propellers: jax.Array, alpha: Scalar 
   (``fedcross_first_stage_bound``: every slot reset to the mean). The paper
   leaves P and the weights unspecified.
   """
-  _num_models(uploaded)
+  num_models = _num_models(uploaded)
+  checks.check_shape("propellers", propellers, (num_models, None))
+  checks.check_index_range("propellers", propellers, num_models)
+  if alpha is not None:
+    checks.check_unit_interval("alpha", alpha)
   propellers = jnp.asarray(propellers, jnp.int32)
   num_propellers = propellers.shape[1]
+  if num_propellers < 1:
+    raise ValueError(f"propellers has shape {propellers.shape}; it needs at least one column (one propeller)")
   if alpha is None:
     alpha = 1.0 / (num_propellers + 1)
 

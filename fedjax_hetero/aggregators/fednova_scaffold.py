@@ -13,7 +13,8 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from fedjax_hetero.aggregators.hetero_avg import heterogeneous_mean_delta, heterogeneous_sums, weighted_coverage
+from fedjax_hetero.aggregators import checks
+from fedjax_hetero.aggregators.hetero_avg import _heterogeneous_mean_delta, _heterogeneous_sums, _weighted_coverage
 from fedjax_hetero.hetero.maps import SubmodelMap, Variables
 
 
@@ -28,8 +29,13 @@ def fednova_delta(group_normalized_sums: Sequence[Variables], group_weights: Seq
   ``W_g = sum w_i`` and ``A_g = sum w_i a_i``. Elements no sampled client owns get 0.
   With equal ``a_i`` this is exactly the (heterogeneous) FedAvg delta.
   """
-  numerator, denominator = heterogeneous_sums(group_normalized_sums, group_weights, group_maps, global_like, offset)
-  tau_numerator = weighted_coverage(group_a_sums, group_maps, global_like, offset)
+  checks.check_lengths({"group_normalized_sums": group_normalized_sums, "group_weights": group_weights,
+                        "group_a_sums": group_a_sums, "group_maps": group_maps})
+  checks.check_groups("global_like", global_like, group_maps, group_weights, offset, "group_normalized_sums",
+                      group_normalized_sums)
+  checks.check_weights("group_a_sums", group_a_sums, positive_total=False)
+  numerator, denominator = _heterogeneous_sums(group_normalized_sums, group_weights, group_maps, global_like, offset)
+  tau_numerator = _weighted_coverage(group_a_sums, group_maps, global_like, offset)
 
   def leaf(n, d, t):
     covered = d > 0
@@ -46,5 +52,7 @@ def scaffold_server_control(control: Variables, group_control_delta_sums: Sequen
   ``c <- c + mean_i delta_c_i`` over the sampled clients (that own the element), rather than the
   paper's ``|S|/N`` scaling. ``control`` and the sums may cover ``params`` only (``{"params": ...}``):
   the maps act on whatever subtree they are given."""
-  delta = heterogeneous_mean_delta(group_control_delta_sums, group_weights, group_maps, control, offset)
+  checks.check_groups("control", control, group_maps, group_weights, offset, "group_control_delta_sums",
+                      group_control_delta_sums)
+  delta = _heterogeneous_mean_delta(group_control_delta_sums, group_weights, group_maps, control, offset)
   return jax.tree.map(jnp.add, control, delta)

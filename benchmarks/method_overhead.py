@@ -95,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   rows = []
   for method in methods:
     config = RunConfig.from_flags(**{**values, "dataset": args.dataset, "method": method, "rounds": args.rounds + 1,
-                                     "backend": args.backend, "progress": False})
+                                     "backend": args.backend, "progress": False, "dissimilarity": False})
     rows.append(measure(config, args.rounds, log))
   base = rows[0]["round_s"]
   context = {"preset": preset.name, "groups": list(values["groups"]), "clients_per_round": values["clients_per_round"],

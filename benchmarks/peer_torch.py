@@ -320,7 +320,7 @@ def run_jax(args: argparse.Namespace) -> dict[str, Any]:
         num_clients=args.num_clients, clients_per_round=args.clients_per_round, partition="dirichlet",
         alpha=args.alpha, epochs=args.epochs, batch_size=args.batch_size, optimizer="adam", learning_rate=args.lr,
         weighting="num_samples", rounds=args.rounds, seed=args.seed, backend=args.backend,
-        max_train_samples=args.max_train_samples, progress=False, **extra)
+        max_train_samples=args.max_train_samples, progress=False, dissimilarity=False, **extra)  # the loop has none
     sim, parts = build_simulation(config, log=_log)
   except (ValueError, fdata.DataNotFoundError) as e:
     raise SystemExit(f"error: {e}") from None

@@ -138,8 +138,8 @@ def build_parser(defaults: RunConfig, description: str) -> argparse.ArgumentPars
   fi.add_argument("--fedimpro-weight", type=float, default=d.fedimpro_weight,
                   help="weight of the cross-entropy on synthetic features")
   fi.add_argument("--fedimpro-loss", default=d.fedimpro_loss, choices=LOSS_MODES,
-                  help="sum: CE(real) + weight CE(synthetic) (Eq. 6); concat: the mean over real and synthetic rows "
-                  "(the authors' code)")
+                  help="concat: the mean cross-entropy over real and synthetic rows (the authors' code and the proof "
+                  "of Theorem 4.2); sum: CE(real) + weight CE(synthetic) (Eq. 6 as printed)")
   fi.add_argument("--fedimpro-sample-from", default=d.fedimpro_sample_from, choices=SAMPLE_SOURCES,
                   help="draw synthetic features from the round's global estimate (Alg. 1) or from the client's "
                   "running estimate (the authors' code)")

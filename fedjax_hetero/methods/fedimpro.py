@@ -54,9 +54,9 @@ def high_part_logits(model: nn.Module, variables, features: jax.Array, mask: jax
 
 
 def feature_sharing(config: fi.FedImproConfig = fi.FedImproConfig()) -> ClientTerm:
-  """FedImpro's client side: ``+ weight * CE(high(h_hat), y_hat)`` with ``h_hat ~ N(mu[y_hat], sigma[y_hat])``
-  and class-balanced ``y_hat`` (Eq. 6; ``loss="concat"``: the mean over real and synthetic rows), the
-  per-class estimate of the real features at the cut (Eq. 7), and its upload."""
+  """FedImpro's client side: the cross-entropy of the high part on ``h_hat ~ N(mu[y_hat], sigma[y_hat])`` with
+  class-balanced ``y_hat`` (Eq. 6), by default averaged with the real rows' (``loss="concat"``; ``"sum"`` adds
+  ``weight * CE(synthetic)``), the per-class estimate of the real features at the cut (Eq. 7), and its upload."""
   cuts = lambda model: (resolve_cut(model, config.cut),)
 
   def init(r):

@@ -32,7 +32,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fedjax_hetero.client.local import ClientOutput, LocalState, LocalTrainer
-from fedjax_hetero.compilation import parallel_compilation
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.hetero.maps import Variables
 
@@ -78,12 +77,7 @@ def _schedule_length(trainer: LocalTrainer, store: FederatedStore) -> int:
 
 def compile_side_by_side(jobs: list[Callable[[], Any]]) -> None:
   """Runs compile jobs in threads: XLA compiles one program per core, and jit's cache keeps the results,
-  so the calls that follow find their programs compiled. One after another while the persistent
-  compilation cache is on (`compilation.parallel_compilation`)."""
-  if not parallel_compilation():
-    for job in jobs:
-      job()
-    return
+  so the calls that follow find their programs compiled."""
   with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
     list(pool.map(lambda job: job(), jobs))  # re-raises a job's error
 

@@ -67,17 +67,6 @@ def enable_persistent_cache(directory: str | None = None) -> str | None:
   return directory
 
 
-def parallel_compilation() -> bool:
-  """Whether programs may compile in several threads at once: only while jax's persistent cache is off.
-
-  With the cache on, XLA:CPU (jax 0.10.2) has crashed with a segmentation fault in
-  ``compilation_cache.get_executable_and_time`` while threads read cache entries at the same time (three
-  fresh-clone test runs of this project). Compiling one program at a time costs a cold cache some of the
-  first round's speed; a warm cache reads its programs quickly either way.
-  """
-  return not jax.config.jax_compilation_cache_dir
-
-
 @dataclasses.dataclass
 class CompileLog:
   """Counts programs lowered (jit cache misses, persistent cache hits included) and XLA compile time.

@@ -6,8 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
-import time
 
 import jax
 import jax.numpy as jnp
@@ -84,23 +82,3 @@ def test_library_kernels_agree_with_xlas_own_within_float_tolerance():
   assert f"{FLAG}=dot,reduce" in fused["flags"] and FLAG not in plain["flags"]
   for name in ("gx", "gw"):
     np.testing.assert_allclose(fused[name], plain[name], rtol=1e-4, atol=1e-6)
-
-
-def test_programs_compile_one_at_a_time_while_the_persistent_cache_is_on():
-  """Threads that read the persistent cache together have crashed XLA:CPU (`compilation.parallel_compilation`)."""
-  from fedjax_hetero.backends import compile_side_by_side
-
-  def threads_used() -> set[int]:
-    seen = set()
-    job = lambda: (seen.add(threading.get_ident()), time.sleep(0.05))
-    compile_side_by_side([job] * 3)
-    return seen
-
-  saved = jax.config.jax_compilation_cache_dir
-  try:
-    jax.config.update("jax_compilation_cache_dir", saved or "/tmp/fedjax_hetero_test_cache")
-    assert threads_used() == {threading.get_ident()}
-    jax.config.update("jax_compilation_cache_dir", None)
-    assert threading.get_ident() not in threads_used()
-  finally:
-    jax.config.update("jax_compilation_cache_dir", saved)

@@ -32,6 +32,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fedjax_hetero.client.local import ClientOutput, LocalState, LocalTrainer
+from fedjax_hetero.compilation import parallel_compilation
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.hetero.maps import Variables
 
@@ -76,8 +77,12 @@ def _schedule_length(trainer: LocalTrainer, store: FederatedStore) -> int:
 
 
 def compile_side_by_side(jobs: list[Callable[[], Any]]) -> None:
-  """Runs compile jobs in threads: XLA compiles one program per core, and jit's cache keeps the results,
-  so the calls that follow find their programs compiled."""
+  """Runs compile jobs ahead of their calls, so that the calls find their programs compiled (jit's cache keeps
+  them): in threads, one program per core, only where `compilation.parallel_compilation` allows; else in turn."""
+  if not parallel_compilation():
+    for job in jobs:
+      job()
+    return
   with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
     list(pool.map(lambda job: job(), jobs))  # re-raises a job's error
 

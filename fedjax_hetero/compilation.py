@@ -67,6 +67,19 @@ def enable_persistent_cache(directory: str | None = None) -> str | None:
   return directory
 
 
+PARALLEL_ENV = "FEDJAX_HETERO_PARALLEL_COMPILE"
+
+
+def parallel_compilation() -> bool:
+  """Whether programs may compile in several threads at once: only with ``FEDJAX_HETERO_PARALLEL_COMPILE=1``.
+
+  XLA:CPU (jax 0.10.2) crashed with a segmentation fault while threads compiled side by side, with and
+  without the persistent cache (fresh-clone test runs on an AVX-512 EPYC, 2026-11-25), so programs compile
+  one at a time unless asked. Side by side saves part of a cold first round on two cores.
+  """
+  return os.environ.get(PARALLEL_ENV, "") == "1"
+
+
 @dataclasses.dataclass
 class CompileLog:
   """Counts programs lowered (jit cache misses, persistent cache hits included) and XLA compile time.

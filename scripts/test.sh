@@ -14,8 +14,12 @@ run() {
   fi
   return "$status"
 }
-run tests --ignore=tests/test_golden.py "$@"
-main=$?
+# The main suite runs in two processes: on an AVX-512 EPYC, XLA:CPU crashed late in one long process
+# (segfaults compiling or reading the cache, ~90% through; see docs/performance.md), never in a short one.
+run $(ls tests/test_[a-m]*.py) "$@"
+first=$?
+run $(ls tests/test_[n-z]*.py | grep -v test_golden.py) "$@"
+second=$?
 run tests/test_golden.py "$@"
 golden=$?
-[ "$main" -eq 0 ] && [ "$golden" -eq 0 ]
+[ "$first" -eq 0 ] && [ "$second" -eq 0 ] && [ "$golden" -eq 0 ]

@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fedjax_hetero.client.local import ClientOutput, LocalState, LocalTrainer
-from fedjax_hetero.compilation import parallel_compilation
+from fedjax_hetero.compilation import program_cache
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.hetero.maps import Variables
 
@@ -77,12 +77,8 @@ def _schedule_length(trainer: LocalTrainer, store: FederatedStore) -> int:
 
 
 def compile_side_by_side(jobs: list[Callable[[], Any]]) -> None:
-  """Runs compile jobs ahead of their calls, so that the calls find their programs compiled (jit's cache keeps
-  them): in threads, one program per core, only where `compilation.parallel_compilation` allows; else in turn."""
-  if not parallel_compilation():
-    for job in jobs:
-      job()
-    return
+  """Runs compile jobs in threads: XLA compiles one program per core, and jit's cache keeps the results,
+  so the calls that follow find their programs compiled."""
   with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
     list(pool.map(lambda job: job(), jobs))  # re-raises a job's error
 
@@ -142,7 +138,7 @@ def _summed(output: ClientOutput, reductions: dict[str, str], weight) -> tuple[V
   return scale(output.delta), uploads
 
 
-@functools.cache
+@program_cache
 def _sequential_program(trainer: LocalTrainer, schedule_length: int):
 
   @jax.jit
@@ -263,7 +259,7 @@ class SequentialBackend:
     return result._replace(memory=memory, uploads={**result.uploads, **stacked})
 
 
-@functools.cache
+@program_cache
 def _mapped_program(trainer: LocalTrainer, schedule_length: int, per_client_start: bool, mesh: Mesh | None):
   start_axis = 0 if per_client_start else None
   # On a mesh the chunk program's shardings are fixed (clients split, data replicated), so the programs

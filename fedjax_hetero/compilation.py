@@ -2,6 +2,9 @@
 
 A simulation compiles each architecture group's programs in its first round and none after
 (see docs/performance.md); `CompileLog` is how the tests and the runner check and report that.
+`program_cache` keeps the jitted programs a process builds, up to a bound, and `release_programs`
+drops them: each XLA:CPU executable holds its machine code in memory mappings of its own, and a
+process that keeps every program it ever compiled runs out of them (see `mapping_headroom`).
 The persistent cache makes a second run of the same command skip XLA's compilation altogether.
 `use_cpu_fusions`, applied when the package is imported, hands XLA:CPU's dots and reductions
 to its YNNPACK library kernels, which train the CNNs 1.2-1.8x faster than XLA's own.
@@ -10,8 +13,12 @@ to its YNNPACK library kernels, which train the CNNs 1.2-1.8x faster than XLA's 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import gc
 import os
 import threading
+import warnings
+from typing import Callable, TypeVar
 
 import jax
 from jax._src import xla_bridge  # private, but jax has no public way to ask whether it has computed yet
@@ -22,6 +29,11 @@ DEFAULT_CPU_FUSIONS = "dot,reduce"
 _YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type"
 _LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+PROGRAM_CACHE_SIZE = 32  # programs per builder: a few simulations' worth of groups and chunk lengths
+_MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"
+
+Builder = TypeVar("Builder", bound=Callable)
+_program_caches: list = []
 
 
 def use_cpu_fusions(types: str | None = None) -> str | None:
@@ -67,17 +79,61 @@ def enable_persistent_cache(directory: str | None = None) -> str | None:
   return directory
 
 
-PARALLEL_ENV = "FEDJAX_HETERO_PARALLEL_COMPILE"
+def program_cache(build: Builder) -> Builder:
+  """`functools.lru_cache` for a function that builds jitted programs from static structure (a model, a
+  trainer, a map): equal arguments share their compiled programs, and the least recently used are
+  dropped beyond `PROGRAM_CACHE_SIZE`, with their machine code. `release_programs` drops all of them."""
+  cached = functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)(build)
+  _program_caches.append(cached)
+  return cached  # type: ignore[return-value]
 
 
-def parallel_compilation() -> bool:
-  """Whether programs may compile in several threads at once: only with ``FEDJAX_HETERO_PARALLEL_COMPILE=1``.
+def release_programs() -> None:
+  """Drops every compiled program this package's builders and jax's own caches hold, and frees their
+  memory. Programs still referenced elsewhere (a live `Simulation`'s) stay; the rest recompile on use."""
+  for cached in _program_caches:
+    cached.cache_clear()
+  jax.clear_caches()
+  gc.collect()
 
-  XLA:CPU (jax 0.10.2) crashed with a segmentation fault while threads compiled side by side, with and
-  without the persistent cache (fresh-clone test runs on an AVX-512 EPYC, 2026-11-25), so programs compile
-  one at a time unless asked. Side by side saves part of a cold first round on two cores.
+
+def memory_mappings() -> tuple[int, int] | None:
+  """(mappings this process holds, the kernel's per-process limit ``vm.max_map_count``); None where
+  Linux's /proc does not say."""
+  try:
+    with open(_MAX_MAP_COUNT) as f:
+      limit = int(f.read())
+    with open("/proc/self/maps", "rb") as f:
+      used = sum(1 for _ in f)
+  except (OSError, ValueError):
+    return None
+  return used, limit
+
+
+def mapping_headroom(release_above: float = 0.6, fail_above: float = 0.9) -> None:
+  """Makes room before XLA compiles: XLA:CPU places each executable's code and data in memory mappings
+  of their own (three per kernel), and when a process reaches the kernel's limit on mappings
+  (``vm.max_map_count``, 65,530 by default) XLA's compiler dies with a segmentation fault instead of an
+  error. Above ``release_above`` of the limit this calls `release_programs` (with a warning); if the
+  process is still above ``fail_above`` it raises RuntimeError, which names the way out.
+
+  Seen in one process that built ~300 simulations in a row (the test suite, before its modules released
+  their programs): the crash came at 65,485 of 65,530 mappings, 5.5 GB resident.
   """
-  return os.environ.get(PARALLEL_ENV, "") == "1"
+  counted = memory_mappings()
+  if counted is None:
+    return
+  used, limit = counted
+  if used > release_above * limit:
+    release_programs()
+    before, (used, limit) = used, memory_mappings()
+    warnings.warn(f"this process held {before:,} of its {limit:,} memory mappings (vm.max_map_count), mostly "
+                  f"compiled programs; released the cached ones: {used:,} now", RuntimeWarning, stacklevel=2)
+  if used > fail_above * limit:
+    raise RuntimeError(f"this process holds {used:,} of its {limit:,} memory mappings (vm.max_map_count) and "
+                       "XLA:CPU crashes when it compiles at the limit: drop the simulations you no longer need "
+                       "and call fedjax_hetero.compilation.release_programs(), or raise the limit "
+                       "(sysctl -w vm.max_map_count=262144)")
 
 
 @dataclasses.dataclass

@@ -27,7 +27,7 @@ import numpy as np
 from fedjax_hetero import dissimilarity
 from fedjax_hetero.backends import Backend, empty_group_result
 from fedjax_hetero.client.local import LocalConfig, LocalTrainer
-from fedjax_hetero.compilation import parallel_compilation
+from fedjax_hetero.compilation import mapping_headroom
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.evaluation import EVAL_BATCH, accuracy
 from fedjax_hetero.hetero.maps import SubmodelMap, Variables, extract, identity_map, pick_global
@@ -259,12 +259,12 @@ class Simulation:
                                 memory=state.memory[gi], rows=self.row_of_client[cohort], server=shares[gi],
                                 per_client_start=self.method.sharing.stacked, capacity=self._stack_size(gi))
 
-    if self._compiled or not parallel_compilation():
+    if self._compiled:
       trained = [train(gi) for gi in range(len(self.groups))]
     else:  # the groups compile side by side (XLA compiles on one core)
+      mapping_headroom()
       with concurrent.futures.ThreadPoolExecutor(len(self.groups)) as pool:
         trained = list(pool.map(train, range(len(self.groups))))
-    if not self._compiled:
       self._compile_every_federation(state, starts, shares, cohorts)
     memory, results = list(state.memory), []
     losses: dict[str, float] = {}

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from fedjax_hetero.client.local import normalize
+from fedjax_hetero.compilation import program_cache
 from fedjax_hetero.hetero.maps import Variables
 
 # XLA:CPU runs the models' convolutions fastest on batches of about 64-200 (the demo's three CNNs
@@ -35,7 +35,7 @@ def accuracy(model: nn.Module, variables: Variables, images: jax.Array, labels: 
   return float(correct) / n
 
 
-@functools.cache
+@program_cache
 def _batched(model: nn.Module, mean: tuple[float, ...], std: tuple[float, ...], batch_size: int):
 
   @jax.jit

@@ -1,18 +1,26 @@
-"""Shared test setup: no persistent XLA compilation cache, in this process or its subprocesses.
+"""Shared test setup: no persistent XLA compilation cache, and each module's compiled programs released.
 
-A session-wide throwaway cache used to turn the tests' repeated compilations into cache hits, but
-XLA:CPU (jax 0.10.2) crashed three times in fresh-clone runs while reading entries of it
-(``compilation_cache.get_executable_and_time``: a segmentation fault, once with threads reading
-together, once an abort with one thread reading alone). The tests now compile everything themselves;
-the experiment driver's own cache (``--compile-cache``) is off in the CLI subprocesses the tests start.
+The suite builds a few hundred simulations in one process. Kept alive, their XLA:CPU executables
+filled the process's memory mappings up to the kernel's limit (vm.max_map_count), where XLA's compiler
+segfaulted (see `fedjax_hetero.compilation.mapping_headroom`); so every module releases what it compiled.
+The tests compile everything themselves (the CLI subprocesses they start get
+``FEDJAX_HETERO_CACHE_DIR=off`` too), so no test depends on what an earlier one left in a cache.
 """
 
 from __future__ import annotations
 
 import os
 
-from fedjax_hetero.compilation import CACHE_ENV
+import pytest
+
+from fedjax_hetero.compilation import CACHE_ENV, release_programs
 
 
 def pytest_configure(config):
   os.environ[CACHE_ENV] = "off"  # inherited by the CLI subprocesses
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  yield
+  release_programs()

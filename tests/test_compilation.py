@@ -1,4 +1,4 @@
-"""XLA:CPU's kernel choice (`compilation.use_cpu_fusions`) and the compile counter."""
+"""XLA:CPU's kernel choice (`compilation.use_cpu_fusions`), the compile counter, and the bounded program caches."""
 
 from __future__ import annotations
 
@@ -82,3 +82,47 @@ def test_library_kernels_agree_with_xlas_own_within_float_tolerance():
   assert f"{FLAG}=dot,reduce" in fused["flags"] and FLAG not in plain["flags"]
   for name in ("gx", "gw"):
     np.testing.assert_allclose(fused[name], plain[name], rtol=1e-4, atol=1e-6)
+
+
+@compilation.program_cache
+def _scaled_sum(scale: float):
+  return jax.jit(lambda x: (scale * x).sum())
+
+
+def test_program_cache_shares_equal_builds_and_keeps_a_bounded_number():
+  assert _scaled_sum(2.0) is _scaled_sum(2.0)
+  for i in range(compilation.PROGRAM_CACHE_SIZE + 5):
+    _scaled_sum(float(i))
+  assert _scaled_sum.cache_info().currsize == compilation.PROGRAM_CACHE_SIZE
+  compilation.release_programs()
+  assert _scaled_sum.cache_info().currsize == 0
+
+
+@pytest.mark.skipif(compilation.memory_mappings() is None, reason="needs Linux's /proc")
+def test_released_programs_give_their_memory_mappings_back():
+  compilation.release_programs()
+  before, _ = compilation.memory_mappings()
+  x = jnp.ones(7)
+  for i in range(20):  # 20 distinct executables
+    float(_scaled_sum(float(i) + 0.5)(x))
+  held, _ = compilation.memory_mappings()
+  compilation.release_programs()
+  after, _ = compilation.memory_mappings()
+  assert held - before >= 20, (before, held)
+  assert after - before < (held - before) / 2, (before, held, after)
+
+
+def test_mapping_headroom_releases_programs_then_names_the_limit(monkeypatch):
+  released = []
+  monkeypatch.setattr(compilation, "release_programs", lambda: released.append(True))
+  monkeypatch.setattr(compilation, "memory_mappings", lambda: (100, 1000))
+  compilation.mapping_headroom()
+  assert not released
+  counts = iter([(700, 1000), (500, 1000)])
+  monkeypatch.setattr(compilation, "memory_mappings", lambda: next(counts))
+  with pytest.warns(RuntimeWarning, match="700 of its 1,000 memory mappings"):
+    compilation.mapping_headroom()
+  assert released == [True]
+  counts = iter([(950, 1000), (940, 1000)])
+  with pytest.warns(RuntimeWarning), pytest.raises(RuntimeError, match=r"vm.max_map_count.*release_programs"):
+    compilation.mapping_headroom()

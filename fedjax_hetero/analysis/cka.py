@@ -9,7 +9,6 @@ hence different feature sizes) be compared.
 
 from __future__ import annotations
 
-import functools
 from typing import Mapping, Sequence
 
 import flax.linen as nn
@@ -18,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_hetero.client.local import normalize
+from fedjax_hetero.compilation import program_cache
 from fedjax_hetero.hetero.maps import Variables
 
 Array = jax.Array
@@ -71,7 +71,7 @@ def _ordered_cuts(model: nn.Module, cut_points: Sequence[str]) -> tuple[str, ...
   return tuple(sorted(set(cut_points), key=order.index))
 
 
-@functools.cache
+@program_cache
 def _chained(model: nn.Module, cuts: tuple[str, ...], mean: tuple[float, ...], std: tuple[float, ...]):
   """One jitted eval-mode pass that returns the activation at every cut in `cuts` (model order)."""
 

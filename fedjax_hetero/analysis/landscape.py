@@ -8,7 +8,6 @@ Sec. 4, "filter normalization"), and bias/BN directions zeroed ("ignore biasbn")
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import flax.linen as nn
@@ -18,6 +17,7 @@ import numpy as np
 import optax
 
 from fedjax_hetero.client.local import normalize
+from fedjax_hetero.compilation import program_cache
 from fedjax_hetero.hetero.maps import Variables
 
 Array = jax.Array
@@ -61,7 +61,7 @@ class LossSurface(NamedTuple):
   accuracy: np.ndarray
 
 
-@functools.cache
+@program_cache
 def _point_batch(model: nn.Module, mean: tuple[float, ...], std: tuple[float, ...], batch_size: int):
   """Jitted (summed loss, correct count) of one batch at grid point (a, b)."""
 

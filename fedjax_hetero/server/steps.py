@@ -28,6 +28,7 @@ import numpy as np
 import optax
 
 from fedjax_hetero import aggregators
+from fedjax_hetero.compilation import program_cache
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.hetero.maps import SubmodelMap, Variables, extract
 
@@ -199,7 +200,7 @@ def inco(variant: str = "code", granularity: str = "kernel") -> ServerStep:
   return ServerStep("inco", update, init)
 
 
-@functools.cache
+@program_cache
 def _extractor(group_map: SubmodelMap):
   return jax.jit(lambda tree: extract(tree, group_map))
 

@@ -24,6 +24,7 @@ from fedjax_hetero.backends import BACKENDS
 from fedjax_hetero.client.local import OPTIMIZERS
 from fedjax_hetero.compilation import CACHE_ENV, default_cache_dir, enable_persistent_cache
 from fedjax_hetero.config import RunConfig
+from fedjax_hetero.guard import ACTIONS
 from fedjax_hetero.methods import AGGREGATE_MODES, methods_by_paper
 from fedjax_hetero.runner import run_experiment
 from fedjax_hetero.sampling import SIMILARITIES
@@ -152,6 +153,21 @@ def build_parser(defaults: RunConfig, description: str) -> argparse.ArgumentPars
                   help="log every round's gradient dissimilarity of the client updates, for the low and the high "
                   "part, per group (any method)")
   p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="checkpoint every N rounds")
+  p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints,
+                 help="checkpoints kept: the latest N, and besides them the one with the best mean test accuracy")
+  dg = p.add_argument_group("divergence guard")
+  dg.add_argument("--on-divergence", default=d.on_divergence, choices=ACTIONS,
+                  help="when the loss is not finite, rises above --divergence-loss-factor x its lowest, or accuracy "
+                  "collapses to chance: stop (the best checkpoint is kept), rollback (restore the best checkpoint, "
+                  "lower the learning rate, go on), or off (stop only on a non-finite loss)")
+  dg.add_argument("--divergence-loss-factor", type=float, default=d.divergence_loss_factor,
+                  help="a group's training loss above this multiple of its lowest so far counts as divergence")
+  dg.add_argument("--divergence-chance-evals", type=int, default=d.divergence_chance_evals,
+                  help="evaluations in a row at chance accuracy (after reaching twice chance) that count as divergence")
+  dg.add_argument("--divergence-rollback-lr-factor", type=float, default=d.divergence_rollback_lr_factor,
+                  help="rollback multiplies the clients' learning rate by this")
+  dg.add_argument("--divergence-max-rollbacks", type=int, default=d.divergence_max_rollbacks,
+                  help="rollbacks allowed before the run stops")
   p.add_argument("--steps-per-call", type=int, default=d.steps_per_call,
                  help="local steps unrolled in one jitted call: 1 compiles fastest and is as fast for ResNets; "
                       "4 trains a full-width CNN ~6%% faster on XLA:CPU (docs/performance.md)")

@@ -21,6 +21,7 @@ from fedjax_hetero.algorithms.fedgen import FedGenConfig
 from fedjax_hetero.backends import BACKENDS
 from fedjax_hetero.client.local import LocalConfig
 from fedjax_hetero.engine import FederationConfig
+from fedjax_hetero.guard import DivergenceConfig
 from fedjax_hetero.methods import MethodOptions, build_method
 
 
@@ -65,11 +66,14 @@ class OutputConfig:
   resume: bool = False
   overwrite: bool = False
   checkpoint_every: int = 10
+  keep_checkpoints: int = 2  # the latest N, besides the one with the best mean test accuracy
   progress: bool = True
 
   def __post_init__(self):
     if self.checkpoint_every < 1:
       raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
+    if self.keep_checkpoints < 1:
+      raise ValueError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +87,7 @@ class RunConfig:
   eval_every: int = 5
   backend: str = "auto"
   dissimilarity: bool = True  # log the clients' gradient dissimilarity per round (`fedjax_hetero.dissimilarity`)
+  divergence: DivergenceConfig = DivergenceConfig()
   output: OutputConfig = OutputConfig()
 
   def __post_init__(self):
@@ -183,14 +188,15 @@ def _build(cls: type, values: dict[str, Any], prefix: str, ignored: list[str]) -
 
 def _flag_table() -> dict[str, str]:
   """Flag name -> dotted path, for every leaf with a flag."""
-  renamed = {"method.name": "method", "output.dir": "output_dir", "method.fedcross.global_from": "fedcross_global"}
+  renamed = {"method.name": "method", "output.dir": "output_dir", "method.fedcross.global_from": "fedcross_global",
+             "divergence.action": "on_divergence"}
   table = {}
   for path in flatten(RunConfig()):
     if path.startswith("method.fedgen."):
       continue
     leaf = path.rsplit(".", 1)[-1]
-    prefixed = next((f"{family}_{leaf}" for family in ("fedcross", "fedimpro") if path.startswith(f"method.{family}.")),
-                    None)
+    prefixed = next((f"{family.rsplit('.', 1)[-1]}_{leaf}" for family in ("method.fedcross", "method.fedimpro", "divergence")
+                     if path.startswith(f"{family}.")), None)
     flag = renamed.get(path) or prefixed or leaf
     if flag in table:
       raise AssertionError(f"two settings share the flag name {flag!r}")

@@ -1,0 +1,115 @@
+"""Divergence guard: reads each round's host-side metrics and says when a run has diverged.
+
+Three signs, each named with its round and architecture group:
+
+- the training loss is not finite (the engine raises `engine.NonFiniteLossError` in that round);
+- a group's training loss rises above ``loss_factor`` times the lowest it has had (a finite blow-up,
+  e.g. Adam at a huge learning rate: the loss reached 1e29 while staying finite);
+- a group's test accuracy sits at chance for ``chance_evals`` evaluations in a row after it had been
+  clearly above chance (a collapse, not a slow start).
+
+`DivergenceWatch` is pure host-side bookkeeping over the metrics rows `Simulation.run_round` returns,
+so the guard costs nothing on the device. What to do about it (stop, or roll back to the best
+checkpoint with a lower learning rate) is the runner's part: `DivergenceConfig.action`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+ACTIONS = ("stop", "rollback", "off")
+
+
+class DivergenceError(FloatingPointError):
+  """A run diverged; the message names the round, the group and the sign."""
+
+  def __init__(self, message: str, round_: int, group: str):
+    super().__init__(message)
+    self.round = round_
+    self.group = group
+
+
+@dataclasses.dataclass(frozen=True)
+class DivergenceConfig:
+  """When a run counts as diverged, and what the runner does then.
+
+  ``action``: "stop" ends the run with an error (the best checkpoint is kept); "rollback" restores the
+  best checkpoint, multiplies the clients' learning rate by ``rollback_lr_factor`` and goes on, at most
+  ``max_rollbacks`` times; "off" only keeps the engine's non-finite-loss error.
+  """
+
+  action: str = "stop"
+  loss_factor: float = 10.0  # a group's loss above this multiple of its lowest so far
+  chance_evals: int = 3  # evaluations in a row at chance accuracy, after being clearly above it
+  rollback_lr_factor: float = 0.5
+  max_rollbacks: int = 3
+
+  def __post_init__(self):
+    if self.action not in ACTIONS:
+      raise ValueError(f"--on-divergence: unknown action {self.action!r}; accepted: {', '.join(ACTIONS)}")
+    if not (math.isfinite(self.loss_factor) and self.loss_factor > 1):
+      raise ValueError(f"--divergence-loss-factor must be a finite number > 1, got {self.loss_factor}")
+    if self.chance_evals < 1:
+      raise ValueError(f"--divergence-chance-evals must be >= 1, got {self.chance_evals}")
+    if not 0 < self.rollback_lr_factor < 1:
+      raise ValueError(f"--divergence-rollback-lr-factor must be in (0, 1), got {self.rollback_lr_factor}")
+    if self.max_rollbacks < 0:
+      raise ValueError(f"--divergence-max-rollbacks must be >= 0, got {self.max_rollbacks}")
+
+
+def at_chance(accuracy: float, num_classes: int) -> bool:
+  """Within a fifth of a class of guessing (10 classes: below 12%)."""
+  return accuracy < 1.2 / num_classes
+
+
+def clearly_learning(accuracy: float, num_classes: int) -> bool:
+  """At least twice chance (10 classes: 20%)."""
+  return accuracy >= 2.0 / num_classes
+
+
+@dataclasses.dataclass
+class DivergenceWatch:
+  """The guard's memory over a run's metrics rows; `observe` raises `DivergenceError` at the first sign.
+
+  Rebuild it from the rows kept when a run resumes (`replay`), so the signs count across segments.
+  """
+
+  config: DivergenceConfig
+  num_classes: int
+  lowest_loss: dict[str, float] = dataclasses.field(default_factory=dict)
+  chance_streak: dict[str, int] = dataclasses.field(default_factory=dict)
+  learned: dict[str, bool] = dataclasses.field(default_factory=dict)
+
+  def observe(self, row: Mapping[str, Any]) -> None:
+    """Takes one round's metrics; raises `DivergenceError` if they show a sign (unless the action is "off")."""
+    error = self.check(row)
+    if error is not None and self.config.action != "off":
+      raise error
+
+  def replay(self, rows: list[Mapping[str, Any]]) -> None:
+    """Takes rows already accepted (a resumed run's history), raising nothing."""
+    for row in rows:
+      self.check(row)
+
+  def check(self, row: Mapping[str, Any]) -> DivergenceError | None:
+    """Takes one round's metrics; returns the first sign of divergence in them, if any."""
+    r, error = row["round"], None
+    for group, loss in row.get("train_loss_per_group", {}).items():
+      lowest = self.lowest_loss.get(group, math.inf)
+      if error is None and loss > self.config.loss_factor * lowest:
+        error = DivergenceError(f"round {r}: training loss of group {group} rose to {loss:.4g}, above "
+                                f"{self.config.loss_factor:g}x its lowest ({lowest:.4g}; --divergence-loss-factor)",
+                                r, group)
+      self.lowest_loss[group] = min(lowest, loss)
+    for group, accuracy in (row.get("test_accuracy") or {}).items():
+      if group == "mean":
+        continue
+      self.learned[group] = self.learned.get(group, False) or clearly_learning(accuracy, self.num_classes)
+      streak = self.chance_streak.get(group, 0) + 1 if at_chance(accuracy, self.num_classes) else 0
+      self.chance_streak[group] = streak
+      if error is None and self.learned[group] and streak >= self.config.chance_evals:
+        error = DivergenceError(f"round {r}: test accuracy of group {group} is {100 * accuracy:.1f}%, at chance "
+                                f"for {streak} evaluations in a row (--divergence-chance-evals)", r, group)
+    return error

@@ -3,8 +3,9 @@
 Three signs, each named with its round and architecture group:
 
 - the training loss is not finite (the engine raises `engine.NonFiniteLossError` in that round);
-- a group's training loss rises above ``loss_factor`` times the lowest it has had (a finite blow-up,
-  e.g. Adam at a huge learning rate: the loss reached 1e29 while staying finite);
+- a group's training loss rises above ``loss_factor`` times the lowest it has had, counting from ln C,
+  the cross-entropy of a uniform guess over C classes, so that a blow-up in the first round counts too
+  (a finite blow-up, e.g. Adam at a huge learning rate: the loss reached 1e29 while staying finite);
 - a group's test accuracy sits at chance for ``chance_evals`` evaluations in a row after it had been
   clearly above chance (a collapse, not a slow start).
 
@@ -25,7 +26,7 @@ ACTIONS = ("stop", "rollback", "off")
 class DivergenceError(FloatingPointError):
   """A run diverged; the message names the round, the group and the sign."""
 
-  def __init__(self, message: str, round_: int, group: str):
+  def __init__(self, message: str, round_: int, group: str | None):
     super().__init__(message)
     self.round = round_
     self.group = group
@@ -71,7 +72,7 @@ def clearly_learning(accuracy: float, num_classes: int) -> bool:
 
 @dataclasses.dataclass
 class DivergenceWatch:
-  """The guard's memory over a run's metrics rows; `observe` raises `DivergenceError` at the first sign.
+  """The guard's memory over a run's metrics rows; `check` returns the first sign of divergence in a row.
 
   Rebuild it from the rows kept when a run resumes (`replay`), so the signs count across segments.
   """
@@ -82,12 +83,6 @@ class DivergenceWatch:
   chance_streak: dict[str, int] = dataclasses.field(default_factory=dict)
   learned: dict[str, bool] = dataclasses.field(default_factory=dict)
 
-  def observe(self, row: Mapping[str, Any]) -> None:
-    """Takes one round's metrics; raises `DivergenceError` if they show a sign (unless the action is "off")."""
-    error = self.check(row)
-    if error is not None and self.config.action != "off":
-      raise error
-
   def replay(self, rows: list[Mapping[str, Any]]) -> None:
     """Takes rows already accepted (a resumed run's history), raising nothing."""
     for row in rows:
@@ -97,11 +92,12 @@ class DivergenceWatch:
     """Takes one round's metrics; returns the first sign of divergence in them, if any."""
     r, error = row["round"], None
     for group, loss in row.get("train_loss_per_group", {}).items():
-      lowest = self.lowest_loss.get(group, math.inf)
+      lowest = self.lowest_loss.get(group, math.log(self.num_classes))  # an untrained model's: a uniform guess
       if error is None and loss > self.config.loss_factor * lowest:
+        reference = (f"its lowest ({lowest:.4g})" if group in self.lowest_loss else
+                     f"ln {self.num_classes} = {lowest:.4g}, a uniform guess's")
         error = DivergenceError(f"round {r}: training loss of group {group} rose to {loss:.4g}, above "
-                                f"{self.config.loss_factor:g}x its lowest ({lowest:.4g}; --divergence-loss-factor)",
-                                r, group)
+                                f"{self.config.loss_factor:g}x {reference} (--divergence-loss-factor)", r, group)
       self.lowest_loss[group] = min(lowest, loss)
     for group, accuracy in (row.get("test_accuracy") or {}).items():
       if group == "mean":

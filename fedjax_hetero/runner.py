@@ -9,6 +9,7 @@ partition report and plot, and orbax checkpoints under ``checkpoints/``.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import os
 import shutil
@@ -26,7 +27,8 @@ from fedjax_hetero import models
 from fedjax_hetero.backends import make_backend
 from fedjax_hetero.config import FLAGS, RunConfig, as_dict, flatten, from_dict
 from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.engine import ArchGroup, Simulation, assign_groups
+from fedjax_hetero.engine import ArchGroup, NonFiniteLossError, Simulation, assign_groups
+from fedjax_hetero.guard import DivergenceConfig, DivergenceError, DivergenceWatch
 from fedjax_hetero.methods import build_method
 
 
@@ -82,7 +84,7 @@ def _prepare_output(config: RunConfig) -> None:
 # after a divergence is the usual reason to resume. Anything else (data, partition, models, method and its settings) is a
 # different run.
 UNCHANGED_TRAJECTORY = frozenset({"data.data_dir", "rounds", "eval_every", "backend", "client.steps_per_call",
-                                  "dissimilarity"})
+                                  "dissimilarity", *(f"divergence.{f.name}" for f in dataclasses.fields(DivergenceConfig))})
 LOCAL_OPTIMIZER = frozenset(f"client.{name}" for name in ("epochs", "batch_size", "optimizer", "learning_rate",
                                                           "momentum", "weight_decay", "drop_last"))
 
@@ -100,6 +102,7 @@ def saved_config(output_dir: str, log: Callable[[str], None] = print) -> RunConf
     saved = saved if key is None else saved.get(key)
     if not isinstance(saved, dict):
       continue
+    saved = {k: v for k, v in saved.items() if k not in (SEGMENTS, ROLLBACKS)}
     ignored: list[str] = []
     if "data" not in saved:  # the flat layout of older versions: one value per flag
       ignored = sorted(set(saved) - set(FLAGS) - {"fedgen_preset"})
@@ -112,12 +115,12 @@ def saved_config(output_dir: str, log: Callable[[str], None] = print) -> RunConf
   return None
 
 
-def _check_resumable(config: RunConfig, log: Callable[[str], None]) -> None:
-  """Raises ValueError, before any compute, if ``config`` would continue a run it did not start;
-  logs the local-optimizer settings it changes."""
+def _check_resumable(config: RunConfig, log: Callable[[str], None]) -> str | None:
+  """Raises ValueError, before any compute, if ``config`` would continue a run it did not start; returns the
+  local-optimizer settings it changes, as text (None if none)."""
   saved = saved_config(config.output.dir, log)
   if saved is None:
-    return
+    return None
   before, now = flatten(saved), flatten(config)
   changed = {path: f"{path}: {before[path]!r} -> {now[path]!r}" for path in now
              if not path.startswith("output.") and path not in UNCHANGED_TRAJECTORY and before.get(path) != now[path]}
@@ -126,15 +129,68 @@ def _check_resumable(config: RunConfig, log: Callable[[str], None]) -> None:
     raise ValueError(f"cannot resume {config.output.dir!r} with different settings ({'; '.join(refused)}); "
                      "repeat the run's own flags (see its config.json), or pass --overwrite instead of --resume to "
                      "start over")
-  if changed:
-    log(f"resuming with changed local training: {'; '.join(changed.values())}")
+  if not changed:
+    return None
+  log(f"resuming with changed local training: {'; '.join(changed.values())}")
+  return "; ".join(changed.values())
 
 
-def _read_metrics(path: str, upto: int) -> list[dict[str, Any]]:
+# A results folder's config.json is the latest settings plus their history: one segment per stretch of rounds
+# trained with the same local optimizer, {"from_round", "settings", "reason"}, oldest first; and every rollback
+# after a divergence, {"diverged_round", "to_round", "reason", "learning_rate": [before, after]}.
+SEGMENTS, ROLLBACKS = "segments", "rollbacks"
+
+
+def _local_settings(config: RunConfig) -> dict[str, Any]:
+  flat = flatten(config)
+  return {path: flat[path] for path in sorted(LOCAL_OPTIMIZER)}
+
+
+def _saved_history(output_dir: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+  """The segments and rollbacks of a results folder's config.json (none for a new or older folder)."""
+  path = os.path.join(output_dir, "config.json")
+  if not os.path.exists(path):
+    return [], []
+  with open(path) as f:
+    saved = json.load(f)
+  return list(saved.get(SEGMENTS, [])), list(saved.get(ROLLBACKS, []))
+
+
+def _write_config(config: RunConfig, segments: Sequence[dict[str, Any]], rollbacks: Sequence[dict[str, Any]]) -> None:
+  with open(os.path.join(config.output.dir, "config.json"), "w") as f:
+    json.dump({**as_dict(config), SEGMENTS: list(segments), ROLLBACKS: list(rollbacks)}, f, indent=2)
+
+
+def _next_segment(segments: list[dict[str, Any]], config: RunConfig, from_round: int, reason: str) -> list[dict[str, Any]]:
+  """The segments after the rounds from ``from_round`` on are (re)trained with ``config``: later segments are
+  dropped (their rounds are trained again), and a new one starts if the settings differ from the last's."""
+  kept = [seg for seg in segments if seg["from_round"] < from_round]
+  settings = _local_settings(config)
+  if kept and kept[-1]["settings"] == settings:
+    return kept
+  return kept + [{"from_round": from_round, "settings": settings, "reason": reason}]
+
+
+def _read_metrics(path: str, upto: int, log: Callable[[str], None]) -> list[dict[str, Any]]:
+  """The metrics rows of rounds up to ``upto`` (the restored checkpoint's round). A half-written last line (a
+  run killed while writing it) and the rows of later rounds are removed, each with a warning."""
   if not os.path.exists(path):
     return []
   with open(path) as f:
-    rows = [json.loads(line) for line in f if line.strip()]
+    lines = [line for line in f.read().splitlines() if line.strip()]
+  rows = []
+  for number, line in enumerate(lines, 1):
+    try:
+      rows.append(json.loads(line))
+    except json.JSONDecodeError as e:
+      if number < len(lines):
+        raise ValueError(f"{path}, line {number}, is not valid JSON ({e}); only a half-written last line is "
+                         "repaired on --resume") from None
+      log(f"warning: {path}: its last line is half-written ({len(line)} characters: {line[:60]!r}...); removed it")
+  later = [r["round"] for r in rows if r["round"] > upto]
+  if later:
+    log(f"warning: {path}: removed the metrics of rounds {min(later)}-{max(later)}, which come after the checkpoint "
+        f"of round {upto} (they are trained again)")
   return [r for r in rows if r["round"] <= upto]
 
 
@@ -180,17 +236,20 @@ def plot_accuracy(rows: Sequence[dict[str, Any]], path: str, title: str) -> None
 
 def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
                    log: Callable[[str], None] = print) -> dict[str, Any]:
-  """Runs (or resumes) an experiment and writes its results folder; returns the summary."""
+  """Runs (or resumes) an experiment and writes its results folder; returns the summary.
+
+  Raises `guard.DivergenceError` when the run diverges and ``config.divergence`` says stop (after writing the
+  summary; the best checkpoint is kept)."""
   config.data.check_paths()
+  changed = None
   if config.output.resume:
-    _check_resumable(config, log)
+    changed = _check_resumable(config, log)
   else:
     _prepare_output(config)
   out = config.output.dir
   os.makedirs(out, exist_ok=True)
+  segments, rollbacks = _saved_history(out) if config.output.resume else ([], [])
   sim, parts = build_simulation(config, dataset, log)
-  with open(os.path.join(out, "config.json"), "w") as f:
-    json.dump(as_dict(config), f, indent=2)
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
     initial = pool.submit(sim.init_state)  # XLA compiles the initialization while the partition is drawn
     labels = np.asarray(sim.store.labels)
@@ -199,28 +258,59 @@ def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
     fdata.plot_partition(fdata.class_counts(labels, parts, sim.store.num_classes),
                          os.path.join(out, "partition.png"))
     state = initial.result()
-  manager = checkpoints.manager(out, config.output.checkpoint_every)
+  manager = checkpoints.manager(out, config.output.checkpoint_every, config.output.keep_checkpoints)
   metrics_path = os.path.join(out, "metrics.jsonl")
   rows: list[dict[str, Any]] = []
-  if config.output.resume and manager.latest_step() is not None:
-    state = sim.place(checkpoints.restore_latest(manager, state))
-    rows = _read_metrics(metrics_path, state.round)
-    log(f"resumed from round {state.round}")
-  with open(metrics_path, "w") as f:
-    f.writelines(json.dumps(r) + "\n" for r in rows)
+  if config.output.resume:
+    restored = checkpoints.restore_latest_intact(manager, state, log)
+    if restored is not None:
+      state = sim.place(restored)
+      log(f"resumed from round {state.round}")
+    rows = _read_metrics(metrics_path, state.round, log)
+  segments = _next_segment(segments, config, state.round + 1,
+                           "start" if not segments else f"resumed with changed local training: {changed}")
+  _write_config(config, segments, rollbacks)
+  _write_metrics(metrics_path, rows)
+  watch = DivergenceWatch(config.divergence, sim.store.num_classes)
+  watch.replay(rows)
+  best = max((r["test_accuracy"]["mean"] for r in rows if r.get("test_accuracy")), default=-1.0)
 
   wall_start = time.perf_counter()
   bar = tqdm(total=config.rounds, initial=state.round, desc=sim.method.name, unit="round",
              disable=not config.output.progress, dynamic_ncols=True)
   try:
     while state.round < config.rounds:
-      state, m = sim.run_round(state)
-      final = state.round == config.rounds
-      m["test_accuracy"] = sim.evaluate(state) if state.round % config.eval_every == 0 or final else None
-      rows.append(m)
-      with open(metrics_path, "a") as f:
-        f.write(json.dumps(m) + "\n")
-      checkpoints.save(manager, state, force=final)
+      error = None
+      try:
+        next_state, m = sim.run_round(state)
+      except NonFiniteLossError as e:
+        if config.divergence.action == "off":
+          raise
+        error = DivergenceError(str(e), state.round + 1, None)
+      else:
+        final = next_state.round == config.rounds
+        m["test_accuracy"] = sim.evaluate(next_state) if next_state.round % config.eval_every == 0 or final else None
+        rows.append(m)
+        with open(metrics_path, "a") as f:
+          f.write(json.dumps(m) + "\n")
+        error = watch.check(m) if config.divergence.action != "off" else None
+      if error is not None:
+        if config.divergence.action == "stop" or len(rollbacks) >= config.divergence.max_rollbacks:
+          _stop(config, sim, rows, time.perf_counter() - wall_start, segments, rollbacks, error, manager)
+        config, sim, state, rows, segments = _roll_back(config, dataset, manager, rows, segments, rollbacks, error,
+                                                        log)
+        _write_metrics(metrics_path, rows)
+        watch = DivergenceWatch(config.divergence, sim.store.num_classes)
+        watch.replay(rows)
+        best = max((r["test_accuracy"]["mean"] for r in rows if r.get("test_accuracy")), default=-1.0)
+        bar.n = state.round
+        bar.refresh()
+        continue
+      state = next_state
+      accuracy = m["test_accuracy"]["mean"] if m["test_accuracy"] else None
+      new_best = accuracy is not None and accuracy > best
+      best = max(best, accuracy if accuracy is not None else best)
+      checkpoints.save(manager, state, force=final or new_best, accuracy=accuracy)
       postfix = {"loss": f"{m['train_loss']:.3f}", "samples/s": f"{m['samples_per_s']:.0f}"}
       last_eval = next((r["test_accuracy"] for r in reversed(rows) if r.get("test_accuracy")), None)
       if last_eval:
@@ -230,20 +320,71 @@ def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
   finally:
     bar.close()
     manager.wait_until_finished()
-  summary = _summarize(config, sim, rows, time.perf_counter() - wall_start)
-  with open(os.path.join(out, "summary.json"), "w") as f:
+  return _finish(config, sim, rows, time.perf_counter() - wall_start, segments, rollbacks)
+
+
+def _write_metrics(path: str, rows: Sequence[dict[str, Any]]) -> None:
+  with open(path, "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def _finish(config: RunConfig, sim: Simulation, rows: Sequence[dict[str, Any]], wall_seconds: float,
+            segments: Sequence[dict[str, Any]], rollbacks: Sequence[dict[str, Any]],
+            stopped: dict[str, Any] | None = None) -> dict[str, Any]:
+  """Writes summary.json and accuracy.png; returns the summary."""
+  summary = _summarize(config, sim, rows, wall_seconds, segments, rollbacks, stopped)
+  with open(os.path.join(config.output.dir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
-  plot_accuracy(rows, os.path.join(out, "accuracy.png"),
+  plot_accuracy(rows, os.path.join(config.output.dir, "accuracy.png"),
                 f"{sim.method.name} on {config.data.dataset} ({config.data.partition})")
   return summary
 
 
-def _summarize(config: RunConfig, sim: Simulation, rows: Sequence[dict[str, Any]],
-               wall_seconds: float) -> dict[str, Any]:
+def _stop(config: RunConfig, sim: Simulation, rows: Sequence[dict[str, Any]], wall_seconds: float,
+          segments: Sequence[dict[str, Any]], rollbacks: Sequence[dict[str, Any]], error: DivergenceError,
+          manager) -> None:
+  """Ends a diverged run: the summary says where and why, and the error names the best checkpoint."""
+  manager.wait_until_finished()
+  best = checkpoints.best_step(manager)
+  stopped = {"round": error.round, "group": error.group, "reason": str(error), "best_checkpoint": best}
+  _finish(config, sim, rows, wall_seconds, segments, rollbacks, stopped)
+  where = (f"; the best checkpoint (round {best}) is kept in {manager.directory}: --on-divergence rollback restarts "
+           "from it with a lower learning rate" if best is not None else "; no checkpoint with an evaluation was saved")
+  raise DivergenceError(f"{error}{where}", error.round, error.group) from None
+
+
+def _roll_back(config: RunConfig, dataset: fdata.ArrayDataset | None, manager, rows: Sequence[dict[str, Any]],
+               segments: list[dict[str, Any]], rollbacks: list[dict[str, Any]], error: DivergenceError,
+               log: Callable[[str], None]):
+  """Restores the best checkpoint into a simulation with the learning rate lowered, and appends the rollback to
+  ``rollbacks``; returns the new (config, simulation, state, rows, segments)."""
+  manager.wait_until_finished()
+  best = checkpoints.best_step(manager)
+  if best is None:
+    raise DivergenceError(f"{error}; no checkpoint with an evaluation to roll back to", error.round, error.group)
+  old_lr = config.client.learning_rate
+  config = dataclasses.replace(config, client=dataclasses.replace(
+      config.client, learning_rate=old_lr * config.divergence.rollback_lr_factor))
+  reason = f"rollback to round {best}: {error}; learning rate {old_lr:g} -> {config.client.learning_rate:g}"
+  log(f"diverged: {reason}")
+  checkpoints.drop_after(manager, best)
+  sim, _ = build_simulation(config, dataset, log)
+  state = sim.place(checkpoints.restore(manager, best, sim.state_shapes))
+  rollbacks.append({"diverged_round": error.round, "to_round": best, "reason": str(error),
+                    "learning_rate": [old_lr, config.client.learning_rate]})
+  segments = _next_segment(segments, config, best + 1, reason)
+  _write_config(config, segments, rollbacks)
+  return config, sim, state, [r for r in rows if r["round"] <= best], segments
+
+
+def _summarize(config: RunConfig, sim: Simulation, rows: Sequence[dict[str, Any]], wall_seconds: float,
+               segments: Sequence[dict[str, Any]], rollbacks: Sequence[dict[str, Any]],
+               stopped: dict[str, Any] | None) -> dict[str, Any]:
   evaluated = [r for r in rows if r.get("test_accuracy")]
   best = max(evaluated, key=lambda r: r["test_accuracy"]["mean"]) if evaluated else None
   group_params = {g.name: m.num_owned() for g, m in zip(sim.groups, sim.maps)}
   train_seconds = sum(r["round_seconds"] for r in rows)
+  final_round = rows[-1]["round"] if rows else 0
   return {
       "method": sim.method.name,
       "final_round": rows[-1]["round"] if rows else 0,
@@ -258,5 +399,9 @@ def _summarize(config: RunConfig, sim: Simulation, rows: Sequence[dict[str, Any]
       "server_steps": [s.name for s in sim.method.server],
       "platform": jax.default_backend(),
       "parameters_per_group": group_params,
+      "segments": [{**seg, "rounds": [seg["from_round"], (later["from_round"] - 1) if later else final_round]}
+                   for seg, later in zip(segments, [*segments[1:], None])],
+      "rollbacks": list(rollbacks),
+      "stopped_by_divergence": stopped,
       "config": as_dict(config),
   }

@@ -21,6 +21,7 @@ from fedjax_hetero.backends import BACKENDS
 from fedjax_hetero.config import RunConfig, as_dict
 from fedjax_hetero.data import synthetic_dataset
 from fedjax_hetero.engine import NonFiniteLossError
+from fedjax_hetero.guard import DivergenceError
 from fedjax_hetero.methods import METHODS
 from fedjax_hetero.runner import build_simulation, run_experiment
 
@@ -185,7 +186,11 @@ def test_results_folder(resumed):
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   assert os.path.isfile(os.path.join(out, "partition.txt"))
   with open(os.path.join(out, "config.json")) as f:
-    assert json.load(f) == json.loads(json.dumps(as_dict(config)))
+    saved = json.load(f)
+  segments, rollbacks = saved.pop("segments"), saved.pop("rollbacks")
+  assert saved == json.loads(json.dumps(as_dict(config)))
+  assert [s["from_round"] for s in segments] == [1] and rollbacks == [], "a plain resume continues its segment"
+  assert on_disk["segments"][0]["rounds"] == [1, 4]
 
 
 def test_non_empty_output_dir_needs_resume_or_overwrite(dataset, straight):
@@ -224,9 +229,11 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(dataset, tmp_
 
   # Continue the same run with a learning rate that makes the loss overflow in round 3.
   diverging = good.replace(rounds=4, resume=True, learning_rate=1e30)
-  with pytest.raises(NonFiniteLossError, match=r"^round 3: training loss of group (mlp@1|mlp@0\.5) is") as info:
+  with pytest.raises(DivergenceError, match=r"^round 3: training loss of group (mlp@1|mlp@0\.5) is") as info:
     run_experiment(diverging, dataset, log=quiet)
   assert isinstance(info.value, FloatingPointError)
+  with pytest.raises(NonFiniteLossError, match=r"^round 3: training loss"):  # the guard off: the engine's own error
+    run_experiment(diverging.replace(on_divergence="off"), dataset, log=quiet)
 
   state, manager = restore(good, dataset)
   assert 3 not in manager.all_steps() and manager.latest_step() == 2
@@ -273,12 +280,13 @@ BAD_ARGS = [
                      r"cifar100_coarse, svhn_cropped, synthetic"),
     ("synthetic", ["--groups", "cnn@1,vgg@0.5"], r"bad group spec 'vgg@0.5': unknown model 'vgg'"),
     ("synthetic", ["--groups", "cnn@1,resnet99"], r"unknown model 'resnet99'"),
-    ("synthetic", ["--alpha", "0"], r"alpha must be > 0, got 0.0"),
-    ("synthetic", ["--alpha", "-0.5"], r"alpha must be > 0, got -0.5"),
-    ("synthetic", ["--num-clients", "600"], r"num_clients=600 exceeds the 512 training samples"),
-    ("synthetic", ["--num-clients", "4", "--clients-per-round", "5"],
-     r"clients_per_round=5 must be between 1 and num_clients=4"),
-    ("synthetic", ["--data-dir", "{tmp}/no/such/dir"], r"data directory '{tmp}/no/such/dir' does not exist"),
+    ("synthetic", ["--alpha", "0"], r"--alpha must be a finite number > 0, got 0.0"),
+    ("synthetic", ["--alpha", "-0.5"], r"--alpha must be a finite number > 0, got -0.5"),
+    # The partitioner's message, or the runner's size check before it (`DataConfig.check_sizes`).
+    ("synthetic", ["--num-clients", "600"],
+     r"num_clients=600 exceeds the 512 training samples|training set of 512 is too few for --num-clients 600"),
+    ("synthetic", ["--num-clients", "4", "--clients-per-round", "5"], r"--clients-per-round 5 exceeds --num-clients 4"),
+    ("synthetic", ["--data-dir", "{tmp}/no/such/dir"], r"--data-dir '{tmp}/no/such/dir' does not exist"),
 ]
 
 
@@ -309,13 +317,13 @@ def test_cli_rejects_unknown_backend_choice(capsys, tmp_path, no_compute):
     (dict(method="FedDyn"), r"unknown method 'FedDyn'"),
     (dict(dataset="mnist"), r"unknown dataset 'mnist'"),
     (dict(groups=("mlp@1", "transformer")), r"unknown model 'transformer'"),
-    (dict(alpha=0.0), r"alpha must be > 0, got 0.0"),
-    (dict(alpha=float("nan")), r"alpha must be > 0, got nan"),
-    (dict(clients_per_round=7), r"clients_per_round=7 must be between 1 and num_clients=6"),
-    (dict(clients_per_round=0), r"clients_per_round must be >= 1, got 0"),
-    (dict(data_dir="/definitely/not/here"), r"data directory '/definitely/not/here' does not exist"),
-    (dict(backend="gpu"), r"unknown backend 'gpu'"),
-    (dict(rounds=0), r"rounds must be >= 1, got 0"),
+    (dict(alpha=0.0), r"--alpha must be a finite number > 0, got 0.0"),
+    (dict(alpha=float("nan")), r"--alpha must be a finite number > 0, got nan"),
+    (dict(clients_per_round=7), r"--clients-per-round 7 exceeds --num-clients 6"),
+    (dict(clients_per_round=0), r"--clients-per-round must be an integer >= 1, got 0"),
+    (dict(data_dir="/definitely/not/here"), r"--data-dir '/definitely/not/here' does not exist"),
+    (dict(backend="gpu"), r"--backend must be one of auto, sequential, vmap, sharded, got 'gpu'"),
+    (dict(rounds=0), r"--rounds must be an integer >= 1, got 0"),
 ])
 def test_config_validate(changes, message, tmp_path):
   with pytest.raises(ValueError, match=message):
@@ -325,7 +333,8 @@ def test_config_validate(changes, message, tmp_path):
 def test_more_clients_than_samples_is_rejected_before_compute(tmp_path, no_compute):
   small = synthetic_dataset(num_train=5, num_test=4, seed=0)
   config = base_config(tmp_path / "small", num_clients=6, clients_per_round=2)  # valid: only the data can tell
-  with pytest.raises(ValueError, match=r"num_clients=6 exceeds the 5 training samples"):
+  with pytest.raises(ValueError, match=r"num_clients=6 exceeds the 5 training samples|training set of 5 is too few "
+                                       r"for --num-clients 6"):
     run_experiment(config, small, log=quiet)
   assert not (tmp_path / "small" / "metrics.jsonl").exists()
 

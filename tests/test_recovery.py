@@ -1,0 +1,205 @@
+"""When runs go wrong: the divergence guard (stop, rollback), resuming past a damaged checkpoint or a half-written
+metrics line, and the segments a resumed run records."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import chex
+import pytest
+
+from fedjax_hetero import checkpoints
+from fedjax_hetero.data import synthetic_dataset
+from fedjax_hetero.guard import DivergenceConfig, DivergenceError, DivergenceWatch
+from fedjax_hetero.runner import run_experiment
+from tests.test_runner import base_config, read_rows, restore
+
+
+@pytest.fixture(scope="module")
+def dataset():
+  return synthetic_dataset(num_train=240, num_test=64, seed=0)
+
+
+def row(r, loss=None, accuracy=None, group="g"):
+  return {"round": r, "train_loss_per_group": {} if loss is None else {group: loss},
+          "test_accuracy": None if accuracy is None else {group: accuracy, "mean": accuracy}}
+
+
+# ------------------------------------------------------------------------------------------ the guard alone
+
+
+def test_the_loss_sign_counts_from_a_uniform_guess_then_from_the_lowest_loss():
+  watch = DivergenceWatch(DivergenceConfig(loss_factor=10), num_classes=10)
+  assert watch.check(row(1, loss=2.0)) is None
+  assert watch.check(row(2, loss=0.5)) is None
+  assert watch.check(row(3, loss=4.9)) is None
+  error = watch.check(row(4, loss=5.1))
+  assert (error.round, error.group) == (4, "g")
+  assert "round 4: training loss of group g rose to 5.1, above 10x its lowest (0.5)" in str(error)
+  first = DivergenceWatch(DivergenceConfig(loss_factor=10), num_classes=10).check(row(1, loss=1e29))
+  assert f"ln 10 = {math.log(10):.4g}, a uniform guess's" in str(first)
+
+
+def test_the_accuracy_sign_needs_a_collapse_not_a_slow_start():
+  watch = DivergenceWatch(DivergenceConfig(chance_evals=3), num_classes=10)
+  for r in range(1, 6):  # at chance from the start: not learning yet, not diverged
+    assert watch.check(row(r, accuracy=0.1)) is None
+  assert watch.check(row(6, accuracy=0.45)) is None
+  assert watch.check(row(7, accuracy=0.1)) is None
+  assert watch.check(row(8, accuracy=0.11)) is None
+  error = watch.check(row(9, accuracy=0.1))
+  assert (error.round, error.group) == (9, "g") and "at chance for 3 evaluations in a row" in str(error)
+  assert watch.check(row(10)) is None, "a round without evaluation neither counts nor resets"
+
+
+def test_replay_takes_a_history_without_raising_and_keeps_counting():
+  watch = DivergenceWatch(DivergenceConfig(chance_evals=2), num_classes=10)
+  watch.replay([row(1, loss=1.0, accuracy=0.5), row(2, loss=50.0, accuracy=0.1)])
+  assert watch.lowest_loss == {"g": 1.0}
+  assert watch.check(row(3, accuracy=0.1)) is not None
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(action="retry"), "--on-divergence"), (dict(loss_factor=1.0), "--divergence-loss-factor"),
+    (dict(loss_factor=math.inf), "--divergence-loss-factor"), (dict(chance_evals=0), "--divergence-chance-evals"),
+    (dict(rollback_lr_factor=1.5), "--divergence-rollback-lr-factor"),
+    (dict(max_rollbacks=-1), "--divergence-max-rollbacks")])
+def test_guard_settings_are_checked(changes, message):
+  with pytest.raises(ValueError, match=message):
+    DivergenceConfig(**changes)
+
+
+# --------------------------------------------------------------------------------------- stop and rollback
+
+
+def healthy_then_diverging(out, dataset, **guard):
+  """Three healthy rounds (evaluated and checkpointed each round), then the same run resumed with Adam at lr 1e6."""
+  healthy = base_config(out, rounds=3, eval_every=1, checkpoint_every=1, optimizer="sgd", learning_rate=0.05)
+  run_experiment(healthy, dataset, log=lambda _: None)
+  accuracies = {r["round"]: r["test_accuracy"]["mean"] for r in read_rows(out)}
+  return healthy.replace(rounds=8, resume=True, optimizer="adam", learning_rate=1e6, **guard), accuracies
+
+
+def best_round(accuracies):
+  return max(accuracies, key=lambda r: (accuracies[r], r))
+
+
+def test_divergence_stops_the_run_within_two_rounds_and_keeps_the_best_checkpoint(dataset, tmp_path):
+  out = tmp_path / "stop"
+  diverging, accuracies = healthy_then_diverging(out, dataset)
+  with pytest.raises(DivergenceError) as info:
+    run_experiment(diverging, dataset, log=lambda _: None)
+  assert info.value.round in (4, 5), str(info.value)
+  manager = checkpoints.manager(str(out))
+  assert checkpoints.best_step(manager) == best_round(accuracies)
+  assert best_round(accuracies) in manager.all_steps()
+  assert f"the best checkpoint (round {best_round(accuracies)}) is kept" in str(info.value)
+  with open(out / "summary.json") as f:
+    summary = json.load(f)
+  assert summary["stopped_by_divergence"]["round"] == info.value.round
+  assert summary["stopped_by_divergence"]["best_checkpoint"] == best_round(accuracies)
+
+
+def test_rollback_restores_the_best_checkpoint_with_a_lower_learning_rate(dataset, tmp_path):
+  out = tmp_path / "rollback"
+  diverging, accuracies = healthy_then_diverging(out, dataset, on_divergence="rollback",
+                                                 divergence_rollback_lr_factor=1e-9)
+  logs = []
+  summary = run_experiment(diverging, dataset, log=logs.append)
+  best = best_round(accuracies)
+  assert summary["final_round"] == 8
+  assert [r["round"] for r in read_rows(out)] == list(range(1, 9)), "the diverged round is trained again"
+  [rollback] = summary["rollbacks"]
+  assert rollback["to_round"] == best and rollback["diverged_round"] == 4
+  assert rollback["learning_rate"] == [1e6, pytest.approx(1e-3)]
+  assert any(line.startswith(f"diverged: rollback to round {best}") for line in logs), logs
+  assert [s["rounds"] for s in summary["segments"]] == [[1, best], [best + 1, 8]], "the diverged segment is gone"
+  assert summary["segments"][-1]["settings"]["client.learning_rate"] == pytest.approx(1e-3)
+  with open(out / "config.json") as f:
+    assert json.load(f)["client"]["learning_rate"] == pytest.approx(1e-3)
+
+
+def test_rollback_gives_up_after_its_limit(dataset, tmp_path):
+  out = tmp_path / "limit"
+  diverging, _ = healthy_then_diverging(out, dataset, on_divergence="rollback", divergence_max_rollbacks=1)
+  with pytest.raises(DivergenceError):
+    run_experiment(diverging, dataset, log=lambda _: None)
+  with open(out / "summary.json") as f:
+    summary = json.load(f)
+  assert len(summary["rollbacks"]) == 1 and summary["rollbacks"][0]["learning_rate"] == [1e6, 5e5]
+  assert summary["stopped_by_divergence"] is not None
+
+
+# ------------------------------------------------------------------------------------------ damaged files
+
+
+@pytest.fixture(scope="module")
+def straight(dataset, tmp_path_factory):
+  config = base_config(tmp_path_factory.mktemp("straight"), checkpoint_every=1)
+  run_experiment(config, dataset, log=lambda _: None)
+  return config
+
+
+def damage(directory):
+  """Truncates every file of a checkpoint to half its size (a write cut short)."""
+  for root, _, files in os.walk(directory):
+    for name in files:
+      path = os.path.join(root, name)
+      with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def test_resume_skips_a_damaged_newest_checkpoint_and_matches_an_uninterrupted_run(dataset, straight, tmp_path):
+  config = base_config(tmp_path / "damaged", checkpoint_every=1)
+  run_experiment(config.replace(rounds=3), dataset, log=lambda _: None)
+  damage(tmp_path / "damaged" / "checkpoints" / "3")
+  logs = []
+  run_experiment(config.replace(resume=True), dataset, log=logs.append)
+  [warning] = [line for line in logs if "cannot be restored" in line]
+  assert os.path.join("checkpoints", "3") in warning and "damaged_checkpoints" in warning
+  assert "resumed from round 2" in logs
+  assert any("removed the metrics of rounds 3-3" in line for line in logs), logs
+  rows, want = read_rows(config.output.dir), read_rows(straight.output.dir)
+  assert [r["round"] for r in rows] == [1, 2, 3, 4]
+  assert [r["train_loss"] for r in rows] == [r["train_loss"] for r in want]
+  assert [r["test_accuracy"] for r in rows] == [r["test_accuracy"] for r in want]
+  chex.assert_trees_all_equal(restore(config, dataset)[0].models, restore(straight, dataset)[0].models)
+
+
+def test_a_half_written_last_metrics_line_is_cut_with_a_warning(dataset, straight, tmp_path):
+  config = base_config(tmp_path / "half", checkpoint_every=1)
+  run_experiment(config.replace(rounds=2), dataset, log=lambda _: None)
+  with open(tmp_path / "half" / "metrics.jsonl", "a") as f:
+    f.write('{"round": 3, "train_lo')
+  logs = []
+  run_experiment(config.replace(resume=True), dataset, log=logs.append)
+  assert any("its last line is half-written" in line for line in logs), logs
+  assert [r["train_loss"] for r in read_rows(config.output.dir)] == [r["train_loss"] for r in read_rows(
+      straight.output.dir)]
+
+
+def test_a_damaged_metrics_line_before_the_last_is_an_error_naming_it(dataset, tmp_path):
+  config = base_config(tmp_path / "bad", rounds=2, checkpoint_every=1)
+  run_experiment(config, dataset, log=lambda _: None)
+  path = tmp_path / "bad" / "metrics.jsonl"
+  lines = path.read_text().splitlines()
+  path.write_text("\n".join(["{not json", *lines[1:]]) + "\n")
+  with pytest.raises(ValueError, match=r"metrics.jsonl, line 1, is not valid JSON"):
+    run_experiment(config.replace(resume=True, rounds=3), dataset, log=lambda _: None)
+
+
+# ---------------------------------------------------------------------------------------------- segments
+
+
+def test_a_resume_with_another_learning_rate_starts_a_segment(dataset, tmp_path):
+  config = base_config(tmp_path / "segments", rounds=2, checkpoint_every=1, learning_rate=0.05)
+  run_experiment(config, dataset, log=lambda _: None)
+  summary = run_experiment(config.replace(resume=True, rounds=4, learning_rate=0.01), dataset, log=lambda _: None)
+  with open(tmp_path / "segments" / "config.json") as f:
+    saved = json.load(f)
+  assert saved["client"]["learning_rate"] == 0.01
+  assert [s["settings"]["client.learning_rate"] for s in saved["segments"]] == [0.05, 0.01]
+  assert [s["rounds"] for s in summary["segments"]] == [[1, 2], [3, 4]]
+  assert "client.learning_rate: 0.05 -> 0.01" in summary["segments"][1]["reason"]

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 from experiments.presets import PRESETS, get_preset, paper_deviations
 from fedjax_hetero import aggregators
@@ -189,6 +190,17 @@ def config_from_args(args: argparse.Namespace, dataset: str) -> RunConfig:
   return RunConfig.from_flags(dataset=dataset, **flags)
 
 
+def _check_compile_cache(directory: str | None) -> None:
+  if directory and directory.lower() != "off" and os.path.exists(directory) and not os.path.isdir(directory):
+    raise ValueError(f"--compile-cache {directory!r} is a file, not a directory")
+
+
+def _fail(message: str) -> NoReturn:
+  """The CLI's answer to a bad input: ``error: message`` on stderr and exit status 2 (argparse's), no traceback."""
+  print(f"error: {message}", file=sys.stderr)
+  raise SystemExit(2) from None
+
+
 def _preset_defaults(defaults: RunConfig, argv: Sequence[str] | None) -> tuple[RunConfig, Any]:
   """The dataset's defaults with ``--preset``'s values applied (flags given later still win)."""
   pre = argparse.ArgumentParser(add_help=False)
@@ -199,8 +211,7 @@ def _preset_defaults(defaults: RunConfig, argv: Sequence[str] | None) -> tuple[R
   try:
     chosen = get_preset(known.preset)
   except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
-    raise SystemExit(2) from None
+    _fail(str(e))
   return defaults.replace(**chosen.values, output_dir=f"runs/{defaults.data.dataset}-{chosen.name}"), chosen
 
 
@@ -220,16 +231,22 @@ def main(dataset: str, defaults: RunConfig, description: str, argv: Sequence[str
                            f"${CACHE_ENV} or {default_cache_dir()}; 'off' turns it off")
   args = parser.parse_args(argv)
   del args.preset
-  enable_persistent_cache(args.compile_cache)
+  compile_cache = args.compile_cache
   del args.compile_cache
   if coarse_labels and args.coarse:
     dataset = f"{dataset}_coarse"
   vars(args).pop("coarse", None)
-  try:
+  try:  # every setting is checked before anything is created or computed
     config = config_from_args(args, dataset)
+    config.data.check_paths()
+    config.output.check_paths()
+    _check_compile_cache(compile_cache)
   except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
-    raise SystemExit(2) from None
+    _fail(str(e))
+  try:
+    enable_persistent_cache(compile_cache)
+  except OSError as e:
+    _fail(f"--compile-cache {compile_cache!r} cannot be used: {e}")
   if chosen is not None:
     changed = paper_deviations(chosen, config.flags())
     note = "; this run differs from the paper's protocol in: " + ", ".join(
@@ -239,8 +256,7 @@ def main(dataset: str, defaults: RunConfig, description: str, argv: Sequence[str
   try:
     summary = run_experiment(config)
   except (ValueError, fdata.DataNotFoundError, FloatingPointError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    raise SystemExit(2) from None
+    _fail(str(e))
   final = summary["final_accuracy"] or {}
   print(json.dumps({"final_accuracy": final, "best_mean_accuracy": summary["best_mean_accuracy"],
                     "train_seconds": round(summary["train_seconds_all_rounds"], 1),

@@ -22,7 +22,10 @@ from fedjax_hetero.backends import BACKENDS
 from fedjax_hetero.client.local import LocalConfig
 from fedjax_hetero.engine import FederationConfig
 from fedjax_hetero.guard import DivergenceConfig
-from fedjax_hetero.methods import MethodOptions, build_method
+from fedjax_hetero.data.partition import DIRICHLET_MIN_SIZE
+from fedjax_hetero.methods import Method, MethodOptions, build_method, get_entry
+from fedjax_hetero.validation import (check_bool, check_choice, check_integer, check_number, check_text, cli_flag,
+                                      flag_name, has_flag, show)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,18 +42,57 @@ class DataConfig:
   def __post_init__(self):
     if self.dataset not in fdata.DATASETS:
       raise ValueError(f"unknown dataset {self.dataset!r}; accepted: {', '.join(fdata.DATASETS)}")
-    if self.partition not in fdata.SCHEMES:
-      raise ValueError(f"unknown partition {self.partition!r}; accepted: {', '.join(fdata.SCHEMES)}")
-    if self.partition == "dirichlet" and not self.alpha > 0:
-      raise ValueError(f"alpha must be > 0, got {self.alpha}")
-    if self.num_clients < 1:
-      raise ValueError(f"num_clients must be >= 1, got {self.num_clients}")
+    check_text("data.data_dir", self.data_dir, optional=True)
+    check_integer("data.num_clients", self.num_clients, minimum=1)
+    check_choice("data.partition", self.partition, fdata.SCHEMES)
+    check_number("data.alpha", self.alpha, above=0)
+    check_integer("data.classes_per_client", self.classes_per_client, minimum=1)
+    check_integer("data.max_train_samples", self.max_train_samples, minimum=1, optional=True)
+    check_integer("data.max_test_samples", self.max_test_samples, minimum=1, optional=True)
+    if self.max_train_samples is not None:
+      self._check_train_samples(self.max_train_samples, cli_flag("data.max_train_samples"))
+
+  def _samples_needed(self) -> tuple[int, str]:
+    """The fewest training samples the partition can split over the clients, and why."""
+    if self.partition == "dirichlet":
+      return self.num_clients * DIRICHLET_MIN_SIZE, f"{DIRICHLET_MIN_SIZE} per client for the Dirichlet partition"
+    if self.partition == "shards":
+      return (self.num_clients * self.classes_per_client,
+              f"{cli_flag('data.classes_per_client')} {self.classes_per_client} shards per client")
+    return self.num_clients, "one per client"
+
+  def _check_train_samples(self, available: int, what: str) -> None:
+    needed, why = self._samples_needed()
+    if available < needed:
+      raise ValueError(f"{what} {available} is too few for {cli_flag('data.num_clients')} {self.num_clients}: "
+                       f"partition {self.partition} needs at least {needed} ({why})")
 
   def check_paths(self) -> None:
-    """Raises ValueError if ``data_dir`` is given but missing (checked when a run starts, not when a
-    saved config is read: a resumed run may point at another copy)."""
-    if self.data_dir is not None and not os.path.isdir(self.data_dir):
-      raise ValueError(f"data directory {self.data_dir!r} does not exist")
+    """Raises ValueError if ``data_dir`` is given but is no readable directory (checked when a run starts,
+    not when a saved config is read: a resumed run may point at another copy)."""
+    if self.data_dir is None:
+      return
+    flag = cli_flag("data.data_dir")
+    if not os.path.exists(self.data_dir):
+      raise ValueError(f"{flag} {self.data_dir!r} does not exist")
+    if not os.path.isdir(self.data_dir):
+      raise ValueError(f"{flag} {self.data_dir!r} is a file, not a directory")
+    if not os.access(self.data_dir, os.R_OK | os.X_OK):
+      raise ValueError(f"{flag} {self.data_dir!r} cannot be read (no permission)")
+
+  def check_sizes(self, num_train: int, num_test: int, num_classes: int) -> None:
+    """Raises ValueError if the loaded dataset (``num_train``/``num_test`` samples, ``num_classes`` classes)
+    is too small for these settings; the runner's check after loading, before partitioning."""
+    for path, wanted, available, split in (("data.max_train_samples", self.max_train_samples, num_train, "training"),
+                                           ("data.max_test_samples", self.max_test_samples, num_test, "test")):
+      if wanted is not None and wanted > available:
+        raise ValueError(f"{cli_flag(path)} {wanted} exceeds the {available} {split} samples of {self.dataset}")
+    if self.partition == "shards" and self.classes_per_client > num_classes:
+      raise ValueError(f"{cli_flag('data.classes_per_client')} {self.classes_per_client} exceeds the {num_classes} "
+                       f"classes of {self.dataset}")
+    used = num_train if self.max_train_samples is None else self.max_train_samples
+    self._check_train_samples(used, f"{self.dataset}'s training set of" if self.max_train_samples is None
+                              else cli_flag("data.max_train_samples"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +100,14 @@ class MethodConfig(MethodOptions):
   """The method by its paper name (case-insensitive) and its hyper-parameters."""
 
   name: str = "HeteroAvg"
+
+  def __post_init__(self):
+    super().__post_init__()
+    check_text("method.name", self.name)
+    try:
+      get_entry(self.name)
+    except ValueError as e:
+      raise ValueError(f"{cli_flag('method.name')}: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,10 +120,31 @@ class OutputConfig:
   progress: bool = True
 
   def __post_init__(self):
-    if self.checkpoint_every < 1:
-      raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
-    if self.keep_checkpoints < 1:
-      raise ValueError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+    check_text("output.dir", self.dir)
+    for path, value in (("output.resume", self.resume), ("output.overwrite", self.overwrite),
+                        ("output.progress", self.progress)):
+      check_bool(path, value)
+    check_integer("output.checkpoint_every", self.checkpoint_every, minimum=1)
+    check_integer("output.keep_checkpoints", self.keep_checkpoints, minimum=1)
+
+  def check_paths(self) -> None:
+    """Raises ValueError if the results folder cannot be used: it, or a folder above it, is a file, or it
+    cannot be created or written; or if --resume and --overwrite are both given. Checked when a run starts,
+    not when a saved config is read (like `DataConfig.check_paths`)."""
+    flag = cli_flag("output.dir")
+    if self.resume and self.overwrite:
+      raise ValueError(f"{cli_flag('output.resume')} and {cli_flag('output.overwrite')} exclude each other: "
+                       f"continue {flag} {self.dir!r}, or delete it and start over")
+    path = os.path.abspath(self.dir)
+    if os.path.exists(path) and not os.path.isdir(path):
+      raise ValueError(f"{flag} {self.dir!r} is a file, not a directory")
+    existing = path
+    while not os.path.exists(existing):  # the nearest folder that exists: where the new ones would be made
+      existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+      raise ValueError(f"{flag} {self.dir!r} cannot be created: {existing!r} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+      raise ValueError(f"{flag} {self.dir!r} cannot be written: no write permission on {existing!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,30 +162,56 @@ class RunConfig:
   output: OutputConfig = OutputConfig()
 
   def __post_init__(self):
+    groups_flag = cli_flag("groups")
+    if not isinstance(self.groups, (tuple, list)):
+      raise ValueError(f"{groups_flag} must be a sequence of group specs (NAME or NAME@WIDTH), got {show(self.groups)}")
     if not self.groups:
-      raise ValueError("at least one architecture group is needed (--groups)")
+      raise ValueError(f"at least one architecture group is needed ({groups_flag})")
     for spec in self.groups:
-      models.parse_group_spec(spec)
+      if not isinstance(spec, str):
+        raise ValueError(f"{groups_flag}: a group spec is a string such as 'cnn@0.5', got {show(spec)}")
+      try:
+        models.parse_group_spec(spec)
+      except ValueError as e:
+        raise ValueError(f"{groups_flag}: {e}") from None
+    for path in ("rounds", "eval_every"):
+      check_integer(path, getattr(self, path), minimum=1)
+    check_choice("backend", self.backend, BACKENDS)
+    check_bool("dissimilarity", self.dissimilarity)
     method = build_method(self.method.name, self.method, self.client)  # checks the method's own settings
     if method.one_group and len(self.groups) != 1:
       raise ValueError(f"{method.name} trains one architecture group, got {len(self.groups)} "
-                       f"({', '.join(self.groups)}); pass one (e.g. --groups cnn)")
-    if self.data.num_clients < len(self.groups):
-      raise ValueError(f"num_clients={self.data.num_clients} is fewer than the {len(self.groups)} architecture groups")
-    if not self.federation.clients_per_round <= self.data.num_clients:
-      raise ValueError(f"clients_per_round={self.federation.clients_per_round} must be between 1 and "
-                       f"num_clients={self.data.num_clients}")
-    if self.backend not in BACKENDS:
-      raise ValueError(f"unknown backend {self.backend!r}; accepted: {', '.join(BACKENDS)}")
-    for name in ("rounds", "eval_every"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                       f"({', '.join(self.groups)}); pass one (e.g. {groups_flag} cnn)")
+    self._check_counts(method)
     for spec in self.groups:  # the low/high split of FedImpro and of the dissimilarity metric
       name, width = models.parse_group_spec(spec)
       try:
         models.resolve_cut(models.build_model(name, 10, width), self.method.fedimpro.cut)
       except ValueError as e:
-        raise ValueError(f"--fedimpro-cut, group {spec}: {e}") from None
+        raise ValueError(f"{cli_flag('method.fedimpro.cut')}, group {spec}: {e}") from None
+
+  def _check_counts(self, method: Method) -> None:
+    """Clients, groups and per-round cohort sizes that fit together."""
+    num_clients, per_round = self.data.num_clients, self.federation.clients_per_round
+    clients_flag, per_round_flag = cli_flag("data.num_clients"), cli_flag("federation.clients_per_round")
+    if num_clients < len(self.groups):
+      raise ValueError(f"{clients_flag} {num_clients} is fewer than the {len(self.groups)} architecture groups "
+                       f"({cli_flag('groups')}); every group needs a client")
+    if per_round > num_clients:
+      raise ValueError(f"{per_round_flag} {per_round} exceeds {clients_flag} {num_clients}")
+    draw = self.federation.group_draw
+    if draw and len(draw) != len(self.groups):
+      raise ValueError(f"{cli_flag('federation.group_draw')} needs one probability per architecture group "
+                       f"({len(self.groups)}), got {len(draw)}")
+    if method.sharing.stacked:
+      if per_round < 2:
+        raise ValueError(f"{per_round_flag} must be >= 2 for {method.name}: it cross-aggregates one middleware "
+                         f"model per client of a round, got {per_round}")
+      cross = self.method.fedcross
+      if cross.propeller_rounds and cross.propellers > per_round - 1:
+        raise ValueError(f"{cli_flag('method.fedcross.propellers')} must be at most {per_round - 1} "
+                         f"({per_round_flag} {per_round} minus 1: each propeller is another client's model), "
+                         f"got {cross.propellers}")
 
   @classmethod
   def from_flags(cls, **flags: Any) -> "RunConfig":
@@ -188,16 +285,11 @@ def _build(cls: type, values: dict[str, Any], prefix: str, ignored: list[str]) -
 
 def _flag_table() -> dict[str, str]:
   """Flag name -> dotted path, for every leaf with a flag."""
-  renamed = {"method.name": "method", "output.dir": "output_dir", "method.fedcross.global_from": "fedcross_global",
-             "divergence.action": "on_divergence"}
   table = {}
   for path in flatten(RunConfig()):
-    if path.startswith("method.fedgen."):
+    if not has_flag(path):
       continue
-    leaf = path.rsplit(".", 1)[-1]
-    prefixed = next((f"{family.rsplit('.', 1)[-1]}_{leaf}" for family in ("method.fedcross", "method.fedimpro", "divergence")
-                     if path.startswith(f"{family}.")), None)
-    flag = renamed.get(path) or prefixed or leaf
+    flag = flag_name(path)
     if flag in table:
       raise AssertionError(f"two settings share the flag name {flag!r}")
     table[flag] = path

@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import math
+import numbers
 import time
 from typing import Any, NamedTuple, Sequence
 
@@ -35,6 +36,7 @@ from fedjax_hetero.methods.api import Method
 from fedjax_hetero.models import parameter_split, resolve_cut
 from fedjax_hetero.sampling.samplers import WEIGHTINGS, SamplingInfo
 from fedjax_hetero.server.steps import Federation, Plan, server_program
+from fedjax_hetero.validation import SEED_MAX, check_choice, check_integer, cli_flag
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,13 +67,18 @@ class FederationConfig:
   group_draw: tuple[float, ...] = ()
 
   def __post_init__(self):
-    if self.clients_per_round < 1:
-      raise ValueError(f"clients_per_round must be >= 1, got {self.clients_per_round}")
-    if self.weighting not in WEIGHTINGS:
-      raise ValueError(f"unknown weighting {self.weighting!r}; accepted: {', '.join(WEIGHTINGS)}")
-    probabilities = np.asarray(self.group_draw, float)
-    if len(probabilities) and not (np.all(probabilities >= 0) and abs(probabilities.sum() - 1) < 1e-6):
-      raise ValueError(f"group_draw must be non-negative probabilities summing to 1, got {self.group_draw}")
+    check_integer("federation.clients_per_round", self.clients_per_round, minimum=1)
+    check_integer("federation.seed", self.seed, minimum=0, maximum=SEED_MAX)
+    check_choice("federation.weighting", self.weighting, WEIGHTINGS)
+    draw = self.group_draw
+    if not isinstance(draw, (tuple, list)) or not all(isinstance(p, numbers.Real) and not isinstance(p, bool)
+                                                      for p in draw):
+      raise ValueError(f"{cli_flag('federation.group_draw')} must be a sequence of probabilities, got {draw!r}")
+    probabilities = np.asarray(draw, float)
+    if len(probabilities) and not (np.all(np.isfinite(probabilities)) and np.all(probabilities >= 0)
+                                   and abs(probabilities.sum() - 1) < 1e-6):
+      raise ValueError(f"{cli_flag('federation.group_draw')} must be non-negative probabilities summing to 1, "
+                       f"got {draw}")
 
 
 def round_key(seed: int, round_index: int) -> jax.Array:

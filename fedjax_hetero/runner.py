@@ -38,6 +38,7 @@ def partitioned_dataset(config: RunConfig, dataset: fdata.ArrayDataset | None = 
   d, seed = config.data, config.federation.seed
   if dataset is None:
     dataset = fdata.load_dataset(d.dataset, d.data_dir)
+  d.check_sizes(len(dataset.train_labels), len(dataset.test_labels), dataset.num_classes)
   if d.max_train_samples or d.max_test_samples:
     dataset = dataset.subset(d.max_train_samples, d.max_test_samples, seed=seed)
   parts = fdata.partition(dataset.train_labels, d.partition, d.num_clients, seed, alpha=d.alpha,
@@ -241,6 +242,7 @@ def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
   Raises `guard.DivergenceError` when the run diverges and ``config.divergence`` says stop (after writing the
   summary; the best checkpoint is kept)."""
   config.data.check_paths()
+  config.output.check_paths()
   changed = None
   if config.output.resume:
     changed = _check_resumable(config, log)

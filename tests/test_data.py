@@ -108,7 +108,7 @@ def test_shards_limit_classes_per_client(labels):
     "kwargs, needle",
     [
         (dict(scheme="dirichlet", alpha=-1.0), "-1.0"),
-        (dict(scheme="dirichlet", alpha=0.0), "alpha must be > 0"),
+        (dict(scheme="dirichlet", alpha=0.0), "alpha must be a finite number > 0"),
         (dict(scheme="pathological"), "pathological"),
         (dict(scheme="iid", num_clients=70000), "num_clients=70000 exceeds the 60000"),
         (dict(scheme="iid", num_clients=0), "num_clients"),

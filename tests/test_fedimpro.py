@@ -239,7 +239,7 @@ def test_a_missing_cut_point_is_a_clear_error_listing_the_valid_ones():
     RunConfig.from_flags(groups=("resnet18@0.25",), method="FedImpro", fedimpro_cut="layer2")
   with pytest.raises(ValueError, match="cnn@0.5.*valid cut points: conv1, conv2, features"):
     RunConfig.from_flags(groups=("cnn@0.5",), method="FedImpro", fedimpro_cut="logits")
-  with pytest.raises(ValueError, match="fedimpro_beta"):
+  with pytest.raises(ValueError, match="--fedimpro-beta"):
     fi.FedImproConfig(beta=1.0)
 
 

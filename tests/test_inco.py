@@ -308,9 +308,9 @@ def test_incoavg_aggregate_applies_inco_to_the_mean_delta(variant, granularity):
 
 
 def test_inco_options_are_checked():
-  with pytest.raises(ValueError, match="unknown InCo variant 'nope'; accepted: code, theorem, paper"):
+  with pytest.raises(ValueError, match="--inco-variant must be one of code, theorem, paper, .*, got 'nope'"):
     MethodOptions(inco_variant="nope")
-  with pytest.raises(ValueError, match="unknown InCo granularity 'row'; accepted: kernel, tensor"):
+  with pytest.raises(ValueError, match="--inco-granularity must be one of kernel, tensor, got 'row'"):
     MethodOptions(inco_granularity="row")
   with pytest.raises(ValueError, match="apply to the InCo\\* methods, not HeteroAvg"):
     build_method("HeteroAvg", MethodOptions(inco_variant="theorem"))

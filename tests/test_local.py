@@ -214,15 +214,19 @@ def test_masked_cross_entropy():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(optimizer="rmsprop"), r"unknown optimizer 'rmsprop'; accepted: sgd, adam"),
-    (dict(epochs=0), r"epochs must be >= 1, got 0"),
-    (dict(batch_size=0), r"batch_size must be >= 1, got 0"),
-    (dict(batch_size=-3), r"batch_size must be >= 1, got -3"),
-    (dict(steps_per_call=0), r"steps_per_call must be >= 1, got 0"),
-    (dict(learning_rate=0.0), r"learning_rate must be > 0, got 0.0"),
-    (dict(learning_rate=-1e-3), r"learning_rate must be > 0, got -0.001"),
-    # NaN is not > 0 either (ExperimentConfig.validate and the partitioners reject it too).
-    (dict(learning_rate=float("nan")), r"learning_rate must be > 0, got nan"),
+    (dict(optimizer="rmsprop"), r"--optimizer must be one of sgd, adam, got 'rmsprop'"),
+    (dict(epochs=0), r"--epochs must be an integer >= 1, got 0"),
+    (dict(batch_size=0), r"--batch-size must be an integer >= 1, got 0"),
+    (dict(batch_size=-3), r"--batch-size must be an integer >= 1, got -3"),
+    (dict(batch_size=2.5), r"--batch-size must be an integer >= 1, got 2.5"),
+    (dict(steps_per_call=0), r"--steps-per-call must be an integer >= 1, got 0"),
+    (dict(learning_rate=0.0), r"--lr must be a finite number > 0, got 0.0"),
+    (dict(learning_rate=-1e-3), r"--lr must be a finite number > 0, got -0.001"),
+    (dict(learning_rate=float("nan")), r"--lr must be a finite number > 0, got nan"),
+    (dict(learning_rate=float("inf")), r"--lr must be a finite number > 0, got inf"),
+    (dict(momentum=1.0), r"--momentum must be a finite number in \[0, 1\), got 1.0"),
+    (dict(weight_decay=-5.0), r"--weight-decay must be a finite number >= 0, got -5.0"),
+    (dict(drop_last="no"), r"--drop-last must be true or false, got 'no'"),
 ])
 def test_local_config_validation(kwargs, message):
   with pytest.raises(ValueError, match=message):

@@ -130,9 +130,9 @@ def test_all_masked_step_is_a_no_op_with_prox_and_batch_norm():
 
 @pytest.mark.parametrize("kwargs", [dict(prox_mu=-0.1), dict(prox_mu=float("nan")), dict(prox_mu=float("inf"))])
 def test_configs_reject_bad_mu(kwargs):
-  with pytest.raises(ValueError, match="prox_mu must be finite and >= 0"):
+  with pytest.raises(ValueError, match="--prox-mu must be a finite number >= 0"):
     MethodOptions(**kwargs)
-  with pytest.raises(ValueError, match="prox_mu must be finite and >= 0"):
+  with pytest.raises(ValueError, match="--prox-mu must be a finite number >= 0"):
     RunConfig.from_flags(method="FedProx", **kwargs)
 
 
@@ -305,6 +305,6 @@ def test_cli_prox_mu_flag_reaches_the_simulation():
     # The method's terms, and the engine's dissimilarity metric (on in every CLI run) after them.
     assert all(t.terms[:-1] == sim.method.terms and t.terms[-1].name == "dissimilarity" for t in sim.trainers)
     assert ("client terms: prox" in logs[-1]) == bool(effective), logs
-  with pytest.raises(ValueError, match="prox_mu must be finite and >= 0, got -1.0"):
+  with pytest.raises(ValueError, match="--prox-mu must be a finite number >= 0, got -1.0"):
     RunConfig.from_flags(dataset="synthetic", prox_mu=-1.0)
   assert isinstance(parser.parse_args([]), argparse.Namespace) and parser.parse_args([]).prox_mu is None

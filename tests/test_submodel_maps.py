@@ -197,7 +197,7 @@ def test_groups_redrawn_every_round():
   for r, row in enumerate(rows):  # each round's groups are the draw of that round
     groups = {("mlp@0.5", "mlp@1.0")[g] for g in draws[r][row["clients"]]}
     assert set(row["train_loss_per_group"]) == groups
-  with pytest.raises(ValueError, match="group_draw must be non-negative probabilities summing to 1"):
+  with pytest.raises(ValueError, match="--group-draw must be non-negative probabilities summing to 1"):
     FederationConfig(group_draw=(0.5, 0.6))
   with pytest.raises(ValueError, match="needs one probability per architecture group"):
     tiny_simulation("HeteroAvg", widths=(0.5, 1.0), group_draw=(1.0,))

@@ -41,6 +41,7 @@ import numpy as np
 import optax
 
 from fedjax_hetero.hetero.maps import Variables
+from fedjax_hetero.validation import check_bool, check_integer, check_number
 
 HeadApply = Callable[[Variables, jax.Array], jax.Array]
 
@@ -79,8 +80,14 @@ class FedGenConfig:
 
   def __post_init__(self):
     for name in ("noise_dim", "hidden_dim", "ensemble_epochs", "n_teacher_iters", "batch_size", "gen_batch_size"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+      check_integer(f"method.fedgen.{name}", getattr(self, name), minimum=1)
+    check_bool("method.fedgen.embedding", self.embedding)
+    check_number("method.fedgen.ensemble_lr", self.ensemble_lr, above=0)
+    for name in ("ensemble_lr_decay", "coefficient_decay"):
+      check_number(f"method.fedgen.{name}", getattr(self, name), above=0, maximum=1)
+    for name in ("weight_decay", "ensemble_alpha", "ensemble_eta", "label_pseudo_count", "generative_alpha",
+                 "generative_beta", "coefficient_floor"):
+      check_number(f"method.fedgen.{name}", getattr(self, name), minimum=0)
     if self.ensemble_epochs < self.n_teacher_iters:
       raise ValueError("ensemble_epochs must be >= n_teacher_iters (steps = epochs // iters * iters)")
 

@@ -41,11 +41,12 @@ Choices where the paper is silent or differs from the authors' code (each is a `
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from fedjax_hetero.validation import check_choice, check_integer, check_number, check_text
 
 LOSS_MODES = ("sum", "concat")
 SAMPLE_SOURCES = ("global", "local")
@@ -65,20 +66,14 @@ class FedImproConfig:
   num_synthetic: int | None = None  # synthetic features per step; None: the batch's real rows
 
   def __post_init__(self):
-    if not 0.0 <= self.beta < 1.0:
-      raise ValueError(f"fedimpro_beta must be in [0, 1), got {self.beta}")
-    for name in ("std_max", "weight", "noise"):
-      value = getattr(self, name)
-      if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"fedimpro_{name} must be finite and >= 0, got {value}")
-    if not self.std_max > 0:
-      raise ValueError(f"fedimpro_std_max must be > 0, got {self.std_max}")
-    if self.loss not in LOSS_MODES:
-      raise ValueError(f"unknown fedimpro_loss {self.loss!r}; accepted: {', '.join(LOSS_MODES)}")
-    if self.sample_from not in SAMPLE_SOURCES:
-      raise ValueError(f"unknown fedimpro_sample_from {self.sample_from!r}; accepted: {', '.join(SAMPLE_SOURCES)}")
-    if self.num_synthetic is not None and self.num_synthetic < 1:
-      raise ValueError(f"fedimpro_num_synthetic must be >= 1, got {self.num_synthetic}")
+    check_text("method.fedimpro.cut", self.cut, optional=True)
+    check_number("method.fedimpro.beta", self.beta, minimum=0, below=1)
+    check_number("method.fedimpro.std_max", self.std_max, above=0)
+    check_number("method.fedimpro.weight", self.weight, minimum=0)
+    check_number("method.fedimpro.noise", self.noise, minimum=0)
+    check_choice("method.fedimpro.loss", self.loss, LOSS_MODES)
+    check_choice("method.fedimpro.sample_from", self.sample_from, SAMPLE_SOURCES)
+    check_integer("method.fedimpro.num_synthetic", self.num_synthetic, minimum=1, optional=True)
 
 
 class FeatureStats(NamedTuple):

@@ -30,6 +30,7 @@ import optax
 from fedjax_hetero.client.terms import (Batch, ClientFinal, ClientTerm, Outputs, RoundInput, StepContext,
                                         term_cuts, tree_sub)
 from fedjax_hetero.hetero.maps import Variables
+from fedjax_hetero.validation import check_bool, check_choice, check_integer, check_number
 
 OPTIMIZERS = ("sgd", "adam")
 
@@ -48,13 +49,13 @@ class LocalConfig:
   steps_per_call: int = 1  # one compiled step per group; >1 unrolls that many (see docs/performance.md)
 
   def __post_init__(self):
-    if self.optimizer not in OPTIMIZERS:
-      raise ValueError(f"unknown optimizer {self.optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
+    check_choice("client.optimizer", self.optimizer, OPTIMIZERS)
     for name in ("epochs", "batch_size", "steps_per_call"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-    if not self.learning_rate > 0:
-      raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+      check_integer(f"client.{name}", getattr(self, name), minimum=1)
+    check_number("client.learning_rate", self.learning_rate, above=0)
+    check_number("client.momentum", self.momentum, minimum=0, below=1)
+    check_number("client.weight_decay", self.weight_decay, minimum=0)
+    check_bool("client.drop_last", self.drop_last)
 
   def steps_per_epoch(self, num_examples: int) -> int:
     if self.drop_last:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import os
+import zlib
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,8 @@ FASHION_MNIST_FILES: tuple[str, ...] = (
     "t10k-images-idx3-ubyte",
     "t10k-labels-idx1-ubyte",
 )
+FASHION_MNIST_IMAGE_SHAPE = (28, 28)
+FASHION_MNIST_CLASSES = 10
 
 # Standard published per-channel constants, in [0, 1] pixel units.
 _NORMALIZATION: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
@@ -35,6 +38,24 @@ _IDX_UBYTE = 0x08
 
 class DataNotFoundError(RuntimeError):
   """Raised when a dataset's files cannot be found or prepared."""
+
+
+class CorruptDataError(DataNotFoundError, ValueError):
+  """Raised when a dataset's file is there but truncated or corrupt; names the file and how to get it again.
+  Also a ValueError: a file's content is a bad value, as a malformed IDX header always was."""
+
+
+def _fashion_mnist_refetch_hint(path: str) -> str:
+  if os.path.dirname(os.path.abspath(path)) == FASHION_MNIST_SYSTEM_DIR:
+    return ("get it again: apt-get install --reinstall dataset-fashion-mnist (apt-get install "
+            f"dataset-fashion-mnist puts fresh copies into {FASHION_MNIST_SYSTEM_DIR})")
+  return (f"get it again: apt-get install dataset-fashion-mnist puts good copies into {FASHION_MNIST_SYSTEM_DIR} "
+          "(add --reinstall if it is installed); copy them over this one or drop --data-dir to use them")
+
+
+def _corrupt(path: str, problem: str) -> CorruptDataError:
+  return CorruptDataError(f"Fashion-MNIST file {path} is truncated or corrupt ({problem}); "
+                          f"{_fashion_mnist_refetch_hint(path)}")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # eq=False: arrays make field-wise ==/hash meaningless.
@@ -115,18 +136,27 @@ def _balanced_choice(labels: np.ndarray, n: int | None, rng: np.random.Generator
 
 
 def _read_idx(path: str, ndim: int) -> np.ndarray:
-  """Parses an (optionally gzipped) IDX file of unsigned bytes."""
+  """Parses an (optionally gzipped) IDX file of unsigned bytes; CorruptDataError if it cannot."""
   opener = gzip.open if path.endswith(".gz") else open
-  with opener(path, "rb") as f:
-    raw = f.read()
-  if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != _IDX_UBYTE or raw[3] != ndim:
-    expected = (_IDX_UBYTE << 8) | ndim
-    got = int.from_bytes(raw[:4], "big") if len(raw) >= 4 else None
-    raise ValueError(f"{path}: bad IDX magic number {got}, expected {expected} (ubyte, {ndim}-D)")
+  try:
+    with opener(path, "rb") as f:
+      raw = f.read()
+  except PermissionError as e:
+    raise DataNotFoundError(f"Fashion-MNIST file {path} cannot be read: {e}") from e
+  except (EOFError, OSError, zlib.error) as e:  # truncated gzip, bad gzip header or CRC, bad deflate data
+    raise _corrupt(path, f"{type(e).__name__}: {e}") from e
   header = 4 + 4 * ndim
+  if len(raw) < 4:
+    raise _corrupt(path, f"{len(raw)} bytes, fewer than the {header}-byte IDX header")
+  if raw[0] != 0 or raw[1] != 0 or raw[2] != _IDX_UBYTE or raw[3] != ndim:
+    expected = (_IDX_UBYTE << 8) | ndim
+    raise _corrupt(path, f"bad IDX magic number {int.from_bytes(raw[:4], 'big')}, expected {expected} "
+                         f"(ubyte, {ndim}-D)")
+  if len(raw) < header:
+    raise _corrupt(path, f"{len(raw)} bytes, fewer than the {header}-byte IDX header")
   dims = tuple(int(d) for d in np.frombuffer(raw, dtype=">u4", count=ndim, offset=4))
   if len(raw) - header != int(np.prod(dims)):
-    raise ValueError(f"{path}: header says {dims} but holds {len(raw) - header} data bytes")
+    raise _corrupt(path, f"header says {dims} but holds {len(raw) - header} data bytes")
   return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(dims)
 
 
@@ -147,9 +177,13 @@ def _find_idx_files(directory: str) -> list[str] | None:
 def _fashion_mnist_from_idx(paths: list[str]) -> ArrayDataset:
   train_x, train_y, test_x, test_y = (
       _read_idx(p, ndim) for p, ndim in zip(paths, (3, 1, 3, 1)))
-  for x, y in ((train_x, train_y), (test_x, test_y)):
+  for x, y, x_path, y_path in ((train_x, train_y, paths[0], paths[1]), (test_x, test_y, paths[2], paths[3])):
     if len(x) != len(y):
-      raise ValueError(f"{len(x)} images but {len(y)} labels in {os.path.dirname(paths[0])}")
+      raise _corrupt(y_path, f"{len(y)} labels for the {len(x)} images of {x_path}")
+    if x.shape[1:] != FASHION_MNIST_IMAGE_SHAPE:
+      raise _corrupt(x_path, f"images of shape {x.shape[1:]}, expected {FASHION_MNIST_IMAGE_SHAPE}")
+    if y.size and y.max() >= FASHION_MNIST_CLASSES:
+      raise _corrupt(y_path, f"label {y.max()}, expected 0 to {FASHION_MNIST_CLASSES - 1}")
   mean, std = _NORMALIZATION["fashion_mnist"]
   return ArrayDataset(
       name="fashion_mnist",
@@ -157,7 +191,7 @@ def _fashion_mnist_from_idx(paths: list[str]) -> ArrayDataset:
       train_labels=train_y.astype(np.int32),
       test_images=test_x[..., None].copy(),
       test_labels=test_y.astype(np.int32),
-      num_classes=10,
+      num_classes=FASHION_MNIST_CLASSES,
       mean=mean,
       std=std,
   )

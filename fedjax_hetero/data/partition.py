@@ -10,6 +10,7 @@ import numpy as np
 
 SCHEMES: tuple[str, ...] = ("iid", "iid_imbalanced", "dirichlet", "shards")
 DIRICHLET_MAX_TRIES = 1000
+DIRICHLET_MIN_SIZE = 10  # the fewest samples a client of a Dirichlet split gets (redrawn until it holds)
 
 
 def _check_labels(labels: np.ndarray) -> np.ndarray:
@@ -22,6 +23,8 @@ def _check_labels(labels: np.ndarray) -> np.ndarray:
 
 
 def _check_num_clients(labels: np.ndarray, num_clients: int) -> None:
+  if not isinstance(num_clients, (int, np.integer)) or isinstance(num_clients, bool):
+    raise ValueError(f"num_clients must be an integer, got {num_clients!r}")
   if num_clients < 1:
     raise ValueError(f"num_clients must be >= 1, got {num_clients}")
   if num_clients > len(labels):
@@ -29,11 +32,13 @@ def _check_num_clients(labels: np.ndarray, num_clients: int) -> None:
 
 
 def _check_alpha(alpha: float) -> None:
-  if not alpha > 0:  # Also rejects NaN.
-    raise ValueError(f"alpha must be > 0, got {alpha}")
+  if not 0 < alpha < float("inf"):  # Also rejects NaN.
+    raise ValueError(f"alpha must be a finite number > 0, got {alpha}")
 
 
 def _check_min_size(labels: np.ndarray, num_clients: int, min_size: int) -> None:
+  if not isinstance(min_size, (int, np.integer)) or isinstance(min_size, bool):
+    raise ValueError(f"min_size must be an integer, got {min_size!r}")
   if min_size < 0:
     raise ValueError(f"min_size must be >= 0, got {min_size}")
   if min_size * num_clients > len(labels):
@@ -43,6 +48,8 @@ def _check_min_size(labels: np.ndarray, num_clients: int, min_size: int) -> None
 
 
 def _check_classes_per_client(labels: np.ndarray, num_clients: int, classes_per_client: int) -> None:
+  if not isinstance(classes_per_client, (int, np.integer)) or isinstance(classes_per_client, bool):
+    raise ValueError(f"classes_per_client must be an integer, got {classes_per_client!r}")
   num_classes = len(np.unique(labels))
   if not 1 <= classes_per_client <= num_classes:
     raise ValueError(
@@ -68,8 +75,8 @@ def iid_imbalanced(
   """Random split with client sizes proportional to lognormal(0, sigma) draws, each >= 1."""
   labels = _check_labels(labels)
   _check_num_clients(labels, num_clients)
-  if not sigma >= 0:
-    raise ValueError(f"sigma must be >= 0, got {sigma}")
+  if not 0 <= sigma < float("inf"):
+    raise ValueError(f"sigma must be a finite number >= 0, got {sigma}")
   rng = np.random.default_rng(seed)
   weights = rng.lognormal(0.0, sigma, size=num_clients)
   # One guaranteed sample each; the rest shared by weight, remainder to the
@@ -106,7 +113,7 @@ def _dirichlet_attempt(
 
 
 def dirichlet(
-    labels: np.ndarray, num_clients: int, alpha: float, seed: int, min_size: int = 10
+    labels: np.ndarray, num_clients: int, alpha: float, seed: int, min_size: int = DIRICHLET_MIN_SIZE
 ) -> list[np.ndarray]:
   """Label-skewed split, per class p ~ Dir(alpha), as in NIID-Bench/FedML ("hetero").
 
@@ -158,7 +165,7 @@ def partition(
     seed: int,
     alpha: float = 0.5,
     classes_per_client: int = 2,
-    min_size: int = 10,
+    min_size: int = DIRICHLET_MIN_SIZE,
 ) -> list[np.ndarray]:
   """Splits sample indices across clients by `scheme` (one of SCHEMES).
 

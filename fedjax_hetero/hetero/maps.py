@@ -31,6 +31,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import traverse_util
 
 Variables = Any  # a nested dict pytree as returned by flax `Module.init`
@@ -123,6 +124,43 @@ def _name(path: Path) -> str:
   return "/".join(path)
 
 
+# Input checks of the public functions: structure and shapes only, so they run while tracing and add nothing
+# to a jitted program.
+
+def _shape(leaf: Any) -> tuple[int, ...]:
+  return tuple(leaf.shape) if hasattr(leaf, "shape") else tuple(np.shape(leaf))
+
+
+def _check_map(group_map: Any) -> None:
+  if not isinstance(group_map, SubmodelMap):
+    raise ValueError(f"group_map must be a SubmodelMap, got a {type(group_map).__name__}")
+
+
+def _check_tree(name: str, tree: Variables, expected: Mapping[Path, tuple[int, ...]], whose: str) -> None:
+  """Every leaf of ``tree`` is one of ``expected``, at its shape (a subtree may leave leaves out)."""
+  if not isinstance(tree, Mapping):
+    raise ValueError(f"{name} must be a nested dict of arrays, got a {type(tree).__name__}")
+  for path, leaf in flatten(tree).items():
+    if path not in expected:
+      raise ValueError(f"{name} has leaf {_name(path)}, which {whose} does not have")
+    if _shape(leaf) != tuple(expected[path]):
+      raise ValueError(f"{name} leaf {_name(path)} has shape {_shape(leaf)}; {whose} has {tuple(expected[path])}")
+
+
+def _check_global_tree(name: str, tree: Variables, group_map: SubmodelMap) -> None:
+  _check_tree(name, tree, dict(group_map.global_shapes), "the global model of group_map")
+
+
+def _check_client_tree(name: str, tree: Variables, group_map: SubmodelMap) -> None:
+  _check_tree(name, tree, {link.client: link.window.shape for link in group_map.pull}, "the client model of group_map")
+
+
+def _check_offset(offset: Any) -> None:
+  dtype = offset.dtype if hasattr(offset, "dtype") else np.asarray(offset).dtype
+  if np.ndim(offset) != 0 or not np.issubdtype(dtype, np.integer):
+    raise ValueError(f"offset must be an integer scalar, got {dtype} of shape {tuple(np.shape(offset))}")
+
+
 def build_group_map(global_shapes: Variables, group_shapes: Variables, group_name: str = "group",
                     rolling: bool = False) -> SubmodelMap:
   """The map of a depth/width sub-model, from the two trees' shapes (arrays or `jax.ShapeDtypeStruct`s).
@@ -194,6 +232,9 @@ def extract(global_vars: Variables, group_map: SubmodelMap, offset=0) -> Variabl
 
   Takes any subtree of the global variables (e.g. ``params`` only) and returns the matching subtree.
   """
+  _check_map(group_map)
+  _check_global_tree("global_vars", global_vars, group_map)
+  _check_offset(offset)
   flat = flatten(global_vars)
   out = {link.client: link.window.take(flat[link.global_], offset) for link in group_map.pull if link.global_ in flat}
   return traverse_util.unflatten_dict(out)
@@ -201,6 +242,10 @@ def extract(global_vars: Variables, group_map: SubmodelMap, offset=0) -> Variabl
 
 def embed(group_vars: Variables, group_map: SubmodelMap, global_like: Variables, offset=0) -> Variables:
   """Global-shaped tree: every global leaf is the sum of the client leaves pushed into it (zeros if none)."""
+  _check_map(group_map)
+  _check_client_tree("group_vars", group_vars, group_map)
+  _check_global_tree("global_like", global_like, group_map)
+  _check_offset(offset)
   flat = flatten(group_vars)
   pushes = _pushes(group_map)
   out = {}
@@ -213,6 +258,9 @@ def embed(group_vars: Variables, group_map: SubmodelMap, global_like: Variables,
 
 def coverage(group_map: SubmodelMap, global_like: Variables, dtype=jnp.float32, offset=0) -> Variables:
   """Global-shaped count of the client elements pushed into every element (0/1 without grafting)."""
+  _check_map(group_map)
+  _check_global_tree("global_like", global_like, group_map)
+  _check_offset(offset)
   pushes = _pushes(group_map)
   out = {}
   for path, target in flatten(global_like).items():

@@ -10,7 +10,6 @@ averaged layer-wise (Hetero*), and the latter plus InCo's cross-layer step
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable, NamedTuple
 
 from fedjax_hetero import aggregators
@@ -25,6 +24,7 @@ from fedjax_hetero.sampling.clustered import SIMILARITIES
 from fedjax_hetero.sampling.samplers import clustered, shuffled
 from fedjax_hetero.server import steps
 from fedjax_hetero.server.cross import FedCrossConfig, cross_aggregation
+from fedjax_hetero.validation import check_choice, check_number
 
 # InCo paper: "The hyper-parameter mu/2 for FedProx and InCoProx is 0.05", so mu = 0.1.
 FEDPROX_MU = 0.1
@@ -53,18 +53,19 @@ class MethodOptions:
   fedimpro: FedImproConfig = FedImproConfig()
 
   def __post_init__(self):
-    for name in ("prox_mu", "moon_mu", "fedprox_mu"):
-      value = getattr(self, name)
-      if value is not None and not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"{name} must be finite and >= 0, got {value}")
-    if not self.moon_temperature > 0:
-      raise ValueError(f"moon_temperature must be > 0, got {self.moon_temperature}")
-    for name, value, accepted in (("aggregate mode", self.aggregate, AGGREGATE_MODES),
-                                  ("InCo variant", self.inco_variant, aggregators.INCO_VARIANTS),
-                                  ("InCo granularity", self.inco_granularity, aggregators.INCO_GRANULARITIES),
-                                  ("CluSamp similarity", self.clusamp_similarity, SIMILARITIES)):
-      if value is not None and value not in accepted:
-        raise ValueError(f"unknown {name} {value!r}; accepted: {', '.join(accepted)}")
+    check_choice("method.aggregate", self.aggregate, AGGREGATE_MODES)
+    check_number("method.prox_mu", self.prox_mu, minimum=0, optional=True)
+    check_number("method.fedprox_mu", self.fedprox_mu, minimum=0)
+    check_number("method.moon_mu", self.moon_mu, minimum=0, optional=True)
+    check_number("method.moon_temperature", self.moon_temperature, above=0)
+    check_choice("method.inco_variant", self.inco_variant, aggregators.INCO_VARIANTS, optional=True)
+    check_choice("method.inco_granularity", self.inco_granularity, aggregators.INCO_GRANULARITIES, optional=True)
+    check_choice("method.clusamp_similarity", self.clusamp_similarity, SIMILARITIES)
+    for path, value, kind in (("method.fedcross", self.fedcross, FedCrossConfig),
+                              ("method.fedgen", self.fedgen, FedGenConfig),
+                              ("method.fedimpro", self.fedimpro, FedImproConfig)):
+      if not isinstance(value, kind):
+        raise ValueError(f"{path} must be a {kind.__name__}, got {type(value).__name__}")
 
 
 class Base(NamedTuple):

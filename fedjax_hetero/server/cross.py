@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from fedjax_hetero import aggregators
 from fedjax_hetero.hetero.maps import Variables
 from fedjax_hetero.server.steps import Plan, ServerStep
+from fedjax_hetero.validation import check_choice, check_integer, check_number, cli_flag
 
 GLOBAL_FROM = ("middleware", "uploaded")
 
@@ -36,16 +37,17 @@ class FedCrossConfig:
   dynamic_alpha_rounds: int = 0  # Sec. III-D DA: alpha linear 0.5 -> alpha over the first N rounds
 
   def __post_init__(self):
-    if not 0 <= self.alpha <= 1:
-      raise ValueError(f"fedcross alpha must be in [0, 1], got {self.alpha}")
-    for name, value, accepted in (("strategy", self.strategy, aggregators.fedcross.STRATEGIES),
-                                  ("similarity", self.similarity, aggregators.fedcross.SIMILARITY_KINDS),
-                                  ("global model", self.global_from, GLOBAL_FROM)):
-      if value not in accepted:
-        raise ValueError(f"unknown FedCross {name} {value!r}; accepted: {', '.join(accepted)}")
+    check_number("method.fedcross.alpha", self.alpha, minimum=0, maximum=1)
+    check_choice("method.fedcross.strategy", self.strategy, aggregators.fedcross.STRATEGIES)
+    check_choice("method.fedcross.similarity", self.similarity, aggregators.fedcross.SIMILARITY_KINDS)
+    check_choice("method.fedcross.global_from", self.global_from, GLOBAL_FROM)
     for name in ("warmup_rounds", "propellers", "propeller_rounds", "dynamic_alpha_rounds"):
-      if getattr(self, name) < 0:
-        raise ValueError(f"fedcross {name} must be >= 0, got {getattr(self, name)}")
+      check_integer(f"method.fedcross.{name}", getattr(self, name), minimum=0)
+    propellers, rounds = cli_flag("method.fedcross.propellers"), cli_flag("method.fedcross.propeller_rounds")
+    if self.propeller_rounds and not self.propellers:
+      raise ValueError(f"{rounds} {self.propeller_rounds} needs {propellers} >= 1 (the propeller models per slot)")
+    if self.propellers and not self.propeller_rounds:
+      raise ValueError(f"{propellers} {self.propellers} needs {rounds} >= 1 (the length of the propeller stage)")
 
   def alpha_at(self, round_index: int) -> float:
     if round_index < self.dynamic_alpha_rounds:

@@ -13,6 +13,7 @@ import os
 
 import pytest
 
+from fedjax_hetero import engine
 from fedjax_hetero.compilation import CACHE_ENV, release_programs
 
 
@@ -24,3 +25,14 @@ def pytest_configure(config):
 def _release_compiled_programs():
   yield
   release_programs()
+
+
+@pytest.fixture
+def no_compute(monkeypatch):
+  """Fails the test if a simulation initializes or trains (bad input must be rejected before)."""
+
+  def forbidden(*args, **kwargs):
+    raise AssertionError("compute started before the input was rejected")
+
+  monkeypatch.setattr(engine.Simulation, "init_state", forbidden)
+  monkeypatch.setattr(engine.Simulation, "run_round", forbidden)

@@ -162,17 +162,6 @@ def fill(text: str, tmp_path) -> str:
   return text.format(tmp=tmp_path, file=tmp_path / "a_file")
 
 
-@pytest.fixture
-def no_compute(monkeypatch):
-  """Fails the test if a simulation initializes or trains."""
-
-  def forbidden(*args, **kwargs):
-    raise AssertionError("compute started before the input was rejected")
-
-  monkeypatch.setattr(engine.Simulation, "init_state", forbidden)
-  monkeypatch.setattr(engine.Simulation, "run_round", forbidden)
-
-
 @pytest.mark.parametrize("args, fragment", BAD_FLAGS, ids=[args for args, _ in BAD_FLAGS])
 def test_the_cli_rejects_a_bad_flag_before_loading_data(args, fragment, tmp_path, capsys, monkeypatch, no_compute):
   monkeypatch.setattr(cli, "run_experiment", _must_not_run)
@@ -297,10 +286,12 @@ def test_a_truncated_copy_of_the_installed_files(tmp_path):
   assert str(damaged) in str(info.value) and "apt-get install dataset-fashion-mnist" in str(info.value)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
-def test_an_output_folder_without_write_permission(tmp_path):
+def test_an_output_folder_without_write_permission(tmp_path, monkeypatch):
   locked = tmp_path / "locked"
   locked.mkdir(mode=0o500)
+  if os.geteuid() == 0:  # root may write anywhere: the kernel's answer for a user is stood in for
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: access(path, mode) and os.fspath(path) != str(locked))
   with pytest.raises(ValueError, match=r"--output-dir '.*locked/run' cannot be written: no write permission"):
     OutputConfig(dir=str(locked / "run")).check_paths()
 

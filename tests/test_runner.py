@@ -263,17 +263,6 @@ def test_cli_reports_divergence_as_an_error(monkeypatch, capsys, tmp_path):
 # ------------------------------------------------------------------------------------------ bad inputs
 
 
-@pytest.fixture
-def no_compute(monkeypatch):
-  """Fails the test if any training or initialization starts."""
-
-  def forbidden(*args, **kwargs):
-    raise AssertionError("compute started before the input was rejected")
-
-  monkeypatch.setattr(engine.Simulation, "init_state", forbidden)
-  monkeypatch.setattr(engine.Simulation, "run_round", forbidden)
-
-
 BAD_ARGS = [
     ("synthetic", ["--method", "FedMoon"], r"unknown method 'FedMoon'; accepted: FedAvg, HeteroAvg"),
     ("imagenet", [], r"unknown dataset 'imagenet'; accepted: fashion_mnist, cifar10, cifar100, "

@@ -269,13 +269,14 @@ def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
       state = sim.place(restored)
       log(f"resumed from round {state.round}")
     rows = _read_metrics(metrics_path, state.round, log)
-  segments = _next_segment(segments, config, state.round + 1,
-                           "start" if not segments else f"resumed with changed local training: {changed}")
+  reason = ("start" if state.round == 0 else f"resumed with changed local training: {changed}" if changed
+            else "resumed (the folder kept no earlier segments)")
+  segments = _next_segment(segments, config, state.round + 1, reason)
   _write_config(config, segments, rollbacks)
   _write_metrics(metrics_path, rows)
   watch = DivergenceWatch(config.divergence, sim.store.num_classes)
   watch.replay(rows)
-  best = max((r["test_accuracy"]["mean"] for r in rows if r.get("test_accuracy")), default=-1.0)
+  best = _best_accuracy(rows)
 
   wall_start = time.perf_counter()
   bar = tqdm(total=config.rounds, initial=state.round, desc=sim.method.name, unit="round",
@@ -304,7 +305,7 @@ def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
         _write_metrics(metrics_path, rows)
         watch = DivergenceWatch(config.divergence, sim.store.num_classes)
         watch.replay(rows)
-        best = max((r["test_accuracy"]["mean"] for r in rows if r.get("test_accuracy")), default=-1.0)
+        best = _best_accuracy(rows)
         bar.n = state.round
         bar.refresh()
         continue
@@ -323,6 +324,10 @@ def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
     bar.close()
     manager.wait_until_finished()
   return _finish(config, sim, rows, time.perf_counter() - wall_start, segments, rollbacks)
+
+
+def _best_accuracy(rows: Sequence[dict[str, Any]]) -> float:
+  return max((r["test_accuracy"]["mean"] for r in rows if r.get("test_accuracy")), default=-1.0)
 
 
 def _write_metrics(path: str, rows: Sequence[dict[str, Any]]) -> None:

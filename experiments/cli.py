@@ -162,7 +162,8 @@ def build_parser(defaults: RunConfig, description: str) -> argparse.ArgumentPars
                   "collapses to chance: stop (the best checkpoint is kept), rollback (restore the best checkpoint, "
                   "lower the learning rate, go on), or off (stop only on a non-finite loss)")
   dg.add_argument("--divergence-loss-factor", type=float, default=d.divergence_loss_factor,
-                  help="a group's training loss above this multiple of its lowest so far counts as divergence")
+                  help="a group's training loss above this multiple of its lowest so far (at least ln C / 2; ln C "
+                  "before its first round) counts as divergence")
   dg.add_argument("--divergence-chance-evals", type=int, default=d.divergence_chance_evals,
                   help="evaluations in a row at chance accuracy (after reaching twice chance) that count as divergence")
   dg.add_argument("--divergence-rollback-lr-factor", type=float, default=d.divergence_rollback_lr_factor,

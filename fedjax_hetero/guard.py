@@ -3,9 +3,11 @@
 Three signs, each named with its round and architecture group:
 
 - the training loss is not finite (the engine raises `engine.NonFiniteLossError` in that round);
-- a group's training loss rises above ``loss_factor`` times the lowest it has had, counting from ln C,
-  the cross-entropy of a uniform guess over C classes, so that a blow-up in the first round counts too
-  (a finite blow-up, e.g. Adam at a huge learning rate: the loss reached 1e29 while staying finite);
+- a group's training loss rises above ``loss_factor`` times the lowest it has had (a finite blow-up, e.g.
+  Adam at a huge learning rate: the loss reached 1e29 while staying finite). Before a group's first round
+  the reference is ln C, the cross-entropy of a uniform guess over C classes, so that a blow-up in the
+  first round counts too; and it never drops below ln C / 2, since a converged run's losses are small and
+  their ordinary noise (healthy runs here rose to 5.8x their lowest) must not count;
 - a group's test accuracy sits at chance for ``chance_evals`` evaluations in a row after it had been
   clearly above chance (a collapse, not a slow start).
 
@@ -83,6 +85,18 @@ class DivergenceWatch:
   chance_streak: dict[str, int] = dataclasses.field(default_factory=dict)
   learned: dict[str, bool] = dataclasses.field(default_factory=dict)
 
+  def _loss_reference(self, group: str) -> tuple[float, str]:
+    """What a group's loss is compared with, and how a message names it: ln C before its first round (an
+    untrained model's loss, a uniform guess's), then its lowest loss, but never less than ln C / 2: a converged
+    run's losses are small, and its ordinary round-to-round noise would otherwise count."""
+    uniform = math.log(self.num_classes)
+    lowest = self.lowest_loss.get(group)
+    if lowest is None:
+      return uniform, f"ln {self.num_classes} = {uniform:.4g}, a uniform guess's loss"
+    if lowest < uniform / 2:
+      return uniform / 2, f"ln {self.num_classes} / 2 = {uniform / 2:.4g}, the floor under its lowest ({lowest:.4g})"
+    return lowest, f"its lowest ({lowest:.4g})"
+
   def replay(self, rows: list[Mapping[str, Any]]) -> None:
     """Takes rows already accepted (a resumed run's history), raising nothing."""
     for row in rows:
@@ -92,13 +106,11 @@ class DivergenceWatch:
     """Takes one round's metrics; returns the first sign of divergence in them, if any."""
     r, error = row["round"], None
     for group, loss in row.get("train_loss_per_group", {}).items():
-      lowest = self.lowest_loss.get(group, math.log(self.num_classes))  # an untrained model's: a uniform guess
-      if error is None and loss > self.config.loss_factor * lowest:
-        reference = (f"its lowest ({lowest:.4g})" if group in self.lowest_loss else
-                     f"ln {self.num_classes} = {lowest:.4g}, a uniform guess's")
+      reference, named = self._loss_reference(group)
+      if error is None and loss > self.config.loss_factor * reference:
         error = DivergenceError(f"round {r}: training loss of group {group} rose to {loss:.4g}, above "
-                                f"{self.config.loss_factor:g}x {reference} (--divergence-loss-factor)", r, group)
-      self.lowest_loss[group] = min(lowest, loss)
+                                f"{self.config.loss_factor:g}x {named} (--divergence-loss-factor)", r, group)
+      self.lowest_loss[group] = min(self.lowest_loss.get(group, math.inf), loss)
     for group, accuracy in (row.get("test_accuracy") or {}).items():
       if group == "mean":
         continue

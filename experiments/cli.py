@@ -169,7 +169,7 @@ def build_parser(defaults: RunConfig, description: str) -> argparse.ArgumentPars
   dg.add_argument("--divergence-rollback-lr-factor", type=float, default=d.divergence_rollback_lr_factor,
                   help="rollback multiplies the clients' learning rate by this")
   dg.add_argument("--divergence-max-rollbacks", type=int, default=d.divergence_max_rollbacks,
-                  help="rollbacks allowed before the run stops")
+                  help="rollbacks allowed in the whole run (across resumes) before it stops")
   p.add_argument("--steps-per-call", type=int, default=d.steps_per_call,
                  help="local steps unrolled in one jitted call: 1 compiles fastest and is as fast for ResNets; "
                       "4 trains a full-width CNN ~6%% faster on XLA:CPU (docs/performance.md)")

@@ -7,6 +7,8 @@ state, so any method's state round-trips without knowing its types.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
 from typing import Any, Callable
@@ -21,17 +23,36 @@ from fedjax_hetero.engine import ServerState
 BEST_METRIC = "mean_accuracy"
 
 
+class _QuietUnrankedSaves(logging.Filter):
+  """Orbax logs a warning for each save without metrics when checkpoints are ranked; rounds without an
+  evaluation are saved that way on purpose."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return "did not provide metrics" not in record.getMessage()
+
+
+logging.getLogger("absl").addFilter(_QuietUnrankedSaves())
+
+
 def manager(output_dir: str, every: int = 1, keep: int = 2) -> ocp.CheckpointManager:
   """The results folder's checkpoint manager (``checkpoints/``), saving every ``every`` rounds.
 
   It keeps the ``keep`` latest checkpoints and, besides them, the one with the best mean test accuracy
-  (`save` with ``accuracy``), so that a run which diverges still has its best state.
+  (`save` with ``accuracy``), so that a run which diverges still has its best state. Opening it reads every
+  checkpoint's metadata, and fails on a damaged one: a resumed run calls `restore_latest_intact` first.
   """
   best = ocp.checkpoint_managers.BestN(get_metric_fn=lambda metrics: metrics[BEST_METRIC], n=1,
                                        keep_checkpoints_without_metrics=False)
   policy = ocp.checkpoint_managers.AnyPreservationPolicy([ocp.checkpoint_managers.LatestN(keep), best])
-  options = ocp.CheckpointManagerOptions(save_interval_steps=every, preservation_policy=policy)
-  return ocp.CheckpointManager(os.path.abspath(os.path.join(output_dir, "checkpoints")), options=options)
+  # best_fn too: without it orbax's best_step() is the latest step and the metrics are not written to disk, so a
+  # manager that reopens the folder (a resumed run) would see no best at all.
+  options = ocp.CheckpointManagerOptions(save_interval_steps=every, preservation_policy=policy,
+                                         best_fn=lambda metrics: metrics[BEST_METRIC], best_mode="max")
+  return ocp.CheckpointManager(_root(output_dir), options=options)
+
+
+def _root(output_dir: str) -> str:
+  return os.path.abspath(os.path.join(output_dir, "checkpoints"))
 
 
 def state_tree(state: ServerState) -> dict[str, Any]:
@@ -56,7 +77,10 @@ def best_step(checkpoints: ocp.CheckpointManager) -> int | None:
 def restore(checkpoints: ocp.CheckpointManager, step: int, template: ServerState) -> ServerState:
   """The checkpoint of round ``step``, shaped and typed like ``template`` (e.g. the simulation's initial state)."""
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state_tree(template))
-  restored = checkpoints.restore(step, args=ocp.args.StandardRestore(abstract))
+  return _from_tree(step, checkpoints.restore(step, args=ocp.args.StandardRestore(abstract)), template)
+
+
+def _from_tree(step: int, restored: Any, template: ServerState) -> ServerState:
   parts = {"models": template.models, "steps": template.steps, "sampler": template.sampler,
            "memory": template.memory}
   parts = serialization.from_state_dict(parts, restored)
@@ -71,25 +95,49 @@ def restore_latest(checkpoints: ocp.CheckpointManager, template: ServerState) ->
   return restore(checkpoints, step, template)
 
 
-def restore_latest_intact(checkpoints: ocp.CheckpointManager, template: ServerState,
+# The JSON files a manager reads when it opens a folder (the step's metadata and its metrics).
+_OPENED_FILES = ("_CHECKPOINT_METADATA", os.path.join("metrics", "metrics"))
+
+
+def restore_latest_intact(output_dir: str, template: ServerState,
                           warn: Callable[[str], None]) -> ServerState | None:
-  """The newest checkpoint that restores. Each newer damaged one is named in a warning and moved out of the
-  way, to ``damaged_checkpoints/`` beside ``checkpoints/`` (kept for inspection; the rounds it held are
-  trained again). None if no checkpoint restores."""
-  for step in sorted(checkpoints.all_steps(), reverse=True):
+  """The newest checkpoint of a results folder that restores, read without a manager (which would fail to open
+  on a damaged one). Each newer one that does not restore is named in a warning and moved to
+  ``damaged_checkpoints/`` beside ``checkpoints/`` (kept for inspection; its rounds are trained again). None if
+  there is no checkpoint; if none restores, raises ValueError and moves nothing (a failure shared by all of
+  them is not damage)."""
+  root = _root(output_dir)
+  steps = sorted((int(name) for name in os.listdir(root) if name.isdigit()), reverse=True) \
+      if os.path.isdir(root) else []
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state_tree(template))
+  failures: list[tuple[int, Exception]] = []
+  for step in steps:
     try:
-      return restore(checkpoints, step, template)
+      for name in _OPENED_FILES:
+        if os.path.exists(os.path.join(root, str(step), name)):
+          with open(os.path.join(root, str(step), name)) as f:
+            json.load(f)
+      restored = ocp.StandardCheckpointer().restore(os.path.join(root, str(step), "default"), abstract)
     except Exception as e:  # orbax raises many kinds (ValueError, OSError, tensorstore's, msgpack's)
-      reason = (str(e).strip().splitlines() or [""])[0][:300]
-      source = os.path.join(str(checkpoints.directory), str(step))
-      target = os.path.join(os.path.dirname(str(checkpoints.directory)), "damaged_checkpoints", str(step))
+      failures.append((step, e))
+      continue
+    for damaged, error in failures:
+      source = os.path.join(root, str(damaged))
+      target = os.path.join(os.path.dirname(root), "damaged_checkpoints", str(damaged))
       os.makedirs(os.path.dirname(target), exist_ok=True)
       shutil.rmtree(target, ignore_errors=True)
       shutil.move(source, target)
-      checkpoints.reload()
-      warn(f"warning: checkpoint {source} cannot be restored ({type(e).__name__}: {reason}); moved it to "
-           f"{target} and skipped it")
+      warn(f"warning: checkpoint {source} cannot be restored ({_first_line(error)}); moved it to {target} and "
+           f"resumed from round {step}")
+    return _from_tree(step, restored, template)
+  if failures:
+    raise ValueError(f"no checkpoint in {root} can be restored (rounds {', '.join(map(str, steps))}; the newest: "
+                     f"{_first_line(failures[0][1])}); nothing was moved")
   return None
+
+
+def _first_line(error: Exception) -> str:
+  return f"{type(error).__name__}: " + (str(error).strip().splitlines() or [""])[0][:300]
 
 
 def drop_after(checkpoints: ocp.CheckpointManager, step: int) -> None:

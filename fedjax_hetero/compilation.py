@@ -126,7 +126,7 @@ def mapping_headroom(release_above: float = 0.6, fail_above: float = 0.9) -> Non
   used, limit = counted
   if used > release_above * limit:
     release_programs()
-    before, (used, limit) = used, memory_mappings()
+    before, (used, limit) = used, memory_mappings() or (used, limit)
     warnings.warn(f"this process held {before:,} of its {limit:,} memory mappings (vm.max_map_count), mostly "
                   f"compiled programs; released the cached ones: {used:,} now", RuntimeWarning, stacklevel=2)
   if used > fail_above * limit:

@@ -142,6 +142,21 @@ def _check_resumable(config: RunConfig, log: Callable[[str], None]) -> str | Non
 SEGMENTS, ROLLBACKS = "segments", "rollbacks"
 
 
+def _keep_rolled_back_learning_rate(config: RunConfig, log: Callable[[str], None]) -> RunConfig:
+  """A run that rolled back lowered its learning rate; resumed with the command that started it, it keeps the
+  lowered rate instead of going back to one that diverged (another --lr still overrides)."""
+  _, rollbacks = _saved_history(config.output.dir)
+  if not rollbacks:
+    return config
+  lowered = rollbacks[-1]["learning_rate"][1]
+  diverged = {r["learning_rate"][0] for r in rollbacks}
+  if config.client.learning_rate not in diverged or config.client.learning_rate == lowered:
+    return config
+  log(f"keeping the learning rate {lowered:g} of the last rollback: --lr {config.client.learning_rate:g} diverged "
+      "in this run (pass another --lr to override)")
+  return dataclasses.replace(config, client=dataclasses.replace(config.client, learning_rate=lowered))
+
+
 def _local_settings(config: RunConfig) -> dict[str, Any]:
   flat = flatten(config)
   return {path: flat[path] for path in sorted(LOCAL_OPTIMIZER)}
@@ -245,6 +260,7 @@ def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
   config.output.check_paths()
   changed = None
   if config.output.resume:
+    config = _keep_rolled_back_learning_rate(config, log)
     changed = _check_resumable(config, log)
   else:
     _prepare_output(config)
@@ -260,18 +276,19 @@ def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
     fdata.plot_partition(fdata.class_counts(labels, parts, sim.store.num_classes),
                          os.path.join(out, "partition.png"))
     state = initial.result()
-  manager = checkpoints.manager(out, config.output.checkpoint_every, config.output.keep_checkpoints)
   metrics_path = os.path.join(out, "metrics.jsonl")
   rows: list[dict[str, Any]] = []
   if config.output.resume:
-    restored = checkpoints.restore_latest_intact(manager, state, log)
+    restored = checkpoints.restore_latest_intact(out, state, log)
     if restored is not None:
       state = sim.place(restored)
       log(f"resumed from round {state.round}")
     rows = _read_metrics(metrics_path, state.round, log)
+  manager = checkpoints.manager(out, config.output.checkpoint_every, config.output.keep_checkpoints)
   reason = ("start" if state.round == 0 else f"resumed with changed local training: {changed}" if changed
             else "resumed (the folder kept no earlier segments)")
-  segments = _next_segment(segments, config, state.round + 1, reason)
+  if state.round < config.rounds:
+    segments = _next_segment(segments, config, state.round + 1, reason)
   _write_config(config, segments, rollbacks)
   _write_metrics(metrics_path, rows)
   watch = DivergenceWatch(config.divergence, sim.store.num_classes)
@@ -298,7 +315,9 @@ def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
           f.write(json.dumps(m) + "\n")
         error = watch.check(m) if config.divergence.action != "off" else None
       if error is not None:
-        if config.divergence.action == "stop" or len(rollbacks) >= config.divergence.max_rollbacks:
+        manager.wait_until_finished()
+        if (config.divergence.action == "stop" or len(rollbacks) >= config.divergence.max_rollbacks
+            or checkpoints.best_step(manager) is None):
           _stop(config, sim, rows, time.perf_counter() - wall_start, segments, rollbacks, error, manager)
         config, sim, state, rows, segments = _roll_back(config, dataset, manager, rows, segments, rollbacks, error,
                                                         log)
@@ -356,7 +375,8 @@ def _stop(config: RunConfig, sim: Simulation, rows: Sequence[dict[str, Any]], wa
   stopped = {"round": error.round, "group": error.group, "reason": str(error), "best_checkpoint": best}
   _finish(config, sim, rows, wall_seconds, segments, rollbacks, stopped)
   where = (f"; the best checkpoint (round {best}) is kept in {manager.directory}: --on-divergence rollback restarts "
-           "from it with a lower learning rate" if best is not None else "; no checkpoint with an evaluation was saved")
+           "from it with a lower learning rate" if best is not None else
+           "; no checkpoint with an evaluation was saved, so there is nothing to keep or roll back to")
   raise DivergenceError(f"{error}{where}", error.round, error.group) from None
 
 
@@ -365,10 +385,7 @@ def _roll_back(config: RunConfig, dataset: fdata.ArrayDataset | None, manager, r
                log: Callable[[str], None]):
   """Restores the best checkpoint into a simulation with the learning rate lowered, and appends the rollback to
   ``rollbacks``; returns the new (config, simulation, state, rows, segments)."""
-  manager.wait_until_finished()
   best = checkpoints.best_step(manager)
-  if best is None:
-    raise DivergenceError(f"{error}; no checkpoint with an evaluation to roll back to", error.round, error.group)
   old_lr = config.client.learning_rate
   config = dataclasses.replace(config, client=dataclasses.replace(
       config.client, learning_rate=old_lr * config.divergence.rollback_lr_factor))
@@ -388,7 +405,7 @@ def _summarize(config: RunConfig, sim: Simulation, rows: Sequence[dict[str, Any]
                segments: Sequence[dict[str, Any]], rollbacks: Sequence[dict[str, Any]],
                stopped: dict[str, Any] | None) -> dict[str, Any]:
   evaluated = [r for r in rows if r.get("test_accuracy")]
-  best = max(evaluated, key=lambda r: r["test_accuracy"]["mean"]) if evaluated else None
+  best = max(evaluated, key=lambda r: (r["test_accuracy"]["mean"], r["round"])) if evaluated else None  # as BestN
   group_params = {g.name: m.num_owned() for g, m in zip(sim.groups, sim.maps)}
   train_seconds = sum(r["round_seconds"] for r in rows)
   final_round = rows[-1]["round"] if rows else 0

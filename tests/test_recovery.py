@@ -8,9 +8,11 @@ import math
 import os
 
 import chex
+import jax.numpy as jnp
 import pytest
 
-from fedjax_hetero import checkpoints
+from fedjax_hetero import checkpoints, engine
+from fedjax_hetero.engine import ServerState
 from fedjax_hetero.data import synthetic_dataset
 from fedjax_hetero.guard import DivergenceConfig, DivergenceError, DivergenceWatch
 from fedjax_hetero.runner import run_experiment
@@ -77,11 +79,20 @@ def test_guard_settings_are_checked(changes, message):
 # --------------------------------------------------------------------------------------- stop and rollback
 
 
-def healthy_then_diverging(out, dataset, **guard):
-  """Three healthy rounds (evaluated and checkpointed each round), then the same run resumed with Adam at lr 1e6."""
-  healthy = base_config(out, rounds=3, eval_every=1, checkpoint_every=1, optimizer="sgd", learning_rate=0.05)
-  run_experiment(healthy, dataset, log=lambda _: None)
+HEALTHY_ACCURACY = {1: 0.5, 2: 0.9, 3: 0.6}  # the best round is not the latest
+
+
+def healthy_then_diverging(out, dataset, monkeypatch, **guard):
+  """Three healthy rounds (evaluated and checkpointed each round; accuracies `HEALTHY_ACCURACY`, keeping one
+  latest checkpoint besides the best), then the same run resumed with Adam at lr 1e6."""
+  healthy = base_config(out, rounds=3, eval_every=1, checkpoint_every=1, keep_checkpoints=1, optimizer="sgd",
+                        learning_rate=0.05)
+  with monkeypatch.context() as patch:
+    patch.setattr(engine.Simulation, "evaluate", lambda self, state: {
+        **{g.name: HEALTHY_ACCURACY[state.round] for g in self.groups}, "mean": HEALTHY_ACCURACY[state.round]})
+    run_experiment(healthy, dataset, log=lambda _: None)
   accuracies = {r["round"]: r["test_accuracy"]["mean"] for r in read_rows(out)}
+  assert accuracies == HEALTHY_ACCURACY
   return healthy.replace(rounds=8, resume=True, optimizer="adam", learning_rate=1e6, **guard), accuracies
 
 
@@ -89,9 +100,24 @@ def best_round(accuracies):
   return max(accuracies, key=lambda r: (accuracies[r], r))
 
 
-def test_divergence_stops_the_run_within_two_rounds_and_keeps_the_best_checkpoint(dataset, tmp_path):
+def test_the_checkpoint_manager_keeps_and_names_the_best_across_reopening(tmp_path):
+  state = lambda r: ServerState(r, ({"params": {"w": jnp.full(2, float(r))}},), ((),), (), ((),))
+  manager = checkpoints.manager(str(tmp_path), every=1, keep=1)
+  for r, accuracy in [(1, 0.5), (2, 0.9), (3, 0.3), (4, 0.2)]:
+    checkpoints.save(manager, state(r), accuracy=accuracy)
+  manager.wait_until_finished()
+  assert manager.all_steps() == [2, 4] and checkpoints.best_step(manager) == 2
+  reopened = checkpoints.manager(str(tmp_path), every=1, keep=1)  # what a resumed run sees
+  assert checkpoints.best_step(reopened) == 2
+  checkpoints.save(reopened, state(5))
+  reopened.wait_until_finished()
+  assert reopened.all_steps() == [2, 5] and checkpoints.best_step(reopened) == 2
+  assert checkpoints.best_step(checkpoints.manager(str(tmp_path / "empty"))) is None
+
+
+def test_divergence_stops_the_run_within_two_rounds_and_keeps_the_best_checkpoint(dataset, tmp_path, monkeypatch):
   out = tmp_path / "stop"
-  diverging, accuracies = healthy_then_diverging(out, dataset)
+  diverging, accuracies = healthy_then_diverging(out, dataset, monkeypatch)
   with pytest.raises(DivergenceError) as info:
     run_experiment(diverging, dataset, log=lambda _: None)
   assert info.value.round in (4, 5), str(info.value)
@@ -105,9 +131,9 @@ def test_divergence_stops_the_run_within_two_rounds_and_keeps_the_best_checkpoin
   assert summary["stopped_by_divergence"]["best_checkpoint"] == best_round(accuracies)
 
 
-def test_rollback_restores_the_best_checkpoint_with_a_lower_learning_rate(dataset, tmp_path):
+def test_rollback_restores_the_best_checkpoint_with_a_lower_learning_rate(dataset, tmp_path, monkeypatch):
   out = tmp_path / "rollback"
-  diverging, accuracies = healthy_then_diverging(out, dataset, on_divergence="rollback",
+  diverging, accuracies = healthy_then_diverging(out, dataset, monkeypatch, on_divergence="rollback",
                                                  divergence_rollback_lr_factor=1e-9)
   logs = []
   summary = run_experiment(diverging, dataset, log=logs.append)
@@ -122,11 +148,18 @@ def test_rollback_restores_the_best_checkpoint_with_a_lower_learning_rate(datase
   assert summary["segments"][-1]["settings"]["client.learning_rate"] == pytest.approx(1e-3)
   with open(out / "config.json") as f:
     assert json.load(f)["client"]["learning_rate"] == pytest.approx(1e-3)
+  # Resumed later with the command that started it, the run keeps the lowered rate.
+  logs = []
+  run_experiment(diverging.replace(rounds=9), dataset, log=logs.append)
+  assert any(line.startswith("keeping the learning rate 0.001 of the last rollback") for line in logs), logs
+  with open(out / "config.json") as f:
+    assert json.load(f)["client"]["learning_rate"] == pytest.approx(1e-3)
 
 
-def test_rollback_gives_up_after_its_limit(dataset, tmp_path):
+def test_rollback_gives_up_after_its_limit(dataset, tmp_path, monkeypatch):
   out = tmp_path / "limit"
-  diverging, _ = healthy_then_diverging(out, dataset, on_divergence="rollback", divergence_max_rollbacks=1)
+  diverging, _ = healthy_then_diverging(out, dataset, monkeypatch, on_divergence="rollback",
+                                        divergence_max_rollbacks=1)
   with pytest.raises(DivergenceError):
     run_experiment(diverging, dataset, log=lambda _: None)
   with open(out / "summary.json") as f:
@@ -206,3 +239,15 @@ def test_a_resume_with_another_learning_rate_starts_a_segment(dataset, tmp_path)
   assert [s["settings"]["client.learning_rate"] for s in saved["segments"]] == [0.05, 0.01]
   assert [s["rounds"] for s in summary["segments"]] == [[1, 2], [3, 4]]
   assert "client.learning_rate: 0.05 -> 0.01" in summary["segments"][1]["reason"]
+
+
+def test_when_no_checkpoint_restores_resume_stops_and_moves_nothing(dataset, tmp_path):
+  config = base_config(tmp_path / "all", rounds=2, checkpoint_every=1)
+  run_experiment(config, dataset, log=lambda _: None)
+  steps = sorted(os.listdir(tmp_path / "all" / "checkpoints"))
+  for step in steps:
+    damage(tmp_path / "all" / "checkpoints" / step)
+  with pytest.raises(ValueError, match=r"no checkpoint in .*checkpoints can be restored .*nothing was moved"):
+    run_experiment(config.replace(resume=True, rounds=3), dataset, log=lambda _: None)
+  assert sorted(os.listdir(tmp_path / "all" / "checkpoints")) == steps
+  assert not os.path.exists(tmp_path / "all" / "damaged_checkpoints")

@@ -22,6 +22,8 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
+from fedjax_hetero.validation import check_choice, check_integer, check_number
+
 ACTIONS = ("stop", "rollback", "off")
 
 
@@ -50,16 +52,11 @@ class DivergenceConfig:
   max_rollbacks: int = 3
 
   def __post_init__(self):
-    if self.action not in ACTIONS:
-      raise ValueError(f"--on-divergence: unknown action {self.action!r}; accepted: {', '.join(ACTIONS)}")
-    if not (math.isfinite(self.loss_factor) and self.loss_factor > 1):
-      raise ValueError(f"--divergence-loss-factor must be a finite number > 1, got {self.loss_factor}")
-    if self.chance_evals < 1:
-      raise ValueError(f"--divergence-chance-evals must be >= 1, got {self.chance_evals}")
-    if not 0 < self.rollback_lr_factor < 1:
-      raise ValueError(f"--divergence-rollback-lr-factor must be in (0, 1), got {self.rollback_lr_factor}")
-    if self.max_rollbacks < 0:
-      raise ValueError(f"--divergence-max-rollbacks must be >= 0, got {self.max_rollbacks}")
+    check_choice("divergence.action", self.action, ACTIONS)
+    check_number("divergence.loss_factor", self.loss_factor, above=1)
+    check_integer("divergence.chance_evals", self.chance_evals, minimum=1)
+    check_number("divergence.rollback_lr_factor", self.rollback_lr_factor, above=0, below=1)
+    check_integer("divergence.max_rollbacks", self.max_rollbacks, minimum=0)
 
 
 def at_chance(accuracy: float, num_classes: int) -> bool:

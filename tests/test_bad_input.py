@@ -113,8 +113,8 @@ BAD_FLAGS = [
     ("--seed -1", "--seed must be an integer in [0, 4294967295], got -1"),
     ("--seed 4294967296", "--seed must be an integer in [0, 4294967295], got 4294967296"),
     ("--divergence-loss-factor 0.5", "--divergence-loss-factor must be a finite number > 1, got 0.5"),
-    ("--divergence-rollback-lr-factor 2", "--divergence-rollback-lr-factor must be in (0, 1), got 2.0"),
-    ("--divergence-max-rollbacks -1", "--divergence-max-rollbacks must be >= 0, got -1"),
+    ("--divergence-rollback-lr-factor 2", "--divergence-rollback-lr-factor must be a finite number in (0, 1), got 2.0"),
+    ("--divergence-max-rollbacks -1", "--divergence-max-rollbacks must be an integer >= 0, got -1"),
     # paths
     ("--output-dir {file}", "--output-dir '{file}' is a file, not a directory"),
     ("--output-dir {file}/run", "--output-dir '{file}/run' cannot be created: '{file}' is a file"),

@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/throughput.py on tiny synthetic settings."""
+"""Smoke tests of the benchmarks on tiny synthetic settings."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import math
 import pytest
 
 from benchmarks import throughput
+from fedjax_hetero.models import build_model
 
 NUMERIC_KEYS = ("fl_samples_per_s", "centralized_samples_per_s", "ratio", "compile_s", "clients_per_round",
                 "batch_size", "devices")
@@ -60,3 +61,13 @@ def test_step_modes_prints_compile_time_rates_and_a_checksum(capsys):
   assert row["model"] == "mlp@1.0" and row["steps_per_call"] == 2 and row["compile_s"] >= 0
   assert len(row["samples_per_s"]) == 3 and all(rate > 0 for rate in row["samples_per_s"])
   assert math.isfinite(row["params_l1"]) and row["params_l1"] > 0
+
+
+def test_layer_profile_finds_every_convolution_with_its_input():
+  from benchmarks.layer_profile import convolutions
+  layers = convolutions(build_model("resnet10", 10, width=0.25), batch=4)
+  assert [layer["name"] for layer in layers][:3] == ["stem_conv", "stage1_block0/conv1", "stage1_block0/conv2"]
+  assert len(layers) == 1 + 4 * 2 + 3  # the stem, two per block, a downsample in stages 2-4
+  by_name = {layer["name"]: layer for layer in layers}
+  assert by_name["stem_conv"]["input"] == (4, 28, 28, 1) and by_name["stem_conv"]["strides"] == (2, 2)
+  assert by_name["stage4_block0/conv2"]["input"] == (4, 1, 1, 128) and by_name["stage4_block0/conv2"]["features"] == 128

@@ -12,7 +12,7 @@ from flax import traverse_util
 
 from fedjax_hetero import models
 from fedjax_hetero.models import MODEL_NAMES, build_model, parse_group_spec
-from fedjax_hetero.models.common import max_pool
+from fedjax_hetero.models.common import SMALL_MAP_POSITIONS, convolution, max_pool
 
 BATCH = 4
 TINY_RESNET = dict(base_channels=4)
@@ -290,3 +290,50 @@ def test_max_pool_matches_flax_in_value_and_gradient(window, strides, padding):
   grad = lambda pool: jax.grad(lambda x: (pool(x) * cotangent).sum())(x)
   # An input that is the maximum of overlapping windows sums their cotangents in another order.
   chex.assert_trees_all_close(grad(ours), grad(flax_pool), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("size,window,strides,padding", [
+    ((2, 2), (3, 3), (1, 1), ((1, 1), (1, 1))),  # a ResNet's 2x2 stage: every tap reads input
+    ((1, 1), (3, 3), (1, 1), ((1, 1), (1, 1))),  # 1x1 map: only the centre tap reads input
+    ((4, 4), (3, 3), (2, 2), ((1, 1), (1, 1))),  # strided into a 2x2 map
+    ((2, 2), (3, 3), (2, 2), "SAME"),  # 1x1 map from a padding string
+    ((3, 2), (2, 3), (2, 1), ((0, 1), (1, 1))),  # uneven kernel, strides and padding
+    ((8, 8), (3, 3), (1, 1), ((1, 1), (1, 1))),  # too large a map: lax's convolution
+    ((2, 2), (1, 1), (1, 1), "VALID"),  # 1x1 kernel: lax's convolution
+])
+def test_convolution_matches_lax_in_value_and_gradient(size, window, strides, padding):
+  x = jax.random.normal(jax.random.key(0), (5, *size, 6))
+  kernel = jax.random.normal(jax.random.key(1), (*window, 6, 7))
+  ours = lambda x, k: convolution(x, k, strides, padding, dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  theirs = lambda x, k: jax.lax.conv_general_dilated(x, k, strides, padding,
+                                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  y = ours(x, kernel)
+  chex.assert_shape(y, theirs(x, kernel).shape)
+  chex.assert_trees_all_close(y, theirs(x, kernel), rtol=1e-5, atol=1e-5)
+  cotangent = jax.random.normal(jax.random.key(2), y.shape)
+  grads = lambda conv: jax.grad(lambda x, k: (conv(x, k) * cotangent).sum(), argnums=(0, 1))(x, kernel)
+  chex.assert_trees_all_close(grads(ours), grads(theirs), rtol=1e-5, atol=1e-5)
+
+
+def test_convolution_is_one_product_only_on_tiny_maps():
+  def primitives(size):
+    x = jnp.zeros((2, size, size, 3))
+    kernel = jnp.zeros((3, 3, 3, 4))
+    jaxpr = jax.make_jaxpr(lambda x, k: convolution(x, k, (1, 1), ((1, 1), (1, 1)),
+                                                    dimension_numbers=("NHWC", "HWIO", "NHWC")))(x, kernel)
+    return {eqn.primitive.name for eqn in jaxpr.jaxpr.eqns}
+
+  assert SMALL_MAP_POSITIONS == 4
+  assert "conv_general_dilated" not in primitives(2) and "dot_general" in primitives(2)
+  assert "conv_general_dilated" in primitives(3)  # a 3x3 output map has 9 positions
+
+
+def test_resnet_uses_the_tiny_map_convolution():
+  model = build_model("resnet18", 10, width=0.25)
+  x = jnp.zeros((2, 28, 28, 1))
+  variables = jax.eval_shape(model.init, jax.random.key(0), x)
+  jaxpr = jax.make_jaxpr(lambda v: model.apply(v, x))(variables)
+  # 20 convolutions: the stem, stages 1-2 (7x7 and 4x4 maps) and the two 1x1 downsamples of stages 3-4
+  # convolve; the other 8 of stages 3-4 (2x2 and 1x1 maps) multiply, as does the head.
+  names = [eqn.primitive.name for eqn in jaxpr.jaxpr.eqns]
+  assert names.count("conv_general_dilated") == 12 and names.count("dot_general") == 8 + 1

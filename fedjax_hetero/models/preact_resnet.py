@@ -29,7 +29,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fedjax_hetero.models.common import Part, bn_mask, run_parts, scale_channels
+from fedjax_hetero.models.common import Part, bn_mask, convolution, run_parts, scale_channels
 from fedjax_hetero.models.resnet import conv_init, dense_init
 
 Array = jax.Array
@@ -53,7 +53,8 @@ class PreActBottleneck(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array, train: bool = False, mask: Array | None = None) -> Array:
-    conv = functools.partial(nn.Conv, use_bias=False, kernel_init=conv_init, dtype=self.dtype)
+    conv = functools.partial(nn.Conv, use_bias=False, kernel_init=conv_init, dtype=self.dtype,
+                             conv_general_dilated=convolution)
     m = bn_mask(mask, x)
     pre = nn.relu(_batch_norm(train, self.dtype, "bn1")(x, mask=m))
     y = conv(self.planes, (1, 1), name="conv1")(pre)

@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fedjax_hetero.models.common import Part, bn_mask, max_pool, run_parts, scale_channels
+from fedjax_hetero.models.common import Part, bn_mask, convolution, max_pool, run_parts, scale_channels
 
 Array = jax.Array
 
@@ -40,7 +40,8 @@ class BasicBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array, train: bool = False, mask: Array | None = None) -> Array:
-    conv = functools.partial(nn.Conv, use_bias=False, kernel_init=conv_init, dtype=self.dtype)
+    conv = functools.partial(nn.Conv, use_bias=False, kernel_init=conv_init, dtype=self.dtype,
+                             conv_general_dilated=convolution)
     m = bn_mask(mask, x)
     y = conv(self.channels, (3, 3), (self.strides,) * 2, padding=((1, 1), (1, 1)), name="conv1")(x)
     y = nn.relu(_batch_norm(train, self.dtype, "bn1")(y, mask=m))

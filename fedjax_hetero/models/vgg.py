@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_hetero.models.cnn import flatten_channel_major
-from fedjax_hetero.models.common import Part, bn_mask, max_pool, run_parts, scale_channels
+from fedjax_hetero.models.common import Part, bn_mask, convolution, max_pool, run_parts, scale_channels
 from fedjax_hetero.models.resnet import conv_init
 
 Array = jax.Array
@@ -78,7 +78,7 @@ class VGG16(nn.Module):
       for j, channels in enumerate(self.blocks[index]):
         prefix = f"block{index + 1}_"
         h = nn.Conv(scale_channels(channels, self.width), (3, 3), padding=((1, 1), (1, 1)), kernel_init=conv_init,
-                    dtype=self.dtype, name=f"{prefix}conv{j + 1}")(h)
+                    dtype=self.dtype, conv_general_dilated=convolution, name=f"{prefix}conv{j + 1}")(h)
         # PyTorch's BN defaults (momentum 0.1 is 0.9 in flax).
         h = nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5, dtype=self.dtype,
                          name=f"{prefix}bn{j + 1}")(h, mask=m)

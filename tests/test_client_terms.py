@@ -40,7 +40,9 @@ def test_a_term_reads_the_activations_of_the_training_forward(resnet):
   x = normalize(images, MEAN, STD)
   want, _ = model.apply(variables, x, train=True, mask=jnp.ones(8, bool), stop="stage2", mutable=["batch_stats"])
   assert float(jnp.abs(want).max()) > 0
-  np.testing.assert_allclose(np.asarray(state.terms[0]), np.asarray(want), rtol=1e-5, atol=1e-6)
+  # Eager and jitted programs sum the tiny-map convolutions' products in different orders (1e-6 relative),
+  # which the batch normalisation after them can amplify tenfold.
+  np.testing.assert_allclose(np.asarray(state.terms[0]), np.asarray(want), rtol=1e-4, atol=1e-5)
   # Splitting the forward at the cut changes nothing: same step as without the term.
   plain = LocalTrainer(model, CONFIG, MEAN, STD)
   want_step = jax.jit(plain.train_step)(plain.init_state(variables), images, labels, jnp.ones(8, bool))

@@ -22,6 +22,7 @@ from fedjax_hetero.aggregators import fedcross
 from fedjax_hetero.algorithms.fedgen import PRESETS as FEDGEN_PRESETS
 from fedjax_hetero.algorithms.fedimpro import LOSS_MODES, SAMPLE_SOURCES
 from fedjax_hetero.backends import BACKENDS
+from fedjax_hetero.client.backdoor import READINGS
 from fedjax_hetero.client.local import OPTIMIZERS
 from fedjax_hetero.compilation import CACHE_ENV, default_cache_dir, enable_persistent_cache
 from fedjax_hetero.config import RunConfig
@@ -83,7 +84,7 @@ def build_parser(defaults: RunConfig, description: str) -> argparse.ArgumentPars
   p.add_argument("--weighting", default=d.weighting, choices=WEIGHTINGS,
                  help="client weights in aggregation: uniform (InCo's code) or by sample count")
   p.add_argument("--aggregate", default=d.aggregate, choices=AGGREGATE_MODES,
-                 help="average client deltas or uploaded weights")
+                 help="average client deltas or uploaded weights (FedFA and FlexiFed always average weights)")
   p.add_argument("--prox-mu", type=float, default=d.prox_mu,
                  help="FedProx's mu in the client objective CE + mu/2 ||w - w_glob||^2 (any method); "
                  "default: the method's (--fedprox-mu for FedProx, HeteroProx, InCoProx; none for the others)")
@@ -122,6 +123,29 @@ def build_parser(defaults: RunConfig, description: str) -> argparse.ArgumentPars
   ic.add_argument("--inco-granularity", default=d.inco_granularity, choices=aggregators.INCO_GRANULARITIES,
                   help="norms and theta per 3x3 kernel slice (the authors' code) or per tensor (the paper's "
                   "reading); default: kernel")
+  ff = p.add_argument_group("FedFA (--method FedFA)")
+  ff.add_argument("--fedfa-graft", action=argparse.BooleanOptionalAction, default=d.fedfa_graft,
+                  help="layer grafting (Alg. 2): before aggregation a shallow client's last block of a stage also "
+                  "fills the stage's deeper blocks where their shapes match (not from a lone downsampling block); needs "
+                  "models declaring their stages (ResNets); default: on")
+  ff.add_argument("--fedfa-scale", action=argparse.BooleanOptionalAction, default=d.fedfa_scale,
+                  help="scalable aggregation (Alg. 1): each client's kernels times alpha = cohort mean of ||M_95|| / "
+                  "its own ||M_95||; biases and BatchNorm get alpha = 1; default: on")
+  ff.add_argument("--fedfa-norm", default=d.fedfa_norm, choices=aggregators.FEDFA_NORMS,
+                  help="||M_95||: l2 (the paper) or rms (l2 / sqrt(kept elements), comparable across widths); "
+                  "default: l2")
+  ff.add_argument("--fedfa-percentile", type=float, default=d.fedfa_percentile,
+                  help="the norm keeps the weights with |w| at most this percentile of |w|; default: 95")
+  at = p.add_argument_group("backdoor attack (FedFA's robustness experiment; works with every method)")
+  at.add_argument("--malicious-fraction", type=float, default=d.malicious_fraction,
+                  help="fraction of all clients that attack, a fixed set drawn from --seed and listed in "
+                  "summary.json and partition.txt (0: no attack)")
+  at.add_argument("--backdoor-scale", type=float, default=d.backdoor_scale,
+                  help="lambda: a malicious client uploads its update plus lambda times the update of a copy "
+                  "trained on its labels shuffled")
+  at.add_argument("--backdoor-delta", default=d.backdoor_delta, choices=READINGS,
+                  help="what lambda multiplies: 'update' (the label-shuffled copy's own update) or 'difference' "
+                  "(the copy's update minus the clean one)")
   fg = p.add_argument_group("FedGen (--method FedGen) and CluSamp (--method CluSamp)")
   fg.add_argument("--fedgen-preset", default="cifar10", choices=tuple(FEDGEN_PRESETS),
                   help="FedGen's generator and regularizer hyperparameters (the FedCross framework's per-dataset "

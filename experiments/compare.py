@@ -19,6 +19,14 @@ correlated, so read it as a lower bound on the uncertainty), the fraction of
 rounds ahead, and each seed's mean difference. Where runs log the gradient
 dissimilarity (``fedjax_hetero.dissimilarity``) the plot shows it per round
 beside the accuracy.
+
+Runs under the backdoor attack (``malicious_fraction`` > 0, `fedjax_hetero.client.backdoor`) are shown as
+their own variant of the method, e.g. ``HeteroFL [backdoor 20% x20]``, in both tables (so ``--baseline
+HeteroFL`` pairs them with the clean runs, and the difference is the attack's cost per round). When the runs
+hold an attacked run and a clean run of the same method and seed, a third table gives the accuracy drop
+under the attack: the clean run's final accuracy minus the attacked run's, at the last round both
+evaluated, averaged over the seeds; with ``--baseline`` it also gives each method's drop as a multiple of the
+baseline method's (the FedFA paper's robustness ratio, e.g. ``--baseline FedFA``).
 """
 
 from __future__ import annotations
@@ -52,8 +60,24 @@ def up_to_round(rows: Sequence[dict[str, Any]], last_round: int | None) -> list[
   return [r for r in rows if last_round is None or r["round"] <= last_round]
 
 
-def method_of(summary: dict[str, Any]) -> str:
+def base_method_of(summary: dict[str, Any]) -> str:
   return summary.get("method") or summary["config"]["method"]  # older summaries: only the flat config's
+
+
+def attack_of(summary: dict[str, Any]) -> str | None:
+  """The backdoor attack a run was under, as text (None: a clean run, or an older one without the option)."""
+  federation = summary["config"].get("federation") or {}
+  fraction = federation.get("malicious_fraction") or 0
+  if not fraction:
+    return None
+  delta = "" if federation.get("backdoor_delta", "update") == "update" else f" {federation['backdoor_delta']}"
+  return f"backdoor {100 * fraction:g}% x{federation.get('backdoor_scale'):g}{delta}"
+
+
+def method_of(summary: dict[str, Any]) -> str:
+  """The method, and the attack if the run was under one (an attacked run is a variant of its own)."""
+  attack = attack_of(summary)
+  return base_method_of(summary) + (f" [{attack}]" if attack else "")
 
 
 def seed_of(summary: dict[str, Any]) -> int:
@@ -135,6 +159,50 @@ def paired_table(runs, baseline: str) -> str:
   return "\n".join(lines)
 
 
+def final_pair(rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -> tuple[float, float] | None:
+  """(the run's, the other's) accuracy at the last round both evaluated; None if they share none."""
+  base_acc = dict(evaluated(base))
+  common = [(r, a) for r, a in evaluated(rows) if r in base_acc]
+  if not common:
+    return None
+  last, accuracy = common[-1]
+  return accuracy, base_acc[last]
+
+
+def drop_table(runs, baseline: str | None = None) -> str:
+  """Every attacked run against the clean run of its method and seed (see the module docstring); empty
+  if there is no such pair."""
+  clean: dict[tuple[str, int], list[dict[str, Any]]] = {}
+  attacked: dict[tuple[str, str], dict[int, list[dict[str, Any]]]] = {}
+  for _, summary, rows in runs:
+    method, attack, seed = base_method_of(summary), attack_of(summary), seed_of(summary)
+    if attack is None:
+      clean[(method, seed)] = rows
+    else:
+      attacked.setdefault((method, attack), {})[seed] = rows
+  drops: dict[tuple[str, str], tuple[float, float, float, str, int]] = {}
+  for (method, attack), seeds in attacked.items():
+    pairs = {s: final_pair(rows, clean[(method, s)]) for s, rows in seeds.items() if (method, s) in clean}
+    pairs = {s: p for s, p in pairs.items() if p is not None}
+    if pairs:
+      under, free = (100 * np.mean([p[i] for p in pairs.values()]) for i in (0, 1))
+      per_seed = ", ".join(f"s{s}: {100 * (p[1] - p[0]):+.2f}" for s, p in sorted(pairs.items()))
+      drops[(method, attack)] = (free, under, free - under, per_seed, len(pairs))
+  if not drops:
+    return ""
+  ratio = baseline is not None and any(m == baseline for m, _ in drops)
+  lines = ["| method | attack | seeds | clean final (%) | attacked final (%) | drop (points) |"
+           + (f" drop / {baseline}'s |" if ratio else "") + " per seed |",
+           "|---|---|---|---|---|---|" + ("---|" if ratio else "") + "---|"]
+  for (method, attack), (free, under, drop, per_seed, count) in drops.items():
+    times = ""
+    if ratio:
+      own = drops.get((baseline, attack))
+      times = f" {drop / own[2]:.2f} |" if own and own[2] else " - |"
+    lines.append(f"| {method} | {attack} | {count} | {free:.2f} | {under:.2f} | {drop:+.2f} |{times} {per_seed} |")
+  return "\n".join(lines)
+
+
 def plot(runs, path: str, title: str) -> str:
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
@@ -198,6 +266,10 @@ def main(argv: Sequence[str] | None = None) -> str:
   text = table(runs, args.last, args.target)
   if args.baseline:
     text += "\n\n" + paired_table(runs, args.baseline)
+  drops = drop_table(runs, args.baseline)
+  if drops:
+    text += ("\n\naccuracy drop under the backdoor attack (clean final - attacked final, same method and seed):\n"
+             + drops)
   print(text)
   if args.output:
     print(f"wrote {plot(runs, args.output, args.title)}")

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from fedjax_hetero.client.backdoor import AttackInput, padded_inputs
 from fedjax_hetero.client.local import ClientOutput, LocalState, LocalTrainer
 from fedjax_hetero.compilation import program_cache
 from fedjax_hetero.data.store import FederatedStore
@@ -57,13 +58,16 @@ class Backend(Protocol):
   def train(self, trainer: LocalTrainer, start: Variables, store: FederatedStore, clients: np.ndarray,
             weights: np.ndarray, round_key: jax.Array, *, memory: Memory | None = None,
             rows: np.ndarray | None = None, server: dict[str, Any] | None = None,
-            per_client_start: bool = False, capacity: int | None = None) -> GroupResult:
+            per_client_start: bool = False, capacity: int | None = None,
+            attack: AttackInput | None = None) -> GroupResult:
     """Trains ``clients`` from ``start`` (stacked per client when ``per_client_start``).
 
     ``memory`` holds the group's per-client state and ``rows`` the cohort's rows in it;
     ``server`` is the group's share of server state, by client term name. ``capacity`` is the
     largest cohort the group can have in a round (default: this one's): stacked uploads come back
     with that many rows, the ones past the cohort copies of the first, so every round has one shape.
+    ``attack`` holds the cohort's rows of the backdoor inputs (`fedjax_hetero.client.backdoor`); it is
+    needed, and only read, when the trainer has a backdoor.
     """
     ...
 
@@ -142,10 +146,13 @@ def _summed(output: ClientOutput, reductions: dict[str, str], weight) -> tuple[V
 def _sequential_program(trainer: LocalTrainer, schedule_length: int):
 
   @jax.jit
-  def start_client(start, index_table, client, num_examples, round_key, memory_row, server):
+  def start_client(start, index_table, client, num_examples, round_key, memory_row, server, attack):
     key = jax.random.fold_in(round_key, client)
     ids, mask = trainer.schedule(index_table[client], num_examples, key, schedule_length)
-    return trainer.init_state(start, memory_row, server, key), ids, mask
+    state = trainer.init_state(start, memory_row, server, key)
+    if trainer.backdoor is not None:
+      state, ids = trainer.start_backdoor(state, ids, index_table[client], num_examples, key, attack)
+    return state, ids, mask
 
   run_steps = ChunkPrograms(jax.jit(trainer.run_steps, donate_argnums=0, static_argnums=6),
                             trainer.config.chunk_lengths(schedule_length))
@@ -191,6 +198,15 @@ def uploads_like(trainer: LocalTrainer, start, memory_row, server) -> dict[str, 
   return jax.eval_shape(trainer.finish, state, start, memory_row, server).uploads
 
 
+def _attack_inputs(trainer: LocalTrainer, attack: AttackInput | None) -> AttackInput | tuple:
+  """The cohort's backdoor inputs if the trainer reads them, else nothing (no leaves: no change to a program)."""
+  if trainer.backdoor is None:
+    return ()
+  if attack is None:
+    raise ValueError("this trainer has a backdoor: train needs the cohort's attack inputs")
+  return attack
+
+
 def _by_reduction(uploads: dict[str, Any], reductions: dict[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
   """``uploads`` split into the ones a cohort sums and the ones it stacks."""
   stacked = _split(uploads, reductions, "stack")
@@ -227,7 +243,9 @@ class SequentialBackend:
     return tree
 
   def train(self, trainer, start, store, clients, weights, round_key, *, memory=None, rows=None, server=None,
-            per_client_start=False, capacity=None):
+            per_client_start=False, capacity=None, attack=None):
+    attack = _attack_inputs(trainer, attack)
+    attack_row = lambda i: jax.tree.map(lambda x: x[i], attack)
     start_client, run_steps, accumulate = _sequential_program(trainer, _schedule_length(trainer, store))
     memory, server = memory or {}, server or {}
     first_start = _take_row(start, 0) if per_client_start else start
@@ -238,7 +256,7 @@ class SequentialBackend:
     memory = _copy(memory)  # the rows are updated in place (donated) below; the caller's state stays valid
     client_args = lambda client: (store.index_table, np.int32(client), np.int32(store.sizes[client]), round_key)
     if not run_steps.compiled:  # the group's first round: its programs compile side by side
-      first_args = (first_start, *client_args(clients[0]), first_row, server)
+      first_args = (first_start, *client_args(clients[0]), first_row, server, attack_row(0))
       state, ids, mask = jax.eval_shape(start_client, *first_args)
       compile_side_by_side([lambda: start_client.lower(*first_args).compile(),
                             lambda: accumulate.lower(result, state, first_start, first_row, server,
@@ -248,7 +266,7 @@ class SequentialBackend:
       size = int(store.sizes[client])
       client_start = _take_row(start, i) if per_client_start else start
       row = _take_row(memory, int(rows[i])) if memory else {}
-      state, ids, mask = start_client(client_start, *client_args(client), row, server)
+      state, ids, mask = start_client(client_start, *client_args(client), row, server, attack_row(i))
       state = _run_schedule(run_steps, trainer, trainer.config.num_steps(size), state, store, ids, mask)
       result, new_row, own = accumulate(result, state, client_start, row, server, np.float32(weight))
       if stacked:
@@ -270,10 +288,12 @@ def _mapped_program(trainer: LocalTrainer, schedule_length: int, per_client_star
                          out_shardings=split) if mesh else {}
 
   @functools.partial(jax.jit, out_shardings=(split, split, split) if mesh else None)
-  def start_cohort(start, index_rows, num_examples, keys, memory_rows, server):
+  def start_cohort(start, index_rows, num_examples, keys, memory_rows, server, attack):
     ids, mask = jax.vmap(lambda r, n, k: trainer.schedule(r, n, k, schedule_length))(index_rows, num_examples, keys)
     states = jax.vmap(trainer.init_state, in_axes=(start_axis, 0, None, 0), axis_size=len(keys))(
         start, memory_rows, server, keys)
+    if trainer.backdoor is not None:
+      states, ids = jax.vmap(trainer.start_backdoor)(states, ids, index_rows, num_examples, keys, attack)
     return states, ids, mask
 
   def run_cohort_steps(states, images, labels, ids, mask, offset, count):
@@ -339,7 +359,8 @@ class VmapBackend:
     return jax.device_put(x, NamedSharding(self.mesh, PartitionSpec("clients")))
 
   def train(self, trainer, start, store, clients, weights, round_key, *, memory=None, rows=None, server=None,
-            per_client_start=False, capacity=None):
+            per_client_start=False, capacity=None, attack=None):
+    attack = _attack_inputs(trainer, attack)
     store = self._place(store)
     memory, server = memory or {}, server or {}
     size = self._padded_size(len(clients), capacity)
@@ -349,6 +370,8 @@ class VmapBackend:
     sizes = np.concatenate([store.sizes[clients], np.zeros(pad, np.int64)]).astype(np.int32)
     client_weights = np.concatenate([weights, np.zeros(pad)]).astype(np.float32)
     keys = jax.vmap(lambda c: jax.random.fold_in(round_key, c))(jnp.asarray(padded))
+    if attack:
+      attack = self._split(jax.tree.map(jnp.asarray, padded_inputs(attack, size)))
     if per_client_start:
       start = self._split(jax.tree.map(lambda x: jnp.concatenate([x, jnp.repeat(x[:1], size - len(x), 0)]), start))
     memory_rows, padded_rows = {}, None
@@ -360,7 +383,7 @@ class VmapBackend:
                                                   self.mesh)
     index_rows = self._split(store.index_table[jnp.asarray(padded)])
     states, ids, mask = start_cohort(start, index_rows, self._split(jnp.asarray(sizes)), self._split(keys),
-                                     memory_rows, server)
+                                     memory_rows, server, attack)
     longest = max(trainer.config.num_steps(int(n)) for n in sizes[:len(clients)])
     states = _run_schedule(run_steps, trainer, longest, states, store, ids, mask)
     real = np.arange(size) < len(clients)

@@ -19,6 +19,7 @@ from fedjax_hetero import data as fdata
 from fedjax_hetero import models
 from fedjax_hetero.algorithms.fedgen import FedGenConfig
 from fedjax_hetero.backends import BACKENDS
+from fedjax_hetero.client.backdoor import num_malicious
 from fedjax_hetero.client.local import LocalConfig
 from fedjax_hetero.engine import FederationConfig
 from fedjax_hetero.guard import DivergenceConfig
@@ -199,6 +200,10 @@ class RunConfig:
                        f"({cli_flag('groups')}); every group needs a client")
     if per_round > num_clients:
       raise ValueError(f"{per_round_flag} {per_round} exceeds {clients_flag} {num_clients}")
+    fraction = self.federation.malicious_fraction
+    if fraction > 0 and num_malicious(num_clients, fraction) == 0:
+      raise ValueError(f"{cli_flag('federation.malicious_fraction')} {fraction} of {clients_flag} {num_clients} "
+                       f"rounds to no malicious client; pass at least {0.5 / num_clients:g}, or 0 for a clean run")
     draw = self.federation.group_draw
     if draw and len(draw) != len(self.groups):
       raise ValueError(f"{cli_flag('federation.group_draw')} needs one probability per architecture group "

@@ -27,6 +27,7 @@ import numpy as np
 
 from fedjax_hetero import dissimilarity
 from fedjax_hetero.backends import Backend, empty_group_result
+from fedjax_hetero.client import backdoor
 from fedjax_hetero.client.local import LocalConfig, LocalTrainer
 from fedjax_hetero.compilation import mapping_headroom
 from fedjax_hetero.data.store import FederatedStore
@@ -36,7 +37,7 @@ from fedjax_hetero.methods.api import Method
 from fedjax_hetero.models import parameter_split, resolve_cut
 from fedjax_hetero.sampling.samplers import WEIGHTINGS, SamplingInfo
 from fedjax_hetero.server.steps import Federation, Plan, server_program
-from fedjax_hetero.validation import SEED_MAX, check_choice, check_integer, cli_flag
+from fedjax_hetero.validation import SEED_MAX, check_choice, check_integer, check_number, cli_flag
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +58,9 @@ def assign_groups(num_clients: int, num_groups: int) -> list[np.ndarray]:
 
 @dataclasses.dataclass(frozen=True)
 class FederationConfig:
-  """How rounds are drawn: participants per round, the seed, and the clients' aggregation weights."""
+  """How rounds are drawn: participants per round, the seed, and the clients' aggregation weights; and
+  which clients attack (`fedjax_hetero.client.backdoor`: a fraction of all clients, each uploading its update
+  plus ``backdoor_scale`` times its update on shuffled labels). A fraction of 0 changes nothing."""
 
   clients_per_round: int = 10
   seed: int = 0
@@ -65,9 +68,15 @@ class FederationConfig:
   # One probability per architecture group: every round each client's group is drawn afresh from them
   # (HeteroFL's dynamic "a1-b1-..." mode). Empty: every client keeps the group it was assigned.
   group_draw: tuple[float, ...] = ()
+  malicious_fraction: float = 0.0  # of all clients, fixed by the seed (FedFA's experiments: 0, 0.01, 0.2)
+  backdoor_scale: float = 20.0  # lambda of FedFA's Eq. 1 (its experiments: 1 and 20)
+  backdoor_delta: str = "update"  # what lambda multiplies: "update" (copy - start) or "difference" (copy - clean)
 
   def __post_init__(self):
     check_integer("federation.clients_per_round", self.clients_per_round, minimum=1)
+    check_number("federation.malicious_fraction", self.malicious_fraction, minimum=0, maximum=1)
+    check_number("federation.backdoor_scale", self.backdoor_scale, minimum=0)
+    check_choice("federation.backdoor_delta", self.backdoor_delta, backdoor.READINGS)
     check_integer("federation.seed", self.seed, minimum=0, maximum=SEED_MAX)
     check_choice("federation.weighting", self.weighting, WEIGHTINGS)
     draw = self.group_draw
@@ -170,7 +179,18 @@ class Simulation:
     self.federation_of = [next(f.index for f in self.federations if g in f.members) for g in range(len(self.groups))]
     self.member_of = [self.federations[f].members.index(g) for g, f in enumerate(self.federation_of)]
     terms = method.terms + ((dissimilarity.update_norms(),) if track_dissimilarity else ())
-    self.trainers = [LocalTrainer(g.model, local, store.mean, store.std, terms, method.combine) for g in self.groups]
+    # The backdoor attack's malicious clients (sorted ids; none by default) and their traced inputs.
+    self.malicious_clients = backdoor.malicious_clients(store.num_clients, config.malicious_fraction, config.seed)
+    if config.malicious_fraction > 0 and not len(self.malicious_clients):
+      raise ValueError(f"{cli_flag('federation.malicious_fraction')} {config.malicious_fraction} of "
+                       f"{store.num_clients} clients rounds to no malicious client; pass at least "
+                       f"{0.5 / store.num_clients:g}, or 0 for a clean run")
+    attack = (backdoor.Backdoor(config.backdoor_scale, config.backdoor_delta) if len(self.malicious_clients)
+              else None)
+    self._attack = (backdoor.attack_table(store.num_clients, self.malicious_clients, config.seed) if attack
+                    else None)
+    self.trainers = [LocalTrainer(g.model, local, store.mean, store.std, terms, method.combine, attack)
+                     for g in self.groups]
     self._dissimilarity = [self._dissimilarity_program(g.model, dissimilarity_cut) for g in self.groups
                            if track_dissimilarity]
     self._extract = [jax.jit(lambda v, offset, m=self.federations[f].maps[i]: extract(v, m, offset))
@@ -264,7 +284,8 @@ class Simulation:
         cohort, group_weights = self.groups[gi].clients[:1], np.ones(1)
       return self.backend.train(self.trainers[gi], starts[gi], self.store, cohort, group_weights, key,
                                 memory=state.memory[gi], rows=self.row_of_client[cohort], server=shares[gi],
-                                per_client_start=self.method.sharing.stacked, capacity=self._stack_size(gi))
+                                per_client_start=self.method.sharing.stacked, capacity=self._stack_size(gi),
+                                attack=None if self._attack is None else backdoor.cohort_inputs(self._attack, cohort))
 
     if self._compiled:
       trained = [train(gi) for gi in range(len(self.groups))]

@@ -3,7 +3,9 @@
 ``run_experiment(RunConfig(...))`` is what ``python -m experiments.<dataset>``
 and the notebooks call. The results folder holds ``metrics.jsonl`` (one JSON
 object per round), ``config.json``, ``summary.json``, ``accuracy.png``, the
-partition report and plot, and orbax checkpoints under ``checkpoints/``.
+partition report and plot, and orbax checkpoints under ``checkpoints/``. Under the backdoor attack
+(``--malicious-fraction``) the malicious clients' ids are in ``summary.json`` (``malicious_clients``), at the
+end of ``partition.txt`` (by architecture group) and in the log.
 """
 
 from __future__ import annotations
@@ -66,7 +68,26 @@ def build_simulation(config: RunConfig, dataset: fdata.ArrayDataset | None = Non
       f"{config.data.num_clients} clients ({config.data.partition}), groups {', '.join(config.groups)}, "
       f"method {method.name}" + (f" (client terms: {terms})" if terms else "") +
       f", backend {backend.name} on {jax.default_backend()}")
+  if len(sim.malicious_clients):
+    attack = config.federation
+    log(f"backdoor attack: {len(sim.malicious_clients)} malicious clients (lambda {attack.backdoor_scale:g}, "
+        f"delta_backdoor = {attack.backdoor_delta}): {_id_list(sim.malicious_clients)}")
   return sim, parts
+
+
+def _id_list(ids: np.ndarray) -> str:
+  return " ".join(str(int(c)) for c in ids)
+
+
+def malicious_report(sim: Simulation) -> str:
+  """The partition report's section on the backdoor attack's malicious clients (empty without attack)."""
+  if not len(sim.malicious_clients):
+    return ""
+  lines = [f"\nmalicious clients (backdoor attack, fixed by the seed): {len(sim.malicious_clients)} of "
+           f"{sim.store.num_clients}, by assigned architecture group"]
+  for group, clients in ((g.name, np.intersect1d(g.clients, sim.malicious_clients)) for g in sim.groups):
+    lines.append(f"  {group}: {_id_list(clients) or '-'}")
+  return "\n".join(lines) + "\n"
 
 
 def _prepare_output(config: RunConfig) -> None:
@@ -272,7 +293,7 @@ def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
     initial = pool.submit(sim.init_state)  # XLA compiles the initialization while the partition is drawn
     labels = np.asarray(sim.store.labels)
     with open(os.path.join(out, "partition.txt"), "w") as f:
-      f.write(fdata.partition_report(labels, parts, sim.store.num_classes))
+      f.write(fdata.partition_report(labels, parts, sim.store.num_classes) + malicious_report(sim))
     fdata.plot_partition(fdata.class_counts(labels, parts, sim.store.num_classes),
                          os.path.join(out, "partition.png"))
     state = initial.result()
@@ -428,4 +449,6 @@ def _summarize(config: RunConfig, sim: Simulation, rows: Sequence[dict[str, Any]
       "rollbacks": list(rollbacks),
       "stopped_by_divergence": stopped,
       "config": as_dict(config),
+      # The backdoor attack's malicious client ids (`fedjax_hetero.client.backdoor`), only when it is on.
+      **({"malicious_clients": [int(c) for c in sim.malicious_clients]} if len(sim.malicious_clients) else {}),
   }

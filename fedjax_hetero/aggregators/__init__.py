@@ -2,7 +2,8 @@
 
 Usable without the engine: give them the server variables, each architecture
 group's weighted sum of client updates, the groups' total weights and their
-`SubmodelMap`s (see `fedjax_hetero.hetero`). FedCross's cross-aggregation
+`SubmodelMap`s (see `fedjax_hetero.hetero`). FedFA's scalable aggregation
+(`fedfa`) adds per-kernel norm scaling to that mean. FedCross's cross-aggregation
 (`fedcross`) works instead on K middleware models stacked along a leading axis.
 
 Misuse raises a ValueError naming the argument and leaf (`checks`): sequence
@@ -24,6 +25,11 @@ from fedjax_hetero.aggregators.fedcross import (
     select_partners,
     similarity_matrix,
 )
+from fedjax_hetero.aggregators.fedfa import NORMS as FEDFA_NORMS
+from fedjax_hetero.aggregators.fedfa import client_parts as fedfa_client_parts
+from fedjax_hetero.aggregators.fedfa import scalable_aggregate as fedfa_aggregate
+from fedjax_hetero.aggregators.fedfa import scalable_sums as fedfa_scalable_sums
+from fedjax_hetero.aggregators.fedfa import trimmed_norm
 from fedjax_hetero.aggregators.hetero_avg import (
     fedavg,
     hetero_avg,
@@ -44,7 +50,8 @@ from fedjax_hetero.aggregators.inco import (
     projection_coefficients,
 )
 
-__all__ = ["INCO_GRANULARITIES", "INCO_VARIANTS", "check_pairs", "cross_aggregate", "cross_layer_theta",
+__all__ = ["FEDFA_NORMS", "fedfa_aggregate", "fedfa_client_parts", "fedfa_scalable_sums", "trimmed_norm",
+           "INCO_GRANULARITIES", "INCO_VARIANTS", "check_pairs", "cross_aggregate", "cross_layer_theta",
            "cross_layer_update", "inco", "projection_coefficients", "dynamic_alpha", "fedavg", "fedcross_aggregate",
            "fednova_delta", "global_model", "hetero_avg", "hetero_avg_weights", "heterogeneous_mean_delta",
            "heterogeneous_sums", "highest_similarity_partners",

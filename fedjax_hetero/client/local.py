@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedjax_hetero.client.backdoor import AttackInput, Backdoor, BackdoorState, poisoned_params, shuffled_row
 from fedjax_hetero.client.terms import (Batch, ClientFinal, ClientTerm, Outputs, RoundInput, StepContext,
                                         term_cuts, tree_sub)
 from fedjax_hetero.hetero.maps import Variables
@@ -92,6 +93,7 @@ class LocalState(NamedTuple):
   num_examples: jax.Array
   num_steps: jax.Array  # steps that saw at least one real example (FedNova's tau_i)
   terms: tuple[Any, ...] = ()  # each client term's state for the round, in the terms' order
+  backdoor: Any = ()  # a `BackdoorState` when the trainer has a `Backdoor` (after `start_backdoor`)
 
 
 class ClientOutput(NamedTuple):
@@ -151,7 +153,9 @@ class LocalTrainer:
   """The pieces of local training for one architecture group (pure; jitted by backends).
 
   ``terms`` are the method's client terms; with terms in more than one ``gradient``, ``combine``
-  turns the gradients by name into the one the optimizer applies.
+  turns the gradients by name into the one the optimizer applies. With a ``backdoor``
+  (`fedjax_hetero.client.backdoor`) every client also trains a copy on shuffled labels, and a
+  malicious one uploads the attack; without it nothing of the attack is traced.
   """
 
   model: nn.Module
@@ -160,6 +164,7 @@ class LocalTrainer:
   std: tuple[float, ...]
   terms: tuple[ClientTerm, ...] = ()
   combine: GradientRule | None = None
+  backdoor: Backdoor | None = None
 
   def __post_init__(self):
     names = [t.name for t in self.terms]
@@ -275,6 +280,10 @@ class LocalTrainer:
              server: dict[str, Any] | None = None) -> ClientOutput:
     """The client's upload and its memory for the next round it is sampled in."""
     memory, server = memory or {}, server or {}
+    if isinstance(state.backdoor, BackdoorState):  # (shape-only uses may finish a state without the copy)
+      params = poisoned_params(start["params"], state.variables["params"], state.backdoor.copy.variables["params"],
+                               state.backdoor.malicious, self.backdoor.scale, self.backdoor.reading)
+      state = state._replace(variables={**state.variables, "params": params})
     final = ClientFinal(start, state.variables, tree_sub(state.variables, start), state.num_steps, {}, {})
     for term, term_state in zip(self.terms, state.terms):
       if term.finish:
@@ -286,9 +295,34 @@ class LocalTrainer:
     """Runs schedule steps ``[offset, offset + count)``, unrolled (``count`` is static)."""
     ids = jax.lax.dynamic_slice_in_dim(ids, offset, count)
     mask = jax.lax.dynamic_slice_in_dim(mask, offset, count)
+    if self.backdoor is not None:
+      for i in range(count):
+        state = self._backdoor_step(state, images, labels, ids[i], mask[i])
+      return state
     for i in range(count):
       state = self.train_step(state, images[ids[i]], labels[ids[i]], mask[i])
     return state
+
+  def start_backdoor(self, state: LocalState, ids: jax.Array, index_row: jax.Array, num_examples: jax.Array,
+                     key: jax.Array, attack: AttackInput) -> tuple[LocalState, jax.Array]:
+    """A client's round start with the attack: ``state`` (from `init_state`) with its copy, and the
+    schedule's ``ids [S, B]`` as ``[S, 2, B]``: the samples, and the samples whose labels the copy
+    trains them with (the same schedule over the client's label-shuffled row)."""
+    label_ids, _ = self.schedule(shuffled_row(index_row, num_examples, attack.label_seed), num_examples, key,
+                                 ids.shape[0])
+    copy = jax.tree.map(jnp.copy, state)
+    malicious = jnp.asarray(attack.malicious, bool)
+    return state._replace(backdoor=BackdoorState(copy, malicious)), jnp.stack([ids, label_ids], axis=1)
+
+  def _backdoor_step(self, state: LocalState, images: jax.Array, labels: jax.Array, ids: jax.Array,
+                     mask: jax.Array) -> LocalState:
+    """One step of the clean training and one of the copy on the same batch with shuffled labels (an
+    honest client's copy is masked: it stays at the start)."""
+    bd = state.backdoor
+    batch = images[ids[0]]
+    clean = self.train_step(state._replace(backdoor=()), batch, labels[ids[0]], mask)
+    copy = self.train_step(bd.copy, batch, labels[ids[1]], mask & bd.malicious)
+    return clean._replace(backdoor=bd._replace(copy=copy))
 
   def schedule(self, index_row: jax.Array, num_examples: jax.Array, key: jax.Array, num_steps: int):
     c = self.config

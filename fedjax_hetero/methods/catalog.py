@@ -4,7 +4,8 @@ The InCo paper's 15 methods are five base methods (the client side and the
 averaging rule) under three ways of sharing server models: each architecture group its own
 federation (FedAvg, FedProx, Scaffold, FedNova, MOON), one global model
 averaged layer-wise (Hetero*), and the latter plus InCo's cross-layer step
-(InCo*). FedCross and its two further baselines, FedGen and CluSamp, follow.
+(InCo*). FedCross and its two further baselines, FedGen and CluSamp, follow,
+then FedImpro, FedFA with its depth baseline FlexiFed, and FedRolex.
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ from fedjax_hetero.algorithms.fedgen import FedGenConfig
 from fedjax_hetero.algorithms.fedimpro import FedImproConfig
 from fedjax_hetero.client import terms
 from fedjax_hetero.client.local import LocalConfig
+from fedjax_hetero.hetero.maps import SubmodelMap, Variables, build_group_map
 from fedjax_hetero.methods.api import PER_GROUP, SHARED, STACKED, Method, Sharing
+from fedjax_hetero.methods.fedfa import fedfa_aggregation, scaled_upload
 from fedjax_hetero.methods.fedgen import generative_regularizer, generator_training
 from fedjax_hetero.methods.fedimpro import feature_sharing, feature_statistics
 from fedjax_hetero.sampling.clustered import SIMILARITIES
 from fedjax_hetero.sampling.samplers import clustered, shuffled
 from fedjax_hetero.server import steps
 from fedjax_hetero.server.cross import FedCrossConfig, cross_aggregation
-from fedjax_hetero.validation import check_choice, check_number
+from fedjax_hetero.validation import check_bool, check_choice, check_number
 
 # InCo paper: "The hyper-parameter mu/2 for FedProx and InCoProx is 0.05", so mu = 0.1.
 FEDPROX_MU = 0.1
@@ -34,6 +37,8 @@ AGGREGATE_MODES = ("deltas", "weights")
 INCO_PAPER = "InCo Aggregation (Chan et al., ICLR 2024) and its baselines"
 FEDCROSS_PAPER = "FedCross (Hu et al., ICDE 2024) and its baselines"
 FEDIMPRO_PAPER = "FedImpro (decoupled gradient dissimilarity; its baselines are FedAvg, FedProx, Scaffold, FedNova)"
+FEDFA_PAPER = "FedFA (Park & Joe-Wong, ECML-PKDD 2024) and its depth baseline"
+FEDROLEX_PAPER = "FedRolex (Alam et al., NeurIPS 2022)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +56,10 @@ class MethodOptions:
   fedgen: FedGenConfig = FedGenConfig()  # FedGen's generator and regularizer (CIFAR-10 values)
   clusamp_similarity: str = "L1"
   fedimpro: FedImproConfig = FedImproConfig()
+  fedfa_graft: bool | None = None  # FedFA's layer grafting (Alg. 2); None: on
+  fedfa_scale: bool | None = None  # FedFA's scalable aggregation (Alg. 1 lines 12-22); None: on
+  fedfa_norm: str | None = None  # the trimmed norm: "l2" (the paper) or "rms" (per element); None: "l2"
+  fedfa_percentile: float | None = None  # the trim's percentile of |w|; None: 95
 
   def __post_init__(self):
     check_choice("method.aggregate", self.aggregate, AGGREGATE_MODES)
@@ -61,6 +70,11 @@ class MethodOptions:
     check_choice("method.inco_variant", self.inco_variant, aggregators.INCO_VARIANTS, optional=True)
     check_choice("method.inco_granularity", self.inco_granularity, aggregators.INCO_GRANULARITIES, optional=True)
     check_choice("method.clusamp_similarity", self.clusamp_similarity, SIMILARITIES)
+    for path, value in (("method.fedfa_graft", self.fedfa_graft), ("method.fedfa_scale", self.fedfa_scale)):
+      if value is not None:
+        check_bool(path, value)
+    check_choice("method.fedfa_norm", self.fedfa_norm, aggregators.FEDFA_NORMS, optional=True)
+    check_number("method.fedfa_percentile", self.fedfa_percentile, above=0, maximum=100, optional=True)
     for path, value, kind in (("method.fedcross", self.fedcross, FedCrossConfig),
                               ("method.fedgen", self.fedgen, FedGenConfig),
                               ("method.fedimpro", self.fedimpro, FedImproConfig)):
@@ -143,6 +157,42 @@ def fedimpro(o: MethodOptions, local: LocalConfig) -> Method:
                 server=(_averaging(o), steps.apply_delta(), feature_statistics(o.fedimpro)), sharing=SHARED)
 
 
+def fedfa(o: MethodOptions, local: LocalConfig) -> Method:
+  scale = o.fedfa_scale is not False
+  upload = scaled_upload(o.fedfa_percentile or aggregators.fedfa.PERCENTILE, o.fedfa_norm or "l2") if scale else ()
+  return Method("FedFA", FEDFA_PAPER, "", terms=upload,
+                server=(fedfa_aggregation(o.fedfa_graft is not False, scale), steps.apply_delta()), sharing=SHARED)
+
+
+def flexifed(o: MethodOptions, local: LocalConfig) -> Method:
+  return Method("FlexiFed", FEDFA_PAPER, "", server=(steps.mean_of_weights(), steps.apply_delta()), sharing=SHARED)
+
+
+def rolling_channels(global_shapes: Variables, group_shapes: Variables, group_name: str = "group") -> SubmodelMap:
+  """FedRolex's map: rolling windows on every narrower axis (`build_group_map` with ``rolling``), where
+  each rolled axis must be a channel axis, i.e. the output axis of some layer at the same sizes.
+
+  A Dense layer reading a flattened feature map (the CNNs' ``fc1``) has C*H*W rows, whose window would
+  roll by single features rather than by the channels its input rolls by; such models are rejected.
+  """
+  group_map = build_group_map(global_shapes, group_shapes, group_name, rolling=True)
+  shapes = dict(group_map.global_shapes)
+  channels = {(link.window.shape[-1], shapes[link.global_][-1]) for link in group_map.pull if link.window.shape}
+  for link in group_map.pull:
+    for axis in link.window.rolled:
+      sizes = (link.window.shape[axis], shapes[link.global_][axis])
+      if sizes not in channels:
+        raise ValueError(f"{group_name}: FedRolex rolls channel windows, but axis {axis} of {'/'.join(link.client)} "
+                         f"({sizes[0]} of {sizes[1]}) is no layer's channel axis (a flattened feature map?); use a "
+                         "model with pooled features (ResNets, VGG, ViT, MLP)")
+  return group_map
+
+
+def fedrolex(o: MethodOptions, local: LocalConfig) -> Method:
+  return Method("FedRolex", FEDROLEX_PAPER, "", server=(_averaging(o), steps.apply_delta()), sharing=SHARED,
+                submodel=rolling_channels)
+
+
 class Entry(NamedTuple):
   name: str
   paper: str
@@ -167,7 +217,13 @@ def _entries() -> list[Entry]:
           Entry("CluSamp", FEDCROSS_PAPER, "FedAvg with clients drawn by clustered sampling on representative-"
                 "gradient similarity (Fraboni et al. 2021, Alg. 2; one architecture group)", clusamp),
           Entry("FedImpro", FEDIMPRO_PAPER, "FedAvg (layer-wise over groups) + the high part also trained on features "
-                "drawn from the clients' shared per-class Gaussians at a cut point (Eqs. 6-8)", fedimpro)]
+                "drawn from the clients' shared per-class Gaussians at a cut point (Eqs. 6-8)", fedimpro),
+          Entry("FedFA", FEDFA_PAPER, "mean of the clients' weights after layer grafting (a shallow stage's last "
+                "block fills its deeper slots, Alg. 2) and per-kernel norm scaling (Alg. 1; --fedfa-*)", fedfa),
+          Entry("FlexiFed", FEDFA_PAPER, "mean of the clients' weights over the holders of each layer (Max-Common "
+                "on ResNet stages); = HeteroAvg --aggregate weights", flexifed),
+          Entry("FedRolex", FEDROLEX_PAPER, "HeteroAvg over rolling channel windows that move one step per round "
+                "(models with pooled features: not the CNNs)", fedrolex)]
   return out
 
 
@@ -189,6 +245,11 @@ def build_method(name: str, options: MethodOptions = MethodOptions(), local: Loc
   names = [s.name for s in method.server]
   if (options.inco_variant or options.inco_granularity) and "inco" not in names:
     raise ValueError(f"--inco-variant/--inco-granularity apply to the InCo* methods, not {entry.name}")
+  fedfa_options = (options.fedfa_graft, options.fedfa_scale, options.fedfa_norm, options.fedfa_percentile)
+  if any(v is not None for v in fedfa_options) and "fedfa" not in names:
+    raise ValueError(f"--fedfa-graft/--fedfa-scale/--fedfa-norm/--fedfa-percentile apply to FedFA, not {entry.name}")
+  if (options.fedfa_norm or options.fedfa_percentile) and options.fedfa_scale is False:
+    raise ValueError("--fedfa-norm/--fedfa-percentile set the scalable aggregation, which --no-fedfa-scale turns off")
   moon = lambda mu: terms.model_contrastive(mu, options.moon_temperature)
   for term_name, mu, make in (("prox", options.prox_mu, terms.proximal), ("moon", options.moon_mu, moon)):
     if mu is None:

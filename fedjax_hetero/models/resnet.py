@@ -3,6 +3,7 @@
 Layers are named by structural position (`stem_conv`, `stage2_block1/conv1`,
 `head`), so a shallower/narrower ResNet of the same family has a variable tree
 that is a subtree of a deeper/wider one, with every leaf a leading slice.
+`ResNet.stage_blocks()` declares the stages and their blocks (FedFA's sections).
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ conv_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
 # PyTorch's nn.Linear weight init, U(+-1/sqrt(fan_in)); the bias is zero-initialised
 # (PyTorch draws it uniformly too, which needs the fan-in and is not worth the code).
 dense_init = nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
+
+
+def block_name(stage: int, block: int) -> str:
+  """The module name of block ``block`` (0-based) of stage ``stage`` (0-based)."""
+  return f"stage{stage + 1}_block{block}"
 
 
 def _batch_norm(train: bool, dtype: Any, name: str) -> nn.BatchNorm:
@@ -99,6 +105,17 @@ class ResNet(nn.Module):
           pairs.append((("params", f"stage{stage}_block{block}", conv, "kernel"), source))
     return tuple(pairs)
 
+  @nn.nowrap
+  def stage_blocks(self) -> tuple[tuple[tuple[str, ...], ...], ...]:
+    """The module path of every block, per stage, in order of depth (FedFA's sections, Alg. 2).
+
+    From `stage_sizes`: ``((("stage1_block0",), ("stage1_block1",)), ...)``. A stage's first block
+    changes stride or width where the stage does (it then has a downsample branch); the others all
+    have one shape.
+    """
+    return tuple(tuple((block_name(stage, b),) for b in range(blocks))
+                 for stage, blocks in enumerate(self.stage_sizes))
+
   @nn.compact
   def __call__(self, x: Array, train: bool = False, mask: Array | None = None, start: str = "input",
                stop: str = "logits") -> Array:
@@ -122,7 +139,7 @@ class ResNet(nn.Module):
       channels = scale_channels(self.base_channels * 2**index, self.width)
       for b in range(self.stage_sizes[index]):
         strides = 2 if index > 0 and b == 0 else 1
-        h = BasicBlock(channels, strides, self.dtype, name=f"stage{index + 1}_block{b}")(h, train, mask)
+        h = BasicBlock(channels, strides, self.dtype, name=block_name(index, b))(h, train, mask)
       return h
 
     def head(h: Array) -> Array:

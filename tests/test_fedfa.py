@@ -1,0 +1,391 @@
+"""FedFA (grafting, scalable aggregation), FlexiFed and FedRolex: hand-worked cases, a plain-numpy
+reference of FedFA's Alg. 1, and two-round runs of each method on tiny models."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import cli, fmnist
+from fedjax_hetero import aggregators
+from fedjax_hetero.backends import empty_result, make_backend
+from fedjax_hetero.client.local import LocalConfig
+from fedjax_hetero.data import partition, synthetic_dataset
+from fedjax_hetero.data.store import FederatedStore
+from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation, assign_groups
+from fedjax_hetero.hetero import build_group_map, coverage, embed, extract, graft, identity_map
+from fedjax_hetero.methods import METHODS, MethodOptions, build_method
+from fedjax_hetero.methods.fedfa import graft_pairs, grafted_maps
+from fedjax_hetero.models import ResNet, build_model
+from fedjax_hetero.server.steps import server_program
+from tests.helpers import numpy_variables, tiny_simulation
+
+
+def params(**leaves):
+  return {"params": {name: {k: jnp.asarray(v, jnp.float32) for k, v in leaf.items()} for name, leaf in leaves.items()}}
+
+
+def shapes_of(model, image=(8, 8, 1)):
+  return jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1,) + image))
+
+
+def tiny_resnet(stage_sizes, width=1.0):
+  return ResNet(stage_sizes=stage_sizes, num_classes=4, width=width, base_channels=4, stem="cifar")
+
+
+# ------------------------------------------------------------------------------------------ layer grafting
+
+
+def test_resnet_declares_its_stages():
+  assert tiny_resnet((2, 1)).stage_blocks() == ((("stage1_block0",), ("stage1_block1",)), (("stage2_block0",),))
+  names = set(shapes_of(tiny_resnet((2, 1)))["params"])
+  assert {b[0] for stage in tiny_resnet((2, 1)).stage_blocks() for b in stage} <= names
+
+
+def test_graft_pairs_fill_each_stage_from_its_last_block():
+  big, small = tiny_resnet((3, 3)), tiny_resnet((2, 1))
+  group_map = build_group_map(shapes_of(big), shapes_of(small), "small")
+  # Stage 1: block 2 <- block 1. Stage 2: the client's only block downsamples (other shapes), so no pair.
+  assert graft_pairs(small, big, group_map, "small") == ((("stage1_block2",), ("stage1_block1",)),)
+  one = tiny_resnet((1, 2))  # stage 1's block 0 keeps the stem's width and stride: it grafts
+  pairs = graft_pairs(one, big, build_group_map(shapes_of(big), shapes_of(one), "one"), "one")
+  assert pairs == ((("stage1_block1",), ("stage1_block0",)), (("stage1_block2",), ("stage1_block0",)),
+                   (("stage2_block2",), ("stage2_block1",)))
+  assert graft_pairs(big, big, identity_map(shapes_of(big)), "big") == ()
+
+
+def test_grafted_client_fills_deeper_blocks_with_its_last_block():
+  big, small = tiny_resnet((3, 2)), tiny_resnet((1, 2))
+  glob, client = shapes_of(big), numpy_variables(shapes_of(small), seed=1)
+  grafted = graft(build_group_map(glob, shapes_of(small), "small"),
+                  graft_pairs(small, big, build_group_map(glob, shapes_of(small)), "small"), "small")
+  placed = embed(client, grafted, numpy_variables(glob, seed=2))
+  for collection in ("params", "batch_stats"):
+    for j in range(3):  # global block j <- client block min(j, 0)
+      chex.assert_trees_all_equal(placed[collection][f"stage1_block{j}"], client[collection]["stage1_block0"])
+    chex.assert_trees_all_equal(placed[collection]["stage2_block1"], client[collection]["stage2_block1"])
+  assert float(coverage(grafted, glob)["params"]["stage1_block2"]["conv1"]["kernel"].min()) == 1.0
+  chex.assert_trees_all_equal(extract(numpy_variables(glob, 3), grafted), extract(numpy_variables(glob, 3),
+                              build_group_map(glob, shapes_of(small))))  # what the client receives is unchanged
+
+
+def test_grafting_a_deeper_client_names_the_group():
+  big, deep = tiny_resnet((2, 2)), tiny_resnet((3, 2))
+  with pytest.raises(ValueError, match="deep: stage 1 has 3 blocks, deeper than the global model's 2"):
+    graft_pairs(deep, big, identity_map(shapes_of(big)), "deep")
+
+
+def test_grafting_needs_declared_stages_only_when_depths_differ():
+  mlp = lambda hidden, width=1.0: build_model("mlp", 4, width, hidden=hidden)
+  wide, thin, shallow = mlp((8, 8)), mlp((8, 8), 0.5), mlp((8,))
+  assert graft_pairs(thin, wide, build_group_map(shapes_of(wide), shapes_of(thin)), "thin") == ()
+  with pytest.raises(ValueError, match="shallow: FedFA's layer grafting needs the models to declare their stages"):
+    graft_pairs(shallow, wide, build_group_map(shapes_of(wide), shapes_of(shallow)), "shallow")
+
+
+# ------------------------------------------------------------------------------------ scalable aggregation
+
+
+def test_trimmed_norm_by_hand():
+  w = jnp.asarray([[3.0, -4.0], [0.0, 100.0]])  # the 95th percentile of |w| drops the 100
+  np.testing.assert_allclose(aggregators.trimmed_norm(w), 5.0)
+  np.testing.assert_allclose(aggregators.trimmed_norm(w, norm="rms"), 5.0 / np.sqrt(3))
+  np.testing.assert_allclose(aggregators.trimmed_norm(w, percentile=100.0), np.sqrt(9 + 16 + 10000))
+
+
+def test_scalable_aggregation_by_hand():
+  glob = params(layer={"kernel": np.zeros((2, 2)), "bias": np.zeros(2)})
+  one = params(layer={"kernel": [[3, 4], [0, 100]], "bias": [1, 2]})  # ||M_95|| = 5
+  two = params(layer={"kernel": [[6, 8], [0, -50]], "bias": [3, 4]})  # ||M_95|| = 10
+  ident = identity_map(glob)
+  new, stats = aggregators.fedfa_aggregate(glob, [one, two], [1.0, 3.0], [ident, ident])
+  # mean norm 7.5: alpha = 1.5 and 0.75; kernel = (1 * 1.5 * M_1 + 3 * 0.75 * M_2) / 4, bias unscaled.
+  np.testing.assert_allclose(new["params"]["layer"]["kernel"], [[4.5, 6.0], [0.0, 9.375]], rtol=1e-6)
+  np.testing.assert_allclose(new["params"]["layer"]["bias"], [2.5, 3.5], rtol=1e-6)
+  np.testing.assert_allclose([stats["alpha_min"], stats["alpha_max"], stats["fallbacks"]], [0.75, 1.5, 0])
+
+
+def np_trimmed_norm(x, percentile, norm):
+  a = np.abs(np.asarray(x, np.float64)).ravel()
+  kept = a[a <= np.quantile(a, percentile / 100)]
+  value = np.sqrt(np.sum(kept ** 2))
+  return value / np.sqrt(len(kept)) if norm == "rms" else value
+
+
+def np_fedfa(old, clients, weights, percentile, norm):
+  """Alg. 1 lines 12-22 on plain dicts: ``clients`` are {global leaf: client array} after grafting (a
+  leading slice of the global leaf); 'kernel' leaves are scaled, zero norms get alpha 1 and no vote."""
+  out = {}
+  for path, g in old.items():
+    holders = [(c[path], w) for c, w in zip(clients, weights) if path in c]
+    if path[-1] == "kernel":
+      norms = [np_trimmed_norm(m, percentile, norm) for m, _ in holders]
+      mu = np.mean([n for n in norms if n > 0]) if any(n > 0 for n in norms) else 0.0
+      alphas = [mu / n if n > 0 else 1.0 for n in norms]
+    else:
+      alphas = [1.0] * len(holders)
+    num, den = np.zeros(g.shape), np.zeros(g.shape)
+    for (m, w), alpha in zip(holders, alphas):
+      index = tuple(slice(0, s) for s in m.shape)
+      num[index] += w * alpha * m
+      den[index] += w
+    out[path] = np.where(den > 0, num / np.where(den > 0, den, 1), g)
+  return out
+
+
+GLOBAL = {"stem": (3, 4), "b0": (4, 4), "b1": (4, 4), "b2": (4, 4), "head": (4, 2)}
+
+
+def hand_model(rng, width=4, blocks=3, zero=()):
+  leaves = {"stem": {"kernel": (3, width)}, "head": {"kernel": (width, 2), "bias": (2,)}}
+  leaves.update({f"b{j}": {"kernel": (width, width), "bias": (width,)} for j in range(blocks)})
+  return params(**{name: {k: np.zeros(s) if (name, k) in zero else rng.normal(size=s) * (1 + 3 * rng.random())
+                          for k, s in leaf.items()} for name, leaf in leaves.items()})
+
+
+def as_global_leaves(client, pairs=()):
+  flat = {(name, k): np.asarray(v) for name, leaf in client["params"].items() for k, v in leaf.items()}
+  for target, source in pairs:  # grafting by hand: a copy under the deeper block's name
+    flat.update({(target, k): v for (name, k), v in list(flat.items()) if name == source})
+  return flat
+
+
+@pytest.mark.parametrize("norm, percentile", [("l2", 95.0), ("rms", 95.0), ("l2", 80.0)])
+def test_scalable_aggregation_matches_numpy_with_width_and_depth(norm, percentile):
+  rng = np.random.default_rng(0)
+  glob = hand_model(rng)
+  full, thin, shallow, thin2 = hand_model(rng), hand_model(rng, width=2), hand_model(rng, blocks=1), \
+      hand_model(rng, width=2)
+  pairs = [("b1", "b0"), ("b2", "b0")]
+  maps = [build_group_map(glob, full), build_group_map(glob, thin),
+          graft(build_group_map(glob, shallow), [((t,), (s,)) for t, s in pairs], "shallow")]
+  clients, weights = [full, thin, shallow, thin2], [2.0, 1.0, 3.0, 0.5]
+  new, stats = aggregators.fedfa_aggregate(glob, clients, weights, [maps[0], maps[1], maps[2], maps[1]],
+                                           percentile, norm)
+  expected = np_fedfa(as_global_leaves(glob), [as_global_leaves(c, p) for c, p in
+                                               zip(clients, [(), (), pairs, ()])], weights, percentile, norm)
+  got = as_global_leaves(new)
+  assert got.keys() == expected.keys()
+  for path in expected:
+    np.testing.assert_allclose(got[path], expected[path], rtol=2e-5, atol=1e-6, err_msg=str(path))
+  assert float(stats["alpha_min"]) < 1 < float(stats["alpha_max"])
+
+  # The engine's form: the two thin clients summed inside their group first give the same model.
+  parts = [aggregators.fedfa_client_parts(c, percentile, norm) for c in clients]
+  scale = lambda tree, w: jax.tree.map(lambda x: w * x, tree)
+  add = lambda a, b: jax.tree.map(jnp.add, a, b)
+  groups = [[0], [1, 3], [2]]
+  total = lambda i, field: (scale(getattr(parts[i], field), weights[i]) if field else scale(clients[i], weights[i]))
+  sums = {field: [total(g[0], field) if len(g) == 1 else add(total(g[0], field), total(g[1], field))
+                  for g in groups] for field in ("", "scaled", "fallback")}
+  norms = [jax.tree.map(lambda *n: jnp.stack(n + (0.0,)), *[parts[i].norms for i in g]) for g in groups]
+  valid = [jnp.arange(len(g) + 1) < len(g) for g in groups]  # a padding row of zeros, as the engine sends
+  sums_of = jax.jit(aggregators.fedfa_scalable_sums, static_argnums=1)
+  num, den, group_stats = sums_of(glob, tuple(maps), sums[""], [sum(weights[i] for i in g) for g in groups],
+                                  sums["scaled"], sums["fallback"], norms, valid)
+  summed = aggregators.masked_mean(num, den, glob)
+  chex.assert_trees_all_close(summed, new, rtol=2e-5, atol=1e-6)
+  chex.assert_trees_all_close(group_stats, stats, rtol=1e-5)
+
+
+def test_zero_norm_kernel_falls_back_to_alpha_one():
+  rng = np.random.default_rng(1)
+  glob, full = hand_model(rng), hand_model(rng)
+  zeros = hand_model(rng, zero=[("b1", "kernel")])  # uploaded zeros for one kernel
+  spiky = hand_model(rng)  # 15 of 16 zeros: its trimmed norm is 0, but the spike is real
+  spike = np.zeros((4, 4))
+  spike[1, 2] = 7.0
+  spiky["params"]["b2"]["kernel"] = jnp.asarray(spike, jnp.float32)
+  ident = identity_map(glob)
+  new, stats = aggregators.fedfa_aggregate(glob, [full, zeros, spiky], [1.0, 1.0, 2.0], [ident] * 3)
+  for leaf in jax.tree.leaves(new):
+    chex.assert_tree_all_finite(leaf)
+  assert int(stats["fallbacks"]) == 2
+  expected = np_fedfa(as_global_leaves(glob), [as_global_leaves(c) for c in (full, zeros, spiky)], [1, 1, 2], 95.0,
+                      "l2")
+  for path, value in as_global_leaves(new).items():
+    np.testing.assert_allclose(value, expected[path], rtol=2e-5, atol=1e-6, err_msg=str(path))
+  # With the full client alone beside each: alpha = 1 for both (the zero norm does not enter the mean), so
+  # b1 is the full kernel over 2 (the zero upload counts in the mean) and b2 keeps the spike unscaled.
+  alone, _ = aggregators.fedfa_aggregate(glob, [full, zeros], [1.0, 1.0], [ident] * 2)
+  np.testing.assert_allclose(alone["params"]["b1"]["kernel"], full["params"]["b1"]["kernel"] / 2, rtol=1e-6)
+  alone, _ = aggregators.fedfa_aggregate(glob, [full, spiky], [1.0, 2.0], [ident] * 2)
+  np.testing.assert_allclose(alone["params"]["b2"]["kernel"], (full["params"]["b2"]["kernel"] + 2 * spike) / 3,
+                             rtol=1e-6)
+
+
+def test_scalable_sums_check_their_inputs():
+  glob = params(layer={"kernel": np.zeros((2, 2))})
+  ident = identity_map(glob)
+  with pytest.raises(ValueError, match="norms\\[0\\]"):
+    aggregators.fedfa_scalable_sums(glob, [ident], [glob], [1.0], [glob], [glob], [{"params": {}}],
+                                    [jnp.ones(1, bool)])
+  with pytest.raises(ValueError, match="norm must be one of l2, rms"):
+    aggregators.trimmed_norm(jnp.ones(3), norm="l1")
+
+
+# ------------------------------------------------------------------------------------------------ FedRolex
+
+
+def test_fedrolex_window_by_hand():
+  method = build_method("FedRolex")
+  glob = params(first={"kernel": np.zeros((5, 4))}, layer={"kernel": np.arange(24.0).reshape(4, 6),
+                                                            "bias": np.arange(6.0)})
+  client = params(first={"kernel": np.zeros((5, 2))}, layer={"kernel": np.zeros((2, 3)), "bias": np.zeros(3)})
+  rolling = method.submodel(glob, client, "half")
+  got = extract(glob, rolling, 5)["params"]["layer"]  # rows (5, 6) mod 4 = 1, 2; columns 5, 0, 1
+  np.testing.assert_array_equal(got["kernel"], [[11, 6, 7], [17, 12, 13]])
+  np.testing.assert_array_equal(got["bias"], [5, 0, 1])
+  np.testing.assert_array_equal(coverage(rolling, glob, offset=5)["params"]["layer"]["bias"], [1, 1, 0, 0, 0, 1])
+  assert not build_method("HeteroAvg").submodel(glob, client, "half").rolling
+
+
+# ---------------------------------------------------------------------------------------- two-round runs
+
+
+def resnet_simulation(method, **options):
+  ds = synthetic_dataset(num_train=48, num_test=8, seed=0)
+  store = FederatedStore.build(ds.train_images, ds.train_labels, partition(ds.train_labels, "iid", 4, 0),
+                               ds.num_classes, ds.mean, ds.std)
+  groups = [ArchGroup(f"resnet{sizes}", tiny_resnet(sizes), c)
+            for sizes, c in zip([(1, 1), (2, 2)], assign_groups(4, 2))]
+  return Simulation(groups, store, LocalConfig(batch_size=16), build_method(method, MethodOptions(**options)),
+                    FederationConfig(clients_per_round=4), make_backend("sequential"), jnp.asarray(ds.test_images),
+                    jnp.asarray(ds.test_labels))
+
+
+def run_rounds(sim, rounds=2):
+  state, metrics = sim.init_state(), []
+  for _ in range(rounds):
+    state, m = sim.run_round(state)
+    metrics.append(m)
+  return state, metrics
+
+
+@pytest.fixture(scope="module")
+def resnet_fedfa():
+  """FedFA on two ResNet depth groups, after two rounds: (simulation, state, per-round metrics)."""
+  sim = resnet_simulation("FedFA")
+  return (sim, *run_rounds(sim))
+
+
+def test_fedfa_two_rounds_on_resnet_depth_groups(resnet_fedfa):
+  sim, state, metrics = resnet_fedfa
+  maps = grafted_maps(sim.federations[0])
+  assert len(maps[0].push) > len(sim.federations[0].maps[0].push)  # the shallow group is grafted
+  for m in metrics:
+    assert 0 < m["fedfa"]["alpha_min"] <= 1 <= m["fedfa"]["alpha_max"] and m["fedfa"]["fallbacks"] == 0
+    assert np.isfinite(m["train_loss"])
+  for leaf in jax.tree.leaves(state.models[0]):
+    chex.assert_tree_all_finite(leaf)
+  chex.assert_trees_all_equal_shapes(state.models[0], shapes_of(tiny_resnet((2, 2))))
+
+
+def test_fedfa_grafting_feeds_the_shallow_clients_into_deeper_blocks(resnet_fedfa):
+  sim, state, _ = resnet_fedfa
+  rng = np.random.default_rng(3)
+  model = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), state.models[0])
+  state = state._replace(models=(model,))
+  starts = [sim.group_variables(state, i) for i in range(2)]
+  # The shallow group (weight 1) uploads its start + 1, the deep one (weight 3) its start + 5. Every norm
+  # row is 0, so alpha = 1 and the kernels come through the fallback part, unscaled.
+  results = []
+  for g, (start, value, weight) in enumerate(zip(starts, (1.0, 15.0), (1.0, 3.0))):
+    empty = sim._empty_result(g, start, {}, state)
+    sums = jax.tree.map(lambda x, v=value: jnp.full_like(x, v), start)
+    uploaded = jax.tree.map(lambda d, x, w=weight: d + w * x, sums, start)
+    uploads = {**empty.uploads, "fedfa": {"scaled": aggregators.fedfa.kernels(jax.tree.map(jnp.zeros_like, start)),
+                                          "fallback": aggregators.fedfa.kernels(uploaded)}}
+    results.append(empty._replace(delta_sum=sums, weight_sum=jnp.float32(weight), uploads=uploads))
+  new, _, metrics = sim.aggregate(0, state, starts, [{}, {}], results, [np.array([0]), np.array([2, 3])])
+  assert metrics["fedfa"]["fallbacks"] > 0
+  kernel = lambda tree, block: np.asarray(tree["params"][block]["conv2"]["kernel"])
+  # stage1_block1 = (1 * (1 + shallow block 0) + 3 * (5 + block 1)) / 4: the graft's copy of block 0.
+  np.testing.assert_allclose(kernel(new, "stage1_block1"),
+                             (1 + kernel(model, "stage1_block0") + 3 * (5 + kernel(model, "stage1_block1"))) / 4,
+                             rtol=1e-5, atol=1e-5)
+  # stage2_block1: the shallow client's stage 2 is its downsampling block, not grafted: the deep group's alone.
+  np.testing.assert_allclose(kernel(new, "stage2_block1"), 5 + kernel(model, "stage2_block1"), rtol=1e-5, atol=1e-5)
+  bias = lambda tree, block: np.asarray(tree["params"][block]["bn2"]["bias"])  # alpha 1 always; grafted too
+  np.testing.assert_allclose(bias(new, "stage1_block1"),
+                             (1 + bias(model, "stage1_block0") + 3 * (5 + bias(model, "stage1_block1"))) / 4,
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_flexifed_and_fedrolex_two_rounds_and_fedfa_without_its_parts_is_flexifed():
+  runs = {}
+  for name in ("FlexiFed", "FedRolex"):
+    sim = tiny_simulation(name, widths=(1.0, 0.5))
+    assert all(m.rolling == (name == "FedRolex") for m in sim.maps[1:])
+    state, metrics = run_rounds(sim)
+    assert state.round == 2 and all(np.isfinite(m["train_loss"]) for m in metrics)
+    assert 0 <= sim.evaluate(state)["mean"] <= 1
+    runs[name] = sim, state
+  # Random uploads aggregated by FlexiFed's server program and by FedFA's without its two parts.
+  sim, state = runs["FlexiFed"]
+  starts = [sim.group_variables(state, i) for i in range(2)]
+  rng = np.random.default_rng(5)
+  results = [empty_result(st)._replace(delta_sum=jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape),
+                                                                                     jnp.float32), st),
+                                       weight_sum=jnp.float32(w)) for st, w in zip(starts, (2.0, 1.0))]
+  cohorts = [np.array([0, 1]), np.array([3])]
+  flexifed = sim.aggregate(0, state, starts, [{}, {}], results, cohorts)[0]
+  off = build_method("FedFA", MethodOptions(fedfa_graft=False, fedfa_scale=False))
+  sim.server_programs[0] = server_program(off.server, sim.federations[0])
+  chex.assert_trees_all_close(sim.aggregate(0, state, starts, [{}, {}], results, cohorts)[0], flexifed,
+                              rtol=1e-6, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------------------- catalog and CLI
+
+
+def test_help_lists_the_new_methods_under_their_papers():
+  text = cli.methods_help()
+  fedfa_heading = text.index("FedFA (Park & Joe-Wong, ECML-PKDD 2024)")
+  rolex_heading = text.index("FedRolex (Alam et al., NeurIPS 2022)")
+  for name, heading in (("FedFA", fedfa_heading), ("FlexiFed", fedfa_heading), ("FedRolex", rolex_heading)):
+    lines = [line for line in text.splitlines() if line.startswith(f"    {name} ")]
+    assert len(lines) == 1 and text.index(lines[0]) > heading
+    assert METHODS[name.lower()].name == name
+
+
+def test_fedfa_options_are_checked():
+  with pytest.raises(ValueError, match="--fedfa-norm must be one of l2, rms"):
+    MethodOptions(fedfa_norm="l1")
+  with pytest.raises(ValueError, match="--fedfa-percentile"):
+    MethodOptions(fedfa_percentile=0.0)
+  with pytest.raises(ValueError, match="apply to FedFA, not HeteroAvg"):
+    build_method("HeteroAvg", MethodOptions(fedfa_graft=False))
+  with pytest.raises(ValueError, match="--no-fedfa-scale turns off"):
+    build_method("FedFA", MethodOptions(fedfa_scale=False, fedfa_norm="rms"))
+  assert [t.name for t in build_method("FedFA").terms] == ["fedfa", "fedfa_norms"]
+  assert build_method("FedFA", MethodOptions(fedfa_scale=False)).terms == ()
+
+
+def test_fedrolex_rejects_a_flattened_feature_map():
+  shapes = lambda width: jax.eval_shape(build_model("cnn", 4, width).init, jax.random.key(0), jnp.zeros((1, 28, 28, 1)))
+  with pytest.raises(ValueError, match=r"half: FedRolex rolls channel windows, but axis 0 of params/fc1/kernel "
+                     r"\(1568 of 3136\) is no layer's channel axis"):
+    build_method("FedRolex").submodel(shapes(1.0), shapes(0.5), "half")
+
+
+def test_cli_flags_reach_the_method_and_bad_ones_stop_before_compute(tmp_path, capsys, monkeypatch, no_compute):
+  base = ["--groups", "resnet10,resnet14", "--num-clients", "10", "--rounds", "1", "--no-progress",
+          "--compile-cache", "off", "--output-dir", str(tmp_path / "out")]
+  configs = []
+  monkeypatch.setattr(cli, "run_experiment", lambda config: configs.append(config) or {
+      "final_accuracy": {}, "best_mean_accuracy": None, "train_seconds_all_rounds": 0.0})
+  cli.main("fashion_mnist", fmnist.DEMO, "test", base + ["--method", "fedfa", "--no-fedfa-graft", "--fedfa-norm", "rms",
+                                                         "--fedfa-percentile", "90"])
+  method = configs[0].method
+  assert (method.name, method.fedfa_graft, method.fedfa_scale, method.fedfa_norm, method.fedfa_percentile) == (
+      "fedfa", False, None, "rms", 90.0)
+  for args, fragment in ((["--method", "HeteroAvg", "--fedfa-scale"], "apply to FedFA, not HeteroAvg"),
+                         (["--method", "FedFA", "--fedfa-percentile", "101"], "--fedfa-percentile"),
+                         (["--method", "FedFA", "--fedfa-norm", "l1"], "invalid choice")):
+    with pytest.raises(SystemExit) as info:
+      cli.main("fashion_mnist", fmnist.DEMO, "test", base + args)
+    assert info.value.code == 2 and fragment in capsys.readouterr().err

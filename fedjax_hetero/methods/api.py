@@ -11,7 +11,7 @@ without knowing any method:
   layer-wise; `STACKED`: FedCross's K middleware models, one per client slot);
 * ``sampler``: who takes part (`fedjax_hetero.sampling.samplers`);
 * ``submodel``: how a group's model sits in the shared model (`hetero.maps`:
-  leading slices, FedRolex's rolling windows, FedFA's grafting).
+  leading slices, FedRolex's rolling windows).
 
 Client terms, server steps and the sampler are linked by name only: a step's
 broadcast goes to the client term of its name, and a term's upload to the step

@@ -42,6 +42,14 @@ _FEDIMPRO = dict(groups=("resnet18_cifar",), num_clients=10, clients_per_round=5
                  weight_decay=1e-4, weighting="num_samples", rounds=1000, eval_every=10, method="FedImpro",
                  fedprox_mu=0.1)
 
+# FedFA paper: no training hyper-parameters in its text (its Table 6 is not available); these are the HeteroFL
+# code's defaults, which FedFA builds on (spec fedfa.md §5.2): 100 clients, 10% per round, SGD lr 0.01 (MNIST-like;
+# 0.1 for CIFAR) with momentum 0.9 and weight decay 5e-4, batch 10, 5 local epochs, aggregation weighted by sample
+# count. Two depth groups of one family, as in its depth experiments.
+_FEDFA = dict(groups=("resnet18", "resnet26"), num_clients=100, clients_per_round=10, partition="iid", epochs=5,
+              batch_size=10, optimizer="sgd", learning_rate=0.01, momentum=0.9, weight_decay=5e-4,
+              weighting="num_samples", rounds=200, eval_every=10, method="FedFA")
+
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("inco", "InCo paper (Sec. 5): ResNet10/14/18/22/26 groups, ImageNet stem, 100 clients, 10 per round, "
            "Dirichlet 0.5, 5 epochs, batch 64, Adam 1e-3, 500 rounds", _INCO),
@@ -61,6 +69,16 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            reduced="the two-conv CNN instead of ResNet-18, 12,000 training samples, 50 rounds, evaluation every "
                    "round (rounds to a target), and partial last batches kept (with 12,000 samples over 10 "
                    "Dirichlet-0.1 clients, drop_last would leave small clients without a step)", paper="fedimpro"),
+    Preset("fedfa", "FedFA paper's depth setting on HeteroFL's training defaults: ResNet18 and ResNet26 groups, "
+           "100 IID clients, 10 per round, 5 epochs, batch 10, SGD 0.01 momentum 0.9 weight decay 5e-4, weighted by "
+           "sample count, 200 rounds", _FEDFA),
+    Preset("fedfa-cifar10", "FedFA's CIFAR-10 IID table on HeteroFL's CIFAR defaults (python -m experiments.cifar10; "
+           "for a GPU): ResNet18 and ResNet26 groups, SGD lr 0.1 momentum 0.9 weight decay 5e-4, batch 10, 5 epochs, "
+           "400 rounds; the paper's Pre-ResNet and its lr milestones [150, 250] are not reproduced",
+           {**_FEDFA, "learning_rate": 0.1, "rounds": 400}),
+    Preset("fedfa-cpu", "the FedFA protocol at CPU size",
+           {**_FEDFA, "groups": ("resnet18@0.125", "resnet26@0.125"), "epochs": 1, "rounds": 40, "eval_every": 2},
+           reduced="widths x0.125, 1 local epoch instead of 5 and 40 rounds instead of 200", paper="fedfa"),
 )}
 
 

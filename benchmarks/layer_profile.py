@@ -26,7 +26,7 @@ import numpy as np
 
 from benchmarks.common import emit_json_lines
 from benchmarks.peer_torch import TORCH_RESNETS, _torch_resnet_class
-from fedjax_hetero.client.local import LocalConfig, LocalTrainer
+from benchmarks.step_modes import step_inputs
 from fedjax_hetero.models import build_model
 from fedjax_hetero.models.common import convolution
 
@@ -111,14 +111,7 @@ def torch_conv_ms(layer: dict[str, Any], first: bool, repeats: int) -> float:
 
 
 def jax_step_ms(name: str, width: float, batch: int, repeats: int) -> float:
-  model = build_model(name, 10, width=width)
-  trainer = LocalTrainer(model, LocalConfig(batch_size=batch), (0.28,), (0.35,))
-  rng = np.random.default_rng(0)
-  images = jnp.asarray(rng.integers(0, 255, (4096, 28, 28, 1), dtype=np.uint8))
-  labels = jnp.asarray(rng.integers(0, 10, (4096,)), jnp.int32)
-  variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 28, 28, 1)))
-  ids = jnp.asarray(rng.integers(0, 4096, (STEPS, batch)), jnp.int32)
-  mask = jnp.ones((STEPS, batch), bool)
+  trainer, variables, images, labels, ids, mask = step_inputs(name, width, batch, STEPS)
   state = jax.jit(trainer.init_state)(variables)
   run = jax.jit(trainer.run_steps, static_argnums=6)
 

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,16 +25,30 @@ from fedjax_hetero.models import build_model
 STEPS = 48
 
 
-def main(argv: list[str]) -> dict:
-  name, width, batch, per_call = argv[0], float(argv[1]), int(argv[2]), int(argv[3])
+class StepInputs(NamedTuple):
+  trainer: LocalTrainer
+  variables: Any
+  images: jax.Array  # [4096, 28, 28, 1] uint8
+  labels: jax.Array
+  ids: jax.Array  # [steps, batch]
+  mask: jax.Array
+
+
+def step_inputs(name: str, width: float, batch: int, steps: int, per_call: int = 1) -> StepInputs:
+  """A model's Adam trainer, its initial variables and a synthetic 28x28x1 schedule of ``steps`` full batches."""
   model = build_model(name, 10, width=width)
   trainer = LocalTrainer(model, LocalConfig(batch_size=batch, steps_per_call=per_call), (0.28,), (0.35,))
   rng = np.random.default_rng(0)
   images = jnp.asarray(rng.integers(0, 255, (4096, 28, 28, 1), dtype=np.uint8))
   labels = jnp.asarray(rng.integers(0, 10, (4096,)), jnp.int32)
   variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 28, 28, 1)))
-  ids = jnp.asarray(rng.integers(0, 4096, (STEPS, batch)), jnp.int32)
-  mask = jnp.ones((STEPS, batch), bool)
+  ids = jnp.asarray(rng.integers(0, 4096, (steps, batch)), jnp.int32)
+  return StepInputs(trainer, variables, images, labels, ids, jnp.ones((steps, batch), bool))
+
+
+def main(argv: list[str]) -> dict:
+  name, width, batch, per_call = argv[0], float(argv[1]), int(argv[2]), int(argv[3])
+  trainer, variables, images, labels, ids, mask = step_inputs(name, width, batch, STEPS, per_call)
   init = jax.jit(trainer.init_state)
   t0 = time.perf_counter()
   run = jax.jit(trainer.run_steps, donate_argnums=0, static_argnums=6).lower(

@@ -90,3 +90,12 @@ def tiny_simulation(method, backend: str = "sequential", widths=(1.0,), clients_
   config = FederationConfig(clients_per_round=clients_per_round, seed=0, weighting=weighting, group_draw=group_draw)
   return Simulation(groups, store, local, method, config, make_backend(backend), jnp.asarray(ds.test_images),
                     jnp.asarray(ds.test_labels), track_dissimilarity=track_dissimilarity)
+
+
+def run_rounds(sim: Simulation, rounds: int = 2):
+  """``rounds`` rounds from the simulation's initial state: (final state, the rounds' metrics)."""
+  state, metrics = sim.init_state(), []
+  for _ in range(rounds):
+    state, row = sim.run_round(state)
+    metrics.append(row)
+  return state, metrics

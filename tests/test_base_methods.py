@@ -20,7 +20,7 @@ from fedjax_hetero.methods import METHODS, build_method, get_entry
 from fedjax_hetero.models import build_model
 from fedjax_hetero.runner import run_experiment
 from fedjax_hetero.server.cross import FedCrossConfig
-from tests.helpers import model_variables, random_batch, tiny_simulation
+from tests.helpers import model_variables, random_batch, run_rounds, tiny_simulation
 
 NUM_CLASSES = 4
 MEAN, STD = (0.45,), (0.25,)
@@ -168,14 +168,6 @@ def simulation(method, backend="sequential", widths=(0.5, 1.0), clients_per_roun
   return tiny_simulation(method, backend, widths, clients_per_round, **options)
 
 
-def run(sim, rounds=2):
-  state, rows = sim.init_state(), []
-  for _ in range(rounds):
-    state, metrics = sim.run_round(state)
-    rows.append(metrics)
-  return state, rows
-
-
 @pytest.mark.parametrize("method", ["Scaffold", "HeteroScaffold", "FedNova", "HeteroNova", "HeteroMOON"])
 def test_vmap_backend_matches_sequential(method):
   moon = method.endswith("MOON")
@@ -184,8 +176,8 @@ def test_vmap_backend_matches_sequential(method):
   # gets a wider MLP: with 8 hidden units many rows have all-zero features, so z is the projection's
   # biases alone and the cosine's ~1/||z|| gradient amplifies float noise in those biases chaotically.
   options = dict(optimizer="sgd", hidden=(64,)) if moon else {}
-  seq_state, seq_rows = run(simulation(method, "sequential", **options))
-  vmap_state, vmap_rows = run(simulation(method, "vmap", **options))
+  seq_state, seq_rows = run_rounds(simulation(method, "sequential", **options))
+  vmap_state, vmap_rows = run_rounds(simulation(method, "vmap", **options))
   chex.assert_trees_all_close(vmap_state.models, seq_state.models, rtol=2e-4, atol=2e-5)
   # SCAFFOLD's c_i = -delta / (K lr) scales float differences of the weights by 1 / (K lr) ~ 10.
   chex.assert_trees_all_close(vmap_state.steps, seq_state.steps, rtol=2e-3, atol=2e-3)
@@ -234,15 +226,15 @@ def test_fedcross_round_trains_each_middleware_model_and_cross_aggregates():
   # the slots differ after one round (each trained by another client)
   first = jax.tree.leaves(state1.models[0])[0]
   assert not np.allclose(first[0], first[1])
-  vmap_state, _ = run(simulation("FedCross", "vmap", widths=(1.0,), clients_per_round=4,
+  vmap_state, _ = run_rounds(simulation("FedCross", "vmap", widths=(1.0,), clients_per_round=4,
                                  fedcross=FedCrossConfig(alpha=0.75, strategy="in_order")), rounds=1)
   chex.assert_trees_all_close(vmap_state.models, state1.models, rtol=2e-4, atol=2e-5)
 
 
 def test_fedcross_with_alpha_one_keeps_the_uploads_and_warmup_averages():
   base = dict(widths=(1.0,), clients_per_round=3)
-  alone = run(simulation("FedCross", fedcross=FedCrossConfig(alpha=1.0), **base), rounds=1)[0]
-  warm = run(simulation("FedCross", fedcross=FedCrossConfig(warmup_rounds=1), **base), rounds=1)[0]
+  alone = run_rounds(simulation("FedCross", fedcross=FedCrossConfig(alpha=1.0), **base), rounds=1)[0]
+  warm = run_rounds(simulation("FedCross", fedcross=FedCrossConfig(warmup_rounds=1), **base), rounds=1)[0]
   # alpha = 1: the middleware models are the uploads, and warm-up replaces each by their mean.
   chex.assert_trees_all_close(warm.models[0], jax.tree.map(
       lambda x: jnp.broadcast_to(x.mean(0), x.shape), alone.models[0]), rtol=1e-5, atol=1e-6)

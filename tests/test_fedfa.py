@@ -21,7 +21,7 @@ from fedjax_hetero.methods import METHODS, MethodOptions, build_method
 from fedjax_hetero.methods.fedfa import graft_pairs, grafted_maps
 from fedjax_hetero.models import ResNet, build_model
 from fedjax_hetero.server.steps import server_program
-from tests.helpers import numpy_variables, tiny_simulation
+from tests.helpers import numpy_variables, run_rounds, tiny_simulation
 
 
 def params(**leaves):
@@ -255,14 +255,6 @@ def resnet_simulation(method, **options):
   return Simulation(groups, store, LocalConfig(batch_size=16), build_method(method, MethodOptions(**options)),
                     FederationConfig(clients_per_round=4), make_backend("sequential"), jnp.asarray(ds.test_images),
                     jnp.asarray(ds.test_labels))
-
-
-def run_rounds(sim, rounds=2):
-  state, metrics = sim.init_state(), []
-  for _ in range(rounds):
-    state, m = sim.run_round(state)
-    metrics.append(m)
-  return state, metrics
 
 
 @pytest.fixture(scope="module")

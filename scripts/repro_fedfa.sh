@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# FedFA's robustness experiment at CPU size (docs/reproduction.md, "FedFA"):
+# {FlexiFed, FedFA} x {clean, 20% malicious clients at lambda 20} x seeds 0 and 1 with --preset fedfa-cpu,
+# the same attack at lambda 1, then FedFA's two parts alone under it. Each run resumes if interrupted; finished runs are skipped.
+# An attacked run is expected to fall towards chance, so the divergence guard is off for those.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-runs/repro/fedfa}
+PY=${PYTHON:-.venv/bin/python}
+ATTACK=(--malicious-fraction 0.2 --on-divergence off)
+mkdir -p "$OUT"
+run() {  # name, flags...
+  local name=$1; shift
+  local dir=$OUT/$name
+  [ -f "$dir/summary.json" ] && return
+  local resume=(); [ -d "$dir" ] && resume=(--resume)
+  echo "$(date +%T) $name"
+  "$PY" -m experiments.fmnist --preset fedfa-cpu --no-progress --output-dir "$dir" "${resume[@]}" "$@" > "$dir.log" 2>&1
+}
+for seed in 0 1; do
+  for method in FlexiFed FedFA; do
+    run "${method}_clean_s$seed" --method "$method" --seed "$seed"
+    run "${method}_attack_s$seed" --method "$method" --seed "$seed" "${ATTACK[@]}" --backdoor-scale 20
+  done
+done
+for seed in 0 1; do
+  for method in FlexiFed FedFA; do
+    run "${method}_attack1_s$seed" --method "$method" --seed "$seed" "${ATTACK[@]}" --backdoor-scale 1
+  done
+done
+for seed in 0 1; do
+  run "FedFA-graftonly_attack1_s$seed" --method FedFA --no-fedfa-scale --seed "$seed" "${ATTACK[@]}" --backdoor-scale 1
+  run "FedFA-scaleonly_attack1_s$seed" --method FedFA --no-fedfa-graft --seed "$seed" "${ATTACK[@]}" --backdoor-scale 1
+done

@@ -27,6 +27,7 @@ from fedjax_hetero.client.local import OPTIMIZERS
 from fedjax_hetero.compilation import CACHE_ENV, default_cache_dir, enable_persistent_cache
 from fedjax_hetero.config import RunConfig
 from fedjax_hetero.guard import ACTIONS
+from fedjax_hetero.methods.heterofl import BN_SAMPLES
 from fedjax_hetero.methods import AGGREGATE_MODES, methods_by_paper
 from fedjax_hetero.runner import run_experiment
 from fedjax_hetero.sampling import SIMILARITIES
@@ -136,6 +137,17 @@ def build_parser(defaults: RunConfig, description: str) -> argparse.ArgumentPars
                   "default: l2")
   ff.add_argument("--fedfa-percentile", type=float, default=d.fedfa_percentile,
                   help="the norm keeps the weights with |w| at most this percentile of |w|; default: 95")
+  hf = p.add_argument_group("HeteroFL (--method HeteroFL)")
+  hf.add_argument("--heterofl-scaler", action=argparse.BooleanOptionalAction, default=d.heterofl_scaler,
+                  help="the Scaler: hidden layers' outputs divided by the group's width in training (MLP, CNN, "
+                  "ResNet); default: on")
+  hf.add_argument("--heterofl-static-bn", action=argparse.BooleanOptionalAction, default=d.heterofl_static_bn,
+                  help="static BN: no running statistics kept or averaged in training; re-estimated on training "
+                  "samples before each evaluation; default: on")
+  hf.add_argument("--heterofl-bn-samples", type=int, default=d.heterofl_bn_samples,
+                  help=f"training samples (a fixed draw) static BN re-estimates statistics on; default: {BN_SAMPLES}")
+  hf.add_argument("--heterofl-mask-logits", action=argparse.BooleanOptionalAction, default=d.heterofl_mask_logits,
+                  help="in local training, zero the logits of classes absent from the client's data; default: on")
   at = p.add_argument_group("backdoor attack (FedFA's robustness experiment; works with every method)")
   at.add_argument("--malicious-fraction", type=float, default=d.malicious_fraction,
                   help="fraction of all clients that attack, a fixed set drawn from --seed and listed in "

@@ -392,8 +392,11 @@ class Simulation:
     """Test accuracy of every group's model, and their mean under ``"mean"``."""
     accs = {}
     for gi, group in enumerate(self.groups):
-      accs[group.name] = accuracy(group.model, self.group_variables(state, gi), self.test_images,
-                                  self.test_labels, self.store.mean, self.store.std, batch_size)
+      variables = self.group_variables(state, gi)
+      if self.method.evaluation_variables:
+        variables = self.method.evaluation_variables(group.model, variables, self.store)
+      accs[group.name] = accuracy(group.model, variables, self.test_images, self.test_labels, self.store.mean,
+                                  self.store.std, batch_size)
     accs["mean"] = float(np.mean(list(accs.values())))
     return accs
 

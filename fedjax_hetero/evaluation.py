@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -46,3 +48,53 @@ def _batched(model: nn.Module, mean: tuple[float, ...], std: tuple[float, ...], 
     return (logits.argmax(-1) == target).sum()
 
   return count
+
+
+def batch_norm_statistics(model: nn.Module, variables: Variables, images: jax.Array, mean: tuple[float, ...],
+                          std: tuple[float, ...], batch_size: int = EVAL_BATCH) -> Variables:
+  """``variables`` with every BatchNorm's running mean and variance the cumulative average, over the
+  full batches of ``images`` (uint8, unnormalized), of its batch mean and (biased) batch variance in a
+  training pass; the static BN of HeteroFL (Diao et al., ICLR 2021, Sec. 3). Images past the last
+  full batch are left out. One jitted program per batch size, a host loop over the batches."""
+  if "batch_stats" not in variables:
+    return variables
+  n = int(images.shape[0])
+  if n == 0:
+    raise ValueError("re-estimating BatchNorm statistics needs at least one image")
+  batch_size = min(batch_size, n)
+  step = _batch_statistics(model, mean, std, batch_size)
+  total = jax.tree.map(jnp.zeros_like, variables["batch_stats"])
+  count = n // batch_size
+  for start in range(0, count * batch_size, batch_size):
+    total = step(variables, images, start, total)
+  return {**variables, "batch_stats": _divide(total, jnp.float32(count))}
+
+
+@jax.jit
+def _divide(tree: Any, count: jax.Array) -> Any:
+  return jax.tree.map(lambda x: x / count, tree)
+
+
+@program_cache
+def _batch_statistics(model: nn.Module, mean: tuple[float, ...], std: tuple[float, ...], batch_size: int):
+
+  @jax.jit
+  def add(variables, images, start, total):
+    x = normalize(jax.lax.dynamic_slice_in_dim(images, start, batch_size), mean, std)
+    momenta = set()
+
+    def record(next_fun, args, kwargs, context):  # every BatchNorm's momentum (at trace time)
+      if isinstance(context.module, nn.BatchNorm) and context.method_name == "__call__":
+        momenta.add(float(context.module.momentum))
+      return next_fun(*args, **kwargs)
+
+    zeros = jax.tree.map(jnp.zeros_like, variables["batch_stats"])
+    # From zero statistics a training pass stores (1 - momentum) * the batch statistic.
+    with nn.intercept_methods(record):
+      _, updated = model.apply({**variables, "batch_stats": zeros}, x, train=True, mutable=["batch_stats"])
+    if len(momenta) != 1:
+      raise ValueError(f"expected one BatchNorm momentum in the model, found {sorted(momenta)}")
+    keep = 1.0 - momenta.pop()
+    return jax.tree.map(lambda t, s: t + s / keep, total, updated["batch_stats"])
+
+  return add

@@ -229,18 +229,24 @@ class LocalTrainer:
     logits = activations.pop("logits")
     return Outputs(logits, activations), ({"batch_stats": variables["batch_stats"]} if mutable else {})
 
-  def train_step(self, state: LocalState, images: jax.Array, labels: jax.Array, mask: jax.Array) -> LocalState:
-    """One masked step on the mean data loss of the real rows plus the terms' losses, with the
+  def train_step(self, state: LocalState, images: jax.Array, labels: jax.Array, mask: jax.Array,
+                 client_labels: jax.Array | None = None) -> LocalState:
+    """One masked step on the mean data loss of the real rows (on the logits as the terms' ``logits``
+    transform them; ``client_labels`` for those, see `StepContext`) plus the terms' losses, with the
     terms' gradient transforms applied before the optimizer."""
     x = normalize(images, self.mean, self.std)
     maskf = mask.astype(jnp.float32)
-    ctx = StepContext(self.model, Batch(x, labels, mask, maskf), state.num_steps, self.forward)
+    ctx = StepContext(self.model, Batch(x, labels, mask, maskf), state.num_steps, self.forward, client_labels)
     prepared = [t.prepare(s, ctx) if t.prepare else None for t, s in zip(self.terms, state.terms)]
 
     def losses(params):
       variables = {**state.variables, "params": params}
       outputs, updates = self.forward(variables, x, True, mask, self.cuts)
-      loss, total = masked_cross_entropy(outputs.logits, labels, maskf)
+      logits = outputs.logits
+      for term in self.terms:
+        if term.logits:
+          logits = term.logits(logits, ctx)
+      loss, total = masked_cross_entropy(logits, labels, maskf)
       by_gradient = {"local": loss}
       for term, term_state, aux in zip(self.terms, state.terms, prepared):
         if term.loss:
@@ -293,14 +299,18 @@ class LocalTrainer:
   def run_steps(self, state: LocalState, images: jax.Array, labels: jax.Array, ids: jax.Array, mask: jax.Array,
                 offset: jax.Array, count: int) -> LocalState:
     """Runs schedule steps ``[offset, offset + count)``, unrolled (``count`` is static)."""
+    client_labels = None
+    if any(t.logits for t in self.terms):  # the labels of the whole schedule, for the terms' ``logits``
+      rows = ids[:, 0] if self.backdoor is not None else ids
+      client_labels = jnp.where(mask, labels[rows], -1).reshape(-1)
     ids = jax.lax.dynamic_slice_in_dim(ids, offset, count)
     mask = jax.lax.dynamic_slice_in_dim(mask, offset, count)
     if self.backdoor is not None:
       for i in range(count):
-        state = self._backdoor_step(state, images, labels, ids[i], mask[i])
+        state = self._backdoor_step(state, images, labels, ids[i], mask[i], client_labels)
       return state
     for i in range(count):
-      state = self.train_step(state, images[ids[i]], labels[ids[i]], mask[i])
+      state = self.train_step(state, images[ids[i]], labels[ids[i]], mask[i], client_labels)
     return state
 
   def start_backdoor(self, state: LocalState, ids: jax.Array, index_row: jax.Array, num_examples: jax.Array,
@@ -315,13 +325,13 @@ class LocalTrainer:
     return state._replace(backdoor=BackdoorState(copy, malicious)), jnp.stack([ids, label_ids], axis=1)
 
   def _backdoor_step(self, state: LocalState, images: jax.Array, labels: jax.Array, ids: jax.Array,
-                     mask: jax.Array) -> LocalState:
+                     mask: jax.Array, client_labels: jax.Array | None = None) -> LocalState:
     """One step of the clean training and one of the copy on the same batch with shuffled labels (an
     honest client's copy is masked: it stays at the start)."""
     bd = state.backdoor
     batch = images[ids[0]]
-    clean = self.train_step(state._replace(backdoor=()), batch, labels[ids[0]], mask)
-    copy = self.train_step(bd.copy, batch, labels[ids[1]], mask & bd.malicious)
+    clean = self.train_step(state._replace(backdoor=()), batch, labels[ids[0]], mask, client_labels)
+    copy = self.train_step(bd.copy, batch, labels[ids[1]], mask & bd.malicious, client_labels)
     return clean._replace(backdoor=bd._replace(copy=copy))
 
   def schedule(self, index_row: jax.Array, num_examples: jax.Array, key: jax.Array, num_steps: int):

@@ -5,6 +5,8 @@ each term of a method may add to that, in the style of an optax chain:
 
 * ``loss``: a scalar added to the data loss (FedProx's proximal term, MOON's
   model-contrastive loss, FedGen's generative regularizer);
+* ``logits``: a transform of the logits the data loss is taken on (HeteroFL's
+  masking of the classes absent from the client's data);
 * ``grad``: a transform of the gradient (SCAFFOLD's control-variate correction);
 * ``gradient``: the name of the gradient its loss belongs to; with more than
   one name the trainer takes one gradient per name and combines them with the
@@ -71,6 +73,8 @@ class StepContext(NamedTuple):
   batch: Batch
   num_steps: jax.Array  # real steps taken before this one
   forward: Forward
+  client_labels: jax.Array | None = None  # int [S*B]: every slot's label of the round's schedule, -1 if padded
+  # (given only when some term has ``logits``)
 
 
 class ClientFinal(NamedTuple):
@@ -93,6 +97,7 @@ class ClientTerm(NamedTuple):
   prepare: Callable[[Any, StepContext], Any] | None = None  # per step, before (and outside) differentiation
   loss: Callable[[Variables, Any, Any, Outputs, StepContext], jax.Array] | None = None  # (vars, state, prepared,..)
   grad: Callable[[Variables, Any], Variables] | None = None
+  logits: Callable[[jax.Array, StepContext], jax.Array] | None = None  # data-loss logits -> logits
   update: Callable[[Any, Outputs, StepContext], Any] | None = None  # per step, after the gradient step
   finish: Callable[[Any, ClientFinal, Any, Any], ClientFinal] | None = None  # (state, final, memory, share)
   reduce: str = "weighted"

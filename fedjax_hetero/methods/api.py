@@ -27,6 +27,7 @@ import flax.linen as nn
 
 from fedjax_hetero.client.local import GradientRule
 from fedjax_hetero.client.terms import ClientTerm
+from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.hetero.maps import SubmodelMap, Variables, build_group_map
 from fedjax_hetero.sampling.samplers import Sampler, uniform
 from fedjax_hetero.server.steps import ServerStep, apply_delta, insert_before, mean_delta
@@ -60,6 +61,9 @@ class Method:
   one_group: str | None = None  # why the method trains a single architecture group, if it must
   # (global shapes, group shapes, group name) -> the group's map into the shared model
   submodel: Callable[[Variables, Variables, str], SubmodelMap] = build_group_map
+  # (group's model, its variables, the training store) -> the variables it is evaluated with (HeteroFL's
+  # static BN re-estimates BatchNorm statistics); None: the server's variables as they are
+  evaluation_variables: Callable[[nn.Module, Variables, FederatedStore], Variables] | None = None
 
   def __post_init__(self):
     for kind, names in (("client term", [t.name for t in self.terms]), ("server step", [s.name for s in self.server])):

@@ -5,7 +5,7 @@ averaging rule) under three ways of sharing server models: each architecture gro
 federation (FedAvg, FedProx, Scaffold, FedNova, MOON), one global model
 averaged layer-wise (Hetero*), and the latter plus InCo's cross-layer step
 (InCo*). FedCross and its two further baselines, FedGen and CluSamp, follow,
-then FedImpro, FedFA with its depth baseline FlexiFed, and FedRolex.
+then FedImpro, FedFA with its depth baseline FlexiFed and its width baseline HeteroFL, and FedRolex.
 """
 
 from __future__ import annotations
@@ -23,11 +23,13 @@ from fedjax_hetero.methods.api import PER_GROUP, SHARED, STACKED, Method, Sharin
 from fedjax_hetero.methods.fedfa import fedfa_aggregation, scaled_upload
 from fedjax_hetero.methods.fedgen import generative_regularizer, generator_training
 from fedjax_hetero.methods.fedimpro import feature_sharing, feature_statistics
+from fedjax_hetero.methods.heterofl import (BN_SAMPLES, absent_class_logits, scaler, static_batch_norm,
+                                            static_batch_norm_evaluation)
 from fedjax_hetero.sampling.clustered import SIMILARITIES
 from fedjax_hetero.sampling.samplers import clustered, shuffled
 from fedjax_hetero.server import steps
 from fedjax_hetero.server.cross import FedCrossConfig, cross_aggregation
-from fedjax_hetero.validation import check_bool, check_choice, check_number
+from fedjax_hetero.validation import check_bool, check_choice, check_integer, check_number
 
 # InCo paper: "The hyper-parameter mu/2 for FedProx and InCoProx is 0.05", so mu = 0.1.
 FEDPROX_MU = 0.1
@@ -37,7 +39,7 @@ AGGREGATE_MODES = ("deltas", "weights")
 INCO_PAPER = "InCo Aggregation (Chan et al., ICLR 2024) and its baselines"
 FEDCROSS_PAPER = "FedCross (Hu et al., ICDE 2024) and its baselines"
 FEDIMPRO_PAPER = "FedImpro (decoupled gradient dissimilarity; its baselines are FedAvg, FedProx, Scaffold, FedNova)"
-FEDFA_PAPER = "FedFA (Park & Joe-Wong, ECML-PKDD 2024) and its depth baseline"
+FEDFA_PAPER = "FedFA (Park & Joe-Wong, ECML-PKDD 2024) and its depth and width baselines"
 FEDROLEX_PAPER = "FedRolex (Alam et al., NeurIPS 2022)"
 
 
@@ -60,6 +62,10 @@ class MethodOptions:
   fedfa_scale: bool | None = None  # FedFA's scalable aggregation (Alg. 1 lines 12-22); None: on
   fedfa_norm: str | None = None  # the trimmed norm: "l2" (the paper) or "rms" (per element); None: "l2"
   fedfa_percentile: float | None = None  # the trim's percentile of |w|; None: 95
+  heterofl_scaler: bool | None = None  # HeteroFL's Scaler; None: on
+  heterofl_static_bn: bool | None = None  # HeteroFL's static BatchNorm (sBN); None: on
+  heterofl_bn_samples: int | None = None  # training samples sBN re-estimates statistics on; None: BN_SAMPLES
+  heterofl_mask_logits: bool | None = None  # HeteroFL's zeroing of absent classes' logits; None: on
 
   def __post_init__(self):
     check_choice("method.aggregate", self.aggregate, AGGREGATE_MODES)
@@ -73,6 +79,12 @@ class MethodOptions:
     for path, value in (("method.fedfa_graft", self.fedfa_graft), ("method.fedfa_scale", self.fedfa_scale)):
       if value is not None:
         check_bool(path, value)
+    for path, value in (("method.heterofl_scaler", self.heterofl_scaler),
+                        ("method.heterofl_static_bn", self.heterofl_static_bn),
+                        ("method.heterofl_mask_logits", self.heterofl_mask_logits)):
+      if value is not None:
+        check_bool(path, value)
+    check_integer("method.heterofl_bn_samples", self.heterofl_bn_samples, minimum=1, optional=True)
     check_choice("method.fedfa_norm", self.fedfa_norm, aggregators.FEDFA_NORMS, optional=True)
     check_number("method.fedfa_percentile", self.fedfa_percentile, above=0, maximum=100, optional=True)
     for path, value, kind in (("method.fedcross", self.fedcross, FedCrossConfig),
@@ -168,6 +180,17 @@ def flexifed(o: MethodOptions, local: LocalConfig) -> Method:
   return Method("FlexiFed", FEDFA_PAPER, "", server=(steps.mean_of_weights(), steps.apply_delta()), sharing=SHARED)
 
 
+def heterofl(o: MethodOptions, local: LocalConfig) -> Method:
+  """HeteroFL (Diao et al., ICLR 2021): the layer-wise mean over leading-channel slices, with its Scaler,
+  static BN and absent-class logit masking, each on unless turned off."""
+  static_bn = o.heterofl_static_bn is not False
+  parts = ((scaler(),) if o.heterofl_scaler is not False else ()) + ((static_batch_norm(),) if static_bn else ())
+  parts += (absent_class_logits(),) if o.heterofl_mask_logits is not False else ()
+  evaluation = static_batch_norm_evaluation(o.heterofl_bn_samples or BN_SAMPLES) if static_bn else None
+  return Method("HeteroFL", FEDFA_PAPER, "", terms=parts, server=(_averaging(o), steps.apply_delta()),
+                sharing=SHARED, evaluation_variables=evaluation)
+
+
 def rolling_channels(global_shapes: Variables, group_shapes: Variables, group_name: str = "group") -> SubmodelMap:
   """FedRolex's map: rolling windows on every narrower axis (`build_group_map` with ``rolling``), where
   each rolled axis must be a channel axis, i.e. the output axis of some layer at the same sizes.
@@ -222,6 +245,8 @@ def _entries() -> list[Entry]:
                 "block fills its deeper slots, Alg. 2) and per-kernel norm scaling (Alg. 1; --fedfa-*)", fedfa),
           Entry("FlexiFed", FEDFA_PAPER, "mean of the clients' weights over the holders of each layer (Max-Common "
                 "on ResNet stages); = HeteroAvg --aggregate weights", flexifed),
+          Entry("HeteroFL", FEDFA_PAPER, "HeteroAvg over leading channel slices + Scaler, static BN and masked "
+                "absent-class logits (Diao et al. 2021; --heterofl-*)", heterofl),
           Entry("FedRolex", FEDROLEX_PAPER, "HeteroAvg over rolling channel windows that move one step per round "
                 "(models with pooled features: not the CNNs)", fedrolex)]
   return out
@@ -248,6 +273,12 @@ def build_method(name: str, options: MethodOptions = MethodOptions(), local: Loc
   fedfa_options = (options.fedfa_graft, options.fedfa_scale, options.fedfa_norm, options.fedfa_percentile)
   if any(v is not None for v in fedfa_options) and "fedfa" not in names:
     raise ValueError(f"--fedfa-graft/--fedfa-scale/--fedfa-norm/--fedfa-percentile apply to FedFA, not {entry.name}")
+  heterofl_options = (options.heterofl_scaler, options.heterofl_static_bn, options.heterofl_bn_samples,
+                      options.heterofl_mask_logits)
+  if any(v is not None for v in heterofl_options) and entry.name != "HeteroFL":
+    raise ValueError(f"--heterofl-* apply to HeteroFL, not {entry.name}")
+  if options.heterofl_bn_samples is not None and options.heterofl_static_bn is False:
+    raise ValueError("--heterofl-bn-samples sets static BN's re-estimation, which --no-heterofl-static-bn turns off")
   if (options.fedfa_norm or options.fedfa_percentile) and options.fedfa_scale is False:
     raise ValueError("--fedfa-norm/--fedfa-percentile set the scalable aggregation, which --no-fedfa-scale turns off")
   moon = lambda mu: terms.model_contrastive(mu, options.moon_temperature)

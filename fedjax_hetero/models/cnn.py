@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fedjax_hetero.models.common import Part, max_pool, run_parts, scale_channels
+from fedjax_hetero.models.common import Part, max_pool, run_parts, scale_channels, scaler
 
 Array = jax.Array
 
@@ -26,13 +26,15 @@ class CNN(nn.Module):
   """conv3x3-ReLU-maxpool2 twice, Dense-ReLU ("features"), Dense head. No BN.
 
   Convs use SAME padding (28x28 -> 14x14 -> 7x7). `width` scales `channels`
-  and `hidden`; `train` and `mask` are accepted for the common signature and unused.
+  and `hidden`; `mask` is accepted for the common signature and unused. With `scaler`, the
+  convs' and fc1's outputs are divided by `width` in training (HeteroFL's Scaler).
   """
 
   num_classes: int = 10
   width: float = 1.0
   channels: Sequence[int] = (32, 64)
   hidden: int = 128
+  scaler: bool = False
 
   cut_points = ("input", "conv1", "conv2", "features", "logits")
   decoupling_cut = "conv2"  # FedImpro's default low/high split (`models.resolve_cut`)
@@ -40,15 +42,16 @@ class CNN(nn.Module):
   @nn.compact
   def __call__(self, x: Array, train: bool = False, mask: Array | None = None, start: str = "input",
                stop: str = "logits") -> Array:
-    del train, mask  # no BN or dropout
+    del mask  # no BN or dropout
+    rate = self.width if self.scaler else None
 
     def conv(name: str, channels: int, h: Array) -> Array:
-      h = nn.relu(nn.Conv(scale_channels(channels, self.width), (3, 3), padding="SAME", name=name)(h))
-      return max_pool(h, (2, 2), (2, 2))
+      h = nn.Conv(scale_channels(channels, self.width), (3, 3), padding="SAME", name=name)(h)
+      return max_pool(nn.relu(scaler(h, rate, train)), (2, 2), (2, 2))
 
     def features(h: Array) -> Array:
       h = flatten_channel_major(h)
-      return nn.relu(nn.Dense(scale_channels(self.hidden, self.width), name="fc1")(h))
+      return nn.relu(scaler(nn.Dense(scale_channels(self.hidden, self.width), name="fc1")(h), rate, train))
 
     parts: list[Part] = [
         ("conv1", lambda h: conv("conv1", self.channels[0], h)),

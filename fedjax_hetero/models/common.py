@@ -23,6 +23,12 @@ def scale_channels(channels: int, width: float) -> int:
   return max(1, int(round(channels * width)))
 
 
+def scaler(x: Array, rate: float | None, train: bool) -> Array:
+  """HeteroFL's Scaler (Diao et al., ICLR 2021, Sec. 3): a hidden layer's output divided by the model's
+  width rate in training, the identity at evaluation and when ``rate`` is None (the Scaler off)."""
+  return x / rate if rate is not None and train else x
+
+
 def bn_mask(mask: Array | None, x: Array) -> Array | None:
   """Reshapes a per-example mask [B] to broadcast against `x` ([B,1,1,1] for NHWC).
 

@@ -8,7 +8,7 @@ from typing import Sequence
 import flax.linen as nn
 import jax
 
-from fedjax_hetero.models.common import Part, run_parts, scale_channels
+from fedjax_hetero.models.common import Part, run_parts, scale_channels, scaler
 
 Array = jax.Array
 
@@ -18,12 +18,14 @@ class MLP(nn.Module):
 
   Cut points are input, hidden1..hiddenN, features, logits; "features" is the
   last hidden activation (the flattened input if `hidden` is empty). `width`
-  scales the hidden sizes; `train` and `mask` are accepted and unused.
+  scales the hidden sizes; `mask` is accepted and unused. With `scaler`, the hidden layers'
+  outputs are divided by `width` in training (HeteroFL's Scaler).
   """
 
   num_classes: int = 10
   width: float = 1.0
   hidden: Sequence[int] = (64,)
+  scaler: bool = False
 
   @property
   def cut_points(self) -> tuple[str, ...]:
@@ -37,13 +39,14 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x: Array, train: bool = False, mask: Array | None = None, start: str = "input",
                stop: str = "logits") -> Array:
-    del train, mask  # no BN or dropout
+    del mask  # no BN or dropout
+    rate = self.width if self.scaler else None
 
     def layer(index: int, h: Array) -> Array:
       if index == 0:
         h = h.reshape(h.shape[0], -1)
       size = scale_channels(self.hidden[index], self.width)
-      return nn.relu(nn.Dense(size, name=f"hidden{index + 1}")(h))
+      return nn.relu(scaler(nn.Dense(size, name=f"hidden{index + 1}")(h), rate, train))
 
     def features(h: Array) -> Array:
       # Identity after the last hidden layer; only flattens when there is none.

@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fedjax_hetero.models.common import Part, bn_mask, convolution, max_pool, run_parts, scale_channels
+from fedjax_hetero.models.common import Part, bn_mask, convolution, max_pool, run_parts, scale_channels, scaler
 
 Array = jax.Array
 
@@ -43,6 +43,7 @@ class BasicBlock(nn.Module):
   channels: int
   strides: int = 1
   dtype: Any = jnp.float32
+  rate: float | None = None  # HeteroFL's Scaler: conv outputs divided by it in training (None: off)
 
   @nn.compact
   def __call__(self, x: Array, train: bool = False, mask: Array | None = None) -> Array:
@@ -50,11 +51,12 @@ class BasicBlock(nn.Module):
                              conv_general_dilated=convolution)
     m = bn_mask(mask, x)
     y = conv(self.channels, (3, 3), (self.strides,) * 2, padding=((1, 1), (1, 1)), name="conv1")(x)
-    y = nn.relu(_batch_norm(train, self.dtype, "bn1")(y, mask=m))
+    y = nn.relu(_batch_norm(train, self.dtype, "bn1")(scaler(y, self.rate, train), mask=m))
     y = conv(self.channels, (3, 3), padding=((1, 1), (1, 1)), name="conv2")(y)
-    y = _batch_norm(train, self.dtype, "bn2")(y, mask=m)
+    y = _batch_norm(train, self.dtype, "bn2")(scaler(y, self.rate, train), mask=m)
     if self.strides != 1 or x.shape[-1] != self.channels:
       x = conv(self.channels, (1, 1), (self.strides,) * 2, padding="VALID", name="downsample_conv")(x)
+      x = scaler(x, self.rate, train)
       x = _batch_norm(train, self.dtype, "downsample_bn")(x, mask=m)
     return nn.relu(x + y)
 
@@ -69,6 +71,7 @@ class ResNet(nn.Module):
     base_channels: channels of the stem and the first stage at width 1.
     stem: "imagenet" (7x7/2 conv + 3x3/2 max pool) or "cifar" (3x3/1 conv).
     dtype: computation dtype; parameters stay float32 and logits are returned in float32.
+    scaler: HeteroFL's Scaler: every conv's output divided by `width` in training.
   """
 
   stage_sizes: Sequence[int]
@@ -77,6 +80,7 @@ class ResNet(nn.Module):
   base_channels: int = 64
   stem: str = "imagenet"
   dtype: Any = jnp.float32
+  scaler: bool = False
 
   @property
   def cut_points(self) -> tuple[str, ...]:
@@ -121,6 +125,7 @@ class ResNet(nn.Module):
                stop: str = "logits") -> Array:
     if self.stem not in ("imagenet", "cifar"):
       raise ValueError(f"unknown stem {self.stem!r}; expected 'imagenet' or 'cifar'")
+    rate = self.width if self.scaler else None
 
     def stem(h: Array) -> Array:
       channels = scale_channels(self.base_channels, self.width)
@@ -130,6 +135,7 @@ class ResNet(nn.Module):
         kernel, strides, pad = (3, 3), (1, 1), ((1, 1), (1, 1))
       h = nn.Conv(channels, kernel, strides, padding=pad, use_bias=False, kernel_init=conv_init,
                   dtype=self.dtype, name="stem_conv")(h)
+      h = scaler(h, rate, train)
       h = nn.relu(_batch_norm(train, self.dtype, "stem_bn")(h, mask=bn_mask(mask, h)))
       if self.stem == "imagenet":
         h = max_pool(h, (3, 3), (2, 2), ((1, 1), (1, 1)))  # padded with -inf, like PyTorch
@@ -139,7 +145,7 @@ class ResNet(nn.Module):
       channels = scale_channels(self.base_channels * 2**index, self.width)
       for b in range(self.stage_sizes[index]):
         strides = 2 if index > 0 and b == 0 else 1
-        h = BasicBlock(channels, strides, self.dtype, name=block_name(index, b))(h, train, mask)
+        h = BasicBlock(channels, strides, self.dtype, rate, name=block_name(index, b))(h, train, mask)
       return h
 
     def head(h: Array) -> Array:

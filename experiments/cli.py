@@ -55,6 +55,10 @@ def build_parser(defaults: RunConfig, description: str) -> argparse.ArgumentPars
                  help="comma-separated architecture groups, smallest first, each NAME or NAME@WIDTH; "
                  f"names: {', '.join(models.MODEL_NAMES)}. Clients are split into equal contiguous blocks, "
                  "one per group")
+  p.add_argument("--group-draw", default=",".join(map(str, d.group_draw)), type=_probabilities,
+                 help="comma-separated probabilities, one per group: every round each client's group is drawn "
+                 "afresh from them (HeteroFL's dynamic a1-b1-... mode; e.g. 0.5,0.5); empty: every client keeps "
+                 "the group of its block")
   p.add_argument("--data-dir", default=d.data_dir, help="directory holding the dataset files "
                  "(Fashion-MNIST IDX files, or prepared tfds data); default: the system/tfds locations")
   p.add_argument("--num-clients", type=int, default=d.num_clients, help="number of simulated clients")
@@ -220,10 +224,19 @@ def _group_list(text: str) -> tuple[str, ...]:
   return tuple(g.strip() for g in text.split(",") if g.strip())
 
 
+def _probabilities(text: str) -> tuple[float, ...]:
+  try:
+    return tuple(float(p) for p in text.split(",") if p.strip())
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected comma-separated probabilities, got {text!r}") from None
+
+
 def config_from_args(args: argparse.Namespace, dataset: str) -> RunConfig:
   flags = vars(args).copy()
   if isinstance(flags["groups"], str):  # argparse leaves an untouched default as given
     flags["groups"] = _group_list(flags["groups"])
+  if isinstance(flags["group_draw"], str):
+    flags["group_draw"] = _probabilities(flags["group_draw"])
   return RunConfig.from_flags(dataset=dataset, **flags)
 
 

@@ -115,6 +115,11 @@ BAD_FLAGS = [
     ("--divergence-loss-factor 0.5", "--divergence-loss-factor must be a finite number > 1, got 0.5"),
     ("--divergence-rollback-lr-factor 2", "--divergence-rollback-lr-factor must be a finite number in (0, 1), got 2.0"),
     ("--divergence-max-rollbacks -1", "--divergence-max-rollbacks must be an integer >= 0, got -1"),
+    ("--group-draw 0.5,0.6", "--group-draw must be non-negative probabilities summing to 1, got (0.5, 0.6)"),
+    ("--group-draw 1", "--group-draw needs one probability per architecture group (2), got 1"),
+    ("--group-draw 0.5,x", "argument --group-draw: expected comma-separated probabilities, got '0.5,x'"),
+    ("--malicious-fraction 1.5", "--malicious-fraction must be a finite number in [0, 1], got 1.5"),
+    ("--backdoor-scale -1", "--backdoor-scale must be a finite number >= 0, got -1.0"),
     # paths
     ("--output-dir {file}", "--output-dir '{file}' is a file, not a directory"),
     ("--output-dir {file}/run", "--output-dir '{file}/run' cannot be created: '{file}' is a file"),
@@ -186,7 +191,7 @@ def test_every_flag_a_message_names_is_a_cli_flag():
   """`cli_flag` spells every setting as the parser does, so a message's flag is what the user typed."""
   parser = cli.build_parser(fmnist.DEMO, "test")
   options = {option for action in parser._actions for option in action.option_strings}
-  settable_only_by_name = {"dataset", "group_draw", "progress"}  # the dataset module, presets; --no-progress
+  settable_only_by_name = {"dataset", "progress"}  # the dataset module, presets; --no-progress
   for flag, path in run_config.FLAGS.items():
     assert has_flag(path)
     if flag not in settable_only_by_name:

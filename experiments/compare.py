@@ -169,7 +169,20 @@ def final_pair(rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -
   return accuracy, base_acc[last]
 
 
-def drop_table(runs, baseline: str | None = None) -> str:
+def check_unique(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]]) -> None:
+  """The paired and drop tables pair runs by method, attack and seed, so two runs sharing all three (e.g. a
+  method's ablations, which keep its name) would be merged: an error naming both."""
+  seen: dict[tuple[str, str | None, int], str] = {}
+  for name, summary, _ in runs:
+    key = (base_method_of(summary), attack_of(summary), seed_of(summary))
+    if key in seen:
+      method, attack, seed = key
+      raise ValueError(f"{seen[key]} and {name} are both {method}{f' [{attack}]' if attack else ''} with seed "
+                       f"{seed}, so their rows would be merged; compare them in separate calls")
+    seen[key] = name
+
+
+def drop_table(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]], baseline: str | None = None) -> str:
   """Every attacked run against the clean run of its method and seed (see the module docstring); empty
   if there is no such pair."""
   clean: dict[tuple[str, int], list[dict[str, Any]]] = {}
@@ -263,6 +276,11 @@ def main(argv: Sequence[str] | None = None) -> str:
   for label, run_dir in zip(labels, args.run_dirs):
     summary, rows = load_run(run_dir)
     runs.append((label, summary, up_to_round(rows, args.up_to_round)))
+  if args.baseline or any(attack_of(summary) for _, summary, _ in runs):  # the tables that pair runs
+    try:
+      check_unique(runs)
+    except ValueError as e:
+      raise SystemExit(f"error: {e}") from None
   text = table(runs, args.last, args.target)
   if args.baseline:
     text += "\n\n" + paired_table(runs, args.baseline)

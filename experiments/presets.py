@@ -43,9 +43,10 @@ _FEDIMPRO = dict(groups=("resnet18_cifar",), num_clients=10, clients_per_round=5
                  fedprox_mu=0.1)
 
 # FedFA paper: no training hyper-parameters in its text (its Table 6 is not available); these are the HeteroFL
-# code's defaults, which FedFA builds on (spec fedfa.md §5.2): 100 clients, 10% per round, SGD lr 0.01 (MNIST-like;
-# 0.1 for CIFAR) with momentum 0.9 and weight decay 5e-4, batch 10, 5 local epochs, aggregation weighted by sample
-# count. Two depth groups of one family, as in its depth experiments.
+# code's defaults, which FedFA builds on: 100 clients, 10% per round, SGD lr 0.01 (MNIST-like; 0.1 for CIFAR) with
+# momentum 0.9 and weight decay 5e-4, batch 10, 5 local epochs. Aggregation is weighted by sample count, as FedFA's
+# Algorithm 1 weights by N_c (HeteroFL's code counts clients; with IID clients of equal size it is the same).
+# Two depth groups of one family, as in its depth experiments.
 _FEDFA = dict(groups=("resnet18", "resnet26"), num_clients=100, clients_per_round=10, partition="iid", epochs=5,
               batch_size=10, optimizer="sgd", learning_rate=0.01, momentum=0.9, weight_decay=5e-4,
               weighting="num_samples", rounds=200, eval_every=10, method="FedFA")
@@ -74,7 +75,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            "sample count, 200 rounds", _FEDFA),
     Preset("fedfa-cifar10", "FedFA's CIFAR-10 IID table on HeteroFL's CIFAR defaults (python -m experiments.cifar10; "
            "for a GPU): ResNet18 and ResNet26 groups, SGD lr 0.1 momentum 0.9 weight decay 5e-4, batch 10, 5 epochs, "
-           "400 rounds; the paper's Pre-ResNet and its lr milestones [150, 250] are not reproduced",
+           "400 rounds; the paper's Pre-ResNet and its lr milestones [150, 250] are not reproduced, and the ResNets keep "
+           "their ImageNet stem on 32x32 images (no CIFAR-stem ResNet26 here)",
            {**_FEDFA, "learning_rate": 0.1, "rounds": 400}),
     Preset("fedfa-cpu", "the FedFA protocol at CPU size",
            {**_FEDFA, "groups": ("resnet18@0.125", "resnet26@0.125"), "epochs": 1, "rounds": 40, "eval_every": 2},

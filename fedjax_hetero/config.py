@@ -184,12 +184,27 @@ class RunConfig:
       raise ValueError(f"{method.name} trains one architecture group, got {len(self.groups)} "
                        f"({', '.join(self.groups)}); pass one (e.g. {groups_flag} cnn)")
     self._check_counts(method)
+    self._check_scaler(method)
     for spec in self.groups:  # the low/high split of FedImpro and of the dissimilarity metric
       name, width = models.parse_group_spec(spec)
       try:
         models.resolve_cut(models.build_model(name, 10, width), self.method.fedimpro.cut)
       except ValueError as e:
         raise ValueError(f"{cli_flag('method.fedimpro.cut')}, group {spec}: {e}") from None
+
+  def _check_scaler(self, method: Method) -> None:
+    """HeteroFL's Scaler divides by a group's ``width``, its rate only if the widest group has width 1."""
+    specs = [(spec, *models.parse_group_spec(spec)) for spec in self.groups]
+    widest = max(w for _, _, w in specs)
+    for spec, name, width in specs:
+      try:
+        wrapped = method.wrap_model(models.build_model(name, 10, width))
+      except ValueError as e:
+        raise ValueError(f"{cli_flag('groups')}, group {spec}: {e}") from None
+      if getattr(wrapped, "scaler", False) and widest != 1:
+        raise ValueError(f"{method.name}'s Scaler divides each group's outputs by its width, which is its rate "
+                         f"of the global model only when the widest group has width 1; {cli_flag('groups')} "
+                         f"widest is {widest:g} (add a width-1 group, or --no-heterofl-scaler)")
 
   def _check_counts(self, method: Method) -> None:
     """Clients, groups and per-round cohort sizes that fit together."""

@@ -56,3 +56,11 @@ def test_paired_statistics_rounds_to_target_and_dissimilarity_columns():
   rows = compare.table(runs, last=2, target=0.8).splitlines()
   assert "rounds to 80% |" in rows[0] and "dissimilarity low / high" in rows[0]
   assert rows[2].endswith("| not reached | nan / nan | 3 |") and rows[5].endswith("| 2 | 1.50 / 3.00 | 3 |")
+
+
+def test_runs_that_would_be_merged_in_a_paired_table_are_an_error():
+  from experiments.compare import check_unique
+  summary = {"method": "FedFA", "config": {"federation": {"seed": 0, "malicious_fraction": 0.2, "backdoor_scale": 1}}}
+  check_unique([("a", summary, []), ("b", {**summary, "method": "FlexiFed"}, [])])
+  with pytest.raises(ValueError, match=r"a and b are both FedFA \[backdoor 20% x1\] with seed 0"):
+    check_unique([("a", summary, []), ("b", summary, [])])

@@ -300,6 +300,8 @@ def test_max_pool_matches_flax_in_value_and_gradient(window, strides, padding):
     ((3, 2), (2, 3), (2, 1), ((0, 1), (1, 1))),  # uneven kernel, strides and padding
     ((8, 8), (3, 3), (1, 1), ((1, 1), (1, 1))),  # too large a map: lax's convolution
     ((2, 2), (1, 1), (1, 1), "VALID"),  # 1x1 kernel: lax's convolution
+    ((2, 2), (3, 3), (1, 1), "VALID"),  # an empty output map: lax's convolution
+    ((1, 1), (3, 3), (2, 2), ((3, 0), (0, 3))),  # every tap reads padding: lax's convolution
 ])
 def test_convolution_matches_lax_in_value_and_gradient(size, window, strides, padding):
   x = jax.random.normal(jax.random.key(0), (5, *size, 6))

@@ -36,7 +36,7 @@ BN_SAMPLES = 2000
 def _with_scaler(model: nn.Module) -> nn.Module:
   if "scaler" not in {f.name for f in dataclasses.fields(model)}:
     raise ValueError(f"HeteroFL's Scaler needs a model with a `scaler` attribute (MLP, CNN, ResNet); "
-                     f"{type(model).__name__} has none (turn the Scaler off)")
+                     f"{type(model).__name__} has none (--no-heterofl-scaler)")
   return model.clone(scaler=True)
 
 

@@ -9,7 +9,7 @@ split a model anywhere (e.g. features -> logits for a classifier-only update).
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -95,8 +95,8 @@ _NHWC = ("NHWC", "HWIO", "NHWC")
 
 def convolution(lhs: Array, rhs: Array, window_strides: Sequence[int], padding: str | Sequence[tuple[int, int]],
                 lhs_dilation: Sequence[int] | None = None, rhs_dilation: Sequence[int] | None = None,
-                dimension_numbers=None, feature_group_count: int = 1, precision=None,
-                preferred_element_type=None) -> Array:
+                dimension_numbers: Any = None, feature_group_count: int = 1, precision: Any = None,
+                preferred_element_type: Any = None) -> Array:
   """``lax.conv_general_dilated``, computed as one matrix product when the output map is tiny.
 
   A drop-in for ``nn.Conv(conv_general_dilated=...)``. On an output map of at most
@@ -105,7 +105,8 @@ def convolution(lhs: Array, rhs: Array, window_strides: Sequence[int], padding: 
   multiplied by the kernel reshaped to (taps * in, out); taps that read only padding are left out.
   XLA:CPU runs such a layer's forward and backward 1.5-5x faster than its convolution there
   (docs/performance.md, "Convolutions on tiny maps"). The result is the same sum in another order.
-  Anything else (larger maps, 1x1 kernels, dilation, groups, other layouts) is ``lax.conv_general_dilated``.
+  Anything else (larger maps, 1x1 kernels, dilation, groups, other layouts, empty outputs, negative
+  padding, taps that all read padding) is ``lax.conv_general_dilated``.
   """
   def lax_conv():
     return jax.lax.conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
@@ -123,7 +124,8 @@ def convolution(lhs: Array, rhs: Array, window_strides: Sequence[int], padding: 
   if isinstance(padding, str):
     padding = jax.lax.padtype_to_pads(size, window, window_strides, padding)
   out = [(n + lo + hi - k) // s + 1 for n, (lo, hi), k, s in zip(size, padding, window, window_strides)]
-  if window == (1, 1) or out[0] * out[1] > SMALL_MAP_POSITIONS:
+  if window == (1, 1) or out[0] * out[1] > SMALL_MAP_POSITIONS or min(out) <= 0 or \
+      any(p < 0 for pair in padding for p in pair):
     return lax_conv()
 
   def reads_input(tap: int, axis: int) -> bool:
@@ -131,6 +133,8 @@ def convolution(lhs: Array, rhs: Array, window_strides: Sequence[int], padding: 
     return any(0 <= start + i * window_strides[axis] < size[axis] for i in range(out[axis]))
 
   taps = [(i, j) for i in range(window[0]) for j in range(window[1]) if reads_input(i, 0) and reads_input(j, 1)]
+  if not taps:  # every tap reads padding only
+    return lax_conv()
   padded = jnp.pad(lhs, ((0, 0), *padding, (0, 0)))
   sh, sw = window_strides
   patches = jnp.concatenate([padded[:, i:i + sh * (out[0] - 1) + 1:sh, j:j + sw * (out[1] - 1) + 1:sw]

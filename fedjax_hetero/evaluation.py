@@ -75,26 +75,44 @@ def _divide(tree: Any, count: jax.Array) -> Any:
   return jax.tree.map(lambda x: x / count, tree)
 
 
+def batch_norm_momenta(model: nn.Module, variables: Variables, sample: jax.Array) -> list[float]:
+  """The ``momentum`` of every `nn.BatchNorm` call of a training forward pass, in call order."""
+  momenta: list[float] = []
+
+  def record(next_fun, args, kwargs, context):
+    if isinstance(context.module, nn.BatchNorm) and context.method_name == "__call__":
+      momenta.append(float(context.module.momentum))
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(record):
+    jax.eval_shape(lambda v, x: model.apply(v, x, train=True, mutable=["batch_stats"]), variables, sample)
+  return momenta
+
+
+def batch_norm_keep(model: nn.Module, variables: Variables, sample: jax.Array) -> float:
+  """``1 - momentum`` of the model's BatchNorm layers, which must share one momentum."""
+  momenta = set(batch_norm_momenta(model, variables, sample))
+  if len(momenta) != 1:
+    raise ValueError(f"expected one BatchNorm momentum in the model, found {sorted(momenta)}")
+  return 1.0 - momenta.pop()
+
+
+def zero_start_statistics(model: nn.Module, variables: Variables, x: jax.Array, keep: float) -> Variables:
+  """Every BatchNorm's batch mean and (biased) variance on ``x`` (normalized inputs), as ``batch_stats``: a
+  training pass from zero statistics stores ``keep * batch statistic`` (``keep`` from `batch_norm_keep`),
+  which is divided back out, so the result does not depend on the momentum."""
+  zeros = jax.tree.map(jnp.zeros_like, variables["batch_stats"])
+  _, updated = model.apply({**variables, "batch_stats": zeros}, x, train=True, mutable=["batch_stats"])
+  return jax.tree.map(lambda s: s / keep, updated["batch_stats"])
+
+
 @program_cache
 def _batch_statistics(model: nn.Module, mean: tuple[float, ...], std: tuple[float, ...], batch_size: int):
 
   @jax.jit
   def add(variables, images, start, total):
     x = normalize(jax.lax.dynamic_slice_in_dim(images, start, batch_size), mean, std)
-    momenta = set()
-
-    def record(next_fun, args, kwargs, context):  # every BatchNorm's momentum (at trace time)
-      if isinstance(context.module, nn.BatchNorm) and context.method_name == "__call__":
-        momenta.add(float(context.module.momentum))
-      return next_fun(*args, **kwargs)
-
-    zeros = jax.tree.map(jnp.zeros_like, variables["batch_stats"])
-    # From zero statistics a training pass stores (1 - momentum) * the batch statistic.
-    with nn.intercept_methods(record):
-      _, updated = model.apply({**variables, "batch_stats": zeros}, x, train=True, mutable=["batch_stats"])
-    if len(momenta) != 1:
-      raise ValueError(f"expected one BatchNorm momentum in the model, found {sorted(momenta)}")
-    keep = 1.0 - momenta.pop()
-    return jax.tree.map(lambda t, s: t + s / keep, total, updated["batch_stats"])
+    statistics = zero_start_statistics(model, variables, x, batch_norm_keep(model, variables, x))
+    return jax.tree.map(jnp.add, total, statistics)
 
   return add

@@ -123,8 +123,10 @@ def check_choice(path: str, value: Any, accepted: Iterable[Any], optional: bool 
     raise ValueError(f"{cli_flag(path)} must be one of {', '.join(map(str, accepted))}, got {show(value)}")
 
 
-def check_bool(path: str, value: Any) -> None:
-  """True or False (a string such as "false" would count as true)."""
+def check_bool(path: str, value: Any, optional: bool = False) -> None:
+  """True or False (a string such as "false" would count as true); None too if ``optional``."""
+  if optional and value is None:
+    return
   if not isinstance(value, bool):
     raise ValueError(f"{cli_flag(path)} must be true or false, got {show(value)}")
 

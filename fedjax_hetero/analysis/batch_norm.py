@@ -10,27 +10,16 @@ InCo).
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Iterable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from fedjax_hetero.evaluation import batch_norm_keep, batch_norm_momenta, zero_start_statistics
 from fedjax_hetero.hetero.maps import Variables
 
-
-def batch_norm_momenta(model: nn.Module, variables: Variables, sample: jax.Array) -> list[float]:
-  """The ``momentum`` of every `nn.BatchNorm` call of a training forward pass, in call order."""
-  momenta: list[float] = []
-
-  def record(next_fun, args, kwargs, context):
-    if isinstance(context.module, nn.BatchNorm) and context.method_name == "__call__":
-      momenta.append(float(context.module.momentum))
-    return next_fun(*args, **kwargs)
-
-  with nn.intercept_methods(record):
-    jax.eval_shape(lambda v, x: model.apply(v, x, train=True, mutable=["batch_stats"]), variables, sample)
-  return momenta
+__all__ = ["batch_norm_momenta", "recalibrate_batch_stats"]
 
 
 def recalibrate_batch_stats(model: nn.Module, variables: Variables, batches: Iterable[jax.Array]) -> Variables:
@@ -49,16 +38,8 @@ def recalibrate_batch_stats(model: nn.Module, variables: Variables, batches: Ite
   first = next(batches, None)
   if first is None:
     raise ValueError("re-estimating BatchNorm statistics needs at least one batch")
-  momenta = set(batch_norm_momenta(model, variables, first))
-  if len(momenta) != 1:
-    raise ValueError(f"expected one BatchNorm momentum in the model, found {sorted(momenta)}")
-  keep = 1.0 - momenta.pop()
-  zeros = jax.tree.map(jnp.zeros_like, variables["batch_stats"])
-
-  @jax.jit
-  def batch_statistics(x: jax.Array) -> Any:
-    _, updated = model.apply({**variables, "batch_stats": zeros}, x, train=True, mutable=["batch_stats"])
-    return jax.tree.map(lambda s: s / keep, updated["batch_stats"])
+  keep = batch_norm_keep(model, variables, first)
+  batch_statistics = jax.jit(lambda x: zero_start_statistics(model, variables, x, keep))
 
   total, count = batch_statistics(first), 1
   for x in batches:

@@ -76,14 +76,11 @@ class MethodOptions:
     check_choice("method.inco_variant", self.inco_variant, aggregators.INCO_VARIANTS, optional=True)
     check_choice("method.inco_granularity", self.inco_granularity, aggregators.INCO_GRANULARITIES, optional=True)
     check_choice("method.clusamp_similarity", self.clusamp_similarity, SIMILARITIES)
-    for path, value in (("method.fedfa_graft", self.fedfa_graft), ("method.fedfa_scale", self.fedfa_scale)):
-      if value is not None:
-        check_bool(path, value)
-    for path, value in (("method.heterofl_scaler", self.heterofl_scaler),
+    for path, value in (("method.fedfa_graft", self.fedfa_graft), ("method.fedfa_scale", self.fedfa_scale),
+                        ("method.heterofl_scaler", self.heterofl_scaler),
                         ("method.heterofl_static_bn", self.heterofl_static_bn),
                         ("method.heterofl_mask_logits", self.heterofl_mask_logits)):
-      if value is not None:
-        check_bool(path, value)
+      check_bool(path, value, optional=True)
     check_integer("method.heterofl_bn_samples", self.heterofl_bn_samples, minimum=1, optional=True)
     check_choice("method.fedfa_norm", self.fedfa_norm, aggregators.FEDFA_NORMS, optional=True)
     check_number("method.fedfa_percentile", self.fedfa_percentile, above=0, maximum=100, optional=True)

@@ -21,6 +21,7 @@ from fedjax_hetero import models
 from fedjax_hetero.aggregators import fedcross
 from fedjax_hetero.algorithms.fedgen import PRESETS as FEDGEN_PRESETS
 from fedjax_hetero.algorithms.fedimpro import LOSS_MODES, SAMPLE_SOURCES
+from fedjax_hetero.algorithms import fedin
 from fedjax_hetero.backends import BACKENDS
 from fedjax_hetero.client.backdoor import READINGS
 from fedjax_hetero.client.local import OPTIMIZERS
@@ -152,6 +153,28 @@ def build_parser(defaults: RunConfig, description: str) -> argparse.ArgumentPars
                   help=f"training samples (a fixed draw) static BN re-estimates statistics on; default: {BN_SAMPLES}")
   hf.add_argument("--heterofl-mask-logits", action=argparse.BooleanOptionalAction, default=d.heterofl_mask_logits,
                   help="in local training, zero the logits of classes absent from the client's data; default: on")
+  fn = p.add_argument_group("FedIN (--method FedIN) and InclusiveFL (--method InclusiveFL)")
+  fn.add_argument("--fedin-rule", default=d.fedin_rule, choices=fedin.RULES,
+                  help="how the IN gradient and the local one combine: eq14 (Z = G_IN + lambda/2 G_local, the "
+                  "paper's runs), sum (G_IN + G_local: the ablation without the rule), project (Eq. 13: G_IN "
+                  "projected onto <Z, G_local> >= 0 on the intermediate layers, G_local elsewhere)")
+  fn.add_argument("--fedin-lam", type=float, default=d.fedin_lam, help="lambda of Eq. 14")
+  fn.add_argument("--fedin-projection", default=d.fedin_projection, choices=fedin.PROJECTIONS,
+                  help="Eq. 13's inner products per intermediate-layer tensor or over all of them (--fedin-rule "
+                  "project)")
+  fn.add_argument("--fedin-bank", default=d.fedin_bank, choices=fedin.BANK_MODES,
+                  help="the server's feature bank: the latest round's pairs, or every round's (a ring buffer of "
+                  "--fedin-bank-capacity pairs)")
+  fn.add_argument("--fedin-bank-capacity", type=int, default=d.fedin_bank_capacity,
+                  help="pairs the history bank holds, the oldest overwritten first")
+  fn.add_argument("--fedin-num-pairs", type=int, default=d.fedin_num_pairs,
+                  help="|S|: feature pairs each client uploads and regresses on per step (the paper: one batch, 16); "
+                  "drawn with replacement from a smaller bank")
+  fn.add_argument("--inclusivefl-beta", type=float, default=d.inclusivefl_beta,
+                  help="InclusiveFL: a shallow group's last block of a stage moves by beta x the momentum of the "
+                  "deeper blocks' update")
+  fn.add_argument("--inclusivefl-momentum", type=float, default=d.inclusivefl_momentum,
+                  help="InclusiveFL: momentum of the deeper blocks' mean update across rounds")
   at = p.add_argument_group("backdoor attack (FedFA's robustness experiment; works with every method)")
   at.add_argument("--malicious-fraction", type=float, default=d.malicious_fraction,
                   help="fraction of all clients that attack, a fixed set drawn from --seed and listed in "

@@ -51,6 +51,13 @@ _FEDFA = dict(groups=("resnet18", "resnet26"), num_clients=100, clients_per_roun
               batch_size=10, optimizer="sgd", learning_rate=0.01, momentum=0.9, weight_decay=5e-4,
               weighting="num_samples", rounds=200, eval_every=10, method="FedFA")
 
+# FedIN paper (Sec. 5.1): ResNet10/14/18/22/26, 20 clients each, 100 clients, Dirichlet 0.5, 5 local epochs,
+# batch 16, Adam 1e-3, 500 rounds, mu/2 = 0.05; the participation rate (0.1) and drop_last are the authors'
+# InCo code's, which shares FedIN's setting; averaging is the count-based layer-wise mean of that code.
+_FEDIN = dict(groups=INCO_RESNETS, num_clients=100, clients_per_round=10, partition="dirichlet", alpha=0.5, epochs=5,
+              batch_size=16, optimizer="adam", learning_rate=1e-3, rounds=500, eval_every=1, method="FedIN",
+              drop_last=True, fedprox_mu=0.1)
+
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("inco", "InCo paper (Sec. 5): ResNet10/14/18/22/26 groups, ImageNet stem, 100 clients, 10 per round, "
            "Dirichlet 0.5, 5 epochs, batch 64, Adam 1e-3, 500 rounds", _INCO),
@@ -78,6 +85,11 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            "400 rounds; the paper's Pre-ResNet and its lr milestones [150, 250] are not reproduced, and the ResNets keep "
            "their ImageNet stem on 32x32 images (no CIFAR-stem ResNet26 here)",
            {**_FEDFA, "learning_rate": 0.1, "rounds": 400}),
+    Preset("fedin", "FedIN paper (Sec. 5.1): ResNet10/14/18/22/26 groups, 100 clients, 10 per round, Dirichlet 0.5, "
+           "5 epochs, batch 16, Adam 1e-3, mu/2 0.05, 500 rounds, evaluation every round (rounds to a target)", _FEDIN),
+    Preset("fedin-cpu", "the FedIN protocol at CPU size",
+           {**_FEDIN, "groups": tuple(f"{g}@0.125" for g in INCO_RESNETS), "epochs": 2, "rounds": 40},
+           reduced="widths x0.125, 2 local epochs instead of 5 and 40 rounds instead of 500", paper="fedin"),
     Preset("fedfa-cpu", "the FedFA protocol at CPU size",
            {**_FEDFA, "groups": ("resnet18@0.125", "resnet26@0.125"), "epochs": 1, "rounds": 40, "eval_every": 2},
            reduced="widths x0.125, 1 local epoch instead of 5 and 40 rounds instead of 200", paper="fedfa"),

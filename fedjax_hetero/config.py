@@ -21,6 +21,7 @@ from fedjax_hetero.algorithms.fedgen import FedGenConfig
 from fedjax_hetero.backends import BACKENDS
 from fedjax_hetero.client.backdoor import num_malicious
 from fedjax_hetero.client.local import LocalConfig
+from fedjax_hetero.client.terms import term_cuts
 from fedjax_hetero.engine import FederationConfig
 from fedjax_hetero.guard import DivergenceConfig
 from fedjax_hetero.data.partition import DIRICHLET_MIN_SIZE
@@ -193,12 +194,18 @@ class RunConfig:
         raise ValueError(f"{cli_flag('method.fedimpro.cut')}, group {spec}: {e}") from None
 
   def _check_scaler(self, method: Method) -> None:
-    """HeteroFL's Scaler divides by a group's ``width``, its rate only if the widest group has width 1."""
+    """Every group's model takes the method's terms (their wrappers and cut points); HeteroFL's Scaler divides
+    by a group's ``width``, its rate only if the widest group has width 1."""
     specs = [(spec, *models.parse_group_spec(spec)) for spec in self.groups]
     widest = max(w for _, _, w in specs)
     for spec, name, width in specs:
       try:
         wrapped = method.wrap_model(models.build_model(name, 10, width))
+      except ValueError as e:
+        raise ValueError(f"{cli_flag('groups')}, group {spec}: {e}") from None
+      try:
+        for term in method.terms:  # the cut points a term reads exist (FedIN's declared split, FedImpro's cut)
+          term_cuts(term, wrapped)
       except ValueError as e:
         raise ValueError(f"{cli_flag('groups')}, group {spec}: {e}") from None
       if getattr(wrapped, "scaler", False) and widest != 1:

@@ -20,7 +20,7 @@ from typing import Any, Iterable
 RENAMED_FLAGS: dict[str, str] = {"method.name": "method", "output.dir": "output_dir",
                                  "method.fedcross.global_from": "fedcross_global", "divergence.action": "on_divergence"}
 # Families whose flag names put the family's name before the leaf's (method.fedcross.alpha: fedcross_alpha).
-PREFIXED_FAMILIES: tuple[str, ...] = ("method.fedcross", "method.fedimpro", "divergence")
+PREFIXED_FAMILIES: tuple[str, ...] = ("method.fedcross", "method.fedimpro", "method.fedin", "divergence")
 # Families without flags of their own (FedGen's settings: only --fedgen-preset sets them).
 UNFLAGGED_FAMILIES: tuple[str, ...] = ("method.fedgen",)
 # Flags the CLI spells other than "--" and the flag name with dashes.

@@ -5,7 +5,8 @@ averaging rule) under three ways of sharing server models: each architecture gro
 federation (FedAvg, FedProx, Scaffold, FedNova, MOON), one global model
 averaged layer-wise (Hetero*), and the latter plus InCo's cross-layer step
 (InCo*). FedCross and its two further baselines, FedGen and CluSamp, follow,
-then FedImpro, FedFA with its depth baseline FlexiFed and its width baseline HeteroFL, and FedRolex.
+then FedImpro, FedFA with its depth baseline FlexiFed and its width baseline HeteroFL, FedRolex, and FedIN
+with its baseline InclusiveFL.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Callable, NamedTuple
 from fedjax_hetero import aggregators
 from fedjax_hetero.algorithms.fedgen import FedGenConfig
 from fedjax_hetero.algorithms.fedimpro import FedImproConfig
+from fedjax_hetero.algorithms.fedin import FedINConfig
 from fedjax_hetero.client import terms
 from fedjax_hetero.client.local import LocalConfig
 from fedjax_hetero.hetero.maps import SubmodelMap, Variables, build_group_map
@@ -23,6 +25,8 @@ from fedjax_hetero.methods.api import PER_GROUP, SHARED, STACKED, Method, Sharin
 from fedjax_hetero.methods.fedfa import fedfa_aggregation, scaled_upload
 from fedjax_hetero.methods.fedgen import generative_regularizer, generator_training
 from fedjax_hetero.methods.fedimpro import feature_sharing, feature_statistics
+from fedjax_hetero.methods.fedin import (INCLUSIVE_BETA, INCLUSIVE_MOMENTUM, feature_bank, gradient_rule,
+                                         intermediate_training, momentum_distillation)
 from fedjax_hetero.methods.heterofl import (BN_SAMPLES, absent_class_logits, scaler, static_batch_norm,
                                             static_batch_norm_evaluation)
 from fedjax_hetero.sampling.clustered import SIMILARITIES
@@ -41,6 +45,7 @@ FEDCROSS_PAPER = "FedCross (Hu et al., ICDE 2024) and its baselines"
 FEDIMPRO_PAPER = "FedImpro (decoupled gradient dissimilarity; its baselines are FedAvg, FedProx, Scaffold, FedNova)"
 FEDFA_PAPER = "FedFA (Park & Joe-Wong, ECML-PKDD 2024) and its depth and width baselines"
 FEDROLEX_PAPER = "FedRolex (Alam et al., NeurIPS 2022)"
+FEDIN_PAPER = "FedIN (Chan et al., 2023) and its baseline InclusiveFL"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +71,9 @@ class MethodOptions:
   heterofl_static_bn: bool | None = None  # HeteroFL's static BatchNorm (sBN); None: on
   heterofl_bn_samples: int | None = None  # training samples sBN re-estimates statistics on; None: BN_SAMPLES
   heterofl_mask_logits: bool | None = None  # HeteroFL's zeroing of absent classes' logits; None: on
+  fedin: FedINConfig = FedINConfig()
+  inclusivefl_beta: float = INCLUSIVE_BETA  # InclusiveFL's distillation strength
+  inclusivefl_momentum: float = INCLUSIVE_MOMENTUM  # InclusiveFL's momentum of the deeper blocks' update
 
   def __post_init__(self):
     check_choice("method.aggregate", self.aggregate, AGGREGATE_MODES)
@@ -84,9 +92,12 @@ class MethodOptions:
     check_integer("method.heterofl_bn_samples", self.heterofl_bn_samples, minimum=1, optional=True)
     check_choice("method.fedfa_norm", self.fedfa_norm, aggregators.FEDFA_NORMS, optional=True)
     check_number("method.fedfa_percentile", self.fedfa_percentile, above=0, maximum=100, optional=True)
+    check_number("method.inclusivefl_beta", self.inclusivefl_beta, minimum=0)
+    check_number("method.inclusivefl_momentum", self.inclusivefl_momentum, minimum=0, below=1)
     for path, value, kind in (("method.fedcross", self.fedcross, FedCrossConfig),
                               ("method.fedgen", self.fedgen, FedGenConfig),
-                              ("method.fedimpro", self.fedimpro, FedImproConfig)):
+                              ("method.fedimpro", self.fedimpro, FedImproConfig),
+                              ("method.fedin", self.fedin, FedINConfig)):
       if not isinstance(value, kind):
         raise ValueError(f"{path} must be a {kind.__name__}, got {type(value).__name__}")
 
@@ -213,6 +224,19 @@ def fedrolex(o: MethodOptions, local: LocalConfig) -> Method:
                 submodel=rolling_channels)
 
 
+def fedin(o: MethodOptions, local: LocalConfig) -> Method:
+  """FedIN: HeteroProx (layer-wise mean, the proximal term with mu = --fedprox-mu) plus the IN loss on the
+  server's feature pairs, its gradient combined with the local one by --fedin-rule."""
+  return Method("FedIN", FEDIN_PAPER, "", terms=(terms.proximal(o.fedprox_mu), intermediate_training(o.fedin)),
+                server=(_averaging(o), steps.apply_delta(), feature_bank(o.fedin)), sharing=SHARED,
+                combine=gradient_rule(o.fedin))
+
+
+def inclusivefl(o: MethodOptions, local: LocalConfig) -> Method:
+  return Method("InclusiveFL", FEDIN_PAPER, "", server=(_averaging(o), momentum_distillation(
+      o.inclusivefl_beta, o.inclusivefl_momentum), steps.apply_delta()), sharing=SHARED)
+
+
 class Entry(NamedTuple):
   name: str
   paper: str
@@ -245,7 +269,12 @@ def _entries() -> list[Entry]:
           Entry("HeteroFL", FEDFA_PAPER, "HeteroAvg over leading channel slices + Scaler, static BN and masked "
                 "absent-class logits (Diao et al. 2021; --heterofl-*)", heterofl),
           Entry("FedRolex", FEDROLEX_PAPER, "HeteroAvg over rolling channel windows that move one step per round "
-                "(models with pooled features: not the CNNs)", fedrolex)]
+                "(models with pooled features: not the CNNs)", fedrolex),
+          Entry("FedIN", FEDIN_PAPER, "HeteroProx + regression of the intermediate layers on the server's feature "
+                "pairs (Eq. 8), gradients combined Z = G_IN + G_local / 2 (Eq. 14); ablations: HeteroProx (w/o IN), "
+                "--fedin-rule sum (w/o the rule), project (Eq. 13)", fedin),
+          Entry("InclusiveFL", FEDIN_PAPER, "HeteroAvg + momentum distillation: a stage's last block in a shallow "
+                "group also moves by beta x the momentum of the deeper blocks' update (Liu et al. 2022)", inclusivefl)]
   return out
 
 
@@ -270,6 +299,11 @@ def build_method(name: str, options: MethodOptions = MethodOptions(), local: Loc
   fedfa_options = (options.fedfa_graft, options.fedfa_scale, options.fedfa_norm, options.fedfa_percentile)
   if any(v is not None for v in fedfa_options) and "fedfa" not in names:
     raise ValueError(f"--fedfa-graft/--fedfa-scale/--fedfa-norm/--fedfa-percentile apply to FedFA, not {entry.name}")
+  if options.fedin != FedINConfig() and entry.name != "FedIN":
+    raise ValueError(f"--fedin-* apply to FedIN, not {entry.name}")
+  inclusive = (options.inclusivefl_beta, options.inclusivefl_momentum)
+  if inclusive != (INCLUSIVE_BETA, INCLUSIVE_MOMENTUM) and entry.name != "InclusiveFL":
+    raise ValueError(f"--inclusivefl-beta/--inclusivefl-momentum apply to InclusiveFL, not {entry.name}")
   heterofl_options = (options.heterofl_scaler, options.heterofl_static_bn, options.heterofl_bn_samples,
                       options.heterofl_mask_logits)
   if any(v is not None for v in heterofl_options) and entry.name != "HeteroFL":

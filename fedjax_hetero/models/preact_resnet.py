@@ -99,6 +99,12 @@ class PreActResNet(nn.Module):
     """FedImpro's default low/high split (`models.resolve_cut`): after stage 2."""
     return "stage2"
 
+  @property
+  def intermediate_split(self) -> tuple[str, str]:
+    """FedIN's split: the extractor ends at the stem, the intermediate layers at the last stage; the
+    classifier is pooling and the head (as the InCo authors' code splits it)."""
+    return "stem", f"stage{len(self.stage_sizes)}"
+
   @nn.compact
   def __call__(self, x: Array, train: bool = False, mask: Array | None = None, start: str = "input",
                stop: str = "logits") -> Array:

@@ -92,6 +92,12 @@ class ResNet(nn.Module):
     """FedImpro's default low/high split: after stage 2, the paper's "9-th layer" of ResNet-18."""
     return "stage2"
 
+  @property
+  def intermediate_split(self) -> tuple[str, str]:
+    """FedIN's split: the extractor ends at the stem, the intermediate layers at the last stage; the
+    classifier is pooling and the head (as the InCo authors' code splits it)."""
+    return "stem", f"stage{len(self.stage_sizes)}"
+
   @nn.nowrap
   def cross_layer_pairs(self) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
     """InCo's (target, source) 'params' kernel paths, from `stage_sizes` (InCo Sec. 3.2).

@@ -28,8 +28,9 @@ from fedjax_hetero.client.local import OPTIMIZERS
 from fedjax_hetero.compilation import CACHE_ENV, default_cache_dir, enable_persistent_cache
 from fedjax_hetero.config import RunConfig
 from fedjax_hetero.guard import ACTIONS
-from fedjax_hetero.methods.heterofl import BN_SAMPLES
 from fedjax_hetero.methods import AGGREGATE_MODES, methods_by_paper
+from fedjax_hetero.methods.heterofl import BN_SAMPLES
+from fedjax_hetero.models.resnet import SKIPS
 from fedjax_hetero.runner import run_experiment
 from fedjax_hetero.sampling import SIMILARITIES
 from fedjax_hetero.sampling.samplers import WEIGHTINGS
@@ -153,6 +154,14 @@ def build_parser(defaults: RunConfig, description: str) -> argparse.ArgumentPars
                   help=f"training samples (a fixed draw) static BN re-estimates statistics on; default: {BN_SAMPLES}")
   hf.add_argument("--heterofl-mask-logits", action=argparse.BooleanOptionalAction, default=d.heterofl_mask_logits,
                   help="in local training, zero the logits of classes absent from the client's data; default: on")
+  nf = p.add_argument_group("NeFL (--method NeFL)")
+  nf.add_argument("--nefl-skip", default=d.nefl_skip, choices=SKIPS,
+                  help="which blocks a depth group's stage of d blocks holds of a deeper one: middle (the first "
+                  "d-1 and the last, NeFL's ResNet34/110 tables) or last (the first d, FedFA's extraction); "
+                  "default: middle")
+  nf.add_argument("--nefl-step-sizes", action=argparse.BooleanOptionalAction, default=d.nefl_step_sizes,
+                  help="learnable per-block step sizes x + s F(x), s = 1 at the start, kept per group (ResNets); "
+                  "default: on")
   fn = p.add_argument_group("FedIN (--method FedIN) and InclusiveFL (--method InclusiveFL)")
   fn.add_argument("--fedin-rule", default=d.fedin_rule, choices=fedin.RULES,
                   help="how the IN gradient and the local one combine: eq14 (Z = G_IN + lambda/2 G_local, the "

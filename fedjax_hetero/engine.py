@@ -32,7 +32,7 @@ from fedjax_hetero.client.local import LocalConfig, LocalTrainer
 from fedjax_hetero.compilation import mapping_headroom
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.evaluation import EVAL_BATCH, accuracy
-from fedjax_hetero.hetero.maps import SubmodelMap, Variables, extract, identity_map, pick_global
+from fedjax_hetero.hetero.maps import SubmodelMap, Variables, complete, extract, identity_map, pick_global, separate
 from fedjax_hetero.methods.api import Method
 from fedjax_hetero.models import parameter_split, resolve_cut
 from fedjax_hetero.sampling.samplers import WEIGHTINGS, SamplingInfo
@@ -162,6 +162,10 @@ class Simulation:
     shapes = [jax.eval_shape(g.model.init, jax.random.key(0), self._sample_input) for g in self.groups]
     self.global_index = pick_global(shapes, [g.name for g in self.groups])
     self.maps = [method.submodel(shapes[self.global_index], s, g.name) for g, s in zip(self.groups, shapes)]
+    self._base_maps = self.maps  # before `separate`: where a group's own leaves start from
+    if method.own_leaves and method.sharing.shared and len(self.groups) > 1:
+      own = [method.own_leaves(g.model, self._sample_input) for g in self.groups]
+      self.maps = list(separate(self.maps, own, self.global_index, [g.name for g in self.groups]))
     self.group_of_client = np.full(store.num_clients, -1)
     self.row_of_client = np.full(store.num_clients, -1)
     for i, g in enumerate(self.groups):
@@ -211,6 +215,8 @@ class Simulation:
     # One jitted program: eager init compiles a random kernel per leaf shape.
     global_vars = jax.jit(self.groups[self.global_index].model.init)(jax.random.key(self.config.seed),
                                                                     self._sample_input)
+    if self.maps is not self._base_maps:
+      global_vars = complete(global_vars, self._base_maps, self.maps)
     models = []
     for f in self.federations:
       model = global_vars if len(f.members) > 1 else extract(global_vars, self.maps[f.members[0]])

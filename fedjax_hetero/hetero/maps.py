@@ -16,6 +16,15 @@ client leaf feeds several global leaves; several client leaves may also pull
 one global leaf. The layer-wise mean over holders (`aggregators.
 heterogeneous_sums`) only needs `embed` and `coverage`, so it serves every kind.
 
+Groups of one shared federation may also keep *own* copies of some leaves
+(`separate`, NeFL's inconsistent parameters): every group but the one whose
+model the federation keeps pulls and pushes those client leaves through a
+global leaf of its own, under the top-level key ``"own"`` (``("own",
+"group2", "params", "stem_bn", "scale")``), at full shape. Nobody else pushes
+into it, so the layer-wise mean over holders averages it over that group's
+clients only; the kept group uses the leaves at their usual place. `complete`
+adds the copies to the federation's initial variables.
+
 Models name their layers by structural position (``stage3_block1/conv2``), so
 the correspondence is found from shapes and tree paths, never by matching
 parameter names. Maps are static, hashable Python structure built once; the
@@ -27,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Collection, Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +71,8 @@ class Window:
   def place(self, leaf: jax.Array, global_shape: tuple[int, ...], dtype, offset) -> jax.Array:
     """``leaf`` put into zeros of ``global_shape`` at this window."""
     leaf = leaf.astype(dtype)
+    if not self.shape:  # a scalar leaf (jnp.pad takes no empty padding)
+      return leaf
     if not self.rolled:
       return jnp.pad(leaf, [(0, g - n) for n, g in zip(self.shape, global_shape)])
     index = [jnp.arange(n) if isinstance(i, slice) else i for i, n in zip(self.index(global_shape, offset), self.shape)]
@@ -216,6 +227,53 @@ def graft(group_map: SubmodelMap, blocks: Iterable[tuple[Path, Path]], group_nam
     if not found:
       raise ValueError(f"{group_name}: the client model has no block {_name(client_block)} to graft")
   return dataclasses.replace(group_map, push=group_map.push + tuple(extra))
+
+
+OWN = "own"  # top-level key of the groups' own leaves in a shared federation's variables (`separate`)
+
+
+def separate(group_maps: Sequence[SubmodelMap], own: Sequence[Collection[Path]], keep: int,
+             group_names: Sequence[str] | None = None) -> tuple[SubmodelMap, ...]:
+  """The maps of one shared federation in which every group ``g != keep`` keeps its own copy of its client
+  leaves ``own[g]`` (flattened paths, any collection): they link, at full shape, to the global leaf
+  ``(OWN, f"group{g}") + path``, which every map lists among its global shapes and only group ``g`` pushes
+  into. Group ``keep`` (the one whose model the federation keeps) uses its leaves in place. Other pushes of
+  an own leaf (grafting) are dropped: an own leaf feeds its copy only. Raises ValueError naming the group
+  if a path is not one of its client leaves.
+  """
+  if len(own) != len(group_maps):
+    raise ValueError(f"own needs one set of paths per group map ({len(group_maps)}), got {len(own)}")
+  names = list(group_names) if group_names is not None else [f"group{g}" for g in range(len(group_maps))]
+  copies: list[dict[Path, Link]] = []
+  for g, (group_map, paths) in enumerate(zip(group_maps, own)):
+    _check_map(group_map)
+    pulls = {link.client: link for link in group_map.pull}
+    unknown = sorted(set(map(tuple, paths)) - set(pulls))
+    if unknown:
+      raise ValueError(f"{names[g]}: cannot keep {_name(unknown[0])} as its own: the group's model has no such leaf")
+    copies.append({} if g == keep else {
+        p: Link(p, (OWN, f"group{g}") + p, Window(pulls[p].window.shape)) for p in sorted(map(tuple, paths))})
+  extra = tuple((link.global_, link.window.shape) for links in copies for link in links.values())
+  out = []
+  for group_map, links in zip(group_maps, copies):
+    pull = tuple(links.get(link.client, link) for link in group_map.pull)
+    push = tuple(link for link in group_map.push if link.client not in links) + tuple(links.values())
+    out.append(SubmodelMap(pull, push, group_map.global_shapes + extra))
+  return tuple(out)
+
+
+def complete(global_vars: Variables, base_maps: Sequence[SubmodelMap], group_maps: Sequence[SubmodelMap],
+             offset=0) -> Variables:
+  """``global_vars`` with the global leaves that ``group_maps`` (`separate`'s) add: each copy starts as
+  the group's leaf extracted through its map before separation, ``base_maps[g]``."""
+  flat = flatten(global_vars)
+  for base, group_map in zip(base_maps, group_maps):
+    origin = {link.client: link for link in base.pull}
+    for link in group_map.pull:
+      if link.global_ not in flat:
+        source = origin[link.client]
+        flat[link.global_] = source.window.take(flat[source.global_], offset)
+  return traverse_util.unflatten_dict(flat)
 
 
 def pick_global(group_shapes: Sequence[Variables], names: Sequence[str]) -> int:

@@ -11,7 +11,10 @@ without knowing any method:
   layer-wise; `STACKED`: FedCross's K middleware models, one per client slot);
 * ``sampler``: who takes part (`fedjax_hetero.sampling.samplers`);
 * ``submodel``: how a group's model sits in the shared model (`hetero.maps`:
-  leading slices, FedRolex's rolling windows).
+  leading slices, FedRolex's rolling windows);
+* ``own_leaves``: the leaves every group of a shared federation keeps a copy of
+  its own, averaged over that group's clients only (`hetero.maps.separate`;
+  NeFL's inconsistent parameters).
 
 Client terms, server steps and the sampler are linked by name only: a step's
 broadcast goes to the client term of its name, and a term's upload to the step
@@ -21,14 +24,15 @@ or sampler of its name.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple
+from typing import Callable, Collection, NamedTuple
 
 import flax.linen as nn
+import jax
 
 from fedjax_hetero.client.local import GradientRule
 from fedjax_hetero.client.terms import ClientTerm
 from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.hetero.maps import SubmodelMap, Variables, build_group_map
+from fedjax_hetero.hetero.maps import Path, SubmodelMap, Variables, build_group_map
 from fedjax_hetero.sampling.samplers import Sampler, uniform
 from fedjax_hetero.server.steps import ServerStep, apply_delta, insert_before, mean_delta
 
@@ -64,6 +68,9 @@ class Method:
   # (group's model, its variables, the training store) -> the variables it is evaluated with (HeteroFL's
   # static BN re-estimates BatchNorm statistics); None: the server's variables as they are
   evaluation_variables: Callable[[nn.Module, Variables, FederatedStore], Variables] | None = None
+  # (group's model as the clients train it, a sample input) -> the paths of its variable leaves that each group
+  # of a shared federation keeps its own copy of (NeFL's inconsistent parameters); None: every leaf is shared
+  own_leaves: Callable[[nn.Module, jax.Array], Collection[Path]] | None = None
 
   def __post_init__(self):
     for kind, names in (("client term", [t.name for t in self.terms]), ("server step", [s.name for s in self.server])):

@@ -5,8 +5,8 @@ averaging rule) under three ways of sharing server models: each architecture gro
 federation (FedAvg, FedProx, Scaffold, FedNova, MOON), one global model
 averaged layer-wise (Hetero*), and the latter plus InCo's cross-layer step
 (InCo*). FedCross and its two further baselines, FedGen and CluSamp, follow,
-then FedImpro, FedFA with its depth baseline FlexiFed and its width baseline HeteroFL, FedRolex, and FedIN
-with its baseline InclusiveFL.
+then FedImpro, FedFA with its depth baseline FlexiFed, its width baseline HeteroFL and its width+depth baseline
+NeFL, FedRolex, and FedIN with its baseline InclusiveFL.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from fedjax_hetero.methods.fedin import (INCLUSIVE_BETA, INCLUSIVE_MOMENTUM, fea
                                          intermediate_training, momentum_distillation)
 from fedjax_hetero.methods.heterofl import (BN_SAMPLES, absent_class_logits, scaler, static_batch_norm,
                                             static_batch_norm_evaluation)
+from fedjax_hetero.methods.nefl import SKIP, inconsistent_leaves, nested_model
+from fedjax_hetero.models.resnet import SKIPS
 from fedjax_hetero.sampling.clustered import SIMILARITIES
 from fedjax_hetero.sampling.samplers import clustered, shuffled
 from fedjax_hetero.server import steps
@@ -43,7 +45,7 @@ AGGREGATE_MODES = ("deltas", "weights")
 INCO_PAPER = "InCo Aggregation (Chan et al., ICLR 2024) and its baselines"
 FEDCROSS_PAPER = "FedCross (Hu et al., ICDE 2024) and its baselines"
 FEDIMPRO_PAPER = "FedImpro (decoupled gradient dissimilarity; its baselines are FedAvg, FedProx, Scaffold, FedNova)"
-FEDFA_PAPER = "FedFA (Park & Joe-Wong, ECML-PKDD 2024) and its depth and width baselines"
+FEDFA_PAPER = "FedFA (Park & Joe-Wong, ECML-PKDD 2024) and its depth, width and width+depth baselines"
 FEDROLEX_PAPER = "FedRolex (Alam et al., NeurIPS 2022)"
 FEDIN_PAPER = "FedIN (Chan et al., 2023) and its baseline InclusiveFL"
 
@@ -71,6 +73,8 @@ class MethodOptions:
   heterofl_static_bn: bool | None = None  # HeteroFL's static BatchNorm (sBN); None: on
   heterofl_bn_samples: int | None = None  # training samples sBN re-estimates statistics on; None: BN_SAMPLES
   heterofl_mask_logits: bool | None = None  # HeteroFL's zeroing of absent classes' logits; None: on
+  nefl_skip: str | None = None  # which blocks NeFL's depth sub-models skip: "middle" or "last"; None: "middle"
+  nefl_step_sizes: bool | None = None  # NeFL's learnable per-block step sizes; None: on
   fedin: FedINConfig = FedINConfig()
   inclusivefl_beta: float = INCLUSIVE_BETA  # InclusiveFL's distillation strength
   inclusivefl_momentum: float = INCLUSIVE_MOMENTUM  # InclusiveFL's momentum of the deeper blocks' update
@@ -87,10 +91,12 @@ class MethodOptions:
     for path, value in (("method.fedfa_graft", self.fedfa_graft), ("method.fedfa_scale", self.fedfa_scale),
                         ("method.heterofl_scaler", self.heterofl_scaler),
                         ("method.heterofl_static_bn", self.heterofl_static_bn),
-                        ("method.heterofl_mask_logits", self.heterofl_mask_logits)):
+                        ("method.heterofl_mask_logits", self.heterofl_mask_logits),
+                        ("method.nefl_step_sizes", self.nefl_step_sizes)):
       check_bool(path, value, optional=True)
     check_integer("method.heterofl_bn_samples", self.heterofl_bn_samples, minimum=1, optional=True)
     check_choice("method.fedfa_norm", self.fedfa_norm, aggregators.FEDFA_NORMS, optional=True)
+    check_choice("method.nefl_skip", self.nefl_skip, SKIPS, optional=True)
     check_number("method.fedfa_percentile", self.fedfa_percentile, above=0, maximum=100, optional=True)
     check_number("method.inclusivefl_beta", self.inclusivefl_beta, minimum=0)
     check_number("method.inclusivefl_momentum", self.inclusivefl_momentum, minimum=0, below=1)
@@ -199,6 +205,14 @@ def heterofl(o: MethodOptions, local: LocalConfig) -> Method:
                 sharing=SHARED, evaluation_variables=evaluation)
 
 
+def nefl(o: MethodOptions, local: LocalConfig) -> Method:
+  """NeFL (Kang et al., arXiv 2308.07761; `methods.nefl`): ResNets with learnable step sizes whose depth
+  sub-models skip blocks (``--nefl-skip``), shared weights averaged over their holders, and the step sizes and
+  BatchNorm kept and averaged per architecture group."""
+  return Method("NeFL", FEDFA_PAPER, "", terms=(nested_model(o.nefl_skip or SKIP, o.nefl_step_sizes is not False),),
+                server=(_averaging(o), steps.apply_delta()), sharing=SHARED, own_leaves=inconsistent_leaves)
+
+
 def rolling_channels(global_shapes: Variables, group_shapes: Variables, group_name: str = "group") -> SubmodelMap:
   """FedRolex's map: rolling windows on every narrower axis (`build_group_map` with ``rolling``), where
   each rolled axis must be a channel axis, i.e. the output axis of some layer at the same sizes.
@@ -268,6 +282,9 @@ def _entries() -> list[Entry]:
                 "on ResNet stages); = HeteroAvg --aggregate weights", flexifed),
           Entry("HeteroFL", FEDFA_PAPER, "HeteroAvg over leading channel slices + Scaler, static BN and masked "
                 "absent-class logits (Diao et al. 2021; --heterofl-*)", heterofl),
+          Entry("NeFL", FEDFA_PAPER, "HeteroAvg over ResNets with learnable per-block step sizes, depth groups "
+                "skipping middle blocks; step sizes and BatchNorm kept and averaged per group (Kang et al.; --nefl-*)",
+                nefl),
           Entry("FedRolex", FEDROLEX_PAPER, "HeteroAvg over rolling channel windows that move one step per round "
                 "(models with pooled features: not the CNNs)", fedrolex),
           Entry("FedIN", FEDIN_PAPER, "HeteroProx + regression of the intermediate layers on the server's feature "
@@ -308,6 +325,8 @@ def build_method(name: str, options: MethodOptions = MethodOptions(), local: Loc
                       options.heterofl_mask_logits)
   if any(v is not None for v in heterofl_options) and entry.name != "HeteroFL":
     raise ValueError(f"--heterofl-* apply to HeteroFL, not {entry.name}")
+  if (options.nefl_skip is not None or options.nefl_step_sizes is not None) and entry.name != "NeFL":
+    raise ValueError(f"--nefl-skip/--nefl-step-sizes apply to NeFL, not {entry.name}")
   if options.heterofl_bn_samples is not None and options.heterofl_static_bn is False:
     raise ValueError("--heterofl-bn-samples sets static BN's re-estimation, which --no-heterofl-static-bn turns off")
   if (options.fedfa_norm or options.fedfa_percentile) and options.fedfa_scale is False:

@@ -11,11 +11,14 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Sequence
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import traverse_util
 
 Array = jax.Array
 Part = tuple[str, Callable[[Array], Array]]
+Path = tuple[str, ...]
 
 
 def scale_channels(channels: int, width: float) -> int:
@@ -27,6 +30,33 @@ def scaler(x: Array, rate: float | None, train: bool) -> Array:
   """HeteroFL's Scaler (Diao et al., ICLR 2021, Sec. 3): a hidden layer's output divided by the model's
   width rate in training, the identity at evaluation and when ``rate`` is None (the Scaler off)."""
   return x / rate if rate is not None and train else x
+
+
+class StepSize(nn.Module):
+  """A learnable scalar step size ``s`` (its param ``scale``, initialized to 1) multiplying its input: NeFL's
+  residual update x_{j+1} = x_j + s_j F_j(x_j), forward propagation read as an ODE solver (Kang et al.,
+  arXiv 2308.07761)."""
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    return x * self.param("scale", nn.initializers.ones, ()).astype(x.dtype)
+
+
+def module_leaves(model: nn.Module, sample_input: Array, kinds: tuple[type, ...]) -> frozenset[Path]:
+  """The variable leaves (``(collection, *module path, name)``, every collection) that the submodules of the
+  given types own directly, e.g. every BatchNorm's scale, bias, mean and var. Found by tracing a training
+  forward pass and recording the path of every module of those types it calls, so no name is matched."""
+  paths: set[Path] = set()
+
+  def record(next_fun, args, kwargs, context):
+    if isinstance(context.module, kinds):
+      paths.add(tuple(context.module.path))
+    return next_fun(*args, **kwargs)
+
+  variables = jax.eval_shape(model.init, jax.random.key(0), sample_input)
+  with nn.intercept_methods(record):
+    jax.eval_shape(lambda v, x: model.apply(v, x, train=True, mutable=True), variables, sample_input)
+  return frozenset(path for path in traverse_util.flatten_dict(dict(variables)) if path[1:-1] in paths)
 
 
 def bn_mask(mask: Array | None, x: Array) -> Array | None:

@@ -4,6 +4,15 @@ Layers are named by structural position (`stem_conv`, `stage2_block1/conv1`,
 `head`), so a shallower/narrower ResNet of the same family has a variable tree
 that is a subtree of a deeper/wider one, with every leaf a leading slice.
 `ResNet.stage_blocks()` declares the stages and their blocks (FedFA's sections).
+
+Which blocks a shallower ResNet of the family holds of a deeper one's stage is
+its ``skip`` reading: "last" (the default) names a stage's blocks ``block0 ..
+block{d-1}``, so a stage of d blocks is the first d of a deeper one (FedFA's
+extraction; the deeper blocks are the ones skipped); "middle" names the
+stage's last block ``block_last``, so a stage of d >= 2 blocks is the first
+d - 1 and the last of a deeper one (NeFL's depthwise sub-models skip blocks in
+the middle of a stage). ``step_sizes`` adds NeFL's learnable step size to every
+block's residual branch (`common.StepSize`).
 """
 
 from __future__ import annotations
@@ -15,7 +24,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fedjax_hetero.models.common import Part, bn_mask, convolution, max_pool, run_parts, scale_channels, scaler
+from fedjax_hetero.models.common import (Part, StepSize, bn_mask, convolution, max_pool, run_parts, scale_channels,
+                                         scaler)
 
 Array = jax.Array
 
@@ -27,8 +37,14 @@ conv_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
 dense_init = nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
 
 
-def block_name(stage: int, block: int) -> str:
-  """The module name of block ``block`` (0-based) of stage ``stage`` (0-based)."""
+SKIPS = ("last", "middle")  # which blocks of a deeper stage a shallower model lacks (see the module docstring)
+
+
+def block_name(stage: int, block: int, blocks: int | None = None, skip: str = "last") -> str:
+  """The module name of block ``block`` (0-based) of stage ``stage`` (0-based) of ``blocks`` blocks: with
+  ``skip`` "middle" a stage's last block (of two or more) is ``block_last``."""
+  if skip == "middle" and blocks is not None and blocks >= 2 and block == blocks - 1:
+    return f"stage{stage + 1}_block_last"
   return f"stage{stage + 1}_block{block}"
 
 
@@ -44,6 +60,7 @@ class BasicBlock(nn.Module):
   strides: int = 1
   dtype: Any = jnp.float32
   rate: float | None = None  # HeteroFL's Scaler: conv outputs divided by it in training (None: off)
+  step_size: bool = False  # NeFL: the residual branch times a learnable step size (`StepSize`)
 
   @nn.compact
   def __call__(self, x: Array, train: bool = False, mask: Array | None = None) -> Array:
@@ -54,6 +71,8 @@ class BasicBlock(nn.Module):
     y = nn.relu(_batch_norm(train, self.dtype, "bn1")(scaler(y, self.rate, train), mask=m))
     y = conv(self.channels, (3, 3), padding=((1, 1), (1, 1)), name="conv2")(y)
     y = _batch_norm(train, self.dtype, "bn2")(scaler(y, self.rate, train), mask=m)
+    if self.step_size:
+      y = StepSize(name="step")(y)
     if self.strides != 1 or x.shape[-1] != self.channels:
       x = conv(self.channels, (1, 1), (self.strides,) * 2, padding="VALID", name="downsample_conv")(x)
       x = scaler(x, self.rate, train)
@@ -72,6 +91,9 @@ class ResNet(nn.Module):
     stem: "imagenet" (7x7/2 conv + 3x3/2 max pool) or "cifar" (3x3/1 conv).
     dtype: computation dtype; parameters stay float32 and logits are returned in float32.
     scaler: HeteroFL's Scaler: every conv's output divided by `width` in training.
+    step_sizes: NeFL's learnable step size s_j on every block's residual branch, x + s_j F_j(x) (s_j = 1
+      at initialization; off: no such parameter).
+    skip: which blocks of a deeper stage this model lacks, "last" or "middle" (see the module docstring).
   """
 
   stage_sizes: Sequence[int]
@@ -81,6 +103,8 @@ class ResNet(nn.Module):
   stem: str = "imagenet"
   dtype: Any = jnp.float32
   scaler: bool = False
+  step_sizes: bool = False
+  skip: str = "last"
 
   @property
   def cut_points(self) -> tuple[str, ...]:
@@ -108,11 +132,11 @@ class ResNet(nn.Module):
     out. ResNet10 ([1,1,1,1]) has no pair, ResNet26 ([3,3,3,3]) has 16.
     """
     pairs = []
-    for stage, blocks in enumerate(self.stage_sizes, start=1):
-      source = ("params", f"stage{stage}_block0", "conv2", "kernel")
-      for block in range(1, blocks):
+    for stage in self.stage_blocks():
+      source = ("params",) + stage[0] + ("conv2", "kernel")
+      for block in stage[1:]:
         for conv in ("conv1", "conv2"):
-          pairs.append((("params", f"stage{stage}_block{block}", conv, "kernel"), source))
+          pairs.append((("params",) + block + (conv, "kernel"), source))
     return tuple(pairs)
 
   @nn.nowrap
@@ -123,7 +147,7 @@ class ResNet(nn.Module):
     changes stride or width where the stage does (it then has a downsample branch); the others all
     have one shape.
     """
-    return tuple(tuple((block_name(stage, b),) for b in range(blocks))
+    return tuple(tuple((block_name(stage, b, blocks, self.skip),) for b in range(blocks))
                  for stage, blocks in enumerate(self.stage_sizes))
 
   @nn.compact
@@ -131,6 +155,8 @@ class ResNet(nn.Module):
                stop: str = "logits") -> Array:
     if self.stem not in ("imagenet", "cifar"):
       raise ValueError(f"unknown stem {self.stem!r}; expected 'imagenet' or 'cifar'")
+    if self.skip not in SKIPS:
+      raise ValueError(f"unknown skip {self.skip!r}; expected one of {', '.join(SKIPS)}")
     rate = self.width if self.scaler else None
 
     def stem(h: Array) -> Array:
@@ -149,9 +175,11 @@ class ResNet(nn.Module):
 
     def stage(index: int, h: Array) -> Array:
       channels = scale_channels(self.base_channels * 2**index, self.width)
-      for b in range(self.stage_sizes[index]):
+      blocks = self.stage_sizes[index]
+      for b in range(blocks):
         strides = 2 if index > 0 and b == 0 else 1
-        h = BasicBlock(channels, strides, self.dtype, rate, name=block_name(index, b))(h, train, mask)
+        h = BasicBlock(channels, strides, self.dtype, rate, self.step_sizes,
+                       name=block_name(index, b, blocks, self.skip))(h, train, mask)
       return h
 
     def head(h: Array) -> Array:

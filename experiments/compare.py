@@ -14,16 +14,26 @@ lengths at equal rounds; ``--target 0.87`` adds the first round each run reached
 ``--baseline METHOD`` adds paired statistics: every other method's runs are paired
 with the baseline's runs of the same seed, round by round at the rounds both
 evaluated, and the table gives the mean per-round difference in accuracy points
-with a 95% interval (normal, over the per-round pairs; neighbouring rounds are
-correlated, so read it as a lower bound on the uncertainty), the fraction of
-rounds ahead, and each seed's mean difference. Where runs log the gradient
-dissimilarity (``fedjax_hetero.dissimilarity``) the plot shows it per round
-beside the accuracy.
+with a 95% interval (normal, over the per-round pairs of all seeds; neighbouring
+rounds are correlated, so read it as a lower bound on the uncertainty), the
+fraction of rounds ahead, the best accuracy minus the baseline's best (both at
+the rounds both evaluated; averaged over the seeds), and each seed's mean
+difference. A second table gives the mean difference per window of rounds
+(``--window W``: rounds 1-W, W+1-2W, ...; by default a quarter of the rounds
+compared), pooled over the seeds, to show whether a method's lead grows, holds or
+fades. With ``--target`` a per-seed table gives each side's best accuracy and the
+first round each reached the target. ``--per-group`` adds the paired statistics
+(difference with its interval, rounds ahead, best - best) of every architecture
+group's accuracy (``test_accuracy`` in ``metrics.jsonl`` holds one per group
+beside the mean). Where runs log the gradient dissimilarity
+(``fedjax_hetero.dissimilarity``) the plot shows it per round beside the accuracy.
+
+    python -m experiments.compare runs/repro/inco/*_s* --baseline HeteroAvg --window 20 --per-group
 
 Runs under the backdoor attack (``malicious_fraction`` > 0, `fedjax_hetero.client.backdoor`) are shown as
-their own variant of the method, e.g. ``HeteroFL [backdoor 20% x20]``, in both tables (so ``--baseline
+their own variant of the method, e.g. ``HeteroFL [backdoor 20% x20]``, in all tables (so ``--baseline
 HeteroFL`` pairs them with the clean runs, and the difference is the attack's cost per round). When the runs
-hold an attacked run and a clean run of the same method and seed, a third table gives the accuracy drop
+hold an attacked run and a clean run of the same method and seed, a last table gives the accuracy drop
 under the attack: the clean run's final accuracy minus the attacked run's, at the last round both
 evaluated, averaged over the seeds; with ``--baseline`` it also gives each method's drop as a multiple of the
 baseline method's (the FedFA paper's robustness ratio, e.g. ``--baseline FedFA``).
@@ -32,12 +42,15 @@ baseline method's (the FedFA paper's robustness ratio, e.g. ``--baseline FedFA``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 from typing import Any, Sequence
 
 import numpy as np
+
+Runs = Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]]  # (label, summary.json, metrics.jsonl rows)
 
 
 def load_run(run_dir: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -52,8 +65,9 @@ def load_run(run_dir: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
   return summary, rows
 
 
-def evaluated(rows: Sequence[dict[str, Any]]) -> list[tuple[int, float]]:
-  return [(r["round"], r["test_accuracy"]["mean"]) for r in rows if r.get("test_accuracy")]
+def evaluated(rows: Sequence[dict[str, Any]], part: str = "mean") -> list[tuple[int, float]]:
+  """(round, accuracy) of every round that evaluated ``part``: ``mean`` or an architecture group's name."""
+  return [(r["round"], r["test_accuracy"][part]) for r in rows if part in (r.get("test_accuracy") or {})]
 
 
 def up_to_round(rows: Sequence[dict[str, Any]], last_round: int | None) -> list[dict[str, Any]]:
@@ -127,35 +141,155 @@ def mean_dissimilarity(rows: Sequence[dict[str, Any]], part: str) -> float:
   return float(np.mean(values)) if values else float("nan")
 
 
-def paired_differences(method_rows: Sequence[list[dict[str, Any]]],
-                       baseline_rows: Sequence[list[dict[str, Any]]]) -> list[np.ndarray]:
-  """Per seed pair: the accuracy differences (points) at the rounds both runs evaluated."""
-  out = []
-  for rows, base in zip(method_rows, baseline_rows):
-    base_acc = dict(evaluated(base))
-    out.append(np.array([100 * (a - base_acc[r]) for r, a in evaluated(rows) if r in base_acc]))
-  return out
+@dataclasses.dataclass(frozen=True)
+class Pairing:
+  """One method's runs against the baseline's runs of the same seeds, for one accuracy (the mean or a group's).
+
+  Per seed (in ``seeds`` order): ``rounds``, the rounds both runs evaluated; ``diffs``, the run's accuracy minus
+  the baseline's at those rounds (points); ``best``, the run's best accuracy minus the baseline's best at those
+  rounds (points)."""
+  method: str
+  seeds: list[int]
+  rounds: list[np.ndarray]
+  diffs: list[np.ndarray]
+  best: list[float]
+
+  @property
+  def pooled(self) -> np.ndarray:
+    return np.concatenate(self.diffs)
 
 
-def paired_table(runs, baseline: str) -> str:
-  """Every method against ``baseline``, paired by seed and round (see the module docstring)."""
+def runs_by_method(runs: Runs) -> dict[str, dict[int, list[dict[str, Any]]]]:
+  """method (with its attack, see ``method_of``) -> seed -> rows, in the order the runs were given."""
   by_method: dict[str, dict[int, list[dict[str, Any]]]] = {}
   for _, summary, rows in runs:
     by_method.setdefault(method_of(summary), {})[seed_of(summary)] = rows
+  return by_method
+
+
+def groups_of(runs: Runs) -> list[str]:
+  """The architecture groups whose accuracy the runs logged (``test_accuracy`` keys but ``mean``), first seen first."""
+  return list(dict.fromkeys(g for _, _, rows in runs for r in rows for g in (r.get("test_accuracy") or {})
+                            if g != "mean"))
+
+
+def paired_points(rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]],
+                  part: str = "mean") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(rounds, the run's accuracy, the baseline's accuracy) at the rounds both evaluated ``part``."""
+  base_acc = dict(evaluated(base, part))
+  common = [(r, a, base_acc[r]) for r, a in evaluated(rows, part) if r in base_acc]
+  return (np.array([r for r, _, _ in common], dtype=int), np.array([a for _, a, _ in common], dtype=float),
+          np.array([b for _, _, b in common], dtype=float))
+
+
+def pairings(runs: Runs, baseline: str, part: str = "mean") -> list[Pairing]:
+  """Every method but ``baseline`` paired with it by seed and round (seeds without a common round left out)."""
+  by_method = runs_by_method(runs)
   if baseline not in by_method:
     raise SystemExit(f"error: no run of the baseline {baseline!r}; methods: {', '.join(by_method)}")
-  lines = [f"| method - {baseline} | seeds | mean per-round difference (points) [95% interval] | rounds ahead | "
-           "per seed |", "|---|---|---|---|---|"]
+  out = []
   for method, seeds in by_method.items():
-    common = sorted(set(seeds) & set(by_method[baseline]))
-    if method == baseline or not common:
+    if method == baseline:
       continue
-    diffs = paired_differences([seeds[s] for s in common], [by_method[baseline][s] for s in common])
-    pooled = np.concatenate(diffs)
-    half = 1.96 * pooled.std(ddof=1) / math.sqrt(len(pooled)) if len(pooled) > 1 else float("nan")
-    per_seed = ", ".join(f"s{s}: {d.mean():+.2f}" for s, d in zip(common, diffs))
-    lines.append(f"| {method} | {len(common)} | {pooled.mean():+.2f} [{pooled.mean() - half:+.2f}, "
-                 f"{pooled.mean() + half:+.2f}] | {np.mean(pooled > 0):.0%} of {len(pooled)} | {per_seed} |")
+    common = sorted(set(seeds) & set(by_method[baseline]))
+    points = {s: paired_points(seeds[s], by_method[baseline][s], part) for s in common}
+    points = {s: p for s, p in points.items() if len(p[0])}
+    if points:
+      out.append(Pairing(method, list(points), [p[0] for p in points.values()],
+                         [100 * (p[1] - p[2]) for p in points.values()],
+                         [100 * (p[1].max() - p[2].max()) for p in points.values()]))
+  return out
+
+
+def interval(diffs: np.ndarray, z: float = 1.96) -> tuple[float, float, float]:
+  """(mean, low, high): the mean with a normal 95% interval over the pairs (nan bounds for a single pair)."""
+  mean = float(diffs.mean())
+  half = z * float(diffs.std(ddof=1)) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
+  return mean, mean - half, mean + half
+
+
+def windowed_means(rounds: Sequence[np.ndarray], diffs: Sequence[np.ndarray], window: int,
+                   last_round: int) -> list[float | None]:
+  """The mean difference over every seed's pairs in each window of ``window`` rounds (1..window,
+  window+1..2*window, ...) up to ``last_round``; None for a window without a pair."""
+  rounds_all, diffs_all = np.concatenate(rounds), np.concatenate(diffs)
+  out: list[float | None] = []
+  for start in range(1, last_round + 1, window):
+    inside = (rounds_all >= start) & (rounds_all < start + window)
+    out.append(float(diffs_all[inside].mean()) if inside.any() else None)
+  return out
+
+
+def default_window(last_round: int) -> int:
+  """A quarter of the rounds compared, rounded up: four windows."""
+  return max(1, math.ceil(last_round / 4))
+
+
+def signed(value: float | None) -> str:
+  return "-" if value is None else f"{value:+.2f}"
+
+
+def stats_cells(pairing: Pairing) -> str:
+  """The cells shared by the paired tables: mean difference [95% interval] | rounds ahead | best - best."""
+  pooled = pairing.pooled
+  mean, low, high = interval(pooled)
+  return (f"{mean:+.2f} [{low:+.2f}, {high:+.2f}] | {np.mean(pooled > 0):.0%} of {len(pooled)} | "
+          f"{np.mean(pairing.best):+.2f}")
+
+
+STATS_HEADER = "mean per-round difference (points) [95% interval] | rounds ahead | best - best (points)"
+
+
+def paired_table(runs: Runs, baseline: str) -> str:
+  """Every method against ``baseline``, paired by seed and round (see the module docstring)."""
+  lines = [f"| method - {baseline} | seeds | {STATS_HEADER} | per seed |", "|---|---|---|---|---|---|"]
+  for p in pairings(runs, baseline):
+    per_seed = ", ".join(f"s{s}: {d.mean():+.2f}" for s, d in zip(p.seeds, p.diffs))
+    lines.append(f"| {p.method} | {len(p.seeds)} | {stats_cells(p)} | {per_seed} |")
+  return "\n".join(lines)
+
+
+def window_table(runs: Runs, baseline: str, window: int | None = None) -> str:
+  """The mean per-round difference from ``baseline`` per window of rounds (default ``default_window``)."""
+  paired = pairings(runs, baseline)
+  if not paired:
+    return ""
+  last_round = max(int(r.max()) for p in paired for r in p.rounds)
+  window = window or default_window(last_round)
+  starts = range(1, last_round + 1, window)
+  heads = [f"{s}-{min(s + window - 1, last_round)}" if min(s + window - 1, last_round) > s else f"{s}"
+           for s in starts]
+  lines = [f"| method - {baseline}, rounds | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
+  for p in paired:
+    means = windowed_means(p.rounds, p.diffs, window, last_round)
+    lines.append(f"| {p.method} | " + " | ".join(signed(m) for m in means) + " |")
+  return "\n".join(lines)
+
+
+def group_table(runs: Runs, baseline: str) -> str:
+  """The paired statistics of every architecture group's accuracy (empty if the runs logged no group)."""
+  by_group = {g: {p.method: p for p in pairings(runs, baseline, g)} for g in groups_of(runs)}
+  lines = [f"| method - {baseline} | group | seeds | {STATS_HEADER} |", "|---|---|---|---|---|---|"]
+  for method in runs_by_method(runs):
+    for group, paired in by_group.items():
+      if method in paired:
+        lines.append(f"| {method} | {group} | {len(paired[method].seeds)} | {stats_cells(paired[method])} |")
+  return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def seed_table(runs: Runs, baseline: str, target: float) -> str:
+  """Per seed pair: each side's best accuracy at the rounds both evaluated and first round reaching ``target``."""
+  by_method = runs_by_method(runs)
+  to = f"{100 * target:g}%"
+  lines = [f"| method | seed | best (%) | {baseline} best (%) | best - best (points) | rounds to {to} | "
+           f"{baseline} rounds to {to} |", "|---|---|---|---|---|---|---|"]
+  for p in pairings(runs, baseline):
+    for seed in p.seeds:
+      rows, base = by_method[p.method][seed], by_method[baseline][seed]
+      _, accuracy, base_accuracy = paired_points(rows, base)
+      reached = [rounds_to(r, target) or "not reached" for r in (rows, base)]
+      lines.append(f"| {p.method} | {seed} | {100 * accuracy.max():.2f} | {100 * base_accuracy.max():.2f} | "
+                   f"{100 * (accuracy.max() - base_accuracy.max()):+.2f} | {reached[0]} | {reached[1]} |")
   return "\n".join(lines)
 
 
@@ -256,8 +390,15 @@ def plot(runs, path: str, title: str) -> str:
   return path
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+  """The module docstring as it is, and the defaults but None and False (their help says what they mean)."""
+
+  def _get_help_string(self, action: argparse.Action) -> str | None:
+    return action.help if action.default in (None, False) else super()._get_help_string(action)
+
+
 def main(argv: Sequence[str] | None = None) -> str:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
   p.add_argument("run_dirs", nargs="+")
   p.add_argument("--labels", default=None, help="comma-separated, one per run (default: the folder names)")
   p.add_argument("--output", default=None, help="write the accuracy plot here")
@@ -267,7 +408,11 @@ def main(argv: Sequence[str] | None = None) -> str:
   p.add_argument("--target", type=float, default=None, help="add the first round reaching this mean accuracy "
                  "(a fraction, e.g. 0.87)")
   p.add_argument("--baseline", default=None, help="add every method's paired per-round difference from this "
-                 "method's runs of the same seeds")
+                 "method's runs of the same seeds, and its mean per window of rounds")
+  p.add_argument("--window", type=int, default=None, help="with --baseline: rounds per window of the windowed "
+                 "differences (default: a quarter of the rounds compared)")
+  p.add_argument("--per-group", action="store_true", help="with --baseline: also pair every architecture "
+                 "group's accuracy, not only the mean")
   args = p.parse_args(argv)
   labels = args.labels.split(",") if args.labels else [os.path.basename(os.path.normpath(d)) for d in args.run_dirs]
   if len(labels) != len(args.run_dirs):
@@ -282,8 +427,18 @@ def main(argv: Sequence[str] | None = None) -> str:
     except ValueError as e:
       raise SystemExit(f"error: {e}") from None
   text = table(runs, args.last, args.target)
+  if args.window is not None and args.window < 1:
+    raise SystemExit("error: --window must be at least 1")
   if args.baseline:
     text += "\n\n" + paired_table(runs, args.baseline)
+    windows = window_table(runs, args.baseline, args.window)
+    if windows:
+      text += f"\n\nmean per-round difference from {args.baseline} (points) per window of rounds:\n" + windows
+    if args.target is not None:
+      text += f"\n\nper seed (best at the rounds both evaluated):\n" + seed_table(runs, args.baseline, args.target)
+    groups = group_table(runs, args.baseline) if args.per_group else ""
+    if groups:
+      text += f"\n\nper architecture group (accuracy of each group's model, paired as above):\n" + groups
   drops = drop_table(runs, args.baseline)
   if drops:
     text += ("\n\naccuracy drop under the backdoor attack (clean final - attacked final, same method and seed):\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -35,8 +36,11 @@ def test_compare_tables_and_plots_two_runs(tmp_path):
     compare.main([str(tmp_path)])
 
 
-def fake_run(method, seed, accuracies, dissimilarity=None):
-  rows = [{"round": r, "round_seconds": 1.0, "test_accuracy": None if a is None else {"mean": a},
+def fake_run(method, seed, accuracies, dissimilarity=None, groups=None):
+  """A run's (label, summary, rows); ``groups``: group name -> its accuracy per round, beside the mean."""
+  groups = groups or {}
+  rows = [{"round": r, "round_seconds": 1.0,
+           "test_accuracy": None if a is None else {**{g: acc[r - 1] for g, acc in groups.items()}, "mean": a},
            **({"dissimilarity": {"g": {"low": dissimilarity, "high": 2 * dissimilarity}}} if dissimilarity else {})}
           for r, a in enumerate(accuracies, start=1)]
   return f"{method}_s{seed}", {"method": method, "config": {"federation": {"seed": seed}}}, rows
@@ -49,7 +53,9 @@ def test_paired_statistics_rounds_to_target_and_dissimilarity_columns():
   # Pairs at rounds both evaluated: seed 0: +10, 0, +20; seed 1: -25, +25 (round 2 of A_s1 has no evaluation).
   diffs = np.array([10, 0, 20, -25, 25])
   half = 1.96 * diffs.std(ddof=1) / np.sqrt(5)
-  assert lines[2] == (f"| B | 2 | +6.00 [{6 - half:+.2f}, {6 + half:+.2f}] | 60% of 5 | s0: +10.00, s1: +0.00 |")
+  # Best at the rounds both evaluated: seed 0: 90 - 70; seed 1 (rounds 1 and 3): 100 - 75; mean +22.50.
+  assert lines[2] == (f"| B | 2 | +6.00 [{6 - half:+.2f}, {6 + half:+.2f}] | 60% of 5 | +22.50 | "
+                      "s0: +10.00, s1: +0.00 |")
   assert len(lines) == 3  # no row for the baseline itself
   with pytest.raises(SystemExit, match="no run of the baseline 'C'"):
     compare.paired_table(runs, "C")
@@ -64,3 +70,86 @@ def test_runs_that_would_be_merged_in_a_paired_table_are_an_error():
   check_unique([("a", summary, []), ("b", {**summary, "method": "FlexiFed"}, [])])
   with pytest.raises(ValueError, match=r"a and b are both FedFA \[backdoor 20% x1\] with seed 0"):
     check_unique([("a", summary, []), ("b", summary, [])])
+
+
+# Baseline A against B, seeds 0 and 1, rounds 1-5. Per-round differences B - A (points):
+#   seed 0: +10, 0, -5, +10, +5;  seed 1: -10, +20, (round 3: A has no evaluation), 0, +20.
+# Groups (seed 0 only; seed 1 logged only the mean): "small" differs by +10, 0, -10, +10, +20; "big" by 0 at
+# every round; B's "tiny" has no counterpart in A.
+SMALL_A, SMALL_B = [0.4, 0.5, 0.6, 0.7, 0.7], [0.5, 0.5, 0.5, 0.8, 0.9]
+BIG = [0.6, 0.7, 0.8, 0.9, 0.9]
+
+
+def paired_runs():
+  return [fake_run("A", 0, [0.50, 0.60, 0.70, 0.80, 0.80], groups={"small": SMALL_A, "big": BIG}),
+          fake_run("A", 1, [0.50, 0.50, None, 0.70, 0.70]),
+          fake_run("B", 0, [0.60, 0.60, 0.65, 0.90, 0.85], groups={"small": SMALL_B, "big": BIG, "tiny": BIG}),
+          fake_run("B", 1, [0.40, 0.70, 0.95, 0.70, 0.90])]
+
+
+def test_paired_pooled_interval_best_and_rounds_ahead():
+  [pairing] = compare.pairings(paired_runs(), "A")
+  assert pairing.method == "B" and pairing.seeds == [0, 1]
+  assert [r.tolist() for r in pairing.rounds] == [[1, 2, 3, 4, 5], [1, 2, 4, 5]]
+  np.testing.assert_allclose(pairing.pooled, [10, 0, -5, 10, 5, -10, 20, 0, 20], atol=1e-9)
+  np.testing.assert_allclose(pairing.best, [10, 20], atol=1e-9)  # seed 1: B's 95 at round 3 is not paired
+  diffs = np.array([10, 0, -5, 10, 5, -10, 20, 0, 20])
+  mean, low, high = compare.interval(pairing.pooled)
+  half = 1.96 * diffs.std(ddof=1) / 3
+  assert (mean, low, high) == pytest.approx((50 / 9, 50 / 9 - half, 50 / 9 + half))
+  line = compare.paired_table(paired_runs(), "A").splitlines()[2]
+  assert line == (f"| B | 2 | +5.56 [{50 / 9 - half:+.2f}, {50 / 9 + half:+.2f}] | 56% of 9 | +15.00 | "
+                  "s0: +4.00, s1: +7.50 |")
+  assert compare.interval(np.array([3.0]))[0] == 3.0 and np.isnan(compare.interval(np.array([3.0]))[1])
+
+
+def test_windowed_means():
+  [pairing] = compare.pairings(paired_runs(), "A")
+  # Rounds 1-2: +10, 0, -10, +20; rounds 3-4: -5, +10, 0; round 5: +5, +20.
+  assert compare.windowed_means(pairing.rounds, pairing.diffs, 2, 5) == pytest.approx([5, 5 / 3, 12.5])
+  # A window without a pair is None; windows run up to last_round.
+  assert compare.windowed_means([np.array([1, 2])], [np.array([1.0, 3.0])], 1, 4) == [1.0, 3.0, None, None]
+  assert compare.windowed_means(pairing.rounds, pairing.diffs, 5, 5) == pytest.approx([50 / 9])
+  lines = compare.window_table(paired_runs(), "A", window=2).splitlines()
+  assert lines == ["| method - A, rounds | 1-2 | 3-4 | 5 |", "|---|---|---|---|", "| B | +5.00 | +1.67 | +12.50 |"]
+  assert compare.default_window(5) == 2 and compare.default_window(200) == 50 and compare.default_window(1) == 1
+  assert compare.window_table(paired_runs(), "A").splitlines()[0] == "| method - A, rounds | 1-2 | 3-4 | 5 |"
+
+
+def test_per_group_paired_statistics():
+  assert compare.groups_of(paired_runs()) == ["small", "big", "tiny"]
+  lines = compare.group_table(paired_runs(), "A").splitlines()
+  small = np.array([10, 0, -10, 10, 20])
+  half = 1.96 * small.std(ddof=1) / np.sqrt(5)
+  assert lines[2] == f"| B | small | 1 | +6.00 [{6 - half:+.2f}, {6 + half:+.2f}] | 60% of 5 | +20.00 |"
+  assert lines[3] == "| B | big | 1 | +0.00 [+0.00, +0.00] | 0% of 5 | +0.00 |"
+  assert len(lines) == 4  # no row for "tiny", which only B logged
+  assert compare.group_table([fake_run("A", 0, [0.5]), fake_run("B", 0, [0.6])], "A") == ""
+
+
+def test_per_seed_best_and_rounds_to_target():
+  lines = compare.seed_table(paired_runs(), "A", 0.85).splitlines()
+  assert lines[0] == ("| method | seed | best (%) | A best (%) | best - best (points) | rounds to 85% | "
+                      "A rounds to 85% |")
+  assert lines[2] == "| B | 0 | 90.00 | 80.00 | +10.00 | 4 | not reached |"
+  assert lines[3] == "| B | 1 | 90.00 | 70.00 | +20.00 | 3 | not reached |"  # round 3 counts for the target
+
+
+def write_run(folder, label, summary, rows):
+  path = folder / label
+  path.mkdir()
+  (path / "summary.json").write_text(json.dumps(summary))
+  (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return str(path)
+
+
+def test_main_prints_the_paired_tables_from_results_folders(tmp_path):
+  dirs = [write_run(tmp_path, *run) for run in paired_runs()]
+  text = compare.main(dirs + ["--baseline", "A", "--window", "2"])
+  assert "| B | +5.00 | +1.67 | +12.50 |" in text
+  assert "per architecture group" not in text and "per seed (best" not in text  # only with --per-group, --target
+  text = compare.main(dirs + ["--baseline", "A", "--per-group", "--target", "0.85"])
+  assert "per window of rounds:\n| method - A, rounds | 1-2 | 3-4 | 5 |" in text
+  assert "| B | small | 1 | +6.00" in text and "| B | 1 | 90.00 | 70.00 | +20.00 | 3 | not reached |" in text
+  with pytest.raises(SystemExit, match="--window must be at least 1"):
+    compare.main(dirs + ["--baseline", "A", "--window", "0"])

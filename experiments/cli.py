@@ -26,7 +26,7 @@ from fedjax_hetero.backends import BACKENDS
 from fedjax_hetero.client.backdoor import READINGS
 from fedjax_hetero.client.local import OPTIMIZERS
 from fedjax_hetero.compilation import CACHE_ENV, default_cache_dir, enable_persistent_cache
-from fedjax_hetero.config import RunConfig
+from fedjax_hetero.config import NORMALIZATIONS, RunConfig
 from fedjax_hetero.guard import ACTIONS
 from fedjax_hetero.methods import AGGREGATE_MODES, methods_by_paper
 from fedjax_hetero.methods.heterofl import BN_SAMPLES
@@ -81,6 +81,8 @@ def build_parser(defaults: RunConfig, description: str) -> argparse.ArgumentPars
   p.add_argument("--rounds", type=int, default=d.rounds, help="communication rounds")
   p.add_argument("--eval-every", type=int, default=d.eval_every, help="evaluate every N rounds (and the last)")
   p.add_argument("--seed", type=int, default=d.seed, help="seed of partition, sampling, init and shuffling")
+  p.add_argument("--sample-seed", type=int, default=d.sample_seed,
+                 help="seed of the rounds' cohorts alone (partition, init and shuffling keep --seed); default: --seed")
   p.add_argument("--output-dir", default=d.output_dir, help="results folder")
   p.add_argument("--resume", action="store_true",
                  help="continue from the last checkpoint in --output-dir; the other settings must match its "
@@ -247,7 +249,21 @@ def build_parser(defaults: RunConfig, description: str) -> argparse.ArgumentPars
                       "4 trains a full-width CNN ~6%% faster on XLA:CPU (docs/performance.md)")
   p.add_argument("--max-train-samples", type=int, default=d.max_train_samples,
                  help="use a class-balanced subset of the training set (quick runs)")
-  p.add_argument("--max-test-samples", type=int, default=d.max_test_samples, help="subset of the test set")
+  p.add_argument("--max-test-samples", type=int, default=d.max_test_samples,
+                 help="evaluate on a class-balanced random subset of the test set")
+  au = p.add_argument_group("data pipeline (the InCo authors': --preset inco-authors-cpu, docs/inco_fidelity.md)")
+  au.add_argument("--image-size", type=int, default=d.image_size,
+                  help="resize train and test images to N x N once when loaded (bilinear, as torchvision's Resize "
+                  "on tensors); default: the dataset's size")
+  au.add_argument("--normalize", default=d.normalize, choices=NORMALIZATIONS,
+                  help="dataset: (x - the dataset's mean) / its std; none: pixels in [0, 1] (torchvision's ToTensor "
+                  "alone)")
+  au.add_argument("--partition-file", default=d.partition_file, metavar="PATH",
+                  help="clients' sample indices from a file instead of --partition: an .npz with one integer array "
+                  "per client under the keys 0..K-1 (scripts/convert_inco_split.py writes one), or a .json list of "
+                  "lists; K must equal --num-clients; samples no client holds are not used")
+  au.add_argument("--test-first", type=int, default=d.test_first, metavar="N",
+                  help="evaluate on the first N test images (the InCo authors': 9728, 19 batches of 512)")
   p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
   return p
 

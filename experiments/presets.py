@@ -26,6 +26,8 @@ class Preset:
 _INCO = dict(groups=INCO_RESNETS, num_clients=100, clients_per_round=10, partition="dirichlet", alpha=0.5, epochs=5,
              batch_size=64, optimizer="adam", learning_rate=1e-3, rounds=500, eval_every=10, method="InCoAvg",
              drop_last=True, steps_per_call=2)
+_INCO_CPU = {**_INCO, "groups": tuple(f"{g}@0.125" for g in INCO_RESNETS), "rounds": 30, "eval_every": 5}
+_INCO_CPU_REDUCED = "widths x0.125 (base channels 8, stages 8/16/32/64) and 30 rounds instead of 500"
 # FedCross paper (Sec. IV-A): 100 clients, 10% per round, batch 50, 5 epochs, SGD lr 0.01 momentum 0.5, alpha 0.99,
 # lowest-similarity selection; CNN rounds 2000. Baselines as the authors' framework: FedAvg-type aggregation
 # weighted by sample count, FedProx mu 0.01 (the paper's CIFAR-10 value).
@@ -61,9 +63,7 @@ _FEDIN = dict(groups=INCO_RESNETS, num_clients=100, clients_per_round=10, partit
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("inco", "InCo paper (Sec. 5): ResNet10/14/18/22/26 groups, ImageNet stem, 100 clients, 10 per round, "
            "Dirichlet 0.5, 5 epochs, batch 64, Adam 1e-3, 500 rounds", _INCO),
-    Preset("inco-cpu", "the InCo protocol at CPU size", {**_INCO, "groups": tuple(f"{g}@0.125" for g in INCO_RESNETS),
-                                                         "rounds": 30, "eval_every": 5},
-           reduced="widths x0.125 (base channels 8, stages 8/16/32/64) and 30 rounds instead of 500", paper="inco"),
+    Preset("inco-cpu", "the InCo protocol at CPU size", _INCO_CPU, reduced=_INCO_CPU_REDUCED, paper="inco"),
     Preset("fedcross", "FedCross paper (Sec. IV-A) with its CNN: 100 clients, 10 per round, Dirichlet 0.5, "
            "batch 50, 5 epochs, SGD 0.01 momentum 0.5, alpha 0.99, lowest similarity, 2000 rounds; baselines "
            "aggregate weighted by sample count, FedProx mu 0.01", _FEDCROSS),
@@ -88,11 +88,17 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("fedin", "FedIN paper (Sec. 5.1): ResNet10/14/18/22/26 groups, 100 clients, 10 per round, Dirichlet 0.5, "
            "5 epochs, batch 16, Adam 1e-3, mu/2 0.05, 500 rounds, evaluation every round (rounds to a target)", _FEDIN),
     Preset("fedin-cpu", "the FedIN protocol at CPU size",
-           {**_FEDIN, "groups": tuple(f"{g}@0.125" for g in INCO_RESNETS), "epochs": 2, "rounds": 40},
-           reduced="widths x0.125, 2 local epochs instead of 5 and 40 rounds instead of 500", paper="fedin"),
+           {**_FEDIN, "groups": tuple(f"{g}@0.125" for g in INCO_RESNETS), "epochs": 2, "rounds": 60},
+           reduced="widths x0.125, 2 local epochs instead of 5 and 60 rounds instead of 500", paper="fedin"),
     Preset("fedfa-cpu", "the FedFA protocol at CPU size",
            {**_FEDFA, "groups": ("resnet18@0.125", "resnet26@0.125"), "epochs": 1, "rounds": 40, "eval_every": 2},
            reduced="widths x0.125, 1 local epoch instead of 5 and 40 rounds instead of 200", paper="fedfa"),
+    Preset("inco-authors-cpu", "inco-cpu with the InCo authors' data pipeline: images resized to 32x32, pixels in "
+           "[0, 1] without normalization, evaluation on the first 9,728 test images, every round; add their client "
+           "split with --partition-file (scripts/convert_inco_split.py converts their hetero-fix-100-0.5.npy; "
+           "docs/inco_fidelity.md)",
+           {**_INCO_CPU, "image_size": 32, "normalize": "none", "test_first": 9728, "eval_every": 1},
+           reduced=_INCO_CPU_REDUCED, paper="inco"),
 )}
 
 

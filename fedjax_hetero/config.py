@@ -15,6 +15,8 @@ import dataclasses
 import os
 from typing import Any
 
+import numpy as np
+
 from fedjax_hetero import data as fdata
 from fedjax_hetero import models
 from fedjax_hetero.algorithms.fedgen import FedGenConfig
@@ -29,6 +31,8 @@ from fedjax_hetero.methods import Method, MethodOptions, build_method, get_entry
 from fedjax_hetero.validation import (check_bool, check_choice, check_integer, check_number, check_text, cli_flag,
                                       flag_name, has_flag, show)
 
+NORMALIZATIONS = ("dataset", "none")  # the dataset's mean/std, or pixels in [0, 1] (mean 0, std 1)
+
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
@@ -40,6 +44,13 @@ class DataConfig:
   classes_per_client: int = 2  # shards
   max_train_samples: int | None = None  # a class-balanced subset (quick runs)
   max_test_samples: int | None = None
+  # The InCo authors' pipeline (docs/inco_fidelity.md, section C/D): images resized to image_size x image_size
+  # (None: the dataset's size), pixels in [0, 1] (normalize "none"), clients' indices from partition_file
+  # instead of a partitioner, and only the first test_first test images evaluated.
+  image_size: int | None = None
+  normalize: str = "dataset"
+  partition_file: str | None = None
+  test_first: int | None = None
 
   def __post_init__(self):
     if self.dataset not in fdata.DATASETS:
@@ -51,11 +62,21 @@ class DataConfig:
     check_integer("data.classes_per_client", self.classes_per_client, minimum=1)
     check_integer("data.max_train_samples", self.max_train_samples, minimum=1, optional=True)
     check_integer("data.max_test_samples", self.max_test_samples, minimum=1, optional=True)
+    check_integer("data.image_size", self.image_size, minimum=1, optional=True)
+    check_choice("data.normalize", self.normalize, NORMALIZATIONS)
+    check_text("data.partition_file", self.partition_file, optional=True)
+    check_integer("data.test_first", self.test_first, minimum=1, optional=True)
+    # A training subset renumbers the images a partition file's indices refer to.
+    for first, second in (("partition_file", "max_train_samples"), ("test_first", "max_test_samples")):
+      if getattr(self, first) is not None and getattr(self, second) is not None:
+        raise ValueError(f"{cli_flag('data.' + first)} and {cli_flag('data.' + second)} exclude each other")
     if self.max_train_samples is not None:
       self._check_train_samples(self.max_train_samples, cli_flag("data.max_train_samples"))
 
   def _samples_needed(self) -> tuple[int, str]:
     """The fewest training samples the partition can split over the clients, and why."""
+    if self.partition_file is not None:
+      return self.num_clients, "one per client"
     if self.partition == "dirichlet":
       return self.num_clients * DIRICHLET_MIN_SIZE, f"{DIRICHLET_MIN_SIZE} per client for the Dirichlet partition"
     if self.partition == "shards":
@@ -69,9 +90,36 @@ class DataConfig:
       raise ValueError(f"{what} {available} is too few for {cli_flag('data.num_clients')} {self.num_clients}: "
                        f"partition {self.partition} needs at least {needed} ({why})")
 
+  def client_parts(self, num_train: int | None = None) -> list[np.ndarray]:
+    """The clients' sample indices from ``partition_file``; ValueError naming the flag if the file cannot be
+    read, holds another number of clients than ``num_clients``, or (given ``num_train``) an index outside the
+    training set."""
+    flag = f"{cli_flag('data.partition_file')} {self.partition_file!r}"
+    try:
+      parts = fdata.load_partition_file(self.partition_file)
+    except ValueError as e:
+      raise ValueError(f"{flag}: {e}") from None
+    if len(parts) != self.num_clients:
+      raise ValueError(f"{flag} holds {len(parts)} clients, but {cli_flag('data.num_clients')} is {self.num_clients}")
+    if num_train is not None:
+      for client, part in enumerate(parts):
+        if part.min() < 0 or part.max() >= num_train:
+          bad = part.min() if part.min() < 0 else part.max()
+          raise ValueError(f"{flag}: client {client} holds sample index {bad}, outside the {num_train} training "
+                           f"samples of {self.dataset}")
+    return parts
+
   def check_paths(self) -> None:
-    """Raises ValueError if ``data_dir`` is given but is no readable directory (checked when a run starts,
-    not when a saved config is read: a resumed run may point at another copy)."""
+    """Raises ValueError if ``data_dir`` is given but is no readable directory, or ``partition_file`` is no
+    readable partition of ``num_clients`` clients (checked when a run starts, not when a saved config is read:
+    a resumed run may point at another copy)."""
+    if self.partition_file is not None:
+      flag = cli_flag("data.partition_file")
+      if not os.path.isfile(self.partition_file):
+        raise ValueError(f"{flag} {self.partition_file!r} is not a file")
+      if not os.access(self.partition_file, os.R_OK):
+        raise ValueError(f"{flag} {self.partition_file!r} cannot be read (no permission)")
+      self.client_parts()
     if self.data_dir is None:
       return
     flag = cli_flag("data.data_dir")
@@ -89,6 +137,9 @@ class DataConfig:
                                            ("data.max_test_samples", self.max_test_samples, num_test, "test")):
       if wanted is not None and wanted > available:
         raise ValueError(f"{cli_flag(path)} {wanted} exceeds the {available} {split} samples of {self.dataset}")
+    if self.test_first is not None and self.test_first > num_test:
+      raise ValueError(f"{cli_flag('data.test_first')} {self.test_first} exceeds the {num_test} test samples of "
+                       f"{self.dataset}")
     if self.partition == "shards" and self.classes_per_client > num_classes:
       raise ValueError(f"{cli_flag('data.classes_per_client')} {self.classes_per_client} exceeds the {num_classes} "
                        f"classes of {self.dataset}")

@@ -64,6 +64,7 @@ class FederationConfig:
 
   clients_per_round: int = 10
   seed: int = 0
+  sample_seed: int | None = None  # the stream of the rounds' cohorts alone; None: ``seed``
   weighting: str = "uniform"  # "uniform" (InCo's code) or "num_samples"
   # One probability per architecture group: every round each client's group is drawn afresh from them
   # (HeteroFL's dynamic "a1-b1-..." mode). Empty: every client keeps the group it was assigned.
@@ -78,6 +79,7 @@ class FederationConfig:
     check_number("federation.backdoor_scale", self.backdoor_scale, minimum=0)
     check_choice("federation.backdoor_delta", self.backdoor_delta, backdoor.READINGS)
     check_integer("federation.seed", self.seed, minimum=0, maximum=SEED_MAX)
+    check_integer("federation.sample_seed", self.sample_seed, minimum=0, maximum=SEED_MAX, optional=True)
     check_choice("federation.weighting", self.weighting, WEIGHTINGS)
     draw = self.group_draw
     if not isinstance(draw, (tuple, list)) or not all(isinstance(p, numbers.Real) and not isinstance(p, bool)
@@ -202,7 +204,8 @@ class Simulation:
     # One jitted server program per federation (public so that benchmarks can time it).
     self.server_programs = [server_program(method.server, f) for f in self.federations]
     parameter_count = sum(x.size for x in jax.tree.leaves(shapes[self.global_index]["params"]))
-    self.sampling = SamplingInfo(store.sizes, config.clients_per_round, config.seed, config.weighting,
+    sample_seed = config.seed if config.sample_seed is None else config.sample_seed
+    self.sampling = SamplingInfo(store.sizes, config.clients_per_round, sample_seed, config.weighting,
                                  parameter_count)
     # Shapes only: runs every step's and the sampler's checks (e.g. InCo's layer pairs) before any compute;
     # also the template a checkpoint is restored into.

@@ -36,15 +36,28 @@ from fedjax_hetero.methods import build_method
 
 def partitioned_dataset(config: RunConfig, dataset: fdata.ArrayDataset | None = None
                         ) -> tuple[fdata.ArrayDataset, list[np.ndarray]]:
-  """The run's dataset (loaded unless given; its subset if configured) and its client partition."""
+  """The run's dataset (loaded unless given; its subset, first test images, resized images and normalization if
+  configured) and its client partition (drawn, or read from the partition file)."""
   d, seed = config.data, config.federation.seed
   if dataset is None:
     dataset = fdata.load_dataset(d.dataset, d.data_dir)
   d.check_sizes(len(dataset.train_labels), len(dataset.test_labels), dataset.num_classes)
+  if d.partition_file is not None:  # checked before the images are resized
+    parts = d.client_parts(len(dataset.train_labels))
   if d.max_train_samples or d.max_test_samples:
     dataset = dataset.subset(d.max_train_samples, d.max_test_samples, seed=seed)
-  parts = fdata.partition(dataset.train_labels, d.partition, d.num_clients, seed, alpha=d.alpha,
-                          classes_per_client=d.classes_per_client)
+  if d.test_first is not None:
+    dataset = dataclasses.replace(dataset, test_images=dataset.test_images[:d.test_first],
+                                  test_labels=dataset.test_labels[:d.test_first])
+  if d.image_size is not None:
+    dataset = dataclasses.replace(dataset, train_images=fdata.resize_images(dataset.train_images, d.image_size),
+                                  test_images=fdata.resize_images(dataset.test_images, d.image_size))
+  if d.normalize == "none":
+    channels = dataset.image_shape[-1]
+    dataset = dataclasses.replace(dataset, mean=(0.0,) * channels, std=(1.0,) * channels)
+  if d.partition_file is None:
+    parts = fdata.partition(dataset.train_labels, d.partition, d.num_clients, seed, alpha=d.alpha,
+                            classes_per_client=d.classes_per_client)
   return dataset, parts
 
 
@@ -64,8 +77,9 @@ def build_simulation(config: RunConfig, dataset: fdata.ArrayDataset | None = Non
                    jnp.asarray(dataset.test_images), jnp.asarray(dataset.test_labels),
                    track_dissimilarity=config.dissimilarity, dissimilarity_cut=config.method.fedimpro.cut)
   terms = ", ".join(t.name for t in method.terms)
+  split = config.data.partition_file or config.data.partition
   log(f"{dataset.name}: {len(dataset.train_labels)} train / {len(dataset.test_labels)} test samples, "
-      f"{config.data.num_clients} clients ({config.data.partition}), groups {', '.join(config.groups)}, "
+      f"{config.data.num_clients} clients ({split}), groups {', '.join(config.groups)}, "
       f"method {method.name}" + (f" (client terms: {terms})" if terms else "") +
       f", backend {backend.name} on {jax.default_backend()}")
   if len(sim.malicious_clients):

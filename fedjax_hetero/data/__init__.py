@@ -7,6 +7,7 @@ from fedjax_hetero.data.datasets import (
     load_dataset,
     load_fashion_mnist,
     load_tfds,
+    resize_images,
     synthetic_dataset,
 )
 from fedjax_hetero.data.partition import (
@@ -15,9 +16,11 @@ from fedjax_hetero.data.partition import (
     dirichlet,
     iid,
     iid_imbalanced,
+    load_partition_file,
     partition,
     partition_report,
     plot_partition,
+    save_partition_file,
     shards,
 )
 
@@ -32,10 +35,13 @@ __all__ = [
     "iid_imbalanced",
     "load_dataset",
     "load_fashion_mnist",
+    "load_partition_file",
     "load_tfds",
     "partition",
     "partition_report",
     "plot_partition",
+    "resize_images",
+    "save_partition_file",
     "shards",
     "synthetic_dataset",
 ]

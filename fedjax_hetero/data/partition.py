@@ -1,10 +1,14 @@
 """Splitting a labelled dataset across federated clients (host-side numpy).
 
 Every partitioner returns one int64 index array per client and is
-deterministic in `seed`. All schemes here assign every sample exactly once.
+deterministic in `seed`. All schemes here assign every sample exactly once; a
+partition file (`load_partition_file`) may leave samples out.
 """
 
 from __future__ import annotations
+
+import json
+import zipfile
 
 import numpy as np
 
@@ -253,3 +257,45 @@ def plot_partition(
   ax.grid(True, linewidth=0.3, alpha=0.5)
   fig.tight_layout()
   fig.savefig(path, format="png", dpi=100)
+
+
+def load_partition_file(path: str) -> list[np.ndarray]:
+  """Clients' sample indices from a file, client 0 first: an ``.npz`` holding one 1-D integer array per client
+  under the keys "0", "1", ..., "K-1", or a ``.json`` list of K lists of integers. A client's indices are kept in
+  the file's order; they may cover only part of the training set. Raises ValueError on a malformed file."""
+  if path.endswith(".npz"):
+    if not zipfile.is_zipfile(path):  # np.load would read a .npy or a pickle as well
+      raise ValueError("is not an .npz file (not a zip archive)")
+    try:
+      with np.load(path, allow_pickle=False) as saved:
+        expected = [str(c) for c in range(len(saved.files))]
+        if set(saved.files) != set(expected):
+          raise ValueError(f"an .npz partition needs the keys 0..{len(expected) - 1}, one per client, got "
+                           f"{', '.join(sorted(saved.files)[:5])}{', ...' if len(expected) > 5 else ''}")
+        parts = [saved[k] for k in expected]
+    except (OSError, EOFError, zipfile.BadZipFile) as e:
+      raise ValueError(f"cannot be read as an .npz file ({type(e).__name__}: {e})") from e
+  elif path.endswith(".json"):
+    with open(path) as f:
+      parts = json.load(f)
+    if not isinstance(parts, list) or not all(isinstance(p, list) for p in parts):
+      raise ValueError("a .json partition must be a list with one list of sample indices per client")
+    if not all(isinstance(i, int) and not isinstance(i, bool) for p in parts for i in p):
+      raise ValueError("a .json partition's sample indices must be integers")
+    parts = [np.asarray(p, np.int64) for p in parts]
+  else:
+    raise ValueError("a partition file must end in .npz (one array per client, keys 0..K-1) or .json "
+                     "(a list of lists)")
+  for client, part in enumerate(parts):
+    if part.ndim != 1 or not np.issubdtype(part.dtype, np.integer):
+      raise ValueError(f"client {client}'s indices must be a 1-D integer array, got {part.dtype} {part.shape}")
+    if part.size == 0:
+      raise ValueError(f"client {client} has no samples")
+  return [part.astype(np.int64) for part in parts]
+
+
+def save_partition_file(path: str, parts: list[np.ndarray]) -> None:
+  """Writes ``parts`` as `load_partition_file` reads an ``.npz`` (``path`` must end in .npz)."""
+  if not path.endswith(".npz"):
+    raise ValueError(f"the partition file must end in .npz, got {path!r}")
+  np.savez_compressed(path, **{str(c): np.asarray(p, np.int64) for c, p in enumerate(parts)})

@@ -6,17 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/repro/fedfa}
-PY=${PYTHON:-.venv/bin/python}
 ATTACK=(--malicious-fraction 0.2 --on-divergence off)
-mkdir -p "$OUT"
-run() {  # name, flags...
-  local name=$1; shift
-  local dir=$OUT/$name
-  [ -f "$dir/summary.json" ] && return
-  local resume=(); [ -d "$dir" ] && resume=(--resume)
-  echo "$(date +%T) $name"
-  "$PY" -m experiments.fmnist --preset fedfa-cpu --no-progress --output-dir "$dir" "${resume[@]}" "$@" > "$dir.log" 2>&1
-}
+source scripts/resumable_run.sh
+run() { resumable_run fedfa-cpu "$OUT" "$@"; }
 for seed in 0 1; do
   for method in FlexiFed FedFA; do
     run "${method}_clean_s$seed" --method "$method" --seed "$seed"

@@ -6,16 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/repro/fedin}
-PY=${PYTHON:-.venv/bin/python}
-mkdir -p "$OUT"
-run() {  # name, flags...
-  local name=$1; shift
-  local dir=$OUT/$name
-  [ -f "$dir/summary.json" ] && return
-  local resume=(); [ -d "$dir" ] && resume=(--resume)
-  echo "$(date +%T) $name"
-  "$PY" -m experiments.fmnist --preset fedin-cpu --no-progress --output-dir "$dir" "${resume[@]}" "$@" > "$dir.log" 2>&1
-}
+source scripts/resumable_run.sh
+run() { resumable_run fedin-cpu "$OUT" "$@"; }
 for seed in 0 1; do
   for method in HeteroAvg HeteroProx FedIN; do
     run "${method}_s$seed" --method "$method" --seed "$seed"

@@ -113,8 +113,8 @@ def test_group_results_match_across_backends():
 
 
 # Runs in a fresh interpreter: XLA_FLAGS must be set before jax is imported. It trains the same
-# simulation with the sequential and the sharded backend over 4 CPU devices, compares them, and
-# saves the sharded model so the test can also compare it with this process's sequential run.
+# simulation with the sharded backend over 4 CPU devices and saves its model and rows; the test compares them
+# with this process's sequential run (`sequential_run`).
 SHARDED_SCRIPT = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, {tests_dir!r})
@@ -123,16 +123,12 @@ SHARDED_SCRIPT = textwrap.dedent("""
     assert jax.device_count() == 4, jax.devices()
     import test_backends as tb
 
-    seq_state, seq_rows = tb.run(tb.build("sequential"))
     sim = tb.build("sharded")
     state, rows = tb.run(sim)
-    seq, got = tb.flat_params(seq_state), tb.flat_params(state)
-    np.savez({out!r}, **got)
+    np.savez({out!r}, **tb.flat_params(state))
     print("RESULT " + json.dumps({{
         "devices": jax.device_count(), "backend": sim.backend.name, "mesh_size": sim.backend.mesh.size,
-        "close": all(np.allclose(got[k], seq[k], rtol=tb.RTOL, atol=tb.ATOL) for k in seq),
-        "max_abs_diff": max(float(np.max(np.abs(got[k] - seq[k]))) for k in seq),
-        "rows": rows, "seq_rows": seq_rows}}))
+        "rows": rows}}))
 """)
 
 
@@ -149,9 +145,8 @@ def test_sharded_matches_sequential_on_four_cpu_devices(sequential_run, tmp_path
   result = json.loads(lines[-1][len("RESULT "):])
   assert result["devices"] == 4
   assert result["backend"] == "sharded" and result["mesh_size"] == 4
-  assert result["close"], f"sharded differs from sequential by up to {result['max_abs_diff']}"
-  assert [r["examples"] for r in result["rows"]] == [r["examples"] for r in result["seq_rows"]]
   seq_state, seq_rows = sequential_run
+  assert len(result["rows"]) == len(seq_rows) == ROUNDS
   for got, want in zip(result["rows"], seq_rows):
     assert got["examples"] == want["examples"] and got["clients"] == want["clients"]
     np.testing.assert_allclose(got["train_loss"], want["train_loss"], rtol=1e-5)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 
 import chex
 import jax.numpy as jnp
@@ -80,20 +81,28 @@ def test_guard_settings_are_checked(changes, message):
 
 
 HEALTHY_ACCURACY = {1: 0.5, 2: 0.9, 3: 0.6}  # the best round is not the latest
+HEALTHY = dict(rounds=3, eval_every=1, checkpoint_every=1, keep_checkpoints=1, optimizer="sgd", learning_rate=0.05)
 
 
-def healthy_then_diverging(out, dataset, monkeypatch, **guard):
-  """Three healthy rounds (evaluated and checkpointed each round; accuracies `HEALTHY_ACCURACY`, keeping one
-  latest checkpoint besides the best), then the same run resumed with Adam at lr 1e6."""
-  healthy = base_config(out, rounds=3, eval_every=1, checkpoint_every=1, keep_checkpoints=1, optimizer="sgd",
-                        learning_rate=0.05)
-  with monkeypatch.context() as patch:
+@pytest.fixture(scope="module")
+def healthy(dataset, tmp_path_factory):
+  """The results folder of three healthy rounds (evaluated and checkpointed each round; accuracies
+  `HEALTHY_ACCURACY`, keeping one latest checkpoint besides the best), trained once for the tests below."""
+  out = tmp_path_factory.mktemp("healthy") / "run"
+  with pytest.MonkeyPatch.context() as patch:
     patch.setattr(engine.Simulation, "evaluate", lambda self, state: {
         **{g.name: HEALTHY_ACCURACY[state.round] for g in self.groups}, "mean": HEALTHY_ACCURACY[state.round]})
-    run_experiment(healthy, dataset, log=lambda _: None)
+    run_experiment(base_config(out, **HEALTHY), dataset, log=lambda _: None)
+  return out
+
+
+def healthy_then_diverging(out, healthy, **guard):
+  """A copy of the `healthy` folder at ``out``, resumed for 8 rounds with Adam at lr 1e6: (config, accuracies)."""
+  shutil.copytree(healthy, out)
   accuracies = {r["round"]: r["test_accuracy"]["mean"] for r in read_rows(out)}
   assert accuracies == HEALTHY_ACCURACY
-  return healthy.replace(rounds=8, resume=True, optimizer="adam", learning_rate=1e6, **guard), accuracies
+  return base_config(out, **HEALTHY).replace(rounds=8, resume=True, optimizer="adam", learning_rate=1e6,
+                                             **guard), accuracies
 
 
 def best_round(accuracies):
@@ -115,9 +124,9 @@ def test_the_checkpoint_manager_keeps_and_names_the_best_across_reopening(tmp_pa
   assert checkpoints.best_step(checkpoints.manager(str(tmp_path / "empty"))) is None
 
 
-def test_divergence_stops_the_run_within_two_rounds_and_keeps_the_best_checkpoint(dataset, tmp_path, monkeypatch):
+def test_divergence_stops_the_run_within_two_rounds_and_keeps_the_best_checkpoint(dataset, healthy, tmp_path):
   out = tmp_path / "stop"
-  diverging, accuracies = healthy_then_diverging(out, dataset, monkeypatch)
+  diverging, accuracies = healthy_then_diverging(out, healthy)
   with pytest.raises(DivergenceError) as info:
     run_experiment(diverging, dataset, log=lambda _: None)
   assert info.value.round in (4, 5), str(info.value)
@@ -131,9 +140,9 @@ def test_divergence_stops_the_run_within_two_rounds_and_keeps_the_best_checkpoin
   assert summary["stopped_by_divergence"]["best_checkpoint"] == best_round(accuracies)
 
 
-def test_rollback_restores_the_best_checkpoint_with_a_lower_learning_rate(dataset, tmp_path, monkeypatch):
+def test_rollback_restores_the_best_checkpoint_with_a_lower_learning_rate(dataset, healthy, tmp_path):
   out = tmp_path / "rollback"
-  diverging, accuracies = healthy_then_diverging(out, dataset, monkeypatch, on_divergence="rollback",
+  diverging, accuracies = healthy_then_diverging(out, healthy, on_divergence="rollback",
                                                  divergence_rollback_lr_factor=1e-9)
   logs = []
   summary = run_experiment(diverging, dataset, log=logs.append)
@@ -156,10 +165,9 @@ def test_rollback_restores_the_best_checkpoint_with_a_lower_learning_rate(datase
     assert json.load(f)["client"]["learning_rate"] == pytest.approx(1e-3)
 
 
-def test_rollback_gives_up_after_its_limit(dataset, tmp_path, monkeypatch):
+def test_rollback_gives_up_after_its_limit(dataset, healthy, tmp_path):
   out = tmp_path / "limit"
-  diverging, _ = healthy_then_diverging(out, dataset, monkeypatch, on_divergence="rollback",
-                                        divergence_max_rollbacks=1)
+  diverging, _ = healthy_then_diverging(out, healthy, on_divergence="rollback", divergence_max_rollbacks=1)
   with pytest.raises(DivergenceError):
     run_experiment(diverging, dataset, log=lambda _: None)
   with open(out / "summary.json") as f:
@@ -178,6 +186,22 @@ def straight(dataset, tmp_path_factory):
   return config
 
 
+@pytest.fixture(scope="module")
+def two_rounds(dataset, tmp_path_factory):
+  """The results folder of the first two rounds of `straight`'s run (checkpointed each round), trained once;
+  each test below resumes a copy of it (`copy_of`)."""
+  out = tmp_path_factory.mktemp("two_rounds") / "run"
+  run_experiment(base_config(out, rounds=2, checkpoint_every=1), dataset, log=lambda _: None)
+  assert [r["round"] for r in read_rows(out)] == [1, 2]
+  return out
+
+
+def copy_of(two_rounds, out, **changes):
+  """A copy of the `two_rounds` folder at ``out``, and the config that resumes it (4 rounds, as `straight`)."""
+  shutil.copytree(two_rounds, out)
+  return base_config(out, checkpoint_every=1, resume=True, **changes)
+
+
 def damage(directory):
   """Truncates every file of a checkpoint to half its size (a write cut short)."""
   for root, _, files in os.walk(directory):
@@ -187,16 +211,16 @@ def damage(directory):
         f.truncate(os.path.getsize(path) // 2)
 
 
-def test_resume_skips_a_damaged_newest_checkpoint_and_matches_an_uninterrupted_run(dataset, straight, tmp_path):
-  config = base_config(tmp_path / "damaged", checkpoint_every=1)
-  run_experiment(config.replace(rounds=3), dataset, log=lambda _: None)
-  damage(tmp_path / "damaged" / "checkpoints" / "3")
+def test_resume_skips_a_damaged_newest_checkpoint_and_matches_an_uninterrupted_run(dataset, straight, two_rounds,
+                                                                                    tmp_path):
+  config = copy_of(two_rounds, tmp_path / "damaged")
+  damage(tmp_path / "damaged" / "checkpoints" / "2")
   logs = []
-  run_experiment(config.replace(resume=True), dataset, log=logs.append)
+  run_experiment(config, dataset, log=logs.append)
   [warning] = [line for line in logs if "cannot be restored" in line]
-  assert os.path.join("checkpoints", "3") in warning and "damaged_checkpoints" in warning
-  assert "resumed from round 2" in logs
-  assert any("removed the metrics of rounds 3-3" in line for line in logs), logs
+  assert os.path.join("checkpoints", "2") in warning and "damaged_checkpoints" in warning
+  assert "resumed from round 1" in logs
+  assert any("removed the metrics of rounds 2-2" in line for line in logs), logs
   rows, want = read_rows(config.output.dir), read_rows(straight.output.dir)
   assert [r["round"] for r in rows] == [1, 2, 3, 4]
   assert [r["train_loss"] for r in rows] == [r["train_loss"] for r in want]
@@ -204,50 +228,50 @@ def test_resume_skips_a_damaged_newest_checkpoint_and_matches_an_uninterrupted_r
   chex.assert_trees_all_equal(restore(config, dataset)[0].models, restore(straight, dataset)[0].models)
 
 
-def test_a_half_written_last_metrics_line_is_cut_with_a_warning(dataset, straight, tmp_path):
-  config = base_config(tmp_path / "half", checkpoint_every=1)
-  run_experiment(config.replace(rounds=2), dataset, log=lambda _: None)
+def test_a_half_written_last_metrics_line_is_cut_with_a_warning(dataset, straight, two_rounds, tmp_path):
+  config = copy_of(two_rounds, tmp_path / "half")
   with open(tmp_path / "half" / "metrics.jsonl", "a") as f:
     f.write('{"round": 3, "train_lo')
   logs = []
-  run_experiment(config.replace(resume=True), dataset, log=logs.append)
+  run_experiment(config, dataset, log=logs.append)
   assert any("its last line is half-written" in line for line in logs), logs
   assert [r["train_loss"] for r in read_rows(config.output.dir)] == [r["train_loss"] for r in read_rows(
       straight.output.dir)]
 
 
-def test_a_damaged_metrics_line_before_the_last_is_an_error_naming_it(dataset, tmp_path):
-  config = base_config(tmp_path / "bad", rounds=2, checkpoint_every=1)
-  run_experiment(config, dataset, log=lambda _: None)
+def test_a_damaged_metrics_line_before_the_last_is_an_error_naming_it(dataset, two_rounds, tmp_path):
+  config = copy_of(two_rounds, tmp_path / "bad", rounds=3)
   path = tmp_path / "bad" / "metrics.jsonl"
   lines = path.read_text().splitlines()
+  assert len(lines) == 2
   path.write_text("\n".join(["{not json", *lines[1:]]) + "\n")
   with pytest.raises(ValueError, match=r"metrics.jsonl, line 1, is not valid JSON"):
-    run_experiment(config.replace(resume=True, rounds=3), dataset, log=lambda _: None)
+    run_experiment(config, dataset, log=lambda _: None)
 
 
 # ---------------------------------------------------------------------------------------------- segments
 
 
-def test_a_resume_with_another_learning_rate_starts_a_segment(dataset, tmp_path):
-  config = base_config(tmp_path / "segments", rounds=2, checkpoint_every=1, learning_rate=0.05)
-  run_experiment(config, dataset, log=lambda _: None)
-  summary = run_experiment(config.replace(resume=True, rounds=4, learning_rate=0.01), dataset, log=lambda _: None)
+def test_a_resume_with_another_learning_rate_starts_a_segment(dataset, two_rounds, tmp_path):
+  first = base_config(two_rounds).client.learning_rate  # the rate the two rounds were trained with
+  assert first != 0.01
+  summary = run_experiment(copy_of(two_rounds, tmp_path / "segments", learning_rate=0.01), dataset,
+                           log=lambda _: None)
   with open(tmp_path / "segments" / "config.json") as f:
     saved = json.load(f)
   assert saved["client"]["learning_rate"] == 0.01
-  assert [s["settings"]["client.learning_rate"] for s in saved["segments"]] == [0.05, 0.01]
+  assert [s["settings"]["client.learning_rate"] for s in saved["segments"]] == [first, 0.01]
   assert [s["rounds"] for s in summary["segments"]] == [[1, 2], [3, 4]]
-  assert "client.learning_rate: 0.05 -> 0.01" in summary["segments"][1]["reason"]
+  assert f"client.learning_rate: {first!r} -> 0.01" in summary["segments"][1]["reason"]
 
 
-def test_when_no_checkpoint_restores_resume_stops_and_moves_nothing(dataset, tmp_path):
-  config = base_config(tmp_path / "all", rounds=2, checkpoint_every=1)
-  run_experiment(config, dataset, log=lambda _: None)
+def test_when_no_checkpoint_restores_resume_stops_and_moves_nothing(dataset, two_rounds, tmp_path):
+  config = copy_of(two_rounds, tmp_path / "all", rounds=3)
   steps = sorted(os.listdir(tmp_path / "all" / "checkpoints"))
+  assert steps
   for step in steps:
     damage(tmp_path / "all" / "checkpoints" / step)
   with pytest.raises(ValueError, match=r"no checkpoint in .*checkpoints can be restored .*nothing was moved"):
-    run_experiment(config.replace(resume=True, rounds=3), dataset, log=lambda _: None)
+    run_experiment(config, dataset, log=lambda _: None)
   assert sorted(os.listdir(tmp_path / "all" / "checkpoints")) == steps
   assert not os.path.exists(tmp_path / "all" / "damaged_checkpoints")

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # FedIN's Fashion-MNIST experiment at CPU size (docs/reproduction.md, "FedIN"): HeteroAvg, HeteroProx and FedIN
 # x seeds 0 and 1 with --preset fedin-cpu, then InclusiveFL, then FedIN's ablations (Table VII: HeteroProx is
-# "w/o IN"; the plain sum of gradients; the Eq. 13 projection; the history bank). Each run resumes if interrupted;
-# finished runs are skipped.
+# "w/o IN"; the plain sum of gradients; the Eq. 13 projection; then the history bank), on the seeds in
+# ABLATION_SEEDS (default "0 1"). Each run resumes if interrupted; finished runs are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/repro/fedin}
@@ -16,8 +16,10 @@ done
 for seed in 0 1; do
   run "InclusiveFL_s$seed" --method InclusiveFL --seed "$seed"
 done
-for seed in 0 1; do
+for seed in ${ABLATION_SEEDS:-0 1}; do
   run "FedIN-sum_s$seed" --method FedIN --fedin-rule sum --seed "$seed"
   run "FedIN-project_s$seed" --method FedIN --fedin-rule project --seed "$seed"
+done
+for seed in ${ABLATION_SEEDS:-0 1}; do
   run "FedIN-history_s$seed" --method FedIN --fedin-bank history --seed "$seed"
 done

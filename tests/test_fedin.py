@@ -27,8 +27,9 @@ from fedjax_hetero.methods import MethodOptions, build_method
 from fedjax_hetero.methods.fedin import (NAME, distillation_targets, feature_bank, intermediate_training,
                                          momentum_distillation)
 from fedjax_hetero.models import ResNet
+from fedjax_hetero.runner import run_experiment
 from fedjax_hetero.server.steps import Carry
-from tests.helpers import model_variables, run_fmnist_cli, run_rounds
+from tests.helpers import model_variables, run_rounds
 
 
 def tiny_resnet(stage_sizes=(1, 1), width=1.0):
@@ -199,8 +200,13 @@ def test_pairs_with_a_non_finite_value_are_dropped_and_counted():
 # ------------------------------------------------------------------------------------------ InclusiveFL
 
 
-def test_inclusivefl_distills_the_deeper_blocks_update_into_a_shallow_stage_top():
-  sim = depth_simulation("InclusiveFL", groups=((1, 1), (1, 3)), inclusivefl_beta=0.5, inclusivefl_momentum=0.5)
+@pytest.fixture(scope="module")
+def inclusive_sim():
+  return depth_simulation("InclusiveFL", groups=((1, 1), (1, 3)), inclusivefl_beta=0.5, inclusivefl_momentum=0.5)
+
+
+def test_inclusivefl_distills_the_deeper_blocks_update_into_a_shallow_stage_top(inclusive_sim):
+  sim = inclusive_sim
   federation = sim.federations[0]
   targets = distillation_targets(federation.models, federation.group_names, federation.largest,
                                  federation.maps[0].global_shapes)
@@ -232,8 +238,8 @@ def test_inclusivefl_distills_the_deeper_blocks_update_into_a_shallow_stage_top(
 # ------------------------------------------------------------------------------------------ runs and bad input
 
 
-def test_two_inclusivefl_rounds_on_resnet_depth_groups():
-  _, metrics = run_rounds(depth_simulation("InclusiveFL"))
+def test_two_inclusivefl_rounds_on_resnet_depth_groups(inclusive_sim):
+  _, metrics = run_rounds(inclusive_sim)
   assert all(np.isfinite(m["train_loss"]) for m in metrics)
 
 
@@ -275,14 +281,12 @@ def test_a_checkpoint_restores_the_bank_and_the_run_goes_on_bit_for_bit(tmp_path
   chex.assert_trees_all_equal(resumed.models, straight.models)
 
 
-@pytest.mark.slow
-def test_fedin_cli_smoke_run_on_fashion_mnist(tmp_path):
-  out = tmp_path / "run"
-  proc = run_fmnist_cli("--method", "FedIN", "--groups", "resnet10@0.0625,resnet14@0.0625", "--num-clients", "10",
-                        "--clients-per-round", "3", "--rounds", "2", "--eval-every", "1", "--batch-size", "16",
-                        "--epochs", "1", "--max-train-samples", "600", "--max-test-samples", "200",
-                        "--output-dir", str(out), "--no-progress")
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+def test_fedin_runs_through_the_experiment_driver(tmp_path):
+  config = RunConfig.from_flags(dataset="synthetic", method="FedIN", groups=("resnet10@0.0625",), num_clients=4,
+                                clients_per_round=2, rounds=2, eval_every=1, progress=False, batch_size=16,
+                                dissimilarity=False, fedin_num_pairs=4, output_dir=str(tmp_path))
+  run_experiment(config, synthetic_dataset(num_train=64, num_test=16, seed=0), log=lambda _: None)
+  rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert [r["round"] for r in rows] == [1, 2]
-  assert all(r[NAME]["global"]["bank_pairs"] > 0 for r in rows)
+  banks = [r[NAME]["resnet10@0.0625"] for r in rows]  # one group: the federation is named after it
+  assert all(b["bank_pairs"] > 0 and b["dropped_clients"] == 0 for b in banks)

@@ -16,7 +16,7 @@ from fedjax_hetero.config import RunConfig, as_dict
 from fedjax_hetero.runner import run_experiment
 
 TINY = dict(dataset="synthetic", steps_per_call=1, num_clients=4, clients_per_round=2, rounds=2,
-            max_train_samples=128, max_test_samples=64, progress=False)
+            max_train_samples=128, max_test_samples=64, progress=False, dissimilarity=False)
 
 
 def quiet(_):

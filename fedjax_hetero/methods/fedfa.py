@@ -51,7 +51,7 @@ NORMS_NAME = "fedfa_norms"
 Pair = tuple[Path, Path]  # (global block, client block), module paths without the collection
 
 
-def _stages(model: nn.Module) -> tuple[tuple[Path, ...], ...] | None:
+def declared_stages(model: nn.Module) -> tuple[tuple[Path, ...], ...] | None:
   stage_blocks = getattr(model, "stage_blocks", None)
   return None if stage_blocks is None else tuple(tuple(tuple(b) for b in stage) for stage in stage_blocks())
 
@@ -75,7 +75,7 @@ def graft_pairs(client: nn.Module, largest: nn.Module, group_map: SubmodelMap,
   """
   global_shapes = dict(group_map.global_shapes)
   held = {link.global_ for link in group_map.push}
-  own, full = _stages(client), _stages(largest)
+  own, full = declared_stages(client), declared_stages(largest)
   if own is None or full is None:
     if held >= set(global_shapes):
       return ()
@@ -159,5 +159,5 @@ def fedfa_aggregation(graft_layers: bool = True, scale: bool = True) -> ServerSt
   return ServerStep(NAME, update, init)
 
 
-__all__ = ["NAME", "NORMS", "NORMS_NAME", "PERCENTILE", "fedfa_aggregation", "graft_pairs", "grafted_maps",
+__all__ = ["NAME", "NORMS", "NORMS_NAME", "PERCENTILE", "declared_stages", "fedfa_aggregation", "graft_pairs", "grafted_maps",
            "scaled_upload"]

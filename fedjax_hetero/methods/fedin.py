@@ -25,6 +25,7 @@ from flax import traverse_util
 from fedjax_hetero.algorithms import fedin as fi
 from fedjax_hetero.client.terms import ClientTerm, with_upload
 from fedjax_hetero.hetero.maps import flatten
+from fedjax_hetero.methods.fedfa import declared_stages
 from fedjax_hetero.models import cut_shape
 from fedjax_hetero.server.steps import Federation, ServerStep
 
@@ -142,11 +143,11 @@ INCLUSIVE_BETA, INCLUSIVE_MOMENTUM = 0.2, 0.5
 
 
 def _stages(model: nn.Module, name: str):
-  stage_blocks = getattr(model, "stage_blocks", None)
-  if stage_blocks is None:
+  stages = declared_stages(model)
+  if stages is None:
     raise ValueError(f"{name}: InclusiveFL's momentum distillation needs the models to declare their stages "
                      f"(stage_blocks(), as ResNet does); {type(model).__name__} does not")
-  return tuple(tuple(tuple(b) for b in stage) for stage in stage_blocks())
+  return stages
 
 
 @functools.cache

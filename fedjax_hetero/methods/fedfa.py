@@ -159,5 +159,5 @@ def fedfa_aggregation(graft_layers: bool = True, scale: bool = True) -> ServerSt
   return ServerStep(NAME, update, init)
 
 
-__all__ = ["NAME", "NORMS", "NORMS_NAME", "PERCENTILE", "declared_stages", "fedfa_aggregation", "graft_pairs", "grafted_maps",
-           "scaled_upload"]
+__all__ = ["NAME", "NORMS", "NORMS_NAME", "PERCENTILE", "declared_stages", "fedfa_aggregation", "graft_pairs",
+           "grafted_maps", "scaled_upload"]

@@ -1,24 +1,46 @@
-"""Shared test setup: no persistent XLA compilation cache, and each module's compiled programs released.
+"""Shared test setup: one XLA compilation cache per test session, and each module's compiled programs released.
 
-The suite builds a few hundred simulations in one process. Kept alive, their XLA:CPU executables
-filled the process's memory mappings up to the kernel's limit (vm.max_map_count), where XLA's compiler
-segfaulted (see `fedjax_hetero.compilation.mapping_headroom`); so every module releases what it compiled.
-The tests compile everything themselves (the CLI subprocesses they start get
-``FEDJAX_HETERO_CACHE_DIR=off`` too), so no test depends on what an earlier one left in a cache.
+The suite builds a few hundred simulations, many of them compiling the same programs (the same tiny models and
+methods under different tests). A persistent compilation cache in a fresh temporary directory, shared by the
+pytest-xdist workers and the CLI subprocesses the tests start, lets every program after the first load from it:
+it halves the suite's time on 2 cores. The directory is new for every session and removed after it, so no test
+depends on what another session left; a cache hit is the same executable, so no result changes.
+
+Kept alive, the XLA:CPU executables of one process filled its memory mappings up to the kernel's limit
+(vm.max_map_count), where XLA's compiler segfaulted (see `fedjax_hetero.compilation.mapping_headroom`); so every
+module releases what it compiled.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
+import jax
 import pytest
 
 from fedjax_hetero import engine
 from fedjax_hetero.compilation import CACHE_ENV, release_programs
 
+_SESSION_CACHE_ENV = "FEDJAX_HETERO_TEST_SESSION_CACHE"  # set by the controller, read by the xdist workers
+
 
 def pytest_configure(config):
-  os.environ[CACHE_ENV] = "off"  # inherited by the CLI subprocesses
+  directory = os.environ.get(_SESSION_CACHE_ENV)
+  if directory is None:  # the controller (or a run without xdist): workers start after this and inherit it
+    directory = tempfile.mkdtemp(prefix="fedjax_hetero_test_xla_")
+    os.environ[_SESSION_CACHE_ENV] = directory
+    config._session_cache_owner = True
+  os.environ[CACHE_ENV] = directory  # the CLI subprocesses and in-process runners use it too
+  jax.config.update("jax_compilation_cache_dir", directory)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+  if getattr(config, "_session_cache_owner", False):
+    shutil.rmtree(os.environ.pop(_SESSION_CACHE_ENV), ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -71,3 +71,41 @@ def test_layer_profile_finds_every_convolution_with_its_input():
   by_name = {layer["name"]: layer for layer in layers}
   assert by_name["stem_conv"]["input"] == (4, 28, 28, 1) and by_name["stem_conv"]["strides"] == (2, 2)
   assert by_name["stage4_block0/conv2"]["input"] == (4, 1, 1, 128) and by_name["stage4_block0/conv2"]["features"] == 128
+
+
+def test_scaling_sweeps_print_a_row_per_point_and_a_table(capsys, tmp_path):
+  from benchmarks import scaling
+  plot = tmp_path / "scaling.png"
+  rows = scaling.main(["--sweeps", "clients", "--methods", "Scaffold,FedAvg", "--backends", "sequential",
+                       "--client-counts", "20,80", "--cohort", "2", "--pool", "64", "--samples", "4",
+                       "--batch-size", "4", "--rounds", "1", "--table", "--plot", str(plot)])
+  out = capsys.readouterr().out
+  assert [json.loads(line) for line in out.splitlines() if line.startswith("{")] == rows
+  assert [(r["method"], r["clients"]) for r in rows] == [("Scaffold", 20), ("Scaffold", 80), ("FedAvg", 20),
+                                                          ("FedAvg", 80)]
+  for row in rows:
+    assert row["round_ms"] > 0 and math.isfinite(row["peak_mb"]) and row["params"] > 0 and row["cohort"] == 2
+  scaffold = {r["clients"]: r for r in rows if r["method"] == "Scaffold"}
+  # SCAFFOLD keeps one params-shaped control variate per client; FedAvg keeps nothing.
+  assert scaffold[80]["state_mb"] == pytest.approx(4 * scaffold[20]["state_mb"])
+  assert scaffold[20]["state_mb"] * 2**20 == pytest.approx(20 * 4 * scaffold[20]["params"])
+  assert all(r["state_mb"] == 0 for r in rows if r["method"] == "FedAvg")
+  assert "clients sweep (2 per round" in out and "| Scaffold, sequential | FedAvg, sequential |" in out
+  assert f"| 80 | {scaffold[80]['state_mb']:.1f} / " in out
+  assert plot.stat().st_size > 0
+
+
+def test_scaling_points_cover_each_sweep_from_its_base_setting():
+  from benchmarks import scaling
+  args = scaling.build_parser().parse_args(["--clients", "100", "--cohort", "5", "--width", "2", "--cohorts", "5,50",
+                                            "--client-counts", "10,1000", "--widths", "1,3", "--methods", "FedAvg",
+                                            "--backends", "vmap"])
+  assert [(p["sweep"], p["clients"], p["cohort"], p["width"]) for p in scaling.points(args)] == [
+      ("cohort", 100, 5, 2.0), ("cohort", 100, 50, 2.0), ("clients", 10, 5, 2.0), ("clients", 1000, 5, 2.0),
+      ("width", 100, 5, 1.0), ("width", 100, 5, 3.0)]
+
+
+def test_scaling_rejects_a_cohort_larger_than_the_federation():
+  from benchmarks import scaling
+  with pytest.raises(SystemExit, match="500 clients per round of 100 clients"):
+    scaling.main(["--sweeps", "cohort", "--clients", "100", "--cohorts", "10,500"])

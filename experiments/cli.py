@@ -17,6 +17,7 @@ from typing import Any, NoReturn, Sequence
 from experiments.presets import PRESETS, get_preset, paper_deviations
 from fedjax_hetero import aggregators
 from fedjax_hetero import data as fdata
+from fedjax_hetero import distributed
 from fedjax_hetero import models
 from fedjax_hetero.aggregators import fedcross
 from fedjax_hetero.algorithms.fedgen import PRESETS as FEDGEN_PRESETS
@@ -265,7 +266,42 @@ def build_parser(defaults: RunConfig, description: str) -> argparse.ArgumentPars
   au.add_argument("--test-first", type=int, default=d.test_first, metavar="N",
                   help="evaluate on the first N test images (the InCo authors': 9728, 19 batches of 512)")
   p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
+  _add_distributed_flags(p)
   return p
+
+
+# The multi-process flags' destinations: how this process joins a run, not part of the run's config.
+DISTRIBUTED_FLAGS = ("distributed", "coordinator", "num_processes", "process_id", "distributed_timeout",
+                     "heartbeat_timeout")
+
+
+def _add_distributed_flags(p: argparse.ArgumentParser) -> None:
+  d = distributed.DistributedConfig()
+  env = distributed.ENV
+  g = p.add_argument_group(
+      "multi-process runs (jax.distributed; needs --backend sharded or auto)",
+      "Every process runs the same command; process 0 writes the results folder, which must be on a file\n"
+      "system all processes see. python -m experiments.launch starts such a run on this machine's CPUs.")
+  g.add_argument("--distributed", default=d.mode, choices=distributed.MODES,
+                 help="auto: let jax.distributed.initialize detect the processes (Cloud TPU VM or pod slice, SLURM, "
+                 "Open MPI); off: one process, unless --coordinator, --num-processes and --process-id are given")
+  # "%(default).0s" prints nothing; it only keeps the formatter from adding "(default: None)".
+  g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                 help=f"process 0's address and a free port (default: ${env['coordinator']})%(default).0s")
+  g.add_argument("--num-processes", type=int, default=None, metavar="N",
+                 help=f"processes in the run (default: ${env['num_processes']})%(default).0s")
+  g.add_argument("--process-id", type=int, default=None, metavar="I",
+                 help=f"this process's index, 0 to N-1 (default: ${env['process_id']})%(default).0s")
+  g.add_argument("--distributed-timeout", type=int, default=d.timeout, metavar="SECONDS",
+                 help="how long processes wait for each other to join, and at the end to finish")
+  g.add_argument("--heartbeat-timeout", type=int, default=d.heartbeat_timeout, metavar="SECONDS",
+                 help="a process silent this long counts as dead: the others stop with an error")
+
+
+def distributed_config(args: argparse.Namespace) -> distributed.DistributedConfig:
+  """The multi-process settings of parsed flags (coordinator settings not given: from the environment)."""
+  return distributed.from_flags(args.distributed, args.coordinator, args.num_processes, args.process_id,
+                                args.distributed_timeout, args.heartbeat_timeout)
 
 
 def _group_list(text: str) -> tuple[str, ...]:
@@ -280,7 +316,7 @@ def _probabilities(text: str) -> tuple[float, ...]:
 
 
 def config_from_args(args: argparse.Namespace, dataset: str) -> RunConfig:
-  flags = vars(args).copy()
+  flags = {k: v for k, v in vars(args).items() if k not in DISTRIBUTED_FLAGS}
   if isinstance(flags["groups"], str):  # argparse leaves an untouched default as given
     flags["groups"] = _group_list(flags["groups"])
   if isinstance(flags["group_draw"], str):
@@ -293,10 +329,10 @@ def _check_compile_cache(directory: str | None) -> None:
     raise ValueError(f"--compile-cache {directory!r} is a file, not a directory")
 
 
-def _fail(message: str) -> NoReturn:
+def _fail(message: str, status: int = 2) -> NoReturn:
   """The CLI's answer to a bad input: ``error: message`` on stderr and exit status 2 (argparse's), no traceback."""
   print(f"error: {message}", file=sys.stderr)
-  raise SystemExit(2) from None
+  raise SystemExit(status) from None
 
 
 def _preset_defaults(defaults: RunConfig, argv: Sequence[str] | None) -> tuple[RunConfig, Any]:
@@ -336,29 +372,39 @@ def main(dataset: str, defaults: RunConfig, description: str, argv: Sequence[str
   vars(args).pop("coarse", None)
   try:  # every setting is checked before anything is created or computed
     config = config_from_args(args, dataset)
+    processes = distributed_config(args)
+    processes.check_backend(config.backend)
     config.data.check_paths()
     config.output.check_paths()
     _check_compile_cache(compile_cache)
   except ValueError as e:
     _fail(str(e))
-  try:
-    enable_persistent_cache(compile_cache)
-  except OSError as e:
-    _fail(f"--compile-cache {compile_cache!r} cannot be used: {e}")
-  if chosen is not None:
-    changed = paper_deviations(chosen, config.flags())
-    note = "; this run differs from the paper's protocol in: " + ", ".join(
-        f"{k}={v!r} (paper {p!r})" for k, (v, p) in changed.items()) if changed else ""
-    scale = "REDUCED SCALE. " if chosen.reduced else ""
-    print(f"preset {chosen.name}: {scale}{chosen.description}{note}", flush=True)
-  try:
-    summary = run_experiment(config)
-  except (ValueError, fdata.DataNotFoundError, FloatingPointError) as e:
-    _fail(str(e))
-  final = summary["final_accuracy"] or {}
-  print(json.dumps({"final_accuracy": final, "best_mean_accuracy": summary["best_mean_accuracy"],
-                    "train_seconds": round(summary["train_seconds_all_rounds"], 1),
-                    "output_dir": config.output.dir}, indent=1))
+  # In a multi-process run a process that fails exits at once (`distributed.exit_on_failure`).
+  with distributed.exit_on_failure(processes.enabled):
+    try:
+      distributed.initialize(processes)
+    except RuntimeError as e:
+      _fail(str(e), distributed.FAILED)
+    try:
+      enable_persistent_cache(compile_cache)
+    except OSError as e:
+      _fail(f"--compile-cache {compile_cache!r} cannot be used: {e}")
+    main_process = distributed.is_main_process() if processes.enabled else True
+    if chosen is not None and main_process:
+      changed = paper_deviations(chosen, config.flags())
+      note = "; this run differs from the paper's protocol in: " + ", ".join(
+          f"{k}={v!r} (paper {p!r})" for k, (v, p) in changed.items()) if changed else ""
+      scale = "REDUCED SCALE. " if chosen.reduced else ""
+      print(f"preset {chosen.name}: {scale}{chosen.description}{note}", flush=True)
+    try:
+      summary = run_experiment(config)
+    except (ValueError, fdata.DataNotFoundError, FloatingPointError) as e:
+      _fail(str(e))
+    if main_process:
+      final = summary["final_accuracy"] or {}
+      print(json.dumps({"final_accuracy": final, "best_mean_accuracy": summary["best_mean_accuracy"],
+                        "train_seconds": round(summary["train_seconds_all_rounds"], 1),
+                        "output_dir": config.output.dir}, indent=1))
   return summary
 
 

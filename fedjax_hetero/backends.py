@@ -11,9 +11,12 @@ of the clients' deltas (plus loss totals), all still on the device. Backends:
   with empty clients (all steps masked) to the largest cohort the group can
   have, so every round runs the programs the first one compiled.
 - ``sharded``: the ``vmap`` program with that axis split over a
-  ``jax.sharding.Mesh`` of all local devices (cohort padded to a multiple).
-- ``auto``: ``sequential`` on CPU, ``sharded`` on several accelerators,
-  ``vmap`` on one.
+  ``jax.sharding.Mesh`` of all devices, of every process in a multi-process run
+  (`fedjax_hetero.distributed`); the cohort is padded to a multiple of the device count.
+  Each process feeds only its own devices' clients, the cohort's sums are a collective
+  inside the jitted reduction, and server state is replicated on every device.
+- ``auto``: ``sharded`` in a multi-process run or on several accelerators,
+  ``sequential`` on CPU, ``vmap`` on one accelerator.
 
 All backends produce the same sums up to float tolerance, because every
 client's randomness (its schedule, and the key `LocalTrainer.init_state` gets)
@@ -73,6 +76,11 @@ class Backend(Protocol):
 
   def place(self, tree: Variables) -> Variables:
     """Puts server state where this backend keeps it (so every round sees one placement)."""
+    ...
+
+  def local(self, tree: Variables) -> Variables:
+    """This process's own copy of server values it placed, for host-side work such as evaluation: on a
+    mesh that spans processes a jitted program would run on every device of every process."""
     ...
 
 
@@ -242,6 +250,9 @@ class SequentialBackend:
   def place(self, tree):
     return tree
 
+  def local(self, tree):
+    return tree
+
   def train(self, trainer, start, store, clients, weights, round_key, *, memory=None, rows=None, server=None,
             per_client_start=False, capacity=None, attack=None):
     attack = _attack_inputs(trainer, attack)
@@ -279,16 +290,24 @@ class SequentialBackend:
 
 @program_cache
 def _mapped_program(trainer: LocalTrainer, schedule_length: int, per_client_start: bool, mesh: Mesh | None):
-  start_axis = 0 if per_client_start else None
-  # On a mesh the chunk program's shardings are fixed (clients split, data replicated), so the programs
-  # compiled ahead by `ChunkPrograms` accept every chunk's inputs.
-  split = NamedSharding(mesh, PartitionSpec("clients")) if mesh else None
-  replicated = NamedSharding(mesh, PartitionSpec()) if mesh else None
-  chunk_shardings = dict(in_shardings=(split, replicated, replicated, split, split, replicated),
-                         out_shardings=split) if mesh else {}
+  """The cohort's three programs: start (schedules and states), a chunk of steps, reduce (sums and uploads).
 
-  @functools.partial(jax.jit, out_shardings=(split, split, split) if mesh else None)
-  def start_cohort(start, index_rows, num_examples, keys, memory_rows, server, attack):
+  On a mesh each is a `jax.shard_map` over the clients axis: every device runs the vmapped program on its own
+  clients, so no client's computation depends on another's (left to XLA's partitioner, convolutions with
+  per-client kernels were all-gathered and every device computed every client's), and the reduction's sums
+  are an explicit ``psum``, the one collective of a round's training.
+  """
+  start_axis = 0 if per_client_start else None
+  clients, whole = PartitionSpec("clients"), PartitionSpec()
+  split = NamedSharding(mesh, clients) if mesh else None
+  replicated = NamedSharding(mesh, whole) if mesh else None
+
+  def on_devices(f, in_specs, out_specs):
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs) if mesh else f
+
+  def start_local(start, index_rows, num_examples, round_key, ids, memory_rows, server, attack):
+    # Every client's key from its id inside the program: each device derives its own clients' keys.
+    keys = jax.vmap(lambda c: jax.random.fold_in(round_key, c))(ids)
     ids, mask = jax.vmap(lambda r, n, k: trainer.schedule(r, n, k, schedule_length))(index_rows, num_examples, keys)
     states = jax.vmap(trainer.init_state, in_axes=(start_axis, 0, None, 0), axis_size=len(keys))(
         start, memory_rows, server, keys)
@@ -296,26 +315,61 @@ def _mapped_program(trainer: LocalTrainer, schedule_length: int, per_client_star
       states, ids = jax.vmap(trainer.start_backdoor)(states, ids, index_rows, num_examples, keys, attack)
     return states, ids, mask
 
-  def run_cohort_steps(states, images, labels, ids, mask, offset, count):
-    run = lambda state, ids, mask: trainer.run_steps(state, images, labels, ids, mask, offset, count)
-    return jax.vmap(run)(states, ids, mask)
+  start_spec = clients if per_client_start else whole
+  start_specs = (start_spec, clients, clients, whole, clients, clients, whole, clients)
+  start_cohort = jax.jit(on_devices(start_local, start_specs, (clients, clients, clients)),
+                         out_shardings=(split, split, split) if mesh else None)
 
+  def run_cohort_steps(states, images, labels, ids, mask, offset, count):
+    def run(states, images, labels, ids, mask, offset):
+      step = lambda state, ids, mask: trainer.run_steps(state, images, labels, ids, mask, offset, count)
+      return jax.vmap(step)(states, ids, mask)
+    return on_devices(run, (clients, whole, whole, clients, clients, whole), clients)(
+        states, images, labels, ids, mask, offset)
+
+  # On a mesh the chunk program's shardings are fixed (clients split, data replicated), so the programs
+  # compiled ahead by `ChunkPrograms` accept every chunk's inputs.
+  chunk_shardings = dict(in_shardings=(split, replicated, replicated, split, split, replicated),
+                         out_shardings=split) if mesh else {}
   run_steps = ChunkPrograms(jax.jit(run_cohort_steps, donate_argnums=0, static_argnums=6, **chunk_shardings),
                             trainer.config.chunk_lengths(schedule_length))
 
-  @jax.jit
-  def reduce(states: LocalState, start, memory_rows, server, weights, real):
+  def reduce_local(states: LocalState, start, memory_rows, server, weights, real):
     """The cohort's sums (padding clients have weight 0 and ``real`` 0) and its stacked uploads, padded."""
     outputs = jax.vmap(trainer.finish, in_axes=(0, start_axis, 0, None))(states, start, memory_rows, server)
-    sum_with = lambda w: lambda tree: jax.tree.map(lambda d: jnp.tensordot(w, d, axes=1), tree)
+    total = (lambda x: jax.lax.psum(x, "clients")) if mesh else (lambda x: x)
+    sum_with = lambda w: lambda tree: jax.tree.map(lambda d: total(jnp.tensordot(w, d, axes=1)), tree)
     weighted_sum = sum_with(weights)
     uploads = {**weighted_sum(_split(outputs.uploads, trainer.reductions, "weighted")),
                **sum_with(real)(_split(outputs.uploads, trainer.reductions, "sum"))}
-    result = GroupResult(weighted_sum(outputs.delta), weights.sum(), states.loss_sum.sum(),
-                         states.num_examples.sum(), uploads)
+    result = GroupResult(weighted_sum(outputs.delta), total(weights.sum()), total(states.loss_sum.sum()),
+                         total(states.num_examples.sum()), uploads)
     return result, outputs.memory, _split(outputs.uploads, trainer.reductions, "stack")
 
+  # The sums come back replicated, and so (gathered) do the clients' new memory rows and stacked uploads:
+  # server state stays replicated and readable by every process.
+  reduce = jax.jit(on_devices(reduce_local, (clients, start_spec, clients, whole, clients, clients),
+                              (whole, clients, clients)),
+                   out_shardings=replicated)
   return start_cohort, run_steps, reduce
+
+
+@program_cache
+def _row_programs(mesh: Mesh | None):
+  """``(take_rows, replicate)``: rows of a tree, split over the mesh's clients axis (the cohort's start models,
+  memory rows and index rows); and a tree replicated on the mesh (server state)."""
+  split = NamedSharding(mesh, PartitionSpec("clients")) if mesh else None
+  replicated = NamedSharding(mesh, PartitionSpec()) if mesh else None
+
+  @functools.partial(jax.jit, out_shardings=split)
+  def take_rows(tree, rows):
+    # Out-of-range rows (a padding client's memory row) clip to the last row; their results are dropped.
+    return jax.tree.map(lambda x: jnp.take(x, rows, axis=0, mode="clip"), tree)
+
+  # Host data the same on every process becomes a replicated global array without a collective (jit
+  # copies a process's local input to its own devices), unlike `jax.device_put`, which checks equality.
+  replicate = jax.jit(lambda tree: tree, out_shardings=replicated)
+  return take_rows, replicate
 
 
 @jax.jit
@@ -325,12 +379,13 @@ def _scatter_rows(memory, rows, new_rows):
 
 
 class VmapBackend:
-  """The cohort as a vmapped leading axis; ``mesh`` shards that axis over devices."""
+  """The cohort as a vmapped leading axis; ``mesh`` shards that axis over devices (of every process)."""
 
   def __init__(self, mesh: Mesh | None = None):
     self.mesh = mesh
     self.name = "vmap" if mesh is None else "sharded"
     self._placed: dict[int, FederatedStore] = {}
+    self._take_rows, self._replicate = _row_programs(mesh)
 
   def _padded_size(self, cohort: int, capacity: int | None) -> int:
     size = max(capacity or 0, cohort)
@@ -351,12 +406,20 @@ class VmapBackend:
       return tree
     # Replicated from round 1 on: the aggregate comes back committed to the mesh,
     # and a change of input placement between rounds would recompile everything.
-    return jax.device_put(tree, NamedSharding(self.mesh, PartitionSpec()))
+    return self._replicate(tree)
 
-  def _split(self, x):
+  def local(self, tree):
     if self.mesh is None:
-      return x
-    return jax.device_put(x, NamedSharding(self.mesh, PartitionSpec("clients")))
+      return tree
+    return jax.tree.map(lambda x: x.addressable_data(0) if isinstance(x, jax.Array) else x, tree)
+
+  def _host_split(self, tree):
+    """Host (numpy) cohort data, the same on every process, split over the clients axis: each process
+    copies only its own devices' rows."""
+    if self.mesh is None:
+      return jax.tree.map(jnp.asarray, tree)
+    split = NamedSharding(self.mesh, PartitionSpec("clients"))
+    return jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, split, lambda index: x[index]), tree)
 
   def train(self, trainer, start, store, clients, weights, round_key, *, memory=None, rows=None, server=None,
             per_client_start=False, capacity=None, attack=None):
@@ -366,29 +429,28 @@ class VmapBackend:
     size = self._padded_size(len(clients), capacity)
     pad = size - len(clients)
     # Empty clients own no examples, so every one of their steps is masked.
-    padded = np.concatenate([clients, np.zeros(pad, clients.dtype)])
+    padded = np.concatenate([clients, np.zeros(pad, clients.dtype)]).astype(np.int32)
     sizes = np.concatenate([store.sizes[clients], np.zeros(pad, np.int64)]).astype(np.int32)
     client_weights = np.concatenate([weights, np.zeros(pad)]).astype(np.float32)
-    keys = jax.vmap(lambda c: jax.random.fold_in(round_key, c))(jnp.asarray(padded))
+    real = (np.arange(size) < len(clients)).astype(np.float32)
     if attack:
-      attack = self._split(jax.tree.map(jnp.asarray, padded_inputs(attack, size)))
-    if per_client_start:
-      start = self._split(jax.tree.map(lambda x: jnp.concatenate([x, jnp.repeat(x[:1], size - len(x), 0)]), start))
+      attack = padded_inputs(attack, size)
+    cohort = self._host_split((padded, sizes, client_weights, real, attack))
+    padded_ids, sizes, client_weights, real, attack = cohort
+    if per_client_start:  # the slots past the cohort start from slot 0's model
+      start = self._take_rows(start, np.concatenate([np.arange(len(clients)), np.zeros(pad, np.int64)]))
     memory_rows, padded_rows = {}, None
     if memory:
       num_rows = len(jax.tree.leaves(memory)[0])
-      padded_rows = jnp.asarray(np.concatenate([rows, np.full(pad, num_rows)]), jnp.int32)
-      memory_rows = self._split(jax.tree.map(lambda m: jnp.take(m, padded_rows, axis=0, mode="clip"), memory))
+      padded_rows = np.concatenate([rows, np.full(pad, num_rows)]).astype(np.int32)
+      memory_rows = self._take_rows(memory, padded_rows)
     start_cohort, run_steps, reduce = _mapped_program(trainer, _schedule_length(trainer, store), per_client_start,
-                                                  self.mesh)
-    index_rows = self._split(store.index_table[jnp.asarray(padded)])
-    states, ids, mask = start_cohort(start, index_rows, self._split(jnp.asarray(sizes)), self._split(keys),
-                                     memory_rows, server, attack)
-    longest = max(trainer.config.num_steps(int(n)) for n in sizes[:len(clients)])
+                                                      self.mesh)
+    index_rows = self._take_rows(store.index_table, padded)
+    states, ids, mask = start_cohort(start, index_rows, sizes, round_key, padded_ids, memory_rows, server, attack)
+    longest = max(trainer.config.num_steps(int(n)) for n in store.sizes[clients])
     states = _run_schedule(run_steps, trainer, longest, states, store, ids, mask)
-    real = np.arange(size) < len(clients)
-    result, new_rows, stacked = reduce(states, start, memory_rows, server, self._split(jnp.asarray(client_weights)),
-                                       self._split(jnp.asarray(real, jnp.float32)))
+    result, new_rows, stacked = reduce(states, start, memory_rows, server, client_weights, real)
     if memory:
       memory = _scatter_rows(memory, padded_rows, new_rows)
     if stacked:
@@ -397,17 +459,26 @@ class VmapBackend:
 
 
 def make_backend(name: str) -> Backend:
-  """A backend by name; ``auto`` chooses by platform (see module docstring)."""
+  """A backend by name; ``auto`` chooses by platform and process count (see module docstring). In a
+  multi-process run only ``sharded`` (and ``auto``) are accepted: the others train on one process's devices."""
   name = name.lower()
   if name not in BACKENDS:
     raise ValueError(f"unknown backend {name!r}; accepted: {', '.join(BACKENDS)}")
+  processes = jax.process_count()
   if name == "auto":
-    if jax.default_backend() == "cpu":
+    if processes > 1:
+      name = "sharded"
+    elif jax.default_backend() == "cpu":
       name = "sequential"
     else:
       name = "sharded" if jax.local_device_count() > 1 else "vmap"
+  if processes > 1 and name != "sharded":
+    raise ValueError(f"backend {name!r} trains on this process's devices only; a run of {processes} processes "
+                     "needs the sharded backend (--backend sharded, or auto)")
   if name == "sequential":
     return SequentialBackend()
   if name == "vmap":
     return VmapBackend()
-  return VmapBackend(Mesh(np.array(jax.local_devices()), ("clients",)))
+  # All devices of all processes, in jax's order (grouped by process): each process holds a contiguous block
+  # of the cohort.
+  return VmapBackend(Mesh(np.array(jax.devices()), ("clients",)))

@@ -3,6 +3,10 @@
 The state's typed parts (NamedTuples such as an optax state or FedCross's
 `CrossState`) are stored as flax state dicts and rebuilt against a template
 state, so any method's state round-trips without knowing its types.
+
+In a multi-process run every process calls `save` and the restores, with the same arguments: orbax writes
+the replicated arrays once (process 0 is its primary host) and restores them into the template's shardings,
+replicated global arrays (a restore needs a template holding real arrays, such as the initial state).
 """
 
 from __future__ import annotations
@@ -124,9 +128,10 @@ def restore_latest_intact(output_dir: str, template: ServerState,
     for damaged, error in failures:
       source = os.path.join(root, str(damaged))
       target = os.path.join(os.path.dirname(root), "damaged_checkpoints", str(damaged))
-      os.makedirs(os.path.dirname(target), exist_ok=True)
-      shutil.rmtree(target, ignore_errors=True)
-      shutil.move(source, target)
+      if jax.process_index() == 0:  # every process of a multi-process run finds the same damage; one moves it
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.move(source, target)
       warn(f"warning: checkpoint {source} cannot be restored ({_first_line(error)}); moved it to {target} and "
            f"resumed from round {step}")
     return _from_tree(step, restored, template)

@@ -296,12 +296,17 @@ class Simulation:
                                 per_client_start=self.method.sharing.stacked, capacity=self._stack_size(gi),
                                 attack=None if self._attack is None else backdoor.cohort_inputs(self._attack, cohort))
 
-    if self._compiled:
+    # In the first round the groups compile side by side (XLA compiles on one core), except in a multi-process
+    # run: there every process must launch the programs, whose collectives pair up across processes, in one order.
+    if self._compiled or jax.process_count() > 1:
+      if not self._compiled:
+        mapping_headroom()
       trained = [train(gi) for gi in range(len(self.groups))]
-    else:  # the groups compile side by side (XLA compiles on one core)
+    else:
       mapping_headroom()
       with concurrent.futures.ThreadPoolExecutor(len(self.groups)) as pool:
         trained = list(pool.map(train, range(len(self.groups))))
+    if not self._compiled:
       self._compile_every_federation(state, starts, shares, cohorts)
     memory, results = list(state.memory), []
     losses: dict[str, float] = {}
@@ -393,15 +398,20 @@ class Simulation:
     """Zeros shaped as the group's result, made once (made again, they would compile in a later round)."""
     if group not in self._empty_results:
       row = jax.tree.map(lambda x: x[0], state.memory[group]) if state.memory and state.memory[group] else {}
-      self._empty_results[group] = empty_group_result(self.trainers[group], start, row, share,
-                                                      self._stack_size(group))
+      # Placed as the backend places real results, so the server program sees one input placement every round.
+      self._empty_results[group] = self.backend.place(empty_group_result(self.trainers[group], start, row, share,
+                                                                         self._stack_size(group)))
     return self._empty_results[group]
 
   def evaluate(self, state: ServerState, batch_size: int = EVAL_BATCH) -> dict[str, float]:
-    """Test accuracy of every group's model, and their mean under ``"mean"``."""
+    """Test accuracy of every group's model, and their mean under ``"mean"``.
+
+    It runs on this process's own copy of the model (`Backend.local`), with no collective: in a
+    multi-process run every process evaluates the whole test set and gets the same numbers, which its
+    divergence guard and checkpoint ranking then agree on."""
     accs = {}
     for gi, group in enumerate(self.groups):
-      variables = self.group_variables(state, gi)
+      variables = self.backend.local(self.group_variables(state, gi))
       if self.method.evaluation_variables:
         variables = self.method.evaluation_variables(group.model, variables, self.store)
       accs[group.name] = accuracy(group.model, variables, self.test_images, self.test_labels, self.store.mean,

@@ -1,5 +1,9 @@
 """An experiment from config to results folder: data, partition, rounds, checkpoints, plots.
 
+In a multi-process run (`fedjax_hetero.distributed`) every process runs the experiment the same way, and
+process 0 alone writes the folder's files, logs and shows progress; every process saves and restores the
+checkpoints (orbax's multi-process checkpointing), so the folder must be on a file system all of them see.
+
 ``run_experiment(RunConfig(...))`` is what ``python -m experiments.<dataset>``
 and the notebooks call. The results folder holds ``metrics.jsonl`` (one JSON
 object per round), ``config.json``, ``summary.json``, ``accuracy.png``, the
@@ -25,6 +29,7 @@ from tqdm.auto import tqdm
 
 from fedjax_hetero import checkpoints
 from fedjax_hetero import data as fdata
+from fedjax_hetero import distributed
 from fedjax_hetero import models
 from fedjax_hetero.backends import make_backend
 from fedjax_hetero.config import FLAGS, RunConfig, as_dict, flatten, from_dict
@@ -32,6 +37,7 @@ from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.engine import ArchGroup, NonFiniteLossError, Simulation, assign_groups
 from fedjax_hetero.guard import DivergenceConfig, DivergenceError, DivergenceWatch
 from fedjax_hetero.methods import build_method
+from fedjax_hetero.validation import cli_flag
 
 
 def partitioned_dataset(config: RunConfig, dataset: fdata.ArrayDataset | None = None
@@ -81,7 +87,8 @@ def build_simulation(config: RunConfig, dataset: fdata.ArrayDataset | None = Non
   log(f"{dataset.name}: {len(dataset.train_labels)} train / {len(dataset.test_labels)} test samples, "
       f"{config.data.num_clients} clients ({split}), groups {', '.join(config.groups)}, "
       f"method {method.name}" + (f" (client terms: {terms})" if terms else "") +
-      f", backend {backend.name} on {jax.default_backend()}")
+      f", backend {backend.name} on {jax.default_backend()}" + (
+          f" ({jax.device_count()} devices of {jax.process_count()} processes)" if jax.process_count() > 1 else ""))
   if len(sim.malicious_clients):
     attack = config.federation
     log(f"backdoor attack: {len(sim.malicious_clients)} malicious clients (lambda {attack.backdoor_scale:g}, "
@@ -104,14 +111,22 @@ def malicious_report(sim: Simulation) -> str:
   return "\n".join(lines) + "\n"
 
 
-def _prepare_output(config: RunConfig) -> None:
+def _check_output(config: RunConfig) -> None:
   out = config.output.dir
   if os.path.exists(out) and os.listdir(out) and not (config.output.resume or config.output.overwrite):
     raise ValueError(f"output directory {out!r} is not empty; pass --resume to continue it or --overwrite "
                      "to start over")
-  if config.output.overwrite and os.path.exists(out):
+
+
+def _prepare_output(config: RunConfig) -> None:
+  out = config.output.dir
+  if config.output.overwrite and not config.output.resume and os.path.exists(out):
     shutil.rmtree(out)
   os.makedirs(out, exist_ok=True)
+
+
+def _quiet(_: str) -> None:
+  pass
 
 
 # Settings a resumed run may change. The first set leaves the trajectory as it was up to float tolerance (the
@@ -138,7 +153,7 @@ def saved_config(output_dir: str, log: Callable[[str], None] = print) -> RunConf
     saved = saved if key is None else saved.get(key)
     if not isinstance(saved, dict):
       continue
-    saved = {k: v for k, v in saved.items() if k not in (SEGMENTS, ROLLBACKS)}
+    saved = {k: v for k, v in saved.items() if k not in (SEGMENTS, ROLLBACKS, PROCESSES)}
     ignored: list[str] = []
     if "data" not in saved:  # the flat layout of older versions: one value per flag
       ignored = sorted(set(saved) - set(FLAGS) - {"fedgen_preset"})
@@ -175,6 +190,8 @@ def _check_resumable(config: RunConfig, log: Callable[[str], None]) -> str | Non
 # trained with the same local optimizer, {"from_round", "settings", "reason"}, oldest first; and every rollback
 # after a divergence, {"diverged_round", "to_round", "reason", "learning_rate": [before, after]}.
 SEGMENTS, ROLLBACKS = "segments", "rollbacks"
+# config.json also records the run's process count: a multi-process run resumes with as many processes.
+PROCESSES = "processes"
 
 
 def _keep_rolled_back_learning_rate(config: RunConfig, log: Callable[[str], None]) -> RunConfig:
@@ -208,8 +225,25 @@ def _saved_history(output_dir: str) -> tuple[list[dict[str, Any]], list[dict[str
 
 
 def _write_config(config: RunConfig, segments: Sequence[dict[str, Any]], rollbacks: Sequence[dict[str, Any]]) -> None:
+  if not distributed.is_main_process():
+    return
   with open(os.path.join(config.output.dir, "config.json"), "w") as f:
-    json.dump({**as_dict(config), SEGMENTS: list(segments), ROLLBACKS: list(rollbacks)}, f, indent=2)
+    json.dump({**as_dict(config), SEGMENTS: list(segments), ROLLBACKS: list(rollbacks),
+               PROCESSES: jax.process_count()}, f, indent=2)
+
+
+def _check_process_count(output_dir: str) -> None:
+  """Raises ValueError if the results folder was written by a run with another process count (a folder
+  without the record was written by one process)."""
+  path = os.path.join(output_dir, "config.json")
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    saved = json.load(f).get(PROCESSES, 1)
+  if saved != jax.process_count():
+    raise ValueError(f"cannot resume {output_dir!r} with {jax.process_count()} process(es): it was run with "
+                     f"{saved} (its config.json); resume with {cli_flag('distributed.num_processes')} "
+                     f"{saved}, or pass --overwrite instead of --resume to start over")
 
 
 def _next_segment(segments: list[dict[str, Any]], config: RunConfig, from_round: int, reason: str) -> list[dict[str, Any]]:
@@ -290,26 +324,33 @@ def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
   """Runs (or resumes) an experiment and writes its results folder; returns the summary.
 
   Raises `guard.DivergenceError` when the run diverges and ``config.divergence`` says stop (after writing the
-  summary; the best checkpoint is kept)."""
+  summary; the best checkpoint is kept). In a multi-process run every process calls it, with the same config;
+  only process 0 writes files and logs."""
+  main = distributed.is_main_process()
+  log = log if main else _quiet
   config.data.check_paths()
   config.output.check_paths()
   changed = None
   if config.output.resume:
+    _check_process_count(config.output.dir)
     config = _keep_rolled_back_learning_rate(config, log)
     changed = _check_resumable(config, log)
   else:
-    _prepare_output(config)
+    _check_output(config)
   out = config.output.dir
-  os.makedirs(out, exist_ok=True)
   segments, rollbacks = _saved_history(out) if config.output.resume else ([], [])
+  distributed.barrier("fedjax_hetero.runner: settings read")  # before process 0 changes the folder
+  if main:
+    _prepare_output(config)
   sim, parts = build_simulation(config, dataset, log)
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
     initial = pool.submit(sim.init_state)  # XLA compiles the initialization while the partition is drawn
-    labels = np.asarray(sim.store.labels)
-    with open(os.path.join(out, "partition.txt"), "w") as f:
-      f.write(fdata.partition_report(labels, parts, sim.store.num_classes) + malicious_report(sim))
-    fdata.plot_partition(fdata.class_counts(labels, parts, sim.store.num_classes),
-                         os.path.join(out, "partition.png"))
+    if main:
+      labels = np.asarray(sim.store.labels)
+      with open(os.path.join(out, "partition.txt"), "w") as f:
+        f.write(fdata.partition_report(labels, parts, sim.store.num_classes) + malicious_report(sim))
+      fdata.plot_partition(fdata.class_counts(labels, parts, sim.store.num_classes),
+                           os.path.join(out, "partition.png"))
     state = initial.result()
   metrics_path = os.path.join(out, "metrics.jsonl")
   rows: list[dict[str, Any]] = []
@@ -319,6 +360,8 @@ def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
       state = sim.place(restored)
       log(f"resumed from round {state.round}")
     rows = _read_metrics(metrics_path, state.round, log)
+  # Every process has read the folder (and process 0 set damaged checkpoints aside) before it is rewritten.
+  distributed.barrier("fedjax_hetero.runner: folder read")
   manager = checkpoints.manager(out, config.output.checkpoint_every, config.output.keep_checkpoints)
   reason = ("start" if state.round == 0 else f"resumed with changed local training: {changed}" if changed
             else "resumed (the folder kept no earlier segments)")
@@ -332,7 +375,7 @@ def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
 
   wall_start = time.perf_counter()
   bar = tqdm(total=config.rounds, initial=state.round, desc=sim.method.name, unit="round",
-             disable=not config.output.progress, dynamic_ncols=True)
+             disable=not (config.output.progress and main), dynamic_ncols=True)
   try:
     while state.round < config.rounds:
       error = None
@@ -346,8 +389,9 @@ def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
         final = next_state.round == config.rounds
         m["test_accuracy"] = sim.evaluate(next_state) if next_state.round % config.eval_every == 0 or final else None
         rows.append(m)
-        with open(metrics_path, "a") as f:
-          f.write(json.dumps(m) + "\n")
+        if main:
+          with open(metrics_path, "a") as f:
+            f.write(json.dumps(m) + "\n")
         error = watch.check(m) if config.divergence.action != "off" else None
       if error is not None:
         manager.wait_until_finished()
@@ -385,6 +429,8 @@ def _best_accuracy(rows: Sequence[dict[str, Any]]) -> float:
 
 
 def _write_metrics(path: str, rows: Sequence[dict[str, Any]]) -> None:
+  if not distributed.is_main_process():
+    return
   with open(path, "w") as f:
     f.writelines(json.dumps(r) + "\n" for r in rows)
 
@@ -392,8 +438,10 @@ def _write_metrics(path: str, rows: Sequence[dict[str, Any]]) -> None:
 def _finish(config: RunConfig, sim: Simulation, rows: Sequence[dict[str, Any]], wall_seconds: float,
             segments: Sequence[dict[str, Any]], rollbacks: Sequence[dict[str, Any]],
             stopped: dict[str, Any] | None = None) -> dict[str, Any]:
-  """Writes summary.json and accuracy.png; returns the summary."""
+  """Writes summary.json and accuracy.png (process 0); returns the summary."""
   summary = _summarize(config, sim, rows, wall_seconds, segments, rollbacks, stopped)
+  if not distributed.is_main_process():
+    return summary
   with open(os.path.join(config.output.dir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
   plot_accuracy(rows, os.path.join(config.output.dir, "accuracy.png"),
@@ -457,6 +505,8 @@ def _summarize(config: RunConfig, sim: Simulation, rows: Sequence[dict[str, Any]
       "client_terms": [t.name for t in sim.method.terms],
       "server_steps": [s.name for s in sim.method.server],
       "platform": jax.default_backend(),
+      "processes": jax.process_count(),
+      "devices": jax.device_count(),
       "parameters_per_group": group_params,
       "segments": [{**seg, "rounds": [seg["from_round"], (later["from_round"] - 1) if later else final_round]}
                    for seg, later in zip(segments, [*segments[1:], None])],

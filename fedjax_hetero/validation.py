@@ -18,7 +18,9 @@ from typing import Any, Iterable
 
 # Settings whose flag name is not their leaf's name.
 RENAMED_FLAGS: dict[str, str] = {"method.name": "method", "output.dir": "output_dir",
-                                 "method.fedcross.global_from": "fedcross_global", "divergence.action": "on_divergence"}
+                                 "method.fedcross.global_from": "fedcross_global", "divergence.action": "on_divergence",
+                                 # `fedjax_hetero.distributed.DistributedConfig`, not part of a run's config
+                                 "distributed.mode": "distributed", "distributed.timeout": "distributed_timeout"}
 # Families whose flag names put the family's name before the leaf's (method.fedcross.alpha: fedcross_alpha).
 PREFIXED_FAMILIES: tuple[str, ...] = ("method.fedcross", "method.fedimpro", "method.fedin", "divergence")
 # Families without flags of their own (FedGen's settings: only --fedgen-preset sets them).

@@ -188,8 +188,9 @@ def test_results_folder(resumed):
   assert os.path.isfile(os.path.join(out, "partition.txt"))
   with open(os.path.join(out, "config.json")) as f:
     saved = json.load(f)
-  segments, rollbacks = saved.pop("segments"), saved.pop("rollbacks")
+  segments, rollbacks, processes = saved.pop("segments"), saved.pop("rollbacks"), saved.pop("processes")
   assert saved == json.loads(json.dumps(as_dict(config)))
+  assert processes == 1 and on_disk["processes"] == 1 and on_disk["devices"] == jax.device_count()
   assert [s["from_round"] for s in segments] == [1] and rollbacks == [], "a plain resume continues its segment"
   assert on_disk["segments"][0]["rounds"] == [1, 4]
 

@@ -239,9 +239,14 @@ class LocalTrainer:
     ctx = StepContext(self.model, Batch(x, labels, mask, maskf), state.num_steps, self.forward, client_labels)
     prepared = [t.prepare(s, ctx) if t.prepare else None for t, s in zip(self.terms, state.terms)]
 
+    # A step with no real row (a padding client's, or one past a client's schedule in a vmapped cohort) is
+    # discarded below; its forward treats every row as real, because BatchNorm's statistics over no row are
+    # NaN, which a grouped convolution of the cohort's clients may carry into the other clients' results.
+    forward_mask = mask | ~mask.any()
+
     def losses(params):
       variables = {**state.variables, "params": params}
-      outputs, updates = self.forward(variables, x, True, mask, self.cuts)
+      outputs, updates = self.forward(variables, x, True, forward_mask, self.cuts)
       logits = outputs.logits
       for term in self.terms:
         if term.logits:

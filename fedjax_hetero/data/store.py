@@ -61,8 +61,13 @@ class FederatedStore:
     return class_counts(np.asarray(self.labels), parts, self.num_classes)
 
   def placed(self, sharding: jax.sharding.Sharding) -> "FederatedStore":
-    """The same store with its arrays placed by ``sharding`` (e.g. replicated on a mesh)."""
-    put = lambda x: jax.device_put(x, sharding)
+    """The same store with its arrays placed by ``sharding`` (e.g. replicated on a mesh).
+
+    Every process of a multi-process run holds the same data, so each copies its own devices' parts from its
+    host copy (``jax.device_put`` of host data would first check, by a collective, that all processes agree)."""
+    def put(x):
+      host = np.asarray(x)
+      return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
     return dataclasses.replace(self, images=put(self.images), labels=put(self.labels),
                                index_table=put(self.index_table))
 

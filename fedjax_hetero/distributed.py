@@ -1,0 +1,223 @@
+"""Multi-process runs on JAX's own distributed runtime (`jax.distributed`, multi-controller JAX).
+
+Every process runs the same program: it loads the same data, draws the same cohorts and calls the same
+jitted programs in the same order. ``--backend sharded`` puts the cohort's clients axis over the devices of
+all processes (`backends.make_backend`), so each process trains the clients of its own devices, and the
+aggregation is a collective inside the jitted reduction. Server state is replicated on every device, so every
+process can read it; process 0 alone writes the results folder (`runner.run_experiment`).
+
+`initialize` must run before jax computes anything: jax.distributed connects the processes through a
+coordinator (process 0's ``HOST:PORT``), or detects them on Cloud TPU VMs, SLURM and Open MPI
+(``--distributed auto``). Its timeouts are bounded (`DistributedConfig`), so that a process that never
+joins, or dies, ends the others with an error instead of a hang; `exit_on_failure` makes a failing process
+exit at once, so that the others' next collective fails instead of waiting for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+import traceback
+from typing import Iterator, Mapping
+
+import jax
+from jax._src import xla_bridge  # private, but jax has no public way to ask whether it has computed yet
+
+from fedjax_hetero.validation import check_choice, check_integer, cli_flag, show
+
+MODES = ("off", "auto")  # off: one process unless the coordinator flags are given; auto: jax detects the cluster
+ENV = {"coordinator": "FEDJAX_HETERO_COORDINATOR", "num_processes": "FEDJAX_HETERO_NUM_PROCESSES",
+       "process_id": "FEDJAX_HETERO_PROCESS_ID"}
+EXPLICIT = ("coordinator", "num_processes", "process_id")
+# Exit status of a process whose run failed in a multi-process run (argparse's 2 stays for bad input).
+FAILED = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+  """How this process joins a multi-process run.
+
+  ``mode`` "off" with no coordinator settings is a single-process run. With ``coordinator``,
+  ``num_processes`` and ``process_id`` (all three) this process joins the run they describe. ``mode``
+  "auto" lets `jax.distributed.initialize` detect the cluster (Cloud TPU VM or pod slice, SLURM, Open
+  MPI); any of the three given overrides what it detects.
+
+  ``timeout``: seconds every process waits for all to join (jax's ``initialization_timeout``) and, at
+  the end, for all to finish (``shutdown_timeout_seconds``). ``heartbeat_timeout``: seconds after which a
+  silent process counts as dead and the others stop with jax's error.
+  """
+
+  mode: str = "off"
+  coordinator: str | None = None  # process 0's HOST:PORT
+  num_processes: int | None = None
+  process_id: int | None = None
+  timeout: int = 60
+  heartbeat_timeout: int = 20
+
+  def __post_init__(self):
+    check_choice("distributed.mode", self.mode, MODES)
+    check_integer("distributed.num_processes", self.num_processes, minimum=1, optional=True)
+    check_integer("distributed.process_id", self.process_id, minimum=0, optional=True)
+    check_integer("distributed.timeout", self.timeout, minimum=1)
+    check_integer("distributed.heartbeat_timeout", self.heartbeat_timeout, minimum=1)
+    if self.coordinator is not None:
+      _check_address(self.coordinator)
+    given = [name for name in EXPLICIT if getattr(self, name) is not None]
+    if self.mode == "off" and given and len(given) < len(EXPLICIT):
+      missing = [cli_flag(f"distributed.{name}") for name in EXPLICIT if name not in given]
+      raise ValueError(f"{', '.join(cli_flag(f'distributed.{n}') for n in given)} given without "
+                       f"{', '.join(missing)}: a multi-process run needs all three (or "
+                       f"{cli_flag('distributed.mode')} auto on a Cloud TPU VM, SLURM or Open MPI)")
+    if self.num_processes is not None and self.process_id is not None and self.process_id >= self.num_processes:
+      raise ValueError(f"{cli_flag('distributed.process_id')} must be in [0, {self.num_processes - 1}] for "
+                       f"{cli_flag('distributed.num_processes')} {self.num_processes}, got {self.process_id}")
+
+  @property
+  def enabled(self) -> bool:
+    """Whether this process calls `jax.distributed.initialize`."""
+    return self.mode == "auto" or self.coordinator is not None
+
+  @property
+  def multi_process(self) -> bool | None:
+    """Whether the run has several processes; None where only jax's detection will tell (mode auto)."""
+    if not self.enabled:
+      return False
+    return None if self.num_processes is None else self.num_processes > 1
+
+  def check_backend(self, backend: str) -> None:
+    """Raises ValueError if the run has several processes and ``backend`` runs on one process's devices."""
+    if self.multi_process and backend not in ("sharded", "auto"):
+      raise ValueError(f"{cli_flag('backend')} {backend} trains on this process's devices only; a run of "
+                       f"{self.num_processes} processes needs {cli_flag('backend')} sharded (auto picks it)")
+
+
+def _check_address(address: object) -> None:
+  flag = cli_flag("distributed.coordinator")
+  host, sep, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+  if not (sep and host and port.isdigit() and 1 <= int(port) <= 65535):
+    raise ValueError(f"{flag} must be HOST:PORT (process 0's address and a free port, e.g. 10.0.0.1:1234), "
+                     f"got {show(address)}")
+
+
+def from_flags(mode: str = "off", coordinator: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, timeout: int = 60, heartbeat_timeout: int = 20,
+               environ: Mapping[str, str] | None = None) -> DistributedConfig:
+  """The config from the command line's values, the coordinator settings not given there read from
+  ``$FEDJAX_HETERO_COORDINATOR``, ``$FEDJAX_HETERO_NUM_PROCESSES`` and ``$FEDJAX_HETERO_PROCESS_ID``
+  (a launcher sets them per process); raises ValueError naming the flag or variable."""
+  environ = os.environ if environ is None else environ
+  values = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}
+  for name, variable in ENV.items():
+    text = environ.get(variable, "").strip()
+    if values[name] is not None or not text:
+      continue
+    if name == "coordinator":
+      values[name] = text
+      continue
+    try:
+      values[name] = int(text)
+    except ValueError:
+      raise ValueError(f"${variable} must be an integer ({cli_flag(f'distributed.{name}')}), got {text!r}") from None
+  return DistributedConfig(mode, timeout=timeout, heartbeat_timeout=heartbeat_timeout, **values)
+
+
+def initialize(config: DistributedConfig) -> bool:
+  """Joins the run ``config`` describes (`jax.distributed.initialize`); returns whether it did.
+
+  Must come before jax computes anything. On CPU the processes' collectives run over gloo
+  (``jax_cpu_collectives_implementation``; GPUs and TPUs have their own, and ignore it). If the processes
+  do not all join within ``config.timeout``, jax ends the process with its own fatal error
+  (``DEADLINE_EXCEEDED``, after the line this prints first); other failures to join, such as ``mode``
+  "auto" finding no cluster, raise RuntimeError.
+  """
+  if not config.enabled:
+    return False
+  if _joined:  # a process joins once; a second call (another run in the same process) must describe the same run
+    if _joined[0] != config:
+      raise RuntimeError(f"this process already joined a multi-process run ({_joined[0]}); it cannot join {config}")
+    return True
+  if xla_bridge.backends_are_initialized():
+    raise RuntimeError("jax already computed in this process: the multi-process runtime must start first "
+                       "(fedjax_hetero.distributed.initialize before anything that uses jax)")
+  if not os.environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION"):
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  who = ("a process" if config.process_id is None else f"process {config.process_id}") + (
+      f" of {config.num_processes}" if config.num_processes else "")
+  where = f"coordinator {config.coordinator}" if config.coordinator else "the cluster jax detects"
+  # Said first because a join that times out ends in jax's own fatal error, which does not say what it waited for.
+  print(f"{who}: joining the run ({where}); waiting up to {config.timeout} s ({cli_flag('distributed.timeout')}) "
+        "for every process", file=sys.stderr, flush=True)
+  try:
+    jax.distributed.initialize(config.coordinator, config.num_processes, config.process_id,
+                               initialization_timeout=config.timeout,
+                               heartbeat_timeout_seconds=config.heartbeat_timeout,
+                               shutdown_timeout_seconds=config.timeout)
+  except ValueError as e:  # jax's checks of what it was given or detected
+    hint = (f"; {cli_flag('distributed.mode')} auto found no Cloud TPU VM, SLURM or Open MPI job: pass "
+            f"{', '.join(cli_flag(f'distributed.{n}') for n in EXPLICIT)}" if config.coordinator is None else "")
+    raise RuntimeError(f"{who}: cannot join the run ({where}): {str(e).rstrip('.')}{hint}") from e
+  except Exception as e:  # jax raises its runtime's errors (e.g. DEADLINE_EXCEEDED) under several types
+    raise RuntimeError(f"{who}: the processes did not all join ({where}) within "
+                       f"{cli_flag('distributed.timeout')} {config.timeout} s: {_first_line(e)}") from e
+  _joined.append(config)
+  return True
+
+
+_joined: list[DistributedConfig] = []  # the run this process joined, if any
+
+
+def is_main_process() -> bool:
+  """Whether this process writes the results (process 0; the only one of a single-process run)."""
+  return jax.process_index() == 0
+
+
+def describe() -> str:
+  """``process 1 of 2`` (empty in a single-process run), for messages."""
+  return f"process {jax.process_index()} of {jax.process_count()}" if jax.process_count() > 1 else ""
+
+
+def barrier(name: str) -> None:
+  """Waits until every process reaches the barrier ``name`` (no-op in a single-process run): e.g. between
+  every process reading a file and process 0 rewriting it."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(name)
+
+
+def _first_line(error: BaseException) -> str:
+  return f"{type(error).__name__}: " + (str(error).strip().splitlines() or [""])[0][:400]
+
+
+@contextlib.contextmanager
+def exit_on_failure(enabled: bool) -> Iterator[None]:
+  """In a multi-process run (``enabled``), an error leaving the block ends the process at once, with its
+  message and status (SystemExit's, else `FAILED`).
+
+  A process that returned normally would wait in jax's shutdown for the others while they wait in a
+  collective for it; exiting without that wait makes their next collective fail, so every process stops
+  within a bounded time, each saying why.
+  """
+  if not enabled:
+    yield
+    return
+  try:
+    yield
+  except SystemExit as e:
+    if e.code is not None and not isinstance(e.code, int):
+      print(e.code, file=sys.stderr)
+    _exit_now(0 if e.code is None else e.code if isinstance(e.code, int) else FAILED)
+  except BaseException as e:  # noqa: BLE001 - every failure must end the process, not only the expected ones
+    traceback.print_exc()
+    who = describe() or "this process"
+    print(f"error: {who}: {_first_line(e)}" + (
+        "; a collective operation failed: another process has probably exited (see its output)"
+        if isinstance(e, jax.errors.JaxRuntimeError) else ""), file=sys.stderr)
+    _exit_now(FAILED)
+
+
+def _exit_now(status: int) -> None:
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(status)

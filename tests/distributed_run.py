@@ -1,0 +1,55 @@
+"""One process of the multi-process tests (`tests/test_distributed.py`): several experiment runs, each through
+the command line of ``experiments.fmnist``, in one process (so the runs share its start-up and the programs
+they have in common).
+
+    python -m tests.distributed_run RUNS.json [--coordinator HOST:PORT --num-processes N --process-id I]
+
+RUNS.json holds ``{"runs": [[flag, ...], ...]}``, each run's flags (the coordinator flags given here, as
+`experiments.launch` adds them, are appended to every run), and optionally ``"die": {"run": K, "process": I,
+"round": R, "after": DIR, "stamp": PATH}``: in run K, process I kills itself (SIGKILL, as a crash or an
+out-of-memory kill would) when it is about to train round R, once DIR exists (the previous round's checkpoint,
+which the processes finish saving in the background), after writing the time to PATH.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import jax
+
+from experiments import cli, fmnist
+from fedjax_hetero import engine
+
+
+def _die_before(process: int, round_number: int, after: str, stamp: str) -> None:
+  train = engine.Simulation.run_round
+
+  def run_round(self, state):
+    if jax.process_index() == process and state.round + 1 == round_number:
+      deadline = time.monotonic() + 120
+      while not os.path.isdir(after) and time.monotonic() < deadline:
+        time.sleep(0.05)
+      with open(stamp, "w") as f:
+        f.write(repr(time.time()))
+      os.kill(os.getpid(), signal.SIGKILL)
+    return train(self, state)
+
+  engine.Simulation.run_round = run_round
+
+
+def main(argv: list[str]) -> None:
+  with open(argv[0]) as f:
+    spec = json.load(f)
+  die = spec.get("die")
+  for index, flags in enumerate(spec["runs"]):
+    if die and die["run"] == index:
+      _die_before(die["process"], die["round"], die["after"], die["stamp"])
+    cli.main("fashion_mnist", fmnist.DEMO, "distributed test run", [*flags, *argv[1:]])
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

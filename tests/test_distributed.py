@@ -27,6 +27,9 @@ from experiments import cli, fmnist, launch
 from fedjax_hetero import distributed
 from tests.helpers import FMNIST_FILE, REPO
 
+# One xdist worker runs the whole module, so its module-scoped launches run once (scripts/test.sh: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("distributed")
+
 ROUNDS = 2
 HEARTBEAT_S = 10
 COMMON = ["--num-clients", "8", "--clients-per-round", "4", "--rounds", str(ROUNDS), "--eval-every", "1",

@@ -298,12 +298,11 @@ class Simulation:
 
     # In the first round the groups compile side by side (XLA compiles on one core), except in a multi-process
     # run: there every process must launch the programs, whose collectives pair up across processes, in one order.
+    if not self._compiled:
+      mapping_headroom()
     if self._compiled or jax.process_count() > 1:
-      if not self._compiled:
-        mapping_headroom()
       trained = [train(gi) for gi in range(len(self.groups))]
     else:
-      mapping_headroom()
       with concurrent.futures.ThreadPoolExecutor(len(self.groups)) as pool:
         trained = list(pool.map(train, range(len(self.groups))))
     if not self._compiled:

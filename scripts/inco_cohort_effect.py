@@ -15,38 +15,37 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 
 import numpy as np
 
+from experiments.compare import base_method_of, evaluated, load_run, paired_points, seed_of
 from fedjax_hetero.engine import assign_groups
 
 
 def read_run(run_dir: str, group: str, skip: int) -> dict:
-  config = json.load(open(os.path.join(run_dir, "config.json")))
+  summary, rows = load_run(run_dir)
+  config = summary["config"]
   groups = config["groups"]
   if group != "mean" and group not in groups:
     raise SystemExit(f"{run_dir}: no group {group!r}; its groups: {', '.join(groups)}, or mean")
   num_clients = config["data"]["num_clients"]
   members = (set(range(num_clients)) if group == "mean"
              else set(assign_groups(num_clients, len(groups))[groups.index(group)].tolist()))
-  accuracy, count = {}, {}
-  for line in open(os.path.join(run_dir, "metrics.jsonl")):
-    row = json.loads(line)
-    if "test_accuracy" in row and row["round"] > skip:
-      accuracy[row["round"]] = 100 * row["test_accuracy"][group]
-      count[row["round"]] = sum(c in members for c in row["clients"])
-  federation = config["federation"]
-  return dict(name=os.path.basename(run_dir.rstrip("/")), method=config["method"]["name"], seed=federation["seed"],
-              cohorts=federation["sample_seed"] if federation["sample_seed"] is not None else federation["seed"],
-              accuracy=accuracy, count=count)
+  rows = [r for r in rows if r["round"] > skip]
+  clients = {r["round"]: r["clients"] for r in rows}
+  accuracy = {r: 100 * a for r, a in evaluated(rows, group)}
+  count = {r: sum(c in members for c in clients[r]) for r in accuracy}
+  sample_seed = config["federation"]["sample_seed"]
+  return dict(name=os.path.basename(run_dir.rstrip("/")), method=base_method_of(summary), seed=seed_of(summary),
+              cohorts=seed_of(summary) if sample_seed is None else sample_seed, rows=rows, accuracy=accuracy,
+              count=count)
 
 
-def mean_difference(a: dict, b: dict) -> tuple[float, float, int]:
-  rounds = sorted(set(a["accuracy"]) & set(b["accuracy"]))
-  diff = np.array([a["accuracy"][r] - b["accuracy"][r] for r in rounds])
-  return float(diff.mean()), float(np.mean(diff > 0)), len(rounds)
+def mean_difference(a: dict, b: dict, group: str) -> tuple[float, float, int]:
+  _, run, base = paired_points(a["rows"], b["rows"], group)
+  diff = 100 * (run - base)
+  return float(diff.mean()), float(np.mean(diff > 0)), len(diff)
 
 
 def main() -> None:
@@ -72,7 +71,7 @@ def main() -> None:
   print("| pair | cohorts | mean difference | rounds ahead |\n|---|---|---|---|")
   for o, b in itertools.product(other, base):
     paired = o["seed"] == b["seed"] and o["cohorts"] == b["cohorts"]
-    difference, ahead, n = mean_difference(o, b)
+    difference, ahead, n = mean_difference(o, b, args.group)
     print(f"| {o['name']} - {b['name']} | {'same (paired)' if paired else 'different (unpaired)'} | "
           f"{difference:+.2f} | {ahead:.0%} of {n} |")
 

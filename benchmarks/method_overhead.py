@@ -66,11 +66,11 @@ def measure(config: RunConfig, rounds: int, log) -> dict[str, Any]:
   server_times: list[float] = []
   sim.server_programs = [_timed(f, server_times) for f in sim.server_programs]
   state = sim.init_state()
-  state, warm = sim.run_round(state)
+  state, warm = sim.run_round(state, consume=True)
   per_round, rows = [], []
   for _ in range(rounds):
     server_times.clear()
-    state, m = sim.run_round(state)
+    state, m = sim.run_round(state, consume=True)
     per_round.append(sum(server_times))
     rows.append(m)
   seconds = [m["round_seconds"] for m in rows]

@@ -327,7 +327,7 @@ def run_jax(args: argparse.Namespace) -> dict[str, Any]:
   state = sim.init_state()
   round_s, examples, drawn, trained = [], [], [], []
   for r in range(args.rounds):
-    state, m = sim.run_round(state)
+    state, m = sim.run_round(state, consume=True)
     trained.append(sorted(m["train_loss_per_group"]))
     round_s.append(m["round_seconds"])
     examples.append(m["examples"])

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import emit_json_lines
-from fedjax_hetero.backends import BACKENDS, make_backend
+from fedjax_hetero.backends import BACKENDS, copy_tree, make_backend
 from fedjax_hetero.client.local import LocalConfig
 from fedjax_hetero.data import synthetic_dataset
 from fedjax_hetero.data.store import FederatedStore
@@ -188,20 +188,15 @@ def _nbytes(tree) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-@jax.jit
-def _copy(tree):
-  return jax.tree.map(jnp.copy, tree)
-
-
 def copy_seconds(tree, repeats: int = 3) -> float:
   """The median time of one jitted copy of ``tree`` (what an O(state) step per round would cost)."""
   if not jax.tree.leaves(tree):
     return 0.0
-  jax.block_until_ready(_copy(tree))
+  jax.block_until_ready(copy_tree(tree))
   times = []
   for _ in range(repeats):
     t0 = time.perf_counter()
-    jax.block_until_ready(_copy(tree))
+    jax.block_until_ready(copy_tree(tree))
     times.append(time.perf_counter() - t0)
   return statistics.median(times)
 
@@ -210,13 +205,13 @@ def measure(point: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
   """One warm-up and ``args.rounds`` timed rounds of the point's simulation."""
   sim = simulation(point, args)
   state = sim.init_state()
-  state, _ = sim.run_round(state)
+  state, _ = sim.run_round(state, consume=True)
   memory = PeakMemory()
   jax.block_until_ready(state)
   memory.start()
   seconds = []
   for _ in range(args.rounds):
-    state, m = sim.run_round(state)
+    state, m = sim.run_round(state, consume=True)
     seconds.append(m["round_seconds"])
   peak = memory.growth_bytes()
   copy_s = copy_seconds(state.memory)  # after the peak: on a device, its copy would count in it

@@ -88,10 +88,10 @@ def measure_fl(sim: Simulation, backend_name: str, rounds: int) -> dict[str, Any
   fl = Simulation(sim.groups, sim.store, sim.local, sim.method, sim.config, backend, sim.test_images,
                   sim.test_labels)
   state = fl.init_state()
-  state, warm = fl.run_round(state)
+  state, warm = fl.run_round(state, consume=True)
   timed = []
   for _ in range(rounds):
-    state, m = fl.run_round(state)
+    state, m = fl.run_round(state, consume=True)
     timed.append(m)
   seconds = [m["round_seconds"] for m in timed]
   examples = sum(m["examples"] for m in timed)

@@ -65,7 +65,9 @@ class Backend(Protocol):
             attack: AttackInput | None = None) -> GroupResult:
     """Trains ``clients`` from ``start`` (stacked per client when ``per_client_start``).
 
-    ``memory`` holds the group's per-client state and ``rows`` the cohort's rows in it;
+    ``memory`` holds the group's per-client state and ``rows`` the cohort's rows in it. It is consumed:
+    the cohort's rows are written in place (its buffers are donated), and the result carries the updated
+    memory; a caller that still needs the old values passes `copy_tree` of them.
     ``server`` is the group's share of server state, by client term name. ``capacity`` is the
     largest cohort the group can have in a round (default: this one's): stacked uploads come back
     with that many rows, the ones past the cohort copies of the first, so every round has one shape.
@@ -189,7 +191,9 @@ def _set_row(tree, index, row):
 
 
 @jax.jit
-def _copy(tree):
+def copy_tree(tree):
+  """Fresh buffers holding ``tree``'s values: what a caller keeps when it hands ``tree`` to `Backend.train`,
+  which updates per-client memory in place."""
   return jax.tree.map(jnp.copy, tree)
 
 
@@ -264,7 +268,6 @@ class SequentialBackend:
     result = _zero_result(trainer, first_start, first_row, server, capacity or len(clients))
     summed, stacked = _by_reduction(result.uploads, trainer.reductions)
     result = result._replace(uploads=summed)
-    memory = _copy(memory)  # the rows are updated in place (donated) below; the caller's state stays valid
     client_args = lambda client: (store.index_table, np.int32(client), np.int32(store.sizes[client]), round_key)
     if not run_steps.compiled:  # the group's first round: its programs compile side by side
       first_args = (first_start, *client_args(clients[0]), first_row, server, attack_row(0))
@@ -356,8 +359,9 @@ def _mapped_program(trainer: LocalTrainer, schedule_length: int, per_client_star
 
 @program_cache
 def _row_programs(mesh: Mesh | None):
-  """``(take_rows, replicate)``: rows of a tree, split over the mesh's clients axis (the cohort's start models,
-  memory rows and index rows); and a tree replicated on the mesh (server state)."""
+  """``(take_rows, replicate, scatter_rows)``: rows of a tree, split over the mesh's clients axis (the cohort's
+  start models, memory rows and index rows); a tree replicated on the mesh (server state); and memory with
+  the cohort's new rows written in."""
   split = NamedSharding(mesh, PartitionSpec("clients")) if mesh else None
   replicated = NamedSharding(mesh, PartitionSpec()) if mesh else None
 
@@ -369,13 +373,14 @@ def _row_programs(mesh: Mesh | None):
   # Host data the same on every process becomes a replicated global array without a collective (jit
   # copies a process's local input to its own devices), unlike `jax.device_put`, which checks equality.
   replicate = jax.jit(lambda tree: tree, out_shardings=replicated)
-  return take_rows, replicate
 
+  # Donated and placed as it came in, so the update is in place: a round costs the cohort's rows, not a
+  # copy of every client's. Padding clients carry an out-of-range row index and are dropped.
+  @functools.partial(jax.jit, donate_argnums=0, out_shardings=replicated)
+  def scatter_rows(memory, rows, new_rows):
+    return jax.tree.map(lambda m, r: m.at[rows].set(r, mode="drop"), memory, new_rows)
 
-@jax.jit
-def _scatter_rows(memory, rows, new_rows):
-  # Padding clients carry an out-of-range row index and are dropped.
-  return jax.tree.map(lambda m, r: m.at[rows].set(r, mode="drop"), memory, new_rows)
+  return take_rows, replicate, scatter_rows
 
 
 class VmapBackend:
@@ -385,7 +390,7 @@ class VmapBackend:
     self.mesh = mesh
     self.name = "vmap" if mesh is None else "sharded"
     self._placed: dict[int, FederatedStore] = {}
-    self._take_rows, self._replicate = _row_programs(mesh)
+    self._take_rows, self._replicate, self._scatter_rows = _row_programs(mesh)
 
   def _padded_size(self, cohort: int, capacity: int | None) -> int:
     size = max(capacity or 0, cohort)
@@ -452,7 +457,7 @@ class VmapBackend:
     states = _run_schedule(run_steps, trainer, longest, states, store, ids, mask)
     result, new_rows, stacked = reduce(states, start, memory_rows, server, client_weights, real)
     if memory:
-      memory = _scatter_rows(memory, padded_rows, new_rows)
+      memory = self._scatter_rows(memory, padded_rows, new_rows)
     if stacked:
       stacked = _pad_rows(jax.tree.map(lambda x: x[:capacity or len(clients)], stacked), len(clients))
     return result._replace(memory=memory, uploads={**result.uploads, **stacked})

@@ -66,11 +66,12 @@ def state_tree(state: ServerState) -> dict[str, Any]:
 
 
 def save(checkpoints: ocp.CheckpointManager, state: ServerState, force: bool = False,
-         accuracy: float | None = None) -> None:
+         accuracy: float | None = None) -> bool:
   """Saves at ``state.round`` if the manager's interval (or ``force``) says so; ``accuracy`` (the round's mean
-  test accuracy) ranks it for keeping the best."""
+  test accuracy) ranks it for keeping the best. Returns whether it saved; the save finishes in the background
+  (``checkpoints.wait_until_finished()``)."""
   metrics = None if accuracy is None else {BEST_METRIC: float(accuracy)}
-  checkpoints.save(state.round, args=ocp.args.StandardSave(state_tree(state)), force=force, metrics=metrics)
+  return checkpoints.save(state.round, args=ocp.args.StandardSave(state_tree(state)), force=force, metrics=metrics)
 
 
 def best_step(checkpoints: ocp.CheckpointManager) -> int | None:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_hetero import dissimilarity
-from fedjax_hetero.backends import Backend, empty_group_result
+from fedjax_hetero.backends import Backend, copy_tree, empty_group_result
 from fedjax_hetero.client import backdoor
 from fedjax_hetero.client.local import LocalConfig, LocalTrainer
 from fedjax_hetero.compilation import mapping_headroom
@@ -271,8 +271,13 @@ class Simulation:
       raise NonFiniteLossError(f"round {r + 1}: training loss of group {group.name} is {loss}")
     return loss
 
-  def run_round(self, state: ServerState) -> tuple[ServerState, dict[str, Any]]:
-    """One round; returns the new state and host-side metrics for it."""
+  def run_round(self, state: ServerState, *, consume: bool = False) -> tuple[ServerState, dict[str, Any]]:
+    """One round; returns the new state and host-side metrics for it.
+
+    With ``consume`` the round may update ``state``'s per-client memory in place (its buffers are
+    donated), so ``state`` must not be used again; a loop that only keeps the new state should pass it.
+    Without it the memory is copied first, a cost that grows with the total number of clients
+    (SCAFFOLD's control variates, MOON's previous models), not with the round's work."""
     t0 = time.perf_counter()
     r, seed = state.round, self.config.seed
     key = round_key(seed, r)
@@ -291,8 +296,11 @@ class Simulation:
         # This object's first round: the group trains one client, result dropped, so that its programs
         # compile now rather than in the first round that samples it.
         cohort, group_weights = self.groups[gi].clients[:1], np.ones(1)
+      group_memory = state.memory[gi]
+      if group_memory and not (consume and len(cohorts[gi])):  # (a compile-only result is dropped: keep it)
+        group_memory = copy_tree(group_memory)
       return self.backend.train(self.trainers[gi], starts[gi], self.store, cohort, group_weights, key,
-                                memory=state.memory[gi], rows=self.row_of_client[cohort], server=shares[gi],
+                                memory=group_memory, rows=self.row_of_client[cohort], server=shares[gi],
                                 per_client_start=self.method.sharing.stacked, capacity=self._stack_size(gi),
                                 attack=None if self._attack is None else backdoor.cohort_inputs(self._attack, cohort))
 
@@ -396,7 +404,9 @@ class Simulation:
   def _empty_result(self, group: int, start: Variables, share: dict[str, Any], state: ServerState):
     """Zeros shaped as the group's result, made once (made again, they would compile in a later round)."""
     if group not in self._empty_results:
-      row = jax.tree.map(lambda x: x[0], state.memory[group]) if state.memory and state.memory[group] else {}
+      # Shapes only: the round that calls this may have consumed the state's memory.
+      row = (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.memory[group])
+             if state.memory and state.memory[group] else {})
       # Placed as the backend places real results, so the server program sees one input placement every round.
       self._empty_results[group] = self.backend.place(empty_group_result(self.trainers[group], start, row, share,
                                                                          self._stack_size(group)))

@@ -380,7 +380,7 @@ def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
     while state.round < config.rounds:
       error = None
       try:
-        next_state, m = sim.run_round(state)
+        next_state, m = sim.run_round(state, consume=True)  # `state` is not used again (a rollback restores)
       except NonFiniteLossError as e:
         if config.divergence.action == "off":
           raise
@@ -411,7 +411,8 @@ def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
       accuracy = m["test_accuracy"]["mean"] if m["test_accuracy"] else None
       new_best = accuracy is not None and accuracy > best
       best = max(best, accuracy if accuracy is not None else best)
-      checkpoints.save(manager, state, force=final or new_best, accuracy=accuracy)
+      if checkpoints.save(manager, state, force=final or new_best, accuracy=accuracy) and jax.tree.leaves(state.memory):
+        manager.wait_until_finished()  # the next round writes the memory in place: the save must have read it
       postfix = {"loss": f"{m['train_loss']:.3f}", "samples/s": f"{m['samples_per_s']:.0f}"}
       last_eval = next((r["test_accuracy"] for r in reversed(rows) if r.get("test_accuracy")), None)
       if last_eval:

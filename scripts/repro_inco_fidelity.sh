@@ -2,7 +2,8 @@
 # InCo fidelity (issue 19; docs/inco_fidelity.md, docs/reproduction.md "InCo fidelity"): HeteroAvg/InCoAvg pairs
 # with the same seed. First the acceptance pairs, the authors' whole protocol (--preset inco-authors-cpu with their
 # client split) for 80 rounds on seeds 0 and 1; then the same protocol on seed 0 with other cohorts only
-# (--sample-seed 1: same split, initialization and shuffling), 40 rounds; then our protocol (--preset inco-cpu,
+# (--sample-seed 1: same split, initialization and shuffling), 40 rounds; two more seeds of the authors' protocol
+# (2 and 3, 80 rounds) to pool four pairs; then our protocol (--preset inco-cpu,
 # evaluated every round) on seed 0 for 80 rounds, and the two ablations that each change one thing of it towards
 # theirs: their image pipeline (32x32, unnormalized, first 9,728 test images), their split.
 # SPLIT is their hetero-fix-100-0.5.npy converted by scripts/convert_inco_split.py (see docs/inco_fidelity.md).
@@ -22,6 +23,8 @@ pair() {
 pair inco-authors-cpu authors_s0 --partition-file "$SPLIT" --seed 0 --rounds 80
 pair inco-authors-cpu authors_s1 --partition-file "$SPLIT" --seed 1 --rounds 80
 pair inco-authors-cpu authors_s0_c1 --partition-file "$SPLIT" --seed 0 --sample-seed 1 --rounds 40
+pair inco-authors-cpu authors_s2 --partition-file "$SPLIT" --seed 2 --rounds 80
+pair inco-authors-cpu authors_s3 --partition-file "$SPLIT" --seed 3 --rounds 80
 pair inco-cpu ours_s0 --seed 0 --rounds 80 --eval-every 1
 pair inco-cpu pipeline_s0 --seed 0 --rounds 80 --eval-every 1 --image-size 32 --normalize none --test-first 9728
 pair inco-cpu split_s0 --seed 0 --rounds 80 --eval-every 1 --partition-file "$SPLIT"

@@ -28,7 +28,7 @@ from fedjax_hetero import engine
 def _die_before(process: int, round_number: int, after: str, stamp: str) -> None:
   train = engine.Simulation.run_round
 
-  def run_round(self, state):
+  def run_round(self, state, **options):
     if jax.process_index() == process and state.round + 1 == round_number:
       deadline = time.monotonic() + 120
       while not os.path.isdir(after) and time.monotonic() < deadline:
@@ -36,7 +36,7 @@ def _die_before(process: int, round_number: int, after: str, stamp: str) -> None
       with open(stamp, "w") as f:
         f.write(repr(time.time()))
       os.kill(os.getpid(), signal.SIGKILL)
-    return train(self, state)
+    return train(self, state, **options)
 
   engine.Simulation.run_round = run_round
 

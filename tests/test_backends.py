@@ -112,6 +112,32 @@ def test_group_results_match_across_backends():
   assert float(seq.num_examples) == 2 * int(sim.store.sizes[sim.groups[1].clients].sum())
 
 
+def memory_rounds(sim, consume):
+  """Two rounds from one state; returns the states and whether the first round consumed its input."""
+  first = initial_state(sim)
+  second, _ = sim.run_round(first, consume=consume)
+  third, _ = sim.run_round(second, consume=consume)
+  consumed = all(x.is_deleted() for x in jax.tree.leaves(first.memory))
+  return second if not consume else None, third, consumed
+
+
+@pytest.mark.parametrize("backend", ["sequential", "vmap"])
+@pytest.mark.parametrize("method", ["heteroscaffold", "heteromoon"])
+def test_consuming_rounds_update_per_client_memory_in_place(backend, method):
+  """``consume=True`` hands the per-client memory to the round (its buffers are donated, so a round costs the
+  cohort's rows, not a copy of every client's) and gives the states a copying round gives; without it the
+  caller's state stays usable."""
+  sim = build(backend, method)
+  kept, copied, consumed = memory_rounds(sim, consume=False)
+  assert not consumed and jax.tree.leaves(kept.memory)
+  _, donated, consumed = memory_rounds(sim, consume=True)
+  assert consumed, "the round copied the memory instead of updating it in place"
+  chex.assert_trees_all_close(donated.memory, copied.memory, rtol=1e-6, atol=1e-7)
+  chex.assert_trees_all_close(donated.models, copied.models, rtol=1e-6, atol=1e-7)
+  again, _ = sim.run_round(kept)  # a state a copying round left behind trains again
+  chex.assert_trees_all_close(again.memory, copied.memory, rtol=1e-6, atol=1e-7)
+
+
 # Runs in a fresh interpreter: XLA_FLAGS must be set before jax is imported. It trains the same
 # simulation with the sharded backend over 4 CPU devices and saves its model and rows; the test compares them
 # with this process's sequential run (`sequential_run`).
@@ -137,9 +163,15 @@ SHARDED_SCRIPT = textwrap.dedent("""
         golden_state, _ = golden.run_round(golden_state)
         golden.evaluate(golden_state)
       compiled.append(log.names)
+    # Per-client memory on the mesh: updated in place by a consuming round, with a copying round's result.
+    scaffold = tb.build("sharded", "heteroscaffold")
+    _, copied, _ = tb.memory_rounds(scaffold, consume=False)
+    _, donated, consumed = tb.memory_rounds(scaffold, consume=True)
+    memory_equal = all(np.allclose(a, b, rtol=1e-6, atol=1e-7)
+                       for a, b in zip(jax.tree.leaves(donated.memory), jax.tree.leaves(copied.memory)))
     print("RESULT " + json.dumps({{
         "devices": jax.device_count(), "backend": sim.backend.name, "mesh_size": sim.backend.mesh.size,
-        "rows": rows, "compiled": compiled}}))
+        "rows": rows, "compiled": compiled, "memory_consumed": consumed, "memory_equal": memory_equal}}))
 """)
 
 
@@ -159,6 +191,7 @@ def test_sharded_matches_sequential_on_four_cpu_devices(sequential_run, tmp_path
   assert result["backend"] == "sharded" and result["mesh_size"] == 4
   assert result["compiled"][0], "the first round compiles the programs"
   assert result["compiled"][1] == [], f"round 2 compiled {result['compiled'][1]}"
+  assert result["memory_consumed"] and result["memory_equal"]
   seq_state, seq_rows = sequential_run
   assert len(result["rows"]) == len(seq_rows) == ROUNDS
   for got, want in zip(result["rows"], seq_rows):

@@ -126,6 +126,26 @@ def test_resume_equals_uninterrupted_checkpoints(dataset, straight, resumed):
   assert any(not np.array_equal(x, y) for x, y in zip(leaves4, leaves2))
 
 
+def test_resume_of_a_method_with_client_memory_equals_an_uninterrupted_run(dataset, tmp_path):
+  """The runner hands each round the state's client memory (updated in place), so every checkpoint must hold
+  the memory as it was when saved: SCAFFOLD's control variates restored at round 2 give rounds 3-4 bit for bit."""
+  memory_config = lambda name, **changes: base_config(tmp_path / name, method="HeteroScaffold", checkpoint_every=1,
+                                                      **changes)
+  straight = memory_config("straight")
+  run_experiment(straight, dataset, log=quiet)
+  run_experiment(memory_config("resumed", rounds=2), dataset, log=quiet)
+  resumed = memory_config("resumed", resume=True)
+  run_experiment(resumed, dataset, log=quiet)
+  for a, b in zip(read_rows(straight.output.dir), read_rows(resumed.output.dir), strict=True):
+    assert a["train_loss"] == b["train_loss"] and a["test_accuracy"] == b["test_accuracy"], a["round"]
+  (straight_state, _), (resumed_state, _) = restore(straight, dataset), restore(resumed, dataset)
+  chex.assert_trees_all_equal(resumed_state.memory, straight_state.memory)
+  assert any(np.any(np.asarray(x) != 0) for x in jax.tree.leaves(straight_state.memory))  # the variates trained
+  mid_state, _ = restore(straight, dataset, step=3)  # (two checkpoints are kept: rounds 3 and 4)
+  assert any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(mid_state.memory),
+                                                      jax.tree.leaves(straight_state.memory)))
+
+
 class Interrupted(Exception):
   pass
 
@@ -135,10 +155,10 @@ def test_resume_after_a_crash_between_checkpoints(dataset, straight, tmp_path, m
   config = base_config(tmp_path / "crashed")
   run_round = engine.Simulation.run_round
 
-  def crash_in_round_4(self, state):
+  def crash_in_round_4(self, state, **options):
     if state.round == 3:
       raise Interrupted()
-    return run_round(self, state)
+    return run_round(self, state, **options)
 
   monkeypatch.setattr(engine.Simulation, "run_round", crash_in_round_4)
   with pytest.raises(Interrupted):

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from fedjax_hetero import distributed
 from fedjax_hetero.client.backdoor import AttackInput, padded_inputs
 from fedjax_hetero.client.local import ClientOutput, LocalState, LocalTrainer
 from fedjax_hetero.compilation import program_cache
@@ -424,7 +425,7 @@ class VmapBackend:
     if self.mesh is None:
       return jax.tree.map(jnp.asarray, tree)
     split = NamedSharding(self.mesh, PartitionSpec("clients"))
-    return jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, split, lambda index: x[index]), tree)
+    return jax.tree.map(lambda x: distributed.from_host(x, split), tree)
 
   def train(self, trainer, start, store, clients, weights, round_key, *, memory=None, rows=None, server=None,
             per_client_start=False, capacity=None, attack=None):

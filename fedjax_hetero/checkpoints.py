@@ -22,6 +22,7 @@ import orbax.checkpoint as ocp
 from flax import serialization
 
 from fedjax_hetero.engine import ServerState
+from fedjax_hetero.validation import first_line
 
 
 BEST_METRIC = "mean_accuracy"
@@ -133,17 +134,13 @@ def restore_latest_intact(output_dir: str, template: ServerState,
         os.makedirs(os.path.dirname(target), exist_ok=True)
         shutil.rmtree(target, ignore_errors=True)
         shutil.move(source, target)
-      warn(f"warning: checkpoint {source} cannot be restored ({_first_line(error)}); moved it to {target} and "
+      warn(f"warning: checkpoint {source} cannot be restored ({first_line(error, 300)}); moved it to {target} and "
            f"resumed from round {step}")
     return _from_tree(step, restored, template)
   if failures:
     raise ValueError(f"no checkpoint in {root} can be restored (rounds {', '.join(map(str, steps))}; the newest: "
-                     f"{_first_line(failures[0][1])}); nothing was moved")
+                     f"{first_line(failures[0][1], 300)}); nothing was moved")
   return None
-
-
-def _first_line(error: Exception) -> str:
-  return f"{type(error).__name__}: " + (str(error).strip().splitlines() or [""])[0][:300]
 
 
 def drop_after(checkpoints: ocp.CheckpointManager, step: int) -> None:

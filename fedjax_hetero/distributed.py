@@ -23,9 +23,10 @@ import traceback
 from typing import Iterator, Mapping
 
 import jax
+import numpy as np
 from jax._src import xla_bridge  # private, but jax has no public way to ask whether it has computed yet
 
-from fedjax_hetero.validation import check_choice, check_integer, cli_flag, show
+from fedjax_hetero.validation import check_choice, check_integer, cli_flag, first_line, show
 
 MODES = ("off", "auto")  # off: one process unless the coordinator flags are given; auto: jax detects the cluster
 ENV = {"coordinator": "FEDJAX_HETERO_COORDINATOR", "num_processes": "FEDJAX_HETERO_NUM_PROCESSES",
@@ -160,12 +161,20 @@ def initialize(config: DistributedConfig) -> bool:
     raise RuntimeError(f"{who}: cannot join the run ({where}): {str(e).rstrip('.')}{hint}") from e
   except Exception as e:  # jax raises its runtime's errors (e.g. DEADLINE_EXCEEDED) under several types
     raise RuntimeError(f"{who}: the processes did not all join ({where}) within "
-                       f"{cli_flag('distributed.timeout')} {config.timeout} s: {_first_line(e)}") from e
+                       f"{cli_flag('distributed.timeout')} {config.timeout} s: {first_line(e, 400)}") from e
   _joined.append(config)
   return True
 
 
 _joined: list[DistributedConfig] = []  # the run this process joined, if any
+
+
+def from_host(x, sharding: jax.sharding.Sharding) -> jax.Array:
+  """A global array placed by ``sharding`` from host data every process holds the same: each process copies
+  its own devices' parts (``jax.device_put`` of host data would first check, by a collective, that all
+  processes agree)."""
+  host = np.asarray(x)
+  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def is_main_process() -> bool:
@@ -184,10 +193,6 @@ def barrier(name: str) -> None:
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices(name)
-
-
-def _first_line(error: BaseException) -> str:
-  return f"{type(error).__name__}: " + (str(error).strip().splitlines() or [""])[0][:400]
 
 
 @contextlib.contextmanager
@@ -211,7 +216,7 @@ def exit_on_failure(enabled: bool) -> Iterator[None]:
   except BaseException as e:  # noqa: BLE001 - every failure must end the process, not only the expected ones
     traceback.print_exc()
     who = describe() or "this process"
-    print(f"error: {who}: {_first_line(e)}" + (
+    print(f"error: {who}: {first_line(e, 400)}" + (
         "; a collective operation failed: another process has probably exited (see its output)"
         if isinstance(e, jax.errors.JaxRuntimeError) else ""), file=sys.stderr)
     _exit_now(FAILED)

@@ -60,6 +60,11 @@ def cli_flag(path: str) -> str:
   return CLI_SPELLINGS.get(name, "--" + name.replace("_", "-"))
 
 
+def first_line(error: BaseException, limit: int) -> str:
+  """An exception as one line of a message: its type and the first line of its text, cut at ``limit`` characters."""
+  return f"{type(error).__name__}: " + (str(error).strip().splitlines() or [""])[0][:limit]
+
+
 def show(value: Any) -> str:
   """A value as a message shows it: numbers plainly (``-5.0``, ``nan``), anything else by repr."""
   if isinstance(value, bool) or not isinstance(value, numbers.Real):

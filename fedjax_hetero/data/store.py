@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_hetero import distributed
 from fedjax_hetero.data.partition import class_counts
 
 
@@ -61,13 +62,9 @@ class FederatedStore:
     return class_counts(np.asarray(self.labels), parts, self.num_classes)
 
   def placed(self, sharding: jax.sharding.Sharding) -> "FederatedStore":
-    """The same store with its arrays placed by ``sharding`` (e.g. replicated on a mesh).
-
-    Every process of a multi-process run holds the same data, so each copies its own devices' parts from its
-    host copy (``jax.device_put`` of host data would first check, by a collective, that all processes agree)."""
-    def put(x):
-      host = np.asarray(x)
-      return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    """The same store with its arrays placed by ``sharding`` (e.g. replicated on a mesh); in a multi-process run
+    each process copies its own devices' parts (`distributed.from_host`)."""
+    put = lambda x: distributed.from_host(x, sharding)
     return dataclasses.replace(self, images=put(self.images), labels=put(self.labels),
                                index_table=put(self.index_table))
 

@@ -35,7 +35,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fedjax_hetero import distributed
+from fedjax_hetero.client import cohort
 from fedjax_hetero.client.backdoor import AttackInput, padded_inputs
+from fedjax_hetero.client.cohort import (GroupResult, by_reduction, empty_group_result, empty_result, pad_rows,
+                                         split_uploads)
 from fedjax_hetero.client.local import ClientOutput, LocalState, LocalTrainer
 from fedjax_hetero.compilation import program_cache
 from fedjax_hetero.data.store import FederatedStore
@@ -43,17 +46,6 @@ from fedjax_hetero.hetero.maps import Variables
 
 BACKENDS = ("auto", "sequential", "vmap", "sharded")
 Memory = dict[str, Any]  # per-client state of one group, every leaf with a leading axis over its clients
-
-
-class GroupResult(NamedTuple):
-  delta_sum: Variables  # sum_c w_c * delta_c, group-shaped (FedNova: normalized deltas)
-  weight_sum: jax.Array  # sum_c w_c
-  loss_sum: jax.Array  # summed per-example training loss
-  num_examples: jax.Array  # real examples processed
-  # Every client term's upload by name, reduced over the cohort as the term says (`LocalTrainer.reductions`):
-  # sum_c w_c * u_c ("weighted"), sum_c u_c ("sum"), or the clients' uploads stacked in cohort order ("stack").
-  uploads: dict[str, Any] = {}
-  memory: Memory = {}  # the group's client memory with the cohort's rows updated
 
 
 class Backend(Protocol):
@@ -142,14 +134,10 @@ def _take(tree, index):
   return jax.tree.map(lambda x: x[index], tree)
 
 
-def _split(uploads: dict[str, Any], reductions: dict[str, str], kind: str) -> dict[str, Any]:
-  return {name: value for name, value in uploads.items() if reductions[name] == kind}
-
-
 def _summed(output: ClientOutput, reductions: dict[str, str], weight) -> tuple[Variables, dict[str, Any]]:
   """The client's weighted delta and its summed uploads ("weighted" ones scaled by its weight)."""
   scale = lambda tree: jax.tree.map(lambda x: weight * x, tree)
-  uploads = {**scale(_split(output.uploads, reductions, "weighted")), **_split(output.uploads, reductions, "sum")}
+  uploads = {**scale(split_uploads(output.uploads, reductions, "weighted")), **split_uploads(output.uploads, reductions, "sum")}
   return scale(output.delta), uploads
 
 
@@ -176,7 +164,7 @@ def _sequential_program(trainer: LocalTrainer, schedule_length: int):
                             weight_sum=result.weight_sum + weight, loss_sum=result.loss_sum + state.loss_sum,
                             num_examples=result.num_examples + state.num_examples,
                             uploads=jax.tree.map(jnp.add, result.uploads, uploads)),
-            output.memory, _split(output.uploads, trainer.reductions, "stack"))
+            output.memory, split_uploads(output.uploads, trainer.reductions, "stack"))
 
   return start_client, run_steps, accumulate
 
@@ -198,19 +186,6 @@ def copy_tree(tree):
   return jax.tree.map(jnp.copy, tree)
 
 
-def empty_result(start: Variables, uploads: dict[str, Any] | None = None) -> GroupResult:
-  """Zero sums shaped like ``start`` (and like ``uploads``, if given)."""
-  zero = lambda: jnp.zeros((), jnp.float32)  # distinct buffers: the result is donated
-  upload_sums = jax.tree.map(jnp.zeros_like, uploads) if uploads else {}
-  return GroupResult(jax.tree.map(jnp.zeros_like, start), zero(), zero(), zero(), upload_sums)
-
-
-def uploads_like(trainer: LocalTrainer, start, memory_row, server) -> dict[str, Any]:
-  """Shapes of one client's uploads, without running anything."""
-  state = jax.eval_shape(trainer.init_state, start, memory_row, server)
-  return jax.eval_shape(trainer.finish, state, start, memory_row, server).uploads
-
-
 def _attack_inputs(trainer: LocalTrainer, attack: AttackInput | None) -> AttackInput | tuple:
   """The cohort's backdoor inputs if the trainer reads them, else nothing (no leaves: no change to a program)."""
   if trainer.backdoor is None:
@@ -220,33 +195,10 @@ def _attack_inputs(trainer: LocalTrainer, attack: AttackInput | None) -> AttackI
   return attack
 
 
-def _by_reduction(uploads: dict[str, Any], reductions: dict[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
-  """``uploads`` split into the ones a cohort sums and the ones it stacks."""
-  stacked = _split(uploads, reductions, "stack")
-  return {n: v for n, v in uploads.items() if n not in stacked}, stacked
-
-
-def empty_group_result(trainer: LocalTrainer, start, memory_row, server, stack_size: int) -> GroupResult:
-  """The result of a group none of whose clients was sampled: zero sums, ``stack_size`` zero rows of
-  every stacked upload, shaped as a real (padded) result."""
-  summed, stacked = _by_reduction(uploads_like(trainer, start, memory_row, server), trainer.reductions)
-  result = empty_result(start, summed)
-  rows = {n: jax.tree.map(lambda x: jnp.zeros((stack_size,) + x.shape, x.dtype), v) for n, v in stacked.items()}
-  return result._replace(uploads={**result.uploads, **rows})
-
-
 # One compiled program instead of a trace and a dispatch per leaf every round; its outputs are fresh
 # buffers each call, as the sequential backend's `accumulate` donates them.
 _zero_result = jax.jit(empty_group_result, static_argnums=(0, 4))
-
-
-@jax.jit
-def _pad_rows(tree, num_rows):
-  """Rows ``num_rows`` and on of every leaf replaced by copies of row 0 (``num_rows`` is traced)."""
-  def pad(x):
-    real = (jnp.arange(x.shape[0]) < num_rows).reshape((-1,) + (1,) * (x.ndim - 1))
-    return jnp.where(real, x, x[:1])
-  return jax.tree.map(pad, tree)
+_pad_rows = jax.jit(pad_rows)
 
 
 class SequentialBackend:
@@ -267,7 +219,7 @@ class SequentialBackend:
     first_start = _take_row(start, 0) if per_client_start else start
     first_row = _take_row(memory, int(rows[0])) if memory else {}
     result = _zero_result(trainer, first_start, first_row, server, capacity or len(clients))
-    summed, stacked = _by_reduction(result.uploads, trainer.reductions)
+    summed, stacked = by_reduction(result.uploads, trainer.reductions)
     result = result._replace(uploads=summed)
     client_args = lambda client: (store.index_table, np.int32(client), np.int32(store.sizes[client]), round_key)
     if not run_steps.compiled:  # the group's first round: its programs compile side by side
@@ -301,7 +253,6 @@ def _mapped_program(trainer: LocalTrainer, schedule_length: int, per_client_star
   per-client kernels were all-gathered and every device computed every client's), and the reduction's sums
   are an explicit ``psum``, the one collective of a round's training.
   """
-  start_axis = 0 if per_client_start else None
   clients, whole = PartitionSpec("clients"), PartitionSpec()
   split = NamedSharding(mesh, clients) if mesh else None
   replicated = NamedSharding(mesh, whole) if mesh else None
@@ -311,13 +262,8 @@ def _mapped_program(trainer: LocalTrainer, schedule_length: int, per_client_star
 
   def start_local(start, index_rows, num_examples, round_key, ids, memory_rows, server, attack):
     # Every client's key from its id inside the program: each device derives its own clients' keys.
-    keys = jax.vmap(lambda c: jax.random.fold_in(round_key, c))(ids)
-    ids, mask = jax.vmap(lambda r, n, k: trainer.schedule(r, n, k, schedule_length))(index_rows, num_examples, keys)
-    states = jax.vmap(trainer.init_state, in_axes=(start_axis, 0, None, 0), axis_size=len(keys))(
-        start, memory_rows, server, keys)
-    if trainer.backdoor is not None:
-      states, ids = jax.vmap(trainer.start_backdoor)(states, ids, index_rows, num_examples, keys, attack)
-    return states, ids, mask
+    return cohort.start(trainer, schedule_length, start, index_rows, num_examples, round_key, ids, memory_rows,
+                        server, attack, per_client_start=per_client_start)
 
   start_spec = clients if per_client_start else whole
   start_specs = (start_spec, clients, clients, whole, clients, clients, whole, clients)
@@ -326,8 +272,7 @@ def _mapped_program(trainer: LocalTrainer, schedule_length: int, per_client_star
 
   def run_cohort_steps(states, images, labels, ids, mask, offset, count):
     def run(states, images, labels, ids, mask, offset):
-      step = lambda state, ids, mask: trainer.run_steps(state, images, labels, ids, mask, offset, count)
-      return jax.vmap(step)(states, ids, mask)
+      return cohort.steps(trainer, states, images, labels, ids, mask, offset, count)
     return on_devices(run, (clients, whole, whole, clients, clients, whole), clients)(
         states, images, labels, ids, mask, offset)
 
@@ -339,16 +284,10 @@ def _mapped_program(trainer: LocalTrainer, schedule_length: int, per_client_star
                             trainer.config.chunk_lengths(schedule_length))
 
   def reduce_local(states: LocalState, start, memory_rows, server, weights, real):
-    """The cohort's sums (padding clients have weight 0 and ``real`` 0) and its stacked uploads, padded."""
-    outputs = jax.vmap(trainer.finish, in_axes=(0, start_axis, 0, None))(states, start, memory_rows, server)
+    """The cohort's sums and its stacked uploads (a psum over the mesh's devices completes the sums)."""
     total = (lambda x: jax.lax.psum(x, "clients")) if mesh else (lambda x: x)
-    sum_with = lambda w: lambda tree: jax.tree.map(lambda d: total(jnp.tensordot(w, d, axes=1)), tree)
-    weighted_sum = sum_with(weights)
-    uploads = {**weighted_sum(_split(outputs.uploads, trainer.reductions, "weighted")),
-               **sum_with(real)(_split(outputs.uploads, trainer.reductions, "sum"))}
-    result = GroupResult(weighted_sum(outputs.delta), total(weights.sum()), total(states.loss_sum.sum()),
-                         total(states.num_examples.sum()), uploads)
-    return result, outputs.memory, _split(outputs.uploads, trainer.reductions, "stack")
+    return cohort.reduce(trainer, states, start, memory_rows, server, weights, real,
+                         per_client_start=per_client_start, total=total)
 
   # The sums come back replicated, and so (gathered) do the clients' new memory rows and stacked uploads:
   # server state stays replicated and readable by every process.
@@ -419,7 +358,7 @@ class VmapBackend:
       return tree
     return jax.tree.map(lambda x: x.addressable_data(0) if isinstance(x, jax.Array) else x, tree)
 
-  def _host_split(self, tree):
+  def _hostsplit_uploads(self, tree):
     """Host (numpy) cohort data, the same on every process, split over the clients axis: each process
     copies only its own devices' rows."""
     if self.mesh is None:
@@ -441,7 +380,7 @@ class VmapBackend:
     real = (np.arange(size) < len(clients)).astype(np.float32)
     if attack:
       attack = padded_inputs(attack, size)
-    cohort = self._host_split((padded, sizes, client_weights, real, attack))
+    cohort = self._hostsplit_uploads((padded, sizes, client_weights, real, attack))
     padded_ids, sizes, client_weights, real, attack = cohort
     if per_client_start:  # the slots past the cohort start from slot 0's model
       start = self._take_rows(start, np.concatenate([np.arange(len(clients)), np.zeros(pad, np.int64)]))

@@ -99,18 +99,25 @@ class ServerStep(NamedTuple):
   evaluate: Callable[[Any], Variables] | None = None  # the variables to evaluate, if not the federation's
 
 
+def run_server_steps(steps: Sequence[ServerStep], federation: Federation, model, states, starts, results, valid,
+                     cohorts, round_index, key, inputs, statics) -> tuple[Variables, tuple[Any, ...], dict[str, Any]]:
+  """The steps in order on one round's `RoundInputs`, as a pure function: ``(model, step states, metrics)``."""
+  round_inputs = RoundInputs(model, starts, results, valid, cohorts, round_index, key, federation)
+  carry, new_states = Carry(model), []
+  for step, state, static, dynamic in zip(steps, states, statics, inputs):
+    carry, state = step.update(carry, state, round_inputs, Plan(static, dynamic))
+    new_states.append(state)
+  return carry.model, tuple(new_states), carry.metrics
+
+
 def server_program(steps: Sequence[ServerStep], federation: Federation):
-  """The steps as one jitted program per round: ``(model, step states, starts, results, valid, cohorts,
+  """`run_server_steps` as one jitted program per round: ``(model, step states, starts, results, valid, cohorts,
   round, key, plan inputs, statics=plan statics) -> (model, step states, metrics)``."""
 
   @functools.partial(jax.jit, static_argnames="statics")
   def run(model, states, starts, results, valid, cohorts, round_index, key, inputs, statics):
-    round_inputs = RoundInputs(model, starts, results, valid, cohorts, round_index, key, federation)
-    carry, new_states = Carry(model), []
-    for step, state, static, dynamic in zip(steps, states, statics, inputs):
-      carry, state = step.update(carry, state, round_inputs, Plan(static, dynamic))
-      new_states.append(state)
-    return carry.model, tuple(new_states), carry.metrics
+    return run_server_steps(steps, federation, model, states, starts, results, valid, cohorts, round_index, key,
+                            inputs, statics)
 
   return run
 

@@ -170,3 +170,42 @@ class CompileLog:
 
   def __exit__(self, *exc) -> None:
     jax.monitoring.unregister_event_duration_listener(self._listen)
+
+
+# The event jax's profiler records on the host for every launch of a compiled program on a device (XLA:CPU
+# and the PjRt GPU client both run executables through this helper).
+_LAUNCH_EVENT = "ExecuteHelperOnSingleDevice"
+
+
+class LaunchCount:
+  """Counts device program launches (compiled programs run, eager operations included) from jax's profiler.
+
+  Use as a context manager; ``count`` is set on exit. It records a profiler trace into a temporary directory,
+  so it costs far more than the launches themselves: a test's instrument, not a benchmark's::
+
+    with LaunchCount() as launches:
+      state, rows = sim.run_rounds(state, 4)
+    assert launches.count <= 2
+  """
+
+  count: int = 0
+
+  def __enter__(self) -> "LaunchCount":
+    import tempfile
+
+    self._directory = tempfile.TemporaryDirectory()
+    jax.profiler.start_trace(self._directory.name)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    import glob
+
+    try:
+      jax.effects_barrier()
+      jax.profiler.stop_trace()
+      traces = glob.glob(os.path.join(self._directory.name, "**", "*.xplane.pb"), recursive=True)
+      data = jax.profiler.ProfileData.from_file(traces[0])
+      self.count = sum(event.name.endswith(_LAUNCH_EVENT) for plane in data.planes for line in plane.lines
+                       for event in line.events)
+    finally:
+      self._directory.cleanup()

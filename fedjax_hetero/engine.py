@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import math
 import numbers
 import time
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Collection, NamedTuple, Sequence
 
 import flax.linen as nn
 import jax
@@ -31,11 +30,14 @@ from fedjax_hetero.client import backdoor
 from fedjax_hetero.client.local import LocalConfig, LocalTrainer
 from fedjax_hetero.compilation import mapping_headroom
 from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.evaluation import EVAL_BATCH, accuracy
+from fedjax_hetero.evaluation import EVAL_BATCH, correct_predictions
 from fedjax_hetero.hetero.maps import SubmodelMap, Variables, complete, extract, identity_map, pick_global, separate
 from fedjax_hetero.methods.api import Method
 from fedjax_hetero.models import parameter_split, resolve_cut
-from fedjax_hetero.sampling.samplers import WEIGHTINGS, SamplingInfo
+from fedjax_hetero import round_program
+from fedjax_hetero.round_program import RoundProgram
+from fedjax_hetero.round_rows import NonFiniteLossError, accuracies, group_loss, host_metrics, merge, round_row
+from fedjax_hetero.sampling.samplers import WEIGHTINGS, Participants, SamplingInfo
 from fedjax_hetero.server.steps import Federation, Plan, server_program
 from fedjax_hetero.validation import SEED_MAX, check_choice, check_integer, check_number, cli_flag
 
@@ -102,24 +104,16 @@ def server_key(seed: int, round_index: int, num_clients: int, stream: int) -> ja
   return jax.random.fold_in(round_key(seed, round_index), num_clients + stream)
 
 
+ROUND_PROGRAMS = ("auto", "fused", "host")
+AUTO_ROUNDS_PER_CALL = 25  # the runner also ends a call at every checkpoint and at the last round
+
+
 class ServerState(NamedTuple):
   round: int  # rounds completed
   models: tuple[Variables, ...]  # one per federation (stacked sharing: one model per cohort slot)
   steps: tuple[tuple[Any, ...], ...] = ()  # per federation: every server step's state
   sampler: Any = ()  # the sampler's state
   memory: tuple[dict[str, Any], ...] = ()  # per group: its clients' memory by term name, stacked over clients
-
-
-class NonFiniteLossError(FloatingPointError):
-  """Local training diverged; names the round and architecture group."""
-
-
-def _host_metrics(tree: Any) -> Any:
-  """Device metrics as Python floats; NaN (e.g. nothing to average this round) as None."""
-  def value(x):
-    x = float(x)
-    return x if math.isfinite(x) else None
-  return jax.tree.map(value, jax.device_get(tree))
 
 
 def _federations(groups: Sequence[ArchGroup], shapes: Sequence[Variables], maps: Sequence[SubmodelMap],
@@ -146,10 +140,16 @@ class Simulation:
 
   def __init__(self, groups: Sequence[ArchGroup], store: FederatedStore, local: LocalConfig, method: Method,
                config: FederationConfig, backend: Backend, test_images: jax.Array, test_labels: jax.Array,
-               track_dissimilarity: bool = False, dissimilarity_cut: str | None = None):
+               track_dissimilarity: bool = False, dissimilarity_cut: str | None = None, round_program: str = "auto",
+               rounds_per_call: int | None = None):
     """``track_dissimilarity``: log every round's gradient dissimilarity (`fedjax_hetero.dissimilarity`) per
     group, split at ``dissimilarity_cut`` (None: each model's `decoupling_cut`). It adds an upload to the
-    client programs, which can change results in the last float bits; off by default."""
+    client programs, which can change results in the last float bits; off by default.
+
+    ``round_program``: "fused" runs `run_rounds` as one device program per ``rounds_per_call`` rounds
+    (`fedjax_hetero.round_program`), "host" as the host loop of `run_round`; "auto" picks the program on an
+    accelerator when the method and backend allow it, the host loop on CPU (see docs/performance.md).
+    ``rounds_per_call`` None: `AUTO_ROUNDS_PER_CALL`."""
     if config.clients_per_round > store.num_clients:
       raise ValueError(f"clients_per_round={config.clients_per_round} exceeds the {store.num_clients} clients")
     if method.one_group and len(groups) != 1:
@@ -193,11 +193,11 @@ class Simulation:
                        f"{0.5 / store.num_clients:g}, or 0 for a clean run")
     attack = (backdoor.Backdoor(config.backdoor_scale, config.backdoor_delta) if len(self.malicious_clients)
               else None)
-    self._attack = (backdoor.attack_table(store.num_clients, self.malicious_clients, config.seed) if attack
+    self.attack_table = (backdoor.attack_table(store.num_clients, self.malicious_clients, config.seed) if attack
                     else None)
     self.trainers = [LocalTrainer(g.model, local, store.mean, store.std, terms, method.combine, attack)
                      for g in self.groups]
-    self._dissimilarity = [self._dissimilarity_program(g.model, dissimilarity_cut) for g in self.groups
+    self.dissimilarity_programs = [self._dissimilarity_program(g.model, dissimilarity_cut) for g in self.groups
                            if track_dissimilarity]
     self._extract = [jax.jit(lambda v, offset, m=self.federations[f].maps[i]: extract(v, m, offset))
                      for f, i in zip(self.federation_of, self.member_of)]
@@ -211,6 +211,7 @@ class Simulation:
     # also the template a checkpoint is restored into.
     self.state_shapes = jax.eval_shape(self.init_state)
     self._compiled = False  # see run_round and _compile_every_federation
+    self.round_program = self._round_program(round_program, rounds_per_call)
     self._empty_results: dict[int, Any] = {}
 
   def init_state(self) -> ServerState:
@@ -253,7 +254,9 @@ class Simulation:
       return self.server_variables(state, f)
     return self._extract[group](state.models[f], state.round)
 
-  def _start(self, state: ServerState, group: int) -> Variables:
+  def start_variables(self, state: ServerState, group: int) -> Variables:
+    """What the group's clients start from: their federation's model through the group's map (stacked sharing:
+    every slot's model)."""
     f = self.federation_of[group]
     if self.method.sharing.stacked:
       return state.models[f]
@@ -265,11 +268,50 @@ class Simulation:
     return {s.name: s.broadcast(st, self.federations[f], member, state.round)
             for s, st in zip(self.method.server, state.steps[f]) if s.broadcast}
 
-  def _check_loss(self, r: int, group: ArchGroup, result) -> float:
-    loss = float(result.loss_sum) / max(float(result.num_examples), 1.0)
-    if not math.isfinite(loss):
-      raise NonFiniteLossError(f"round {r + 1}: training loss of group {group.name} is {loss}")
-    return loss
+  def cohorts_of_round(self, sampler_state: Any, round_index: int) -> tuple[Participants, list[np.ndarray],
+                                                                          list[np.ndarray]]:
+    """The round's participants (the method's sampler) and, per architecture group, its cohort and weights."""
+    chosen = self.method.sampler.sample(sampler_state, round_index, self.sampling)
+    group_of_chosen = self.groups_of_round(round_index)[chosen.clients]
+    cohorts = [chosen.clients[group_of_chosen == gi] for gi in range(len(self.groups))]
+    weights = [chosen.weights[group_of_chosen == gi] for gi in range(len(self.groups))]
+    return chosen, cohorts, weights
+
+  def _round_program(self, choice: str, rounds_per_call: int | None) -> RoundProgram | None:
+    check_choice("round_program", choice, ROUND_PROGRAMS)
+    check_integer("rounds_per_call", rounds_per_call, minimum=1, optional=True)
+    why_not = round_program.unsupported(self)
+    if choice == "fused" and why_not:
+      raise ValueError(f"{self.method.name} cannot run as one program per round: {why_not}; use "
+                       f"{cli_flag('round_program')} host (or auto)")
+    if choice == "host" or why_not or (choice == "auto" and jax.default_backend() == "cpu"):
+      return None
+    mapping = "map" if self.backend.name == "sequential" else "vmap"
+    return RoundProgram(self, rounds_per_call or AUTO_ROUNDS_PER_CALL, mapping)
+
+  def run_rounds(self, state: ServerState, count: int, *, evaluate: Collection[int] = (),
+                 consume: bool = False) -> tuple[ServerState, list[dict[str, Any]]]:
+    """``count`` rounds from ``state``: the new state and one metrics row per round, whose ``test_accuracy``
+    holds every group's test accuracy after the rounds in ``evaluate`` (1-based round numbers), else None.
+
+    On the round program (``self.round_program``) the rounds run in calls of at most ``rounds_per_call`` rounds,
+    each one device program whose metrics are read once; a non-finite loss raises `NonFiniteLossError` for
+    the first such round after its call, whose rounds are then all dropped. ``consume`` as in `run_round`."""
+    rows: list[dict[str, Any]] = []
+    if self.round_program is None:
+      for _ in range(count):
+        state, row = self.run_round(state, consume=consume)
+        consume = True  # every later round's state is this loop's own
+        row["test_accuracy"] = self.evaluate(state) if state.round in evaluate else None
+        rows.append(row)
+      return state, rows
+    if not consume:
+      state = state._replace(models=copy_tree(state.models), steps=copy_tree(state.steps),
+                             memory=copy_tree(state.memory))
+    for length in self.round_program.call_lengths(state.round, count):
+      state, call_rows = self.round_program.run(state, length, evaluate)
+      rows += call_rows
+    return state, rows
 
   def run_round(self, state: ServerState, *, consume: bool = False) -> tuple[ServerState, dict[str, Any]]:
     """One round; returns the new state and host-side metrics for it.
@@ -281,11 +323,8 @@ class Simulation:
     t0 = time.perf_counter()
     r, seed = state.round, self.config.seed
     key = round_key(seed, r)
-    chosen = self.method.sampler.sample(state.sampler, r, self.sampling)
-    group_of_chosen = self.groups_of_round(r)[chosen.clients]
-    cohorts = [chosen.clients[group_of_chosen == gi] for gi in range(len(self.groups))]
-    weights = [chosen.weights[group_of_chosen == gi] for gi in range(len(self.groups))]
-    starts = [self._start(state, gi) for gi in range(len(self.groups))]
+    chosen, cohorts, weights = self.cohorts_of_round(state.sampler, r)
+    starts = [self.start_variables(state, gi) for gi in range(len(self.groups))]
     shares = [self.group_share(state, gi) for gi in range(len(self.groups))]
 
     def train(gi: int):
@@ -301,8 +340,8 @@ class Simulation:
         group_memory = copy_tree(group_memory)
       return self.backend.train(self.trainers[gi], starts[gi], self.store, cohort, group_weights, key,
                                 memory=group_memory, rows=self.row_of_client[cohort], server=shares[gi],
-                                per_client_start=self.method.sharing.stacked, capacity=self._stack_size(gi),
-                                attack=None if self._attack is None else backdoor.cohort_inputs(self._attack, cohort))
+                                per_client_start=self.method.sharing.stacked, capacity=self.stack_size(gi),
+                                attack=None if self.attack_table is None else backdoor.cohort_inputs(self.attack_table, cohort))
 
     # In the first round the groups compile side by side (XLA compiles on one core), except in a multi-process
     # run: there every process must launch the programs, whose collectives pair up across processes, in one order.
@@ -320,15 +359,15 @@ class Simulation:
     dissimilarities: dict[str, dict[str, float]] = {}
     examples = 0.0
     for gi, (group, result) in enumerate(zip(self.groups, trained)):
-      if self._dissimilarity and result is not None:  # (a first round's dropped result compiles it too)
-        spread = self._dissimilarity[gi](result.delta_sum, result.weight_sum, result.uploads[dissimilarity.NAME])
+      if self.dissimilarity_programs and result is not None:  # (a first round's dropped result compiles it too)
+        spread = self.dissimilarity_programs[gi](result.delta_sum, result.weight_sum, result.uploads[dissimilarity.NAME])
       if len(cohorts[gi]) == 0:
         results.append(None)
         continue
       memory[gi] = result.memory
-      losses[group.name] = self._check_loss(r, group, result)
-      if self._dissimilarity:
-        dissimilarities[group.name] = _host_metrics(spread)
+      losses[group.name] = group_loss(r, group.name, result.loss_sum, result.num_examples)
+      if self.dissimilarity_programs:
+        dissimilarities[group.name] = host_metrics(spread)
       examples += float(result.num_examples)
       results.append(result._replace(memory={}))
     models, steps = list(state.models), list(state.steps)
@@ -337,7 +376,7 @@ class Simulation:
       if any(results[g] is not None for g in f.members):
         models[f.index], steps[f.index], federation_metrics = self.aggregate(f.index, state, starts, shares,
                                                                             results, cohorts)
-        _merge(metrics, federation_metrics)
+        merge(metrics, federation_metrics)
     sampler_state = state.sampler
     if self.method.sampler.observe:
       for gi, result in enumerate(results):
@@ -345,12 +384,7 @@ class Simulation:
           sampler_state = self.method.sampler.observe(sampler_state, cohorts[gi],
                                                       result.uploads[self.method.sampler.name], self.sampling)
     jax.block_until_ready((models, steps, sampler_state))
-    seconds = time.perf_counter() - t0
-    metrics = {"round": r + 1, "train_loss": sum(losses.values()) / max(len(losses), 1),
-               "train_loss_per_group": losses, "clients": [int(c) for c in chosen.draws], "examples": int(examples),
-               "round_seconds": seconds, "samples_per_s": examples / seconds, **metrics}
-    if dissimilarities:
-      metrics[dissimilarity.NAME] = dissimilarities
+    metrics = round_row(r, losses, chosen.draws, examples, time.perf_counter() - t0, metrics, dissimilarities)
     return ServerState(r + 1, tuple(models), tuple(steps), sampler_state, tuple(memory)), metrics
 
   def _dissimilarity_program(self, model: nn.Module, cut: str | None):
@@ -378,7 +412,7 @@ class Simulation:
     f, r = self.federations[federation], state.round
     plans = [s.plan(r) if s.plan else Plan() for s in self.method.server]
     filled = tuple(results[g] or self._empty_result(g, starts[g], shares[g], state) for g in f.members)
-    sizes = [self._stack_size(g) for g in f.members]
+    sizes = [self.stack_size(g) for g in f.members]
     valid = tuple(np.arange(n) < len(cohorts[g]) for g, n in zip(f.members, sizes))
     ids = tuple(np.concatenate([cohorts[g], np.full(n - len(cohorts[g]), self.store.num_clients)])
                 for g, n in zip(f.members, sizes))
@@ -386,7 +420,7 @@ class Simulation:
         state.models[federation], state.steps[federation], tuple(starts[g] for g in f.members), filled, valid, ids, r,
         server_key(self.config.seed, r, self.store.num_clients, federation), tuple(p.inputs for p in plans),
         statics=tuple(p.static for p in plans))
-    metrics = _host_metrics(metrics)
+    metrics = host_metrics(metrics)
     for p in plans:
       metrics.update(p.log)
     return model, steps, metrics
@@ -398,7 +432,7 @@ class Simulation:
     rng = np.random.default_rng([self.config.seed, round_index, 2])
     return rng.choice(len(self.groups), size=self.store.num_clients, p=np.asarray(self.config.group_draw))
 
-  def _stack_size(self, group: int) -> int:
+  def stack_size(self, group: int) -> int:
     return self.federations[self.federation_of[group]].stack_sizes[self.member_of[group]]
 
   def _empty_result(self, group: int, start: Variables, share: dict[str, Any], state: ServerState):
@@ -409,7 +443,7 @@ class Simulation:
              if state.memory and state.memory[group] else {})
       # Placed as the backend places real results, so the server program sees one input placement every round.
       self._empty_results[group] = self.backend.place(empty_group_result(self.trainers[group], start, row, share,
-                                                                         self._stack_size(group)))
+                                                                         self.stack_size(group)))
     return self._empty_results[group]
 
   def evaluate(self, state: ServerState, batch_size: int = EVAL_BATCH) -> dict[str, float]:
@@ -418,21 +452,16 @@ class Simulation:
     It runs on this process's own copy of the model (`Backend.local`), with no collective: in a
     multi-process run every process evaluates the whole test set and gets the same numbers, which its
     divergence guard and checkpoint ranking then agree on."""
-    accs = {}
+    correct = []
     for gi, group in enumerate(self.groups):
-      variables = self.backend.local(self.group_variables(state, gi))
-      if self.method.evaluation_variables:
-        variables = self.method.evaluation_variables(group.model, variables, self.store)
-      accs[group.name] = accuracy(group.model, variables, self.test_images, self.test_labels, self.store.mean,
-                                  self.store.std, batch_size)
-    accs["mean"] = float(np.mean(list(accs.values())))
-    return accs
+      variables = self.evaluated_variables(self.backend.local(self.group_variables(state, gi)), gi)
+      correct.append(correct_predictions(group.model, variables, self.test_images, self.test_labels,
+                                         self.store.mean, self.store.std, batch_size))
+    return accuracies(correct, [g.name for g in self.groups], len(self.test_labels))
 
+  def evaluated_variables(self, variables: Variables, group: int) -> Variables:
+    """``variables`` of group ``group`` as the method evaluates them (e.g. HeteroFL's re-estimated BatchNorm)."""
+    if self.method.evaluation_variables:
+      return self.method.evaluation_variables(self.groups[group].model, variables, self.store)
+    return variables
 
-def _merge(into: dict[str, Any], new: dict[str, Any]) -> None:
-  """Deep-merges nested metric dicts (per-federation entries of one metric side by side)."""
-  for k, v in new.items():
-    if isinstance(v, dict) and isinstance(into.get(k), dict):
-      _merge(into[k], v)
-    else:
-      into[k] = v

@@ -20,7 +20,13 @@ EVAL_BATCH = 200
 
 def accuracy(model: nn.Module, variables: Variables, images: jax.Array, labels: jax.Array,
              mean: tuple[float, ...], std: tuple[float, ...], batch_size: int = EVAL_BATCH) -> float:
-  """Top-1 accuracy on ``images``/``labels`` (device arrays), all of them.
+  """Top-1 accuracy on ``images``/``labels`` (device arrays), all of them."""
+  return correct_predictions(model, variables, images, labels, mean, std, batch_size) / int(labels.shape[0])
+
+
+def correct_predictions(model: nn.Module, variables: Variables, images: jax.Array, labels: jax.Array,
+                        mean: tuple[float, ...], std: tuple[float, ...], batch_size: int = EVAL_BATCH) -> int:
+  """The number of correct top-1 predictions on ``images``/``labels`` (device arrays), all of them.
 
   Runs full batches with one jitted program and the remainder with a second
   (XLA:CPU runs a while loop over convolutions slowly, so batches are a host loop).
@@ -34,20 +40,36 @@ def accuracy(model: nn.Module, variables: Variables, images: jax.Array, labels: 
     correct = correct + step(variables, images, labels, start)
   if full < n:
     correct = correct + _batched(model, mean, std, n - full)(variables, images, labels, full)
-  return float(correct) / n
+  return int(correct)
+
+
+def _count_batch(model: nn.Module, mean: tuple[float, ...], std: tuple[float, ...], variables: Variables,
+                 images: jax.Array, labels: jax.Array, start: Any, batch_size: int) -> jax.Array:
+  batch = jax.lax.dynamic_slice_in_dim(images, start, batch_size)
+  target = jax.lax.dynamic_slice_in_dim(labels, start, batch_size)
+  logits = model.apply(variables, normalize(batch, mean, std), train=False)
+  return (logits.argmax(-1) == target).sum()
 
 
 @program_cache
 def _batched(model: nn.Module, mean: tuple[float, ...], std: tuple[float, ...], batch_size: int):
+  return jax.jit(lambda variables, images, labels, start: _count_batch(model, mean, std, variables, images, labels,
+                                                                       start, batch_size))
 
-  @jax.jit
-  def count(variables, images, labels, start):
-    batch = jax.lax.dynamic_slice_in_dim(images, start, batch_size)
-    target = jax.lax.dynamic_slice_in_dim(labels, start, batch_size)
-    logits = model.apply(variables, normalize(batch, mean, std), train=False)
-    return (logits.argmax(-1) == target).sum()
 
-  return count
+def count_correct(model: nn.Module, variables: Variables, images: jax.Array, labels: jax.Array,
+                  mean: tuple[float, ...], std: tuple[float, ...], batch_size: int = EVAL_BATCH) -> jax.Array:
+  """The number of correct top-1 predictions on all of ``images``, as one traceable computation (a device loop
+  over the full batches, then the rest): `accuracy`'s count inside a program such as the round program's."""
+  n = int(labels.shape[0])
+  batch_size = min(batch_size, n)
+  full = n - n % batch_size
+  count = lambda start, size: _count_batch(model, mean, std, variables, images, labels, start, size)
+  correct = jax.lax.fori_loop(0, full // batch_size, lambda i, total: total + count(i * batch_size, batch_size),
+                              jnp.zeros((), jnp.int32))
+  if full < n:
+    correct = correct + count(full, n - full)
+  return correct
 
 
 def batch_norm_statistics(model: nn.Module, variables: Variables, images: jax.Array, mean: tuple[float, ...],

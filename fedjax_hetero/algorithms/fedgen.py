@@ -106,8 +106,14 @@ class FedGenConfig:
   def generator_learning_rate(self, round_index: int) -> float:
     return self.ensemble_lr * self.ensemble_lr_decay ** round_index
 
-  def client_coefficients(self, round_index: int) -> tuple[float, float]:
-    """(alpha, beta) of the client regularizer in round ``round_index`` (0-based); (0, 0) in round 0."""
+  def client_coefficients(self, round_index: int | jax.Array) -> tuple[float, float] | tuple[jax.Array, jax.Array]:
+    """(alpha, beta) of the client regularizer in round ``round_index`` (0-based); (0, 0) in round 0. A traced
+    round (the round program's) gives them in float32, computed on the device."""
+    if not isinstance(round_index, (int, np.integer)):
+      r = jnp.asarray(round_index, jnp.float32)
+      decayed = lambda initial: jnp.where(r <= 0, 0.0, jnp.maximum(min(self.coefficient_floor, initial),
+                                                                   initial * self.coefficient_decay ** r))
+      return decayed(self.generative_alpha), decayed(self.generative_beta)
     if round_index <= 0:
       return 0.0, 0.0
     return (decayed_coefficient(self.generative_alpha, round_index, self.coefficient_decay, self.coefficient_floor),

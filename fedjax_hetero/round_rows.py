@@ -1,0 +1,63 @@
+"""A round's metrics row, made the same way whichever path ran the round (the host loop or the round program).
+
+A row is what ``metrics.jsonl`` holds per round: the training loss (mean over the groups that trained, and per
+group), the drawn clients, the examples seen, the round's seconds and samples/s, the server steps' metrics,
+the gradient dissimilarity when tracked, and the test accuracy of evaluation rounds.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from fedjax_hetero.dissimilarity import NAME as DISSIMILARITY
+
+
+class NonFiniteLossError(FloatingPointError):
+  """Local training diverged; names the round and architecture group."""
+
+
+def host_metrics(tree: Any) -> Any:
+  """Device metrics as Python floats; NaN (e.g. nothing to average this round) as None."""
+  def value(x):
+    x = float(x)
+    return x if math.isfinite(x) else None
+  return jax.tree.map(value, jax.device_get(tree))
+
+
+def merge(into: dict[str, Any], new: Mapping[str, Any]) -> None:
+  """Deep-merges nested metric dicts (per-federation entries of one metric side by side)."""
+  for k, v in new.items():
+    if isinstance(v, dict) and isinstance(into.get(k), dict):
+      merge(into[k], v)
+    else:
+      into[k] = v
+
+
+def group_loss(round_index: int, group: str, loss_sum: float, num_examples: float) -> float:
+  """A group's mean training loss in round ``round_index`` (0-based); `NonFiniteLossError` if it is not finite."""
+  loss = float(loss_sum) / max(float(num_examples), 1.0)
+  if not math.isfinite(loss):
+    raise NonFiniteLossError(f"round {round_index + 1}: training loss of group {group} is {loss}")
+  return loss
+
+
+def round_row(round_index: int, losses: Mapping[str, float], draws: np.ndarray, examples: float, seconds: float,
+              server_metrics: Mapping[str, Any], dissimilarities: Mapping[str, Any]) -> dict[str, Any]:
+  """The metrics row of round ``round_index`` (0-based) from its groups' losses (groups that trained only)."""
+  row = {"round": round_index + 1, "train_loss": sum(losses.values()) / max(len(losses), 1),
+         "train_loss_per_group": dict(losses), "clients": [int(c) for c in draws], "examples": int(examples),
+         "round_seconds": seconds, "samples_per_s": examples / seconds, **server_metrics}
+  if dissimilarities:
+    row[DISSIMILARITY] = dict(dissimilarities)
+  return row
+
+
+def accuracies(correct: Sequence[int], groups: Sequence[str], num_test: int) -> dict[str, float]:
+  """Every group's test accuracy from its count of correct predictions, and their mean under ``"mean"``."""
+  accs = {name: int(c) / num_test for name, c in zip(groups, correct)}
+  accs["mean"] = float(np.mean(list(accs.values())))
+  return accs

@@ -28,6 +28,7 @@ from fedjax_hetero.client.backdoor import READINGS
 from fedjax_hetero.client.local import OPTIMIZERS
 from fedjax_hetero.compilation import CACHE_ENV, default_cache_dir, enable_persistent_cache
 from fedjax_hetero.config import NORMALIZATIONS, RunConfig
+from fedjax_hetero.engine import AUTO_ROUNDS_PER_CALL, ROUND_PROGRAMS
 from fedjax_hetero.guard import ACTIONS
 from fedjax_hetero.methods import AGGREGATE_MODES, methods_by_paper
 from fedjax_hetero.methods.heterofl import BN_SAMPLES
@@ -91,6 +92,13 @@ def build_parser(defaults: RunConfig, description: str) -> argparse.ArgumentPars
                       "optimizer")
   p.add_argument("--overwrite", action="store_true", help="delete a non-empty --output-dir first")
   p.add_argument("--backend", default=d.backend, choices=BACKENDS, help="how clients are mapped onto hardware")
+  p.add_argument("--round-program", default=d.round_program, choices=ROUND_PROGRAMS,
+                 help="fused: every round (up to --rounds-per-call of them) is one device program; host: the host "
+                 "loop launches each group's programs; auto: fused on an accelerator when the method allows it "
+                 "(not CluSamp), host on CPU (docs/performance.md)")
+  p.add_argument("--rounds-per-call", type=int, default=d.rounds_per_call,
+                 help="rounds per device program of --round-program fused (a call also ends at every checkpoint "
+                 f"and the last round); default: {AUTO_ROUNDS_PER_CALL}")
   p.add_argument("--weighting", default=d.weighting, choices=WEIGHTINGS,
                  help="client weights in aggregation: uniform (InCo's code) or by sample count")
   p.add_argument("--aggregate", default=d.aggregate, choices=AGGREGATE_MODES,

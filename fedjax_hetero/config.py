@@ -24,7 +24,7 @@ from fedjax_hetero.backends import BACKENDS
 from fedjax_hetero.client.backdoor import num_malicious
 from fedjax_hetero.client.local import LocalConfig
 from fedjax_hetero.client.terms import term_cuts
-from fedjax_hetero.engine import FederationConfig
+from fedjax_hetero.engine import ROUND_PROGRAMS, FederationConfig
 from fedjax_hetero.guard import DivergenceConfig
 from fedjax_hetero.data.partition import DIRICHLET_MIN_SIZE
 from fedjax_hetero.methods import Method, MethodOptions, build_method, get_entry
@@ -210,6 +210,8 @@ class RunConfig:
   rounds: int = 100
   eval_every: int = 5
   backend: str = "auto"
+  round_program: str = "auto"  # a round (or rounds_per_call of them) as one device program; see engine.Simulation
+  rounds_per_call: int | None = None  # None: auto (engine.AUTO_ROUNDS_PER_CALL)
   dissimilarity: bool = True  # log the clients' gradient dissimilarity per round (`fedjax_hetero.dissimilarity`)
   divergence: DivergenceConfig = DivergenceConfig()
   output: OutputConfig = OutputConfig()
@@ -230,6 +232,8 @@ class RunConfig:
     for path in ("rounds", "eval_every"):
       check_integer(path, getattr(self, path), minimum=1)
     check_choice("backend", self.backend, BACKENDS)
+    check_choice("round_program", self.round_program, ROUND_PROGRAMS)
+    check_integer("rounds_per_call", self.rounds_per_call, minimum=1, optional=True)
     check_bool("dissimilarity", self.dissimilarity)
     method = build_method(self.method.name, self.method, self.client)  # checks the method's own settings
     if method.one_group and len(self.groups) != 1:

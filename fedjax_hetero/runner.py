@@ -81,13 +81,16 @@ def build_simulation(config: RunConfig, dataset: fdata.ArrayDataset | None = Non
   method = build_method(config.method.name, config.method, config.client)
   sim = Simulation(groups, store, config.client, method, config.federation, backend,
                    jnp.asarray(dataset.test_images), jnp.asarray(dataset.test_labels),
-                   track_dissimilarity=config.dissimilarity, dissimilarity_cut=config.method.fedimpro.cut)
+                   track_dissimilarity=config.dissimilarity, dissimilarity_cut=config.method.fedimpro.cut,
+                   round_program=config.round_program, rounds_per_call=config.rounds_per_call)
   terms = ", ".join(t.name for t in method.terms)
   split = config.data.partition_file or config.data.partition
   log(f"{dataset.name}: {len(dataset.train_labels)} train / {len(dataset.test_labels)} test samples, "
       f"{config.data.num_clients} clients ({split}), groups {', '.join(config.groups)}, "
       f"method {method.name}" + (f" (client terms: {terms})" if terms else "") +
-      f", backend {backend.name} on {jax.default_backend()}" + (
+      f", backend {backend.name} on {jax.default_backend()}, " + (
+          f"{sim.round_program.rounds_per_call} rounds per device program" if sim.round_program else
+          "rounds as a host loop") + (
           f" ({jax.device_count()} devices of {jax.process_count()} processes)" if jax.process_count() > 1 else ""))
   if len(sim.malicious_clients):
     attack = config.federation
@@ -134,7 +137,8 @@ def _quiet(_: str) -> None:
 # adds an upload). The second is the clients' local optimizer, rebuilt every round: lowering the learning rate
 # after a divergence is the usual reason to resume. Anything else (data, partition, models, method and its settings) is a
 # different run.
-UNCHANGED_TRAJECTORY = frozenset({"data.data_dir", "rounds", "eval_every", "backend", "client.steps_per_call",
+UNCHANGED_TRAJECTORY = frozenset({"data.data_dir", "rounds", "eval_every", "backend", "round_program",
+                                  "rounds_per_call", "client.steps_per_call",
                                   "dissimilarity", *(f"divergence.{f.name}" for f in dataclasses.fields(DivergenceConfig))})
 LOCAL_OPTIMIZER = frozenset(f"client.{name}" for name in ("epochs", "batch_size", "optimizer", "learning_rate",
                                                           "momentum", "weight_decay", "drop_last"))
@@ -379,20 +383,24 @@ def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
   try:
     while state.round < config.rounds:
       error = None
+      count = _call_length(config, sim, state.round)
+      evaluate = {r for r in range(state.round + 1, state.round + count + 1)
+                  if r % config.eval_every == 0 or r == config.rounds}
       try:
-        next_state, m = sim.run_round(state, consume=True)  # `state` is not used again (a rollback restores)
+        # `state` is not used again (a rollback restores a checkpoint)
+        next_state, new_rows = sim.run_rounds(state, count, evaluate=evaluate, consume=True)
       except NonFiniteLossError as e:
         if config.divergence.action == "off":
           raise
-        error = DivergenceError(str(e), state.round + 1, None)
-      else:
-        final = next_state.round == config.rounds
-        m["test_accuracy"] = sim.evaluate(next_state) if next_state.round % config.eval_every == 0 or final else None
+        error, new_rows = DivergenceError(str(e), state.round + 1, None), []
+      for m in new_rows:
         rows.append(m)
         if main:
           with open(metrics_path, "a") as f:
             f.write(json.dumps(m) + "\n")
         error = watch.check(m) if config.divergence.action != "off" else None
+        if error is not None:
+          break
       if error is not None:
         manager.wait_until_finished()
         if (config.divergence.action == "stop" or len(rollbacks) >= config.divergence.max_rollbacks
@@ -407,10 +415,11 @@ def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
         bar.n = state.round
         bar.refresh()
         continue
-      state = next_state
+      state, m = next_state, new_rows[-1]
+      final = state.round == config.rounds
       accuracy = m["test_accuracy"]["mean"] if m["test_accuracy"] else None
-      new_best = accuracy is not None and accuracy > best
-      best = max(best, accuracy if accuracy is not None else best)
+      new_best = accuracy is not None and accuracy > best and accuracy >= _best_accuracy(new_rows)
+      best = max(best, _best_accuracy(new_rows))
       if checkpoints.save(manager, state, force=final or new_best, accuracy=accuracy) and jax.tree.leaves(state.memory):
         manager.wait_until_finished()  # the next round writes the memory in place: the save must have read it
       postfix = {"loss": f"{m['train_loss']:.3f}", "samples/s": f"{m['samples_per_s']:.0f}"}
@@ -418,11 +427,20 @@ def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
       if last_eval:
         postfix["acc"] = f"{100 * last_eval['mean']:.2f}%"
       bar.set_postfix(postfix)
-      bar.update(1)
+      bar.update(count)
   finally:
     bar.close()
     manager.wait_until_finished()
   return _finish(config, sim, rows, time.perf_counter() - wall_start, segments, rollbacks)
+
+
+def _call_length(config: RunConfig, sim: Simulation, done: int) -> int:
+  """The rounds of the next `Simulation.run_rounds` call: one on the host loop; on the round program, up to the
+  next checkpoint round or the last round (a call is the unit of checkpoints and of the divergence stop)."""
+  if sim.round_program is None:
+    return 1
+  every = config.output.checkpoint_every
+  return min(config.rounds, (done // every + 1) * every) - done
 
 
 def _best_accuracy(rows: Sequence[dict[str, Any]]) -> float:

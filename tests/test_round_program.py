@@ -1,0 +1,182 @@
+"""The round program (`fedjax_hetero.round_program`): every method it runs gives the host loop's results to
+float tolerance, K rounds in one call equal K calls of one, one device launch per call whatever the
+groups, clients and local steps, nothing compiles after the first call, and the runner resumes it."""
+
+from __future__ import annotations
+
+import json
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_hetero.compilation import CompileLog, LaunchCount
+from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation, assign_groups
+from fedjax_hetero.client.local import LocalConfig
+from fedjax_hetero.backends import make_backend
+from fedjax_hetero.methods import MethodOptions, build_method
+from fedjax_hetero.models import build_model
+from tests import golden
+from tests.golden_setting import TINY_FEDGEN, GoldenSimulation, golden_simulation
+from tests.helpers import tiny_federation, tiny_simulation
+from tests.test_golden import RECORD, assert_close
+
+FUSED_GOLDEN = [m for m in golden.METHODS if m != "CluSamp"]  # CluSamp's sampler keeps host-side state
+
+
+def fused(sim: Simulation, rounds_per_call: int = 3, **changes) -> Simulation:
+  """``sim``'s setting on the round program."""
+  kwargs = dict(groups=sim.groups, store=sim.store, local=sim.local, method=sim.method, config=sim.config,
+                backend=sim.backend, test_images=sim.test_images, test_labels=sim.test_labels,
+                track_dissimilarity=bool(sim.dissimilarity_programs), round_program="fused",
+                rounds_per_call=rounds_per_call)
+  return type(sim)(**{**kwargs, **changes})
+
+
+def record(sim: GoldenSimulation) -> tuple[list[dict], list[list[str]]]:
+  """`golden.record`'s rows for ``sim``, one call per round, and the programs each call compiled."""
+  state, rows, compiled = sim.init_state(), [], []
+  for r in range(golden.ROUNDS):
+    with CompileLog() as log:
+      state, (row,) = sim.run_rounds(state, 1, evaluate={r + 1})
+    compiled.append(log.names)
+    rows.append({**{k: row[k] for k in ("train_loss", "train_loss_per_group", "examples", "clients",
+                                        "test_accuracy")},
+                 "models": {name: golden.fingerprint(v) for name, v in sim.eval_variables(state).items()}})
+  return rows, compiled
+
+
+@pytest.mark.parametrize("backend", ["vmap", "sequential"])
+@pytest.mark.parametrize("method", FUSED_GOLDEN)
+def test_round_program_reproduces_the_golden_record(method, backend):
+  """The vmap backend's clients side by side, the sequential backend's one after another (lax.map)."""
+  if backend == "sequential" and method not in ("HeteroAvg", "InCoScaffold", "FedCross", "FedGen", "HeteroMOON"):
+    pytest.skip("the sequential mapping is checked on one method of each kind")
+  if jax.__version__ != RECORD["jax"]:
+    pytest.skip(f"the record was made with jax {RECORD['jax']}; this is {jax.__version__}")
+  key = golden.key(method, backend, "mlp")
+  expected = (next((r for r in RECORD["records"] if r["cpu"] == golden.cpu_signature()), None)
+              or RECORD["records"][0])["runs"][key]
+  rows, compiled = record(fused(golden_simulation(method, backend, "mlp")))
+  for round_index, (want, have) in enumerate(zip(expected, rows), start=1):
+    assert_close(want, have, method, f"{key} on the round program, round {round_index}")
+  assert compiled[0], "the first call compiles the program"
+  assert compiled[1:] == [[]] * (golden.ROUNDS - 1), f"later calls compiled {compiled[1:]}"
+
+
+def tiny_resnet(stage_sizes=(1, 1), width=1.0):
+  return build_model("resnet10", 4, width, stage_sizes=stage_sizes, stem="cifar", base_channels=4)
+
+
+def resnet_simulation(method: str, family: str, **options) -> Simulation:
+  """Two tiny ResNet groups on `tiny_federation`: by depth, or by width (HeteroFL, FedRolex)."""
+  ds, store = tiny_federation()
+  models = ([tiny_resnet((1, 1), 1.0), tiny_resnet((1, 1), 0.5)] if family == "width" else
+            [tiny_resnet((1, 1)), tiny_resnet((1, 2))])
+  groups = [ArchGroup(f"g{i}", m, c) for i, (m, c) in enumerate(zip(models, assign_groups(store.num_clients, 2)))]
+  local = LocalConfig(epochs=1, batch_size=8, learning_rate=1e-2)
+  return Simulation(groups, store, local, build_method(method, MethodOptions(**options), local),
+                    FederationConfig(clients_per_round=3, seed=0), make_backend("vmap"), jnp.asarray(ds.test_images),
+                    jnp.asarray(ds.test_labels))
+
+
+def close_rows(host: list[dict], program: list[dict], where: str) -> None:
+  for want, have in zip(host, program, strict=True):
+    assert (have["clients"], have["examples"]) == (want["clients"], want["examples"]), where
+    np.testing.assert_allclose(have["train_loss"], want["train_loss"], rtol=1e-4, err_msg=where)
+    assert (have["test_accuracy"] is None) == (want["test_accuracy"] is None), where
+    for group, accuracy in (want["test_accuracy"] or {}).items():
+      np.testing.assert_allclose(have["test_accuracy"][group], accuracy, atol=1e-9, err_msg=where)
+
+
+def assert_same_run(host: Simulation, program: Simulation, rounds: int = 2) -> None:
+  """Both simulations' rounds (all evaluated): rows and final models within float tolerance."""
+  evaluate = set(range(1, rounds + 1))
+  host_state, host_rows = host.run_rounds(host.init_state(), rounds, evaluate=evaluate)
+  state, rows = program.run_rounds(program.init_state(), rounds, evaluate=evaluate)
+  close_rows(host_rows, rows, program.method.name)
+  for g in range(len(host.groups)):
+    chex.assert_trees_all_close(program.group_variables(state, g), host.group_variables(host_state, g), rtol=1e-4,
+                                atol=1e-6)
+
+
+@pytest.mark.parametrize("method, family", [("HeteroFL", "width"), ("FedRolex", "width"), ("FedFA", "depth"),
+                                            ("FlexiFed", "depth"), ("NeFL", "depth"), ("FedIN", "depth"),
+                                            ("InclusiveFL", "depth"), ("FedImpro", "depth")])
+def test_round_program_equals_the_host_loop_beyond_the_golden_methods(method, family):
+  host = resnet_simulation(method, family)
+  assert host.round_program is None  # auto on CPU: the host loop
+  assert_same_run(host, fused(host))
+
+
+def test_round_program_with_the_backdoor_attack_and_the_dissimilarity_metric():
+  ds, store = tiny_federation()
+  config = FederationConfig(clients_per_round=3, seed=0, malicious_fraction=0.34)
+  host = tiny_simulation("HeteroScaffold", "vmap", widths=(1.0, 0.5), track_dissimilarity=True)
+  host = fused(host, round_program="host", config=config)
+  program = fused(host, config=config)
+  assert len(program.malicious_clients) == 2
+  assert_same_run(host, program, rounds=3)
+  _, (row,) = program.run_rounds(program.init_state(), 1)
+  assert set(row["dissimilarity"]) == set(row["train_loss_per_group"])  # the groups that trained
+
+
+@pytest.mark.parametrize("method", ["HeteroScaffold", "FedCross"])
+def test_a_call_of_k_rounds_equals_k_calls_of_one(method):
+  """The same compiled program either way: bit for bit, client memory and stacked models included."""
+  sim = fused(tiny_simulation(method, "vmap", widths=(1.0,) if method == "FedCross" else (1.0, 0.5)))
+  one_call, rows = sim.run_rounds(sim.init_state(), 3, evaluate={2, 3})
+  state, single = sim.init_state(), []
+  for r in range(3):
+    state, row = sim.run_rounds(state, 1, evaluate={2, 3})
+    single += row
+  chex.assert_trees_all_equal((one_call.models, one_call.steps, one_call.memory),
+                              (state.models, state.steps, state.memory))
+  strip = lambda rows: [{k: v for k, v in r.items() if k not in ("round_seconds", "samples_per_s")} for r in rows]
+  assert strip(rows) == strip(single)
+
+
+def launches_per_call(sim: Simulation, rounds: int = 3) -> int:
+  state, _ = sim.run_rounds(sim.init_state(), 1, consume=True)  # compiles
+  with LaunchCount() as launches:
+    sim.run_rounds(state, rounds, evaluate={2, rounds + 1}, consume=True)
+  return launches.count
+
+
+def test_one_device_launch_per_call_whatever_the_groups_clients_and_steps():
+  """The structure a GPU needs, counted on the CPU: the host loop launches programs per group, client and
+  step; the round program launches one per call of K rounds."""
+  small = dict(widths=(1.0,), clients_per_round=2)
+  large = dict(widths=(1.0, 0.5, 0.25), clients_per_round=6)
+  counts = {}
+  for name, setting in (("small", small), ("large", large)):
+    host = tiny_simulation("HeteroScaffold", "vmap", **setting)
+    counts[name] = launches_per_call(fused(host, rounds_per_call=3)), launches_per_call(host)
+  more_steps = tiny_simulation("HeteroScaffold", "vmap", **large)
+  more_steps = fused(more_steps, local=LocalConfig(epochs=4, batch_size=4, learning_rate=1e-2),
+                     method=build_method("HeteroScaffold", MethodOptions(),
+                                         LocalConfig(epochs=4, batch_size=4, learning_rate=1e-2)))
+  assert counts["small"][0] == counts["large"][0] == launches_per_call(more_steps) == 1, counts
+  assert counts["large"][1] > counts["small"][1] > 3 * 10, counts  # the host loop: dozens per round
+
+
+def test_clustered_sampling_runs_the_host_loop():
+  sim = tiny_simulation("CluSamp", "vmap")
+  assert sim.round_program is None
+  with pytest.raises(ValueError, match=r"CluSamp cannot run as one program per round: .*sampler \(clustered\)"
+                                       r".*--round-program host"):
+    fused(sim)
+
+
+def test_rounds_per_call_is_checked():
+  with pytest.raises(ValueError, match="--rounds-per-call must be an integer >= 1"):
+    fused(tiny_simulation("FedAvg", "vmap"), rounds_per_call=0)
+
+
+def test_fedgen_client_coefficients_traced_equal_the_host_schedule():
+  for round_index in (0, 1, 7, 300):
+    host = TINY_FEDGEN.client_coefficients(round_index)
+    traced = jax.jit(TINY_FEDGEN.client_coefficients)(jnp.int32(round_index))
+    np.testing.assert_allclose(np.asarray(traced), np.asarray(host, np.float32), rtol=2e-5)  # float32 powers

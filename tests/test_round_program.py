@@ -4,7 +4,6 @@ groups, clients and local steps, nothing compiles after the first call, and the 
 
 from __future__ import annotations
 
-import json
 
 import chex
 import jax
@@ -17,6 +16,7 @@ from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation, assign
 from fedjax_hetero.client.local import LocalConfig
 from fedjax_hetero.backends import make_backend
 from fedjax_hetero.methods import MethodOptions, build_method
+from fedjax_hetero.data import synthetic_dataset
 from fedjax_hetero.models import build_model
 from tests import golden
 from tests.golden_setting import TINY_FEDGEN, GoldenSimulation, golden_simulation
@@ -70,14 +70,16 @@ def tiny_resnet(stage_sizes=(1, 1), width=1.0):
   return build_model("resnet10", 4, width, stage_sizes=stage_sizes, stem="cifar", base_channels=4)
 
 
-def resnet_simulation(method: str, family: str, **options) -> Simulation:
-  """Two tiny ResNet groups on `tiny_federation`: by depth, or by width (HeteroFL, FedRolex)."""
+def two_group_simulation(method: str, family: str) -> Simulation:
+  """Two groups on `tiny_federation`: tiny ResNets by depth or by width, or MLPs by depth (golden's)."""
+  if family == "mlp":
+    return golden_simulation(method, "vmap", "mlp")
   ds, store = tiny_federation()
   models = ([tiny_resnet((1, 1), 1.0), tiny_resnet((1, 1), 0.5)] if family == "width" else
             [tiny_resnet((1, 1)), tiny_resnet((1, 2))])
   groups = [ArchGroup(f"g{i}", m, c) for i, (m, c) in enumerate(zip(models, assign_groups(store.num_clients, 2)))]
   local = LocalConfig(epochs=1, batch_size=8, learning_rate=1e-2)
-  return Simulation(groups, store, local, build_method(method, MethodOptions(**options), local),
+  return Simulation(groups, store, local, build_method(method, MethodOptions(), local),
                     FederationConfig(clients_per_round=3, seed=0), make_backend("vmap"), jnp.asarray(ds.test_images),
                     jnp.asarray(ds.test_labels))
 
@@ -91,22 +93,25 @@ def close_rows(host: list[dict], program: list[dict], where: str) -> None:
       np.testing.assert_allclose(have["test_accuracy"][group], accuracy, atol=1e-9, err_msg=where)
 
 
-def assert_same_run(host: Simulation, program: Simulation, rounds: int = 2) -> None:
-  """Both simulations' rounds (all evaluated): rows and final models within float tolerance."""
+def assert_same_run(host: Simulation, program: Simulation, rounds: int = 1) -> None:
+  """Both simulations' rounds (all evaluated): rows and final models within float tolerance (that of
+  `golden.TOLERANCE` on parameter sums, elementwise)."""
   evaluate = set(range(1, rounds + 1))
   host_state, host_rows = host.run_rounds(host.init_state(), rounds, evaluate=evaluate)
   state, rows = program.run_rounds(program.init_state(), rounds, evaluate=evaluate)
   close_rows(host_rows, rows, program.method.name)
   for g in range(len(host.groups)):
-    chex.assert_trees_all_close(program.group_variables(state, g), host.group_variables(host_state, g), rtol=1e-4,
-                                atol=1e-6)
+    chex.assert_trees_all_close(program.group_variables(state, g), host.group_variables(host_state, g),
+                                rtol=golden.TOLERANCE["parameter_sum"], atol=1e-5)
 
 
-@pytest.mark.parametrize("method, family", [("HeteroFL", "width"), ("FedRolex", "width"), ("FedFA", "depth"),
-                                            ("FlexiFed", "depth"), ("NeFL", "depth"), ("FedIN", "depth"),
-                                            ("InclusiveFL", "depth"), ("FedImpro", "depth")])
+@pytest.mark.parametrize("method, family", [("HeteroFL", "width"), ("FedRolex", "mlp"), ("FedFA", "depth"),
+                                            ("FlexiFed", "mlp"), ("NeFL", "depth"), ("FedIN", "depth"),
+                                            ("InclusiveFL", "depth"), ("FedImpro", "mlp")])
 def test_round_program_equals_the_host_loop_beyond_the_golden_methods(method, family):
-  host = resnet_simulation(method, family)
+  """HeteroFL's static BatchNorm, NeFL's own leaves, FedIN's two gradients and feature bank, FedImpro's shared
+  statistics: inside the program as on the host."""
+  host = two_group_simulation(method, family)
   assert host.round_program is None  # auto on CPU: the host loop
   assert_same_run(host, fused(host))
 
@@ -147,19 +152,13 @@ def launches_per_call(sim: Simulation, rounds: int = 3) -> int:
 
 def test_one_device_launch_per_call_whatever_the_groups_clients_and_steps():
   """The structure a GPU needs, counted on the CPU: the host loop launches programs per group, client and
-  step; the round program launches one per call of K rounds."""
-  small = dict(widths=(1.0,), clients_per_round=2)
-  large = dict(widths=(1.0, 0.5, 0.25), clients_per_round=6)
-  counts = {}
-  for name, setting in (("small", small), ("large", large)):
-    host = tiny_simulation("HeteroScaffold", "vmap", **setting)
-    counts[name] = launches_per_call(fused(host, rounds_per_call=3)), launches_per_call(host)
-  more_steps = tiny_simulation("HeteroScaffold", "vmap", **large)
-  more_steps = fused(more_steps, local=LocalConfig(epochs=4, batch_size=4, learning_rate=1e-2),
-                     method=build_method("HeteroScaffold", MethodOptions(),
-                                         LocalConfig(epochs=4, batch_size=4, learning_rate=1e-2)))
-  assert counts["small"][0] == counts["large"][0] == launches_per_call(more_steps) == 1, counts
-  assert counts["large"][1] > counts["small"][1] > 3 * 10, counts  # the host loop: dozens per round
+  step (dozens a round); the round program launches one per call of K rounds."""
+  small = tiny_simulation("HeteroScaffold", "vmap", widths=(1.0,), clients_per_round=2)
+  local = LocalConfig(epochs=4, batch_size=4, learning_rate=1e-2)  # 4x the steps
+  large = tiny_simulation("HeteroScaffold", "vmap", widths=(1.0, 0.5, 0.25), clients_per_round=6)
+  large = fused(large, local=local, method=build_method("HeteroScaffold", MethodOptions(), local))
+  assert launches_per_call(fused(small)) == launches_per_call(large) == 1
+  assert launches_per_call(small) > 3 * 10
 
 
 def test_clustered_sampling_runs_the_host_loop():
@@ -180,3 +179,40 @@ def test_fedgen_client_coefficients_traced_equal_the_host_schedule():
     host = TINY_FEDGEN.client_coefficients(round_index)
     traced = jax.jit(TINY_FEDGEN.client_coefficients)(jnp.int32(round_index))
     np.testing.assert_allclose(np.asarray(traced), np.asarray(host, np.float32), rtol=2e-5)  # float32 powers
+
+
+# ---------------------------------------------------------------------------------------------- the runner
+
+
+def runner_config(output_dir, **changes):
+  from tests.test_runner import base_config
+  return base_config(output_dir, round_program="fused", rounds_per_call=4, method="HeteroScaffold", **changes)
+
+
+def test_runner_resumes_the_round_program_bit_for_bit(tmp_path):
+  """Calls end at checkpoint rounds (every 2 here): 2 rounds, then a resume to 4, equal 4 rounds straight."""
+  from fedjax_hetero.runner import run_experiment
+  from tests.test_runner import quiet, read_rows, restore
+  dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
+  straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+  run_experiment(runner_config(straight), dataset, log=quiet)
+  run_experiment(runner_config(resumed, rounds=2), dataset, log=quiet)
+  logs = []
+  run_experiment(runner_config(resumed, resume=True), dataset, log=logs.append)
+  assert any("4 rounds per device program" in line for line in logs), logs
+  strip = lambda rows: [{k: v for k, v in r.items() if k not in ("round_seconds", "samples_per_s")} for r in rows]
+  assert strip(read_rows(straight)) == strip(read_rows(resumed))
+  assert [r["test_accuracy"] is not None for r in read_rows(straight)] == [False, True, False, True]
+  chex.assert_trees_all_equal(restore(runner_config(straight), dataset)[0], restore(runner_config(resumed), dataset)[0])
+
+
+def test_runner_stops_a_diverging_round_program_at_the_call_and_keeps_the_good_checkpoint(tmp_path):
+  from fedjax_hetero.guard import DivergenceError
+  from fedjax_hetero.runner import run_experiment
+  from tests.test_runner import quiet, read_rows
+  dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
+  good = runner_config(tmp_path, rounds=2, optimizer="sgd", learning_rate=0.05)
+  run_experiment(good, dataset, log=quiet)
+  with pytest.raises(DivergenceError, match=r"^round 3: training loss of group (mlp@1|mlp@0\.5) is nan"):
+    run_experiment(good.replace(rounds=4, resume=True, learning_rate=1e30), dataset, log=quiet)
+  assert [r["round"] for r in read_rows(tmp_path)] == [1, 2], "no row of the diverged call"

@@ -1,6 +1,7 @@
 """FL round throughput of each backend against the centralized limit, in one process.
 
-For one model and round config, each backend runs a FedAvg simulation with a
+For one model and round config, each backend (and each round program: the host
+loop, or one device program per call of rounds) runs a FedAvg simulation with a
 single architecture group: one warm-up round (compilation), then ``--rounds``
 timed rounds. Throughput is real training examples per second over the timed
 rounds; ``compile_s`` is the warm-up round's time minus the median timed round.
@@ -9,14 +10,15 @@ The centralized limit trains the same model with the same optimizer on the same
 number of samples per round, in ordinary mini-batches, with the same strategy: a
 jitted chunk of ``steps_per_call`` unrolled ``LocalTrainer.train_step`` calls
 gathering its batches from the device-resident uint8 images, a host loop over
-chunks. Its batches are always full (no partial or masked slot) and its samples
+chunks; and, since an accelerator prefers it, all steps as one device loop. Its batches are always full (no partial or masked slot) and its samples
 are drawn from ordinary epochs over the whole training set. It is the best of
 three batch sizes (the local batch, twice it, and the whole cohort's batch
-``clients_per_round * batch_size``), since no one size is fastest everywhere.
+``clients_per_round * batch_size``) in both loops, since no one configuration is fastest everywhere.
 
 Prints one JSON line per backend, e.g.::
 
   python -m benchmarks.throughput --backends auto,sequential,vmap
+  python -m benchmarks.throughput --backends vmap --round-programs host,fused   # on an accelerator
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from fedjax_hetero.config import RunConfig
 from fedjax_hetero.engine import Simulation
 from fedjax_hetero.runner import build_simulation
 
-REQUIRED_KEYS = ("backend", "fl_samples_per_s", "centralized_samples_per_s", "ratio", "compile_s", "model",
+REQUIRED_KEYS = ("backend", "round_program", "fl_samples_per_s", "centralized_samples_per_s", "ratio", "compile_s", "model",
                  "clients_per_round", "batch_size", "platform", "devices")
 
 
@@ -64,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--rounds", type=int, default=3, help="timed rounds (after one warm-up round)")
   p.add_argument("--backends", default="auto,sequential,vmap",
                  help=f"comma-separated backends out of {', '.join(BACKENDS)}")
+  p.add_argument("--round-programs", default="host",
+                 help="comma-separated round programs out of fused, host (each backend runs each)")
+  p.add_argument("--rounds-per-call", type=int, default=None, help="rounds per device program (fused)")
   p.add_argument("--steps-per-call", type=int, default=1, help="local steps unrolled in one jitted call")
   p.add_argument("--max-train-samples", type=int, default=None, help="class-balanced training subset")
   p.add_argument("--seed", type=int, default=0)
@@ -81,33 +86,40 @@ def _config(args: argparse.Namespace) -> RunConfig:
       max_test_samples=min(args.max_train_samples or 100, 100), progress=False)
 
 
-def measure_fl(sim: Simulation, backend_name: str, rounds: int) -> dict[str, Any]:
+def measure_fl(sim: Simulation, backend_name: str, rounds: int, round_program: str = "host",
+               rounds_per_call: int | None = None) -> dict[str, Any]:
   """One warm-up and ``rounds`` timed rounds of ``sim``'s groups on a fresh backend."""
   backend = make_backend(backend_name)
   # A fresh Simulation makes fresh trainers, so every backend compiles its own programs.
   fl = Simulation(sim.groups, sim.store, sim.local, sim.method, sim.config, backend, sim.test_images,
-                  sim.test_labels)
-  state = fl.init_state()
-  state, warm = fl.run_round(state, consume=True)
-  timed = []
-  for _ in range(rounds):
-    state, m = fl.run_round(state, consume=True)
-    timed.append(m)
+                  sim.test_labels, round_program=round_program, rounds_per_call=rounds_per_call)
+  state, (warm,) = fl.run_rounds(fl.init_state(), 1, consume=True)
+  state, timed = fl.run_rounds(state, rounds, consume=True)
   seconds = [m["round_seconds"] for m in timed]
   examples = sum(m["examples"] for m in timed)
   label = backend_name if backend_name != "auto" else f"auto->{backend.name}"
-  return {"backend": label, "fl_samples_per_s": examples / sum(seconds),
+  return {"backend": label, "round_program": round_program, "fl_samples_per_s": examples / sum(seconds),
           "compile_s": max(0.0, warm["round_seconds"] - statistics.median(seconds)),
           "examples_per_round": examples / rounds, "round_s": statistics.median(seconds),
           "warmup_round_s": warm["round_seconds"], "timed_round_s": seconds}
 
 
-def measure_centralized(sim: Simulation, samples_per_round: float, rounds: int, batch: int,
-                        seed: int = 0) -> dict[str, float]:
-  """Full batches of ``batch`` samples on the same data and model, with the same chunked strategy.
+def _centralized_batches(store, total_steps: int, batch: int, seed: int) -> jax.Array:
+  """Batch ids of ``total_steps`` steps of ordinary epochs: a fresh permutation of all samples after another."""
+  rng = np.random.default_rng(seed)
+  n = int(store.labels.shape[0])
+  epochs = math.ceil(total_steps * batch / n)
+  ids = np.concatenate([rng.permutation(n) for _ in range(epochs)])[:total_steps * batch]
+  return jnp.asarray(ids.reshape(total_steps, batch), jnp.int32)
 
-  Runs at least ``rounds * samples_per_round`` samples, in whole chunks of
-  ``steps_per_call`` steps, after one warm-up chunk; every batch slot is real.
+
+def measure_centralized(sim: Simulation, samples_per_round: float, rounds: int, batch: int, seed: int = 0,
+                        device_loop: bool = False) -> dict[str, float]:
+  """Full batches of ``batch`` samples on the same data and model: a host loop over jitted chunks of
+  ``steps_per_call`` unrolled steps (the backends' strategy), or all steps as one device loop.
+
+  Runs at least ``rounds * samples_per_round`` samples, in whole chunks, after one warm-up chunk (the device
+  loop: after one warm-up run of the same program); every batch slot is real.
   """
   store, local = sim.store, sim.local
   config = dataclasses.replace(local, batch_size=batch)
@@ -115,30 +127,35 @@ def measure_centralized(sim: Simulation, samples_per_round: float, rounds: int, 
   k = config.steps_per_call
   chunks = max(1, math.ceil(rounds * samples_per_round / (batch * k)))
   total_steps = (chunks + 1) * k  # one warm-up chunk first
-  # Ordinary epochs: a fresh permutation of all training samples, one after another.
-  rng = np.random.default_rng(seed)
-  n = int(store.labels.shape[0])
-  epochs = math.ceil(total_steps * batch / n)
-  ids = np.concatenate([rng.permutation(n) for _ in range(epochs)])[:total_steps * batch]
-  ids = jnp.asarray(ids.reshape(total_steps, batch), jnp.int32)
-
+  ids = _centralized_batches(store, total_steps, batch, seed)
   full = jnp.ones((batch,), bool)
+  step = lambda state, images, labels, row: trainer.train_step(state, images[row], labels[row], full)
 
   @functools.partial(jax.jit, donate_argnums=0)
   def run_chunk(state, images, labels, ids, chunk):
     ids = jax.lax.dynamic_slice_in_dim(ids, chunk * k, k)
     for i in range(k):  # unrolled, as the backends' chunks
-      state = trainer.train_step(state, images[ids[i]], labels[ids[i]], full)
+      state = step(state, images, labels, ids[i])
     return state
 
-  # Jitted so the state's leaves are distinct buffers (init_state reuses one zero; run_chunk donates).
-  state = jax.jit(trainer.init_state)(sim.init_state().models[0])
+  @functools.partial(jax.jit, donate_argnums=0)
+  def run_loop(state, images, labels, ids):
+    return jax.lax.fori_loop(k, total_steps, lambda i, s: step(s, images, labels, ids[i]), state)
+
+  # Jitted so the state's leaves are distinct buffers (init_state reuses one zero; the programs donate).
+  init = jax.jit(trainer.init_state)
+  state = init(sim.init_state().models[0])
   t0 = time.perf_counter()
   state = jax.block_until_ready(run_chunk(state, store.images, store.labels, ids, 0))
   warm_s = time.perf_counter() - t0
+  if device_loop:
+    jax.block_until_ready(run_loop(init(sim.init_state().models[0]), store.images, store.labels, ids))
   t0 = time.perf_counter()
-  for i in range(1, chunks + 1):
-    state = run_chunk(state, store.images, store.labels, ids, i)
+  if device_loop:
+    state = run_loop(state, store.images, store.labels, ids)
+  else:
+    for i in range(1, chunks + 1):
+      state = run_chunk(state, store.images, store.labels, ids, i)
   jax.block_until_ready(state)
   seconds = time.perf_counter() - t0
   processed = chunks * k * batch
@@ -147,21 +164,24 @@ def measure_centralized(sim: Simulation, samples_per_round: float, rounds: int, 
     raise RuntimeError(f"centralized run saw {seen} examples, expected {(chunks + 1) * k * batch}")
   step_s = seconds / (chunks * k)
   return {"centralized_samples_per_s": processed / seconds, "centralized_compile_s": max(0.0, warm_s - k * step_s),
-          "centralized_batch": batch}
+          "centralized_batch": batch, "centralized_loop": "device" if device_loop else "host"}
 
 
 def centralized_limit(sim: Simulation, samples_per_round: float, rounds: int, seed: int = 0) -> dict[str, Any]:
-  """The fastest centralized configuration: the local batch, twice it, and the whole cohort's batch.
+  """The fastest centralized configuration: the local batch, twice it and the whole cohort's batch, each in a
+  host loop of chunks and in one device loop.
 
-  No batch size is the fastest everywhere (on XLA:CPU a batch of 640 is slower than one of 64), so
-  the limit the FL loop is measured against is the best of them; every one is reported.
+  No configuration is the fastest everywhere (on XLA:CPU a batch of 640 is slower than one of 64, and a device
+  loop over convolutions is slow), so the limit the FL loop is measured against is the best of them; every one
+  is reported.
   """
   local = sim.local.batch_size
   batches = sorted({local, 2 * local, sim.config.clients_per_round * local})
-  tried = [measure_centralized(sim, samples_per_round, rounds, b, seed) for b in batches]
+  tried = [measure_centralized(sim, samples_per_round, rounds, b, seed, loop) for b in batches for loop in (False, True)]
   best = max(tried, key=lambda t: t["centralized_samples_per_s"])
   # String keys, so that the row survives a JSON round trip unchanged.
-  return {**best, "centralized_by_batch": {str(t["centralized_batch"]): t["centralized_samples_per_s"] for t in tried}}
+  return {**best, "centralized_by_batch": {f"{t['centralized_batch']}/{t['centralized_loop']}":
+                                           t["centralized_samples_per_s"] for t in tried}}
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
@@ -182,12 +202,16 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   context = {"model": args.model, "clients_per_round": args.clients_per_round, "batch_size": args.batch_size,
              "steps_per_call": args.steps_per_call, "epochs": args.epochs, "dataset": args.dataset,
              "platform": jax.default_backend(), "devices": jax.device_count()}
+  programs = [p.strip().lower() for p in args.round_programs.split(",") if p.strip()]
+  if not programs or set(programs) - {"fused", "host"}:
+    raise SystemExit(f"error: --round-programs takes fused and/or host, got {args.round_programs!r}")
   fl_results = []
   for name in names:
-    result = measure_fl(sim, name, args.rounds)
-    log(f"{result['backend']}: {result['fl_samples_per_s']:.0f} samples/s, "
-        f"{result['round_s']:.3f} s/round, compile {result['compile_s']:.1f} s")
-    fl_results.append(result)
+    for program in programs:
+      result = measure_fl(sim, name, args.rounds, program, args.rounds_per_call)
+      log(f"{result['backend']} ({program}): {result['fl_samples_per_s']:.0f} samples/s, "
+          f"{result['round_s']:.3f} s/round, compile {result['compile_s']:.1f} s")
+      fl_results.append(result)
   # One centralized measurement, shared by every backend's line.
   samples_per_round = max(r["examples_per_round"] for r in fl_results)
   central = centralized_limit(sim, samples_per_round, args.rounds, args.seed)

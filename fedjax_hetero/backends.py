@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +37,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from fedjax_hetero import distributed
 from fedjax_hetero.client import cohort
 from fedjax_hetero.client.backdoor import AttackInput, padded_inputs
-from fedjax_hetero.client.cohort import (GroupResult, by_reduction, empty_group_result, empty_result, pad_rows,
-                                         split_uploads)
+from fedjax_hetero.client.cohort import (GroupResult, by_reduction, empty_group_result, empty_result,  # (re-exported)
+                                         pad_rows, split_uploads)
 from fedjax_hetero.client.local import ClientOutput, LocalState, LocalTrainer
 from fedjax_hetero.compilation import program_cache
 from fedjax_hetero.data.store import FederatedStore

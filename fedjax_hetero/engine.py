@@ -13,11 +13,9 @@ all groups (layer-wise averaging). See docs/architecture.md.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import numbers
-import time
-from typing import Any, Collection, NamedTuple, Sequence
+from typing import Any, Collection, Sequence
 
 import flax.linen as nn
 import jax
@@ -25,20 +23,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_hetero import dissimilarity
-from fedjax_hetero.backends import Backend, copy_tree, empty_group_result
+from fedjax_hetero.backends import Backend, copy_tree
 from fedjax_hetero.client import backdoor
 from fedjax_hetero.client.local import LocalConfig, LocalTrainer
-from fedjax_hetero.compilation import mapping_headroom
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.evaluation import EVAL_BATCH, correct_predictions
 from fedjax_hetero.hetero.maps import SubmodelMap, Variables, complete, extract, identity_map, pick_global, separate
 from fedjax_hetero.methods.api import Method
 from fedjax_hetero.models import parameter_split, resolve_cut
 from fedjax_hetero import round_program
+from fedjax_hetero.host_round import HostLoop
+from fedjax_hetero.state import ServerState, round_key, server_key  # (re-exported)
 from fedjax_hetero.round_program import RoundProgram
-from fedjax_hetero.round_rows import NonFiniteLossError, accuracies, group_loss, host_metrics, merge, round_row
+from fedjax_hetero.round_rows import NonFiniteLossError, accuracies  # (NonFiniteLossError re-exported)
 from fedjax_hetero.sampling.samplers import WEIGHTINGS, Participants, SamplingInfo
-from fedjax_hetero.server.steps import Federation, Plan, server_program
+from fedjax_hetero.server.steps import Federation, server_program
 from fedjax_hetero.validation import SEED_MAX, check_choice, check_integer, check_number, cli_flag
 
 
@@ -94,26 +93,8 @@ class FederationConfig:
                        f"got {draw}")
 
 
-def round_key(seed: int, round_index: int) -> jax.Array:
-  """The round's randomness; client c trains with ``fold_in(round_key, c)``."""
-  return jax.random.fold_in(jax.random.key(seed), round_index)
-
-
-def server_key(seed: int, round_index: int, num_clients: int, stream: int) -> jax.Array:
-  """Server-side randomness of a round; no client shares it (client ids are < num_clients)."""
-  return jax.random.fold_in(round_key(seed, round_index), num_clients + stream)
-
-
 ROUND_PROGRAMS = ("auto", "fused", "host")
 AUTO_ROUNDS_PER_CALL = 25  # the runner also ends a call at every checkpoint and at the last round
-
-
-class ServerState(NamedTuple):
-  round: int  # rounds completed
-  models: tuple[Variables, ...]  # one per federation (stacked sharing: one model per cohort slot)
-  steps: tuple[tuple[Any, ...], ...] = ()  # per federation: every server step's state
-  sampler: Any = ()  # the sampler's state
-  memory: tuple[dict[str, Any], ...] = ()  # per group: its clients' memory by term name, stacked over clients
 
 
 def _federations(groups: Sequence[ArchGroup], shapes: Sequence[Variables], maps: Sequence[SubmodelMap],
@@ -210,9 +191,8 @@ class Simulation:
     # Shapes only: runs every step's and the sampler's checks (e.g. InCo's layer pairs) before any compute;
     # also the template a checkpoint is restored into.
     self.state_shapes = jax.eval_shape(self.init_state)
-    self._compiled = False  # see run_round and _compile_every_federation
+    self.host_loop = HostLoop(self)
     self.round_program = self._round_program(round_program, rounds_per_call)
-    self._empty_results: dict[int, Any] = {}
 
   def init_state(self) -> ServerState:
     """Every federation starts from one initialization of the largest model."""
@@ -314,116 +294,23 @@ class Simulation:
     return state, rows
 
   def run_round(self, state: ServerState, *, consume: bool = False) -> tuple[ServerState, dict[str, Any]]:
-    """One round; returns the new state and host-side metrics for it.
+    """One round on the host loop (`fedjax_hetero.host_round`); returns the new state and its metrics row.
 
     With ``consume`` the round may update ``state``'s per-client memory in place (its buffers are
     donated), so ``state`` must not be used again; a loop that only keeps the new state should pass it.
     Without it the memory is copied first, a cost that grows with the total number of clients
     (SCAFFOLD's control variates, MOON's previous models), not with the round's work."""
-    t0 = time.perf_counter()
-    r, seed = state.round, self.config.seed
-    key = round_key(seed, r)
-    chosen, cohorts, weights = self.cohorts_of_round(state.sampler, r)
-    starts = [self.start_variables(state, gi) for gi in range(len(self.groups))]
-    shares = [self.group_share(state, gi) for gi in range(len(self.groups))]
-
-    def train(gi: int):
-      cohort, group_weights = cohorts[gi], weights[gi]
-      if len(cohort) == 0:
-        if self._compiled:
-          return None
-        # This object's first round: the group trains one client, result dropped, so that its programs
-        # compile now rather than in the first round that samples it.
-        cohort, group_weights = self.groups[gi].clients[:1], np.ones(1)
-      group_memory = state.memory[gi]
-      if group_memory and not (consume and len(cohorts[gi])):  # (a compile-only result is dropped: keep it)
-        group_memory = copy_tree(group_memory)
-      return self.backend.train(self.trainers[gi], starts[gi], self.store, cohort, group_weights, key,
-                                memory=group_memory, rows=self.row_of_client[cohort], server=shares[gi],
-                                per_client_start=self.method.sharing.stacked, capacity=self.stack_size(gi),
-                                attack=None if self.attack_table is None else backdoor.cohort_inputs(self.attack_table, cohort))
-
-    # In the first round the groups compile side by side (XLA compiles on one core), except in a multi-process
-    # run: there every process must launch the programs, whose collectives pair up across processes, in one order.
-    if not self._compiled:
-      mapping_headroom()
-    if self._compiled or jax.process_count() > 1:
-      trained = [train(gi) for gi in range(len(self.groups))]
-    else:
-      with concurrent.futures.ThreadPoolExecutor(len(self.groups)) as pool:
-        trained = list(pool.map(train, range(len(self.groups))))
-    if not self._compiled:
-      self._compile_every_federation(state, starts, shares, cohorts)
-    memory, results = list(state.memory), []
-    losses: dict[str, float] = {}
-    dissimilarities: dict[str, dict[str, float]] = {}
-    examples = 0.0
-    for gi, (group, result) in enumerate(zip(self.groups, trained)):
-      if self.dissimilarity_programs and result is not None:  # (a first round's dropped result compiles it too)
-        spread = self.dissimilarity_programs[gi](result.delta_sum, result.weight_sum, result.uploads[dissimilarity.NAME])
-      if len(cohorts[gi]) == 0:
-        results.append(None)
-        continue
-      memory[gi] = result.memory
-      losses[group.name] = group_loss(r, group.name, result.loss_sum, result.num_examples)
-      if self.dissimilarity_programs:
-        dissimilarities[group.name] = host_metrics(spread)
-      examples += float(result.num_examples)
-      results.append(result._replace(memory={}))
-    models, steps = list(state.models), list(state.steps)
-    metrics: dict[str, Any] = {}
-    for f in self.federations:
-      if any(results[g] is not None for g in f.members):
-        models[f.index], steps[f.index], federation_metrics = self.aggregate(f.index, state, starts, shares,
-                                                                            results, cohorts)
-        merge(metrics, federation_metrics)
-    sampler_state = state.sampler
-    if self.method.sampler.observe:
-      for gi, result in enumerate(results):
-        if result is not None:
-          sampler_state = self.method.sampler.observe(sampler_state, cohorts[gi],
-                                                      result.uploads[self.method.sampler.name], self.sampling)
-    jax.block_until_ready((models, steps, sampler_state))
-    metrics = round_row(r, losses, chosen.draws, examples, time.perf_counter() - t0, metrics, dissimilarities)
-    return ServerState(r + 1, tuple(models), tuple(steps), sampler_state, tuple(memory)), metrics
+    return self.host_loop.run_round(state, consume)
 
   def _dissimilarity_program(self, model: nn.Module, cut: str | None):
     low, high = parameter_split(model, self._sample_input, resolve_cut(model, cut))
     return jax.jit(lambda delta_sum, weight_sum, norms: dissimilarity.gradient_dissimilarity(
         delta_sum, weight_sum, norms, {"low": low, "high": high}))
 
-  def _compile_every_federation(self, state: ServerState, starts: Sequence[Variables], shares: Sequence[Any],
-                                cohorts: Sequence[np.ndarray]) -> None:
-    """In this object's first round, runs (and drops) the server program of every federation the round
-    leaves out, and keeps every group's empty result (the stand-in for a group with no client in a
-    round), so that no later round compiles."""
-    for gi in range(len(self.groups)):
-      self._empty_result(gi, starts[gi], shares[gi], state)
-    no_results = [None] * len(self.groups)
-    for f in self.federations:
-      if not any(len(cohorts[g]) for g in f.members):
-        jax.block_until_ready(self.aggregate(f.index, state, starts, shares, no_results, cohorts)[:2])
-    self._compiled = True
-
   def aggregate(self, federation: int, state: ServerState, starts: Sequence[Variables], shares: Sequence[Any],
                 results: Sequence[Any], cohorts: Sequence[np.ndarray]) -> tuple[Variables, tuple[Any, ...], dict]:
-    """The server pipeline of one federation on the round's group results (None: nobody of that group
-    was sampled; per group as in `run_round`): its new model, step states and host metrics."""
-    f, r = self.federations[federation], state.round
-    plans = [s.plan(r) if s.plan else Plan() for s in self.method.server]
-    filled = tuple(results[g] or self._empty_result(g, starts[g], shares[g], state) for g in f.members)
-    sizes = [self.stack_size(g) for g in f.members]
-    valid = tuple(np.arange(n) < len(cohorts[g]) for g, n in zip(f.members, sizes))
-    ids = tuple(np.concatenate([cohorts[g], np.full(n - len(cohorts[g]), self.store.num_clients)])
-                for g, n in zip(f.members, sizes))
-    model, steps, metrics = self.server_programs[federation](
-        state.models[federation], state.steps[federation], tuple(starts[g] for g in f.members), filled, valid, ids, r,
-        server_key(self.config.seed, r, self.store.num_clients, federation), tuple(p.inputs for p in plans),
-        statics=tuple(p.static for p in plans))
-    metrics = host_metrics(metrics)
-    for p in plans:
-      metrics.update(p.log)
-    return model, steps, metrics
+    """The host loop's server program of one federation (`host_round.HostLoop.aggregate`)."""
+    return self.host_loop.aggregate(federation, state, starts, shares, results, cohorts)
 
   def groups_of_round(self, round_index: int) -> np.ndarray:
     """Every client's architecture group in round ``round_index``."""
@@ -434,17 +321,6 @@ class Simulation:
 
   def stack_size(self, group: int) -> int:
     return self.federations[self.federation_of[group]].stack_sizes[self.member_of[group]]
-
-  def _empty_result(self, group: int, start: Variables, share: dict[str, Any], state: ServerState):
-    """Zeros shaped as the group's result, made once (made again, they would compile in a later round)."""
-    if group not in self._empty_results:
-      # Shapes only: the round that calls this may have consumed the state's memory.
-      row = (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.memory[group])
-             if state.memory and state.memory[group] else {})
-      # Placed as the backend places real results, so the server program sees one input placement every round.
-      self._empty_results[group] = self.backend.place(empty_group_result(self.trainers[group], start, row, share,
-                                                                         self.stack_size(group)))
-    return self._empty_results[group]
 
   def evaluate(self, state: ServerState, batch_size: int = EVAL_BATCH) -> dict[str, float]:
     """Test accuracy of every group's model, and their mean under ``"mean"``.

@@ -36,9 +36,10 @@ from fedjax_hetero.dissimilarity import NAME as DISSIMILARITY
 from fedjax_hetero.evaluation import EVAL_BATCH, count_correct
 from fedjax_hetero.round_rows import accuracies, group_loss, host_metrics, merge, round_row
 from fedjax_hetero.server.steps import Plan, run_server_steps
+from fedjax_hetero.state import ServerState, round_key, server_key
 
 if TYPE_CHECKING:
-  from fedjax_hetero.engine import ServerState, Simulation
+  from fedjax_hetero.engine import Simulation
 
 
 class GroupRounds(NamedTuple):
@@ -148,7 +149,7 @@ class RoundProgram:
                        stack("real", np.float32), stack("rows", np.int32), stack("slots", np.int32),
                        stack("server_ids", np.int32), np.asarray(fields["count"], np.int32), attack)
 
-  def call_inputs(self, state: "ServerState", count: int, evaluate: Collection[int]):
+  def call_inputs(self, state: ServerState, count: int, evaluate: Collection[int]):
     """The inputs of a call of ``count`` rounds from ``state`` (rounds in ``evaluate``, 1-based, are evaluated),
     with what the host keeps: each round's draws, plans and the call's static plan."""
     sim, rounds = self.sim, [state.round + i for i in range(count)]
@@ -170,8 +171,6 @@ class RoundProgram:
 
   def _round(self, statics, carry, x: CallInputs, data) -> tuple[Any, RoundOutputs]:
     """One round (``x`` holds its slice of the call's inputs)."""
-    from fedjax_hetero.engine import ServerState, round_key, server_key
-
     sim, method = self.sim, self.sim.method
     models, step_states, memory = (list(part) for part in carry)
     images, labels, index_table, test_images, test_labels = data
@@ -223,7 +222,7 @@ class RoundProgram:
                            correct)
     return (tuple(models), tuple(step_states), tuple(memory)), outputs
 
-  def _correct(self, state: "ServerState", test_images: jax.Array, test_labels: jax.Array) -> jax.Array:
+  def _correct(self, state: ServerState, test_images: jax.Array, test_labels: jax.Array) -> jax.Array:
     sim = self.sim
     return jnp.stack([count_correct(g.model, sim.evaluated_variables(sim.group_variables(state, i), i), test_images,
                                     test_labels, sim.store.mean, sim.store.std, self.eval_batch)
@@ -253,10 +252,8 @@ class RoundProgram:
 
     return jax.jit(call, donate_argnums=0)
 
-  def run(self, state: "ServerState", count: int, evaluate: Collection[int]) -> tuple["ServerState", list[dict]]:
+  def run(self, state: ServerState, count: int, evaluate: Collection[int]) -> tuple[ServerState, list[dict]]:
     """``count`` rounds from ``state`` in one call (its buffers are donated); the new state and the rows."""
-    from fedjax_hetero.engine import ServerState
-
     sim = self.sim
     t0 = time.perf_counter()
     inputs, drawn, plans, statics = self.call_inputs(state, count, evaluate)

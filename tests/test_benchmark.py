@@ -17,16 +17,18 @@ NUMERIC_KEYS = ("fl_samples_per_s", "centralized_samples_per_s", "ratio", "compi
 def test_throughput_prints_one_json_line_per_backend(capsys, tmp_path):
   output = tmp_path / "throughput.jsonl"
   argv = ["--dataset", "synthetic", "--model", "mlp", "--num-clients", "4", "--clients-per-round", "2",
-          "--rounds", "1", "--backends", "auto,sequential,vmap", "--steps-per-call", "2",
-          "--output", str(output)]
+          "--rounds", "2", "--backends", "auto,sequential,vmap", "--round-programs", "host,fused",
+          "--rounds-per-call", "2", "--steps-per-call", "2", "--output", str(output)]
   rows = throughput.main(argv)
   lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
-  assert len(lines) == 3
+  assert len(lines) == 6
   parsed = [json.loads(line) for line in lines]
   assert parsed == rows
   assert [json.loads(line) for line in output.read_text().splitlines()] == parsed
   assert parsed[0]["backend"].startswith("auto->")
-  assert [p["backend"] for p in parsed[1:]] == ["sequential", "vmap"]
+  assert [(p["backend"], p["round_program"]) for p in parsed[2:]] == [
+      ("sequential", "host"), ("sequential", "fused"), ("vmap", "host"), ("vmap", "fused")]
+  assert set(parsed[0]["centralized_by_batch"]) == {f"{b}/{loop}" for b in (64, 128) for loop in ("host", "device")}
   for row in parsed:
     assert set(throughput.REQUIRED_KEYS) <= row.keys()
     for key in NUMERIC_KEYS:

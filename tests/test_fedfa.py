@@ -286,7 +286,7 @@ def test_fedfa_grafting_feeds_the_shallow_clients_into_deeper_blocks(resnet_fedf
   # row is 0, so alpha = 1 and the kernels come through the fallback part, unscaled.
   results = []
   for g, (start, value, weight) in enumerate(zip(starts, (1.0, 15.0), (1.0, 3.0))):
-    empty = sim._empty_result(g, start, {}, state)
+    empty = sim.host_loop.empty_result(g, start, {}, state)
     sums = jax.tree.map(lambda x, v=value: jnp.full_like(x, v), start)
     uploaded = jax.tree.map(lambda d, x, w=weight: d + w * x, sums, start)
     uploads = {**empty.uploads, "fedfa": {"scaled": aggregators.fedfa.kernels(jax.tree.map(jnp.zeros_like, start)),

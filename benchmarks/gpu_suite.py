@@ -1,0 +1,242 @@
+"""The accelerator suite: every speed target of the round program measured in one run, printed as one table.
+
+    bash benchmarks/gpu_suite.sh [OUT_DIR]          # on one GPU, about 8 minutes
+    python -m benchmarks.gpu_suite --smoke OUT_DIR  # the same steps at toy size, to check the script on a CPU
+
+Steps (each a subprocess, so each whole-process time is real; a step that fails or would pass the time budget
+is reported as such, never dropped silently):
+
+1. the peer workload (`benchmarks.peer_torch`: HeteroAvg, ResNet10...26, 100 clients, 10 per round, one epoch
+   of Adam at batch 64) at widths 0.25 and 1: the PyTorch loop and our round program side by side, then our
+   host loop alone;
+2. FedAvg throughput against the centralized limit (`benchmarks.throughput`, the CNN, vmap backend, both
+   round programs);
+3. the demo (``python -m experiments.fmnist`` with its defaults), whole-process wall time;
+4. the InCo preset's full protocol at the paper's widths (500 rounds of 5 local epochs) for as long as the
+   budget allows, with the whole run's projected time;
+5. if time is left: the first round at width 1 with ``--xla_gpu_autotune_level=0``, and the client mappings
+   (`benchmarks.client_mapping`) at 2, 10 and 50 clients.
+
+Writes every step's JSON lines and logs into OUT_DIR and the table to OUT_DIR/table.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INCO = "resnet10@{w},resnet14@{w},resnet18@{w},resnet22@{w},resnet26@{w}"
+SMOKE_GROUPS = "resnet10@0.125,resnet14@0.125"  # --smoke: two small groups, so that a CPU gets through
+SMOKE_SLOWER = 4  # --smoke: step time limits multiplied by this (a CPU compiles ResNets' device loops slowly)
+TARGETS = {"peer@0.25": 25.0, "peer@1": 10.0, "first_round_s": 15.0, "throughput": 0.6, "demo_s": 12.0,
+           "inco_projected_min": 5.0}
+
+
+class Suite:
+  def __init__(self, out: str, budget_s: float, smoke: bool):
+    self.out, self.budget_s, self.smoke, self.start = out, budget_s, smoke, time.perf_counter()
+    self.notes: list[str] = []
+
+  def left(self) -> float:
+    return self.budget_s - (time.perf_counter() - self.start)
+
+  def run(self, name: str, argv: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Runs ``argv`` (logs to OUT/name.log); its exit status (124 on timeout) and stdout."""
+    timeout = max(1.0, min(timeout * (SMOKE_SLOWER if self.smoke else 1), self.left()))
+    t0 = time.perf_counter()
+    with open(os.path.join(self.out, f"{name}.log"), "w") as log:
+      try:
+        done = subprocess.run(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, timeout=timeout,
+                              env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
+        status, stdout = done.returncode, done.stdout
+      except subprocess.TimeoutExpired as e:
+        status, stdout = 124, (e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or "")
+    print(f"[suite] {name}: exit {status} after {time.perf_counter() - t0:.0f} s ({self.left():.0f} s left)",
+          file=sys.stderr, flush=True)
+    with open(os.path.join(self.out, f"{name}.jsonl"), "w") as f:
+      f.write(stdout)
+    if status:
+      self.notes.append(f"{name}: exit {status}" + (" (time budget)" if status == 124 else "") + f", see {name}.log")
+    return status, stdout
+
+
+def json_rows(stdout: str) -> list[dict[str, Any]]:
+  return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def peer(suite: Suite, width: str) -> dict[str, Any]:
+  size = (["--num-clients", "8", "--clients-per-round", "4", "--rounds", "3", "--max-train-samples", "2000",
+           "--eval-samples", "200"] if suite.smoke else ["--num-clients", "100", "--clients-per-round", "10",
+                                                           "--rounds", "8"])
+  device = "cpu" if suite.smoke else "cuda"
+  groups = SMOKE_GROUPS if suite.smoke else INCO.format(w=width)
+  base = [sys.executable, "-m", "benchmarks.peer_torch", "--groups", groups, "--device", device, *size]
+  _, both = suite.run(f"peer_{width}_fused", [*base, "--round-program", "fused"], 240)
+  _, host = suite.run(f"peer_{width}_host", [*base, "--sides", "jax", "--round-program", "host"], 150)
+  rows, host_rows = json_rows(both), json_rows(host)
+  side = lambda rs, s: next((r for r in rs if r.get("side") == s), {})
+  return {"fused": side(rows, "jax"), "torch": side(rows, "torch"), "host": side(host_rows, "jax")}
+
+
+def throughput(suite: Suite) -> list[dict[str, Any]]:
+  size = ["--num-clients", "8", "--clients-per-round", "4", "--max-train-samples", "2000"] if suite.smoke else []
+  _, out = suite.run("throughput", [sys.executable, "-m", "benchmarks.throughput", "--backends", "vmap",
+                                    "--round-programs", "host,fused", "--rounds", "3", *size], 150)
+  return json_rows(out)
+
+
+def demo(suite: Suite) -> dict[str, Any]:
+  size = ["--rounds", "3", "--num-clients", "8", "--clients-per-round", "4", "--max-train-samples", "2000",
+          "--max-test-samples", "500"] if suite.smoke else []
+  out = os.path.join(suite.out, "demo_run")
+  t0 = time.perf_counter()
+  status, _ = suite.run("demo", [sys.executable, "-m", "experiments.fmnist", "--round-program", "fused",
+                                 "--output-dir", out, "--overwrite", "--no-progress", *size], 120)
+  wall = time.perf_counter() - t0
+  summary = _read_json(os.path.join(out, "summary.json"))
+  return {"wall_s": wall if status == 0 else None, "accuracy": (summary or {}).get("best_mean_accuracy")}
+
+
+def inco_protocol(suite: Suite, seconds: float) -> dict[str, Any]:
+  """The InCo preset at the paper's widths, stopped after ``seconds``; the whole run's projected wall time from
+  when its metrics rows appeared: the first call's (start-up and compilation included), then the wall time per
+  round of the later calls (evaluations and checkpoints included)."""
+  size = (["--groups", SMOKE_GROUPS, "--num-clients", "10", "--clients-per-round", "4", "--epochs", "1",
+           "--max-train-samples", "2000", "--max-test-samples", "500"] if suite.smoke else [])
+  out = os.path.join(suite.out, "inco_run")
+  metrics = os.path.join(out, "metrics.jsonl")
+  argv = [sys.executable, "-m", "experiments.fmnist", "--preset", "inco", "--round-program", "fused", "--output-dir",
+          out, "--overwrite", "--no-progress", *size]
+  seen: list[tuple[float, int]] = []  # (seconds since start, rows written) at every change
+  t0 = time.perf_counter()
+  with open(os.path.join(suite.out, "inco_protocol.log"), "w") as log:
+    process = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, "PYTHONPATH": ROOT})
+    limit = min(seconds * (SMOKE_SLOWER if suite.smoke else 1), suite.left())
+    while process.poll() is None and time.perf_counter() - t0 < limit:
+      time.sleep(0.5)
+      rows = len(_metrics(metrics)) if os.path.exists(metrics) else 0
+      if rows and (not seen or rows > seen[-1][1]):
+        seen.append((time.perf_counter() - t0, rows))
+    if process.poll() is None:
+      process.terminate()
+      process.wait()
+  rows = _metrics(metrics)
+  print(f"[suite] inco_protocol: {len(rows)} rounds in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+  if len(seen) < 2:
+    suite.notes.append(f"inco_protocol: {len(seen)} call(s) finished in the budget: no projection")
+    return {"rounds_done": len(rows), "projected_min": None}
+  (t_first, n_first), (t_last, n_last) = seen[0], seen[-1]
+  per_round = (t_last - t_first) / (n_last - n_first)
+  return {"rounds_done": len(rows), "first_call_s": t_first, "first_call_rounds": n_first,
+          "wall_s_per_round_after": per_round, "projected_min": (t_first + (500 - n_first) * per_round) / 60,
+          "accuracy_so_far": max((r["test_accuracy"]["mean"] for r in rows if r.get("test_accuracy")), default=None)}
+
+
+def extras(suite: Suite) -> dict[str, Any]:
+  found: dict[str, Any] = {}
+  if suite.left() > 100 and not suite.smoke:
+    _, out = suite.run("first_round_autotune0", [sys.executable, "-m", "benchmarks.peer_torch", "--groups",
+                                                 INCO.format(w=1), "--device", "cuda", "--sides", "jax", "--rounds",
+                                                 "2", "--round-program", "fused"], 90,
+                       env={"XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()})
+    found["first_round_s_autotune0"] = next((r["first_round_s"] for r in json_rows(out) if r.get("side")), None)
+  if suite.left() > 60:
+    model, clients = ("cnn@0.25", "2,4") if suite.smoke else ("resnet18@0.25", "2,10,50")
+    _, out = suite.run("client_mapping", [sys.executable, "-m", "benchmarks.client_mapping", "--models", model,
+                                          "--clients", clients, "--steps", "4" if suite.smoke else "20"], 120)
+    found["client_mapping"] = json_rows(out)
+  return found
+
+
+def _read_json(path: str) -> Any:
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
+def _metrics(path: str) -> list[dict[str, Any]]:
+  try:
+    with open(path) as f:
+      return [json.loads(line) for line in f if line.strip()]
+  except (OSError, ValueError):
+    return []
+
+
+def table(results: dict[str, Any], notes: list[str]) -> str:
+  def fmt(value: Any, digits: int = 1) -> str:
+    return "—" if value is None else f"{value:,.{digits}f}" if isinstance(value, float) else f"{value:,}"
+
+  def verdict(value: Any, target: float, at_most: bool = False) -> str:
+    if value is None:
+      return "not measured"
+    return "yes" if (value <= target if at_most else value >= target) else "no"
+
+  lines = ["| measure | ours (round program) | ours (host loop) | PyTorch loop | ratio or value | target | met |",
+           "|---|---|---|---|---|---|---|"]
+  for width in ("0.25", "1"):
+    p = results["peer"][width]
+    speed = lambda side: p[side].get("samples_per_s_after_first")
+    ratio = speed("fused") / speed("torch") if speed("fused") and speed("torch") else None
+    target = TARGETS[f"peer@{width}"]
+    lines.append(f"| peer workload @{width}, samples/s after round 1 | {fmt(speed('fused'), 0)} | "
+                 f"{fmt(speed('host'), 0)} | {fmt(speed('torch'), 0)} | {fmt(ratio)}x | >= {target:g}x | "
+                 f"{verdict(ratio, target)} |")
+    first = p["fused"].get("first_round_s")
+    lines.append(f"| peer workload @{width}, first round (s) | {fmt(first)} | {fmt(p['host'].get('first_round_s'))} | "
+                 f"{fmt(p['torch'].get('first_round_s'))} | {fmt(first)} s | <= {TARGETS['first_round_s']:g} s | "
+                 f"{verdict(first, TARGETS['first_round_s'], True)} |")
+  by_program = {r["round_program"]: r for r in results["throughput"]}
+  ratio = by_program.get("fused", {}).get("ratio")
+  lines.append(f"| FedAvg CNN throughput / centralized limit | {fmt(ratio, 2)} | "
+               f"{fmt(by_program.get('host', {}).get('ratio'), 2)} | — | {fmt(ratio, 2)} | >= 0.6 | "
+               f"{verdict(ratio, TARGETS['throughput'])} |")
+  d = results["demo"]
+  lines.append(f"| demo, whole process (s), best accuracy {fmt(d['accuracy'], 4)} | {fmt(d['wall_s'])} | — | — | "
+               f"{fmt(d['wall_s'])} s | <= 12 s | {verdict(d['wall_s'], TARGETS['demo_s'], True)} |")
+  inco = results["inco"]
+  lines.append(f"| InCo protocol (500 rounds x 5 epochs, widths 1), projected minutes ({inco['rounds_done']} rounds "
+               f"run) | {fmt(inco['projected_min'])} | — | — | {fmt(inco['projected_min'])} min | <= 5 min | "
+               f"{verdict(inco['projected_min'], TARGETS['inco_projected_min'], True)} |")
+  extra = results.get("extras", {})
+  if "first_round_s_autotune0" in extra:
+    lines.append(f"| first round @1 with --xla_gpu_autotune_level=0 (s) | {fmt(extra['first_round_s_autotune0'])} "
+                 "| — | — | — | — | — |")
+  for row in extra.get("client_mapping", []):
+    lines.append(f"| client mapping {row['model']}, {row['clients']} clients, {row['variant']}: ms/step "
+                 f"(of the batch limit) | {row['ms_per_step']} ({row['of_batch_limit']}) | — | — | — | — | — |")
+  return "\n".join(lines + [""] + [f"- {n}" for n in notes])
+
+
+def main(argv: list[str] | None = None) -> str:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("out", help="folder for the logs, JSON lines and table.md")
+  p.add_argument("--budget-s", type=float, default=470.0, help="the whole suite's time budget")
+  p.add_argument("--smoke", action="store_true", help="toy sizes on any platform (checks the script)")
+  args = p.parse_args(argv)
+  os.makedirs(args.out, exist_ok=True)
+  suite = Suite(args.out, args.budget_s, args.smoke)
+  results: dict[str, Any] = {"peer": {w: peer(suite, w) for w in ("0.25", "1")}}
+  results["throughput"] = throughput(suite)
+  results["demo"] = demo(suite)
+  results["inco"] = inco_protocol(suite, max(30.0, suite.left() - 150))
+  results["extras"] = extras(suite)
+  text = table(results, suite.notes)
+  with open(os.path.join(args.out, "table.md"), "w") as f:
+    f.write(text + "\n")
+  with open(os.path.join(args.out, "results.json"), "w") as f:
+    json.dump(results, f, indent=1)
+  print(text)
+  return text
+
+
+if __name__ == "__main__":
+  main()

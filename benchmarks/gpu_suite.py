@@ -14,8 +14,9 @@ is reported as such, never dropped silently):
 3. the demo (``python -m experiments.fmnist`` with its defaults), whole-process wall time;
 4. the InCo preset's full protocol at the paper's widths (500 rounds of 5 local epochs) for as long as the
    budget allows, with the whole run's projected time;
-5. if time is left: the first round at width 1 with ``--xla_gpu_autotune_level=0``, and the client mappings
-   (`benchmarks.client_mapping`) at 2, 10 and 50 clients.
+5. if time is left: the first round at width 1 with ``--xla_gpu_autotune_level=0``, the client mappings
+   (`benchmarks.client_mapping`) at 2, 10 and 50 clients, and the InCo depths stepping per group or as one
+   union of blocks (`benchmarks.depth_union`).
 
 Writes every step's JSON lines and logs into OUT_DIR and the table to OUT_DIR/table.md.
 """
@@ -152,6 +153,10 @@ def extras(suite: Suite) -> dict[str, Any]:
     _, out = suite.run("client_mapping", [sys.executable, "-m", "benchmarks.client_mapping", "--models", model,
                                           "--clients", clients, "--steps", "4" if suite.smoke else "20"], 120)
     found["client_mapping"] = json_rows(out)
+  if suite.left() > 60:
+    size = ["--width", "0.125", "--clients-per-group", "1", "--batch", "16", "--steps", "2"] if suite.smoke else []
+    _, out = suite.run("depth_union", [sys.executable, "-m", "benchmarks.depth_union", *size], 120)
+    found["depth_union"] = json_rows(out)
   return found
 
 
@@ -210,6 +215,9 @@ def table(results: dict[str, Any], notes: list[str]) -> str:
   if "first_round_s_autotune0" in extra:
     lines.append(f"| first round @1 with --xla_gpu_autotune_level=0 (s) | {fmt(extra['first_round_s_autotune0'])} "
                  "| — | — | — | — | — |")
+  for row in extra.get("depth_union", []):
+    lines.append(f"| InCo depths, {row['clients']} clients @{row['width']:g}, one step: {row['variant']} ms/step | "
+                 f"{row['ms_per_step']} | — | — | — | — | — |")
   for row in extra.get("client_mapping", []):
     lines.append(f"| client mapping {row['model']}, {row['clients']} clients, {row['variant']}: ms/step "
                  f"(of the batch limit) | {row['ms_per_step']} ({row['of_batch_limit']}) | — | — | — | — | — |")

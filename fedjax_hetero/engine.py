@@ -27,7 +27,7 @@ from fedjax_hetero.backends import Backend, copy_tree
 from fedjax_hetero.client import backdoor
 from fedjax_hetero.client.local import LocalConfig, LocalTrainer
 from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.evaluation import EVAL_BATCH, correct_predictions
+from fedjax_hetero.evaluation import ACCELERATOR_EVAL_BATCH, EVAL_BATCH, correct_predictions
 from fedjax_hetero.hetero.maps import SubmodelMap, Variables, complete, extract, identity_map, pick_global, separate
 from fedjax_hetero.methods.api import Method
 from fedjax_hetero.models import parameter_split, resolve_cut
@@ -267,7 +267,8 @@ class Simulation:
     if choice == "host" or why_not or (choice == "auto" and jax.default_backend() == "cpu"):
       return None
     mapping = "map" if self.backend.name == "sequential" else "vmap"
-    return RoundProgram(self, rounds_per_call or AUTO_ROUNDS_PER_CALL, mapping)
+    eval_batch = EVAL_BATCH if jax.default_backend() == "cpu" else ACCELERATOR_EVAL_BATCH
+    return RoundProgram(self, rounds_per_call or AUTO_ROUNDS_PER_CALL, mapping, eval_batch)
 
   def run_rounds(self, state: ServerState, count: int, *, evaluate: Collection[int] = (),
                  consume: bool = False) -> tuple[ServerState, list[dict[str, Any]]]:

@@ -16,6 +16,7 @@ from fedjax_hetero.hetero.maps import Variables
 # XLA:CPU runs the models' convolutions fastest on batches of about 64-200 (the demo's three CNNs
 # evaluate 10,000 images in 1.8 s at 200, 3.1 s at 1000); an accelerator barely notices the extra calls.
 EVAL_BATCH = 200
+ACCELERATOR_EVAL_BATCH = 1000  # the round program's in-program evaluation off the CPU: fewer, fuller steps
 
 
 def accuracy(model: nn.Module, variables: Variables, images: jax.Array, labels: jax.Array,

@@ -77,7 +77,8 @@ def tiny_federation(num_clients: int = TINY_NUM_CLIENTS) -> tuple[ArrayDataset, 
 
 def tiny_simulation(method, backend: str = "sequential", widths=(1.0,), clients_per_round: int = 3,
                     optimizer: str = "adam", hidden=(16,), data=None, weighting: str = "uniform",
-                    group_draw=(), track_dissimilarity: bool = False, **options) -> Simulation:
+                    group_draw=(), track_dissimilarity: bool = False, round_program: str = "auto",
+                    **options) -> Simulation:
   """A two-epoch simulation of MLP width groups on `tiny_federation` (or ``data``). ``method`` is a name
   (then ``options`` are its `MethodOptions`) or a `Method`."""
   ds, store = data or tiny_federation()
@@ -89,7 +90,7 @@ def tiny_simulation(method, backend: str = "sequential", widths=(1.0,), clients_
     method = build_method(method, MethodOptions(**options), local)
   config = FederationConfig(clients_per_round=clients_per_round, seed=0, weighting=weighting, group_draw=group_draw)
   return Simulation(groups, store, local, method, config, make_backend(backend), jnp.asarray(ds.test_images),
-                    jnp.asarray(ds.test_labels), track_dissimilarity=track_dissimilarity)
+                    jnp.asarray(ds.test_labels), track_dissimilarity=track_dissimilarity, round_program=round_program)
 
 
 def run_rounds(sim: Simulation, rounds: int = 2):

@@ -40,3 +40,14 @@ def test_fedavgm_without_momentum_is_fedavg():
   # Equal up to float rounding: XLA fuses w + delta and w - (-delta) differently (1-ulp differences).
   chex.assert_trees_all_close(zero[-1].models, plain[-1].models, rtol=1e-6, atol=1e-7)
   np.testing.assert_allclose([r["train_loss"] for r in zero_rows], [r["train_loss"] for r in plain_rows], rtol=1e-6)
+
+
+def test_fedavgm_runs_on_the_round_program():
+  """A method declared outside the library runs as one device program per call, as the host loop runs it."""
+  host = tiny_simulation(fedavgm(), "vmap", widths=(1.0,), clients_per_round=3)
+  program = tiny_simulation(fedavgm(), "vmap", widths=(1.0,), clients_per_round=3, round_program="fused")
+  host_state, host_rows = host.run_rounds(host.init_state(), 3, evaluate={3})
+  state, rows = program.run_rounds(program.init_state(), 3, evaluate={3})
+  chex.assert_trees_all_close(state.steps, host_state.steps, rtol=1e-5, atol=1e-7)  # the momentum buffer
+  np.testing.assert_allclose([r["train_loss"] for r in rows], [r["train_loss"] for r in host_rows], rtol=1e-5)
+  assert rows[-1]["test_accuracy"] == host_rows[-1]["test_accuracy"]

@@ -86,7 +86,8 @@ def peer(suite: Suite, width: str) -> dict[str, Any]:
 
 
 def throughput(suite: Suite) -> list[dict[str, Any]]:
-  size = ["--num-clients", "8", "--clients-per-round", "4", "--max-train-samples", "2000"] if suite.smoke else []
+  size = (["--model", "mlp", "--num-clients", "8", "--clients-per-round", "4", "--max-train-samples", "2000"]
+          if suite.smoke else [])
   _, out = suite.run("throughput", [sys.executable, "-m", "benchmarks.throughput", "--backends", "vmap",
                                     "--round-programs", "host,fused", "--rounds", "3", *size], 150)
   return json_rows(out)

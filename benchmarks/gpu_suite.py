@@ -177,7 +177,7 @@ def _metrics(path: str) -> list[dict[str, Any]]:
     return []
 
 
-def table(results: dict[str, Any], notes: list[str]) -> str:
+def table(results: dict[str, Any], notes: list[str], smoke: bool = False) -> str:
   def fmt(value: Any, digits: int = 1) -> str:
     return "—" if value is None else f"{value:,.{digits}f}" if isinstance(value, float) else f"{value:,}"
 
@@ -222,6 +222,8 @@ def table(results: dict[str, Any], notes: list[str]) -> str:
   for row in extra.get("client_mapping", []):
     lines.append(f"| client mapping {row['model']}, {row['clients']} clients, {row['variant']}: ms/step "
                  f"(of the batch limit) | {row['ms_per_step']} ({row['of_batch_limit']}) | — | — | — | — | — |")
+  if smoke:
+    lines.insert(0, "**--smoke: toy sizes (two ResNet groups @0.125, small subsets), not the targets' settings.**\n")
   return "\n".join(lines + [""] + [f"- {n}" for n in notes])
 
 
@@ -238,7 +240,7 @@ def main(argv: list[str] | None = None) -> str:
   results["demo"] = demo(suite)
   results["inco"] = inco_protocol(suite, max(30.0, suite.left() - 150))
   results["extras"] = extras(suite)
-  text = table(results, suite.notes)
+  text = table(results, suite.notes, args.smoke)
   with open(os.path.join(args.out, "table.md"), "w") as f:
     f.write(text + "\n")
   with open(os.path.join(args.out, "results.json"), "w") as f:

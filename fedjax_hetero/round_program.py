@@ -8,7 +8,9 @@ function of the server state, written as DrJAX writes a round:
   for each round of the call (a device loop):
     broadcast  every group's start variables and server share, from its federation's state;
     map        every group's cohort trains (`client.cohort`, clients vmapped or lax.mapped), all groups
-               stepping side by side in one device loop over the round's local steps;
+               stepping side by side in one device loop over the round's local steps (a group whose
+               clients are done skips the rest, so a round costs the sum of the groups' longest
+               clients' steps, not the groups times the longest);
     reduce     every federation's server steps (`server.steps.run_server_steps`) on its groups' sums;
     evaluate   in evaluation rounds, every group's test accuracy.
 
@@ -53,6 +55,7 @@ class GroupRounds(NamedTuple):
   slots: np.ndarray  # int32 [K, C]: stacked sharing: the model slot each client starts from (padding: 0)
   server_ids: np.ndarray  # int32 [K, C]: the ids the server steps see (padding: the number of clients)
   count: np.ndarray  # int32 [K]: sampled clients
+  steps: np.ndarray  # int32 [K]: local steps of the group's longest client
   attack: Any  # the cohort's backdoor inputs [K, C] (an empty tuple without the attack)
 
 
@@ -60,7 +63,7 @@ class CallInputs(NamedTuple):
   """What the host computes ahead for the K rounds of a call (rounds past the call's length repeat its last)."""
 
   rounds: np.ndarray  # int32 [K]: 0-based round index
-  steps: np.ndarray  # int32 [K]: local steps of the round's longest client
+  steps: np.ndarray  # int32 [K]: local steps of the round's longest client (of every group)
   evaluate: np.ndarray  # bool [K]: evaluate after the round
   groups: tuple[GroupRounds, ...]
   plans: tuple[Any, ...]  # every server step's plan inputs, stacked over the rounds
@@ -141,13 +144,15 @@ class RoundProgram:
       fields["slots"].append(np.concatenate([np.arange(len(clients)), np.zeros(pad, np.int64)]))
       fields["server_ids"].append(np.concatenate([clients, np.full(pad, sim.store.num_clients)]))
       fields["count"].append(len(clients))
+      fields["steps"].append(max([sim.local.num_steps(int(n)) for n in sim.store.sizes[clients]] or [0]))
       if sim.attack_table is not None:
         fields["attack"].append(padded_inputs(cohort_inputs(sim.attack_table, clients), capacity))
     stack = lambda name, dtype: np.stack(fields[name]).astype(dtype)
     attack = jax.tree.map(lambda *rows: np.stack(rows), *fields["attack"]) if fields["attack"] else ()
     return GroupRounds(stack("clients", np.int32), stack("sizes", np.int32), stack("weights", np.float32),
                        stack("real", np.float32), stack("rows", np.int32), stack("slots", np.int32),
-                       stack("server_ids", np.int32), np.asarray(fields["count"], np.int32), attack)
+                       stack("server_ids", np.int32), np.asarray(fields["count"], np.int32),
+                       np.asarray(fields["steps"], np.int32), attack)
 
   def call_inputs(self, state: ServerState, count: int, evaluate: Collection[int]):
     """The inputs of a call of ``count`` rounds from ``state`` (rounds in ``evaluate``, 1-based, are evaluated),
@@ -156,10 +161,9 @@ class RoundProgram:
     padded = rounds + [rounds[-1]] * (self.rounds_per_call - count)
     drawn = [sim.cohorts_of_round(state.sampler, r) for r in padded]
     plans = [self._plans(r) for r in padded]
-    steps = [max([sim.local.num_steps(int(n)) for c in cohorts for n in sim.store.sizes[c]] or [0])
-             for _, cohorts, _ in drawn]
     groups = tuple(self._group_rounds(g, [d[1][g] for d in drawn], [d[2][g] for d in drawn])
                    for g in range(len(sim.groups)))
+    steps = np.max([g.steps for g in groups], axis=0)
     plan_inputs = tuple(jax.tree.map(lambda *xs: np.stack(xs), *(p[s].inputs for p in plans))
                         for s in range(len(sim.method.server)))
     inputs = CallInputs(np.asarray(padded, np.int32), np.asarray(steps, np.int32),
@@ -188,8 +192,10 @@ class RoundProgram:
                                 mapping=self.mapping))
 
     def step(i, states):
-      return tuple(cohort.steps(t, s, images, labels, b[1], b[2], i, 1, self.mapping)
-                   for t, s, b in zip(sim.trainers, states, begun))
+      # A group whose clients are all done skips the step (it would be masked: the state stays as it is).
+      return tuple(jax.lax.cond(i < gx.steps, lambda s, t=t, b=b: cohort.steps(t, s, images, labels, b[1], b[2], i, 1,
+                                                                               self.mapping), lambda s: s, s)
+                   for t, s, b, gx in zip(sim.trainers, states, begun, x.groups))
 
     trained = jax.lax.fori_loop(0, x.steps, step, tuple(b[0] for b in begun))
     results, spreads = [], []

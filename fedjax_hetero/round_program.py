@@ -105,8 +105,6 @@ class RoundProgram:
   (`client.cohort.MAPPINGS`), ``eval_batch`` is the test batch of the in-program evaluation."""
 
   def __init__(self, sim: "Simulation", rounds_per_call: int, mapping: str = "vmap", eval_batch: int = EVAL_BATCH):
-    if rounds_per_call < 1:
-      raise ValueError(f"rounds_per_call must be >= 1, got {rounds_per_call}")
     self.sim, self.rounds_per_call, self.mapping, self.eval_batch = sim, rounds_per_call, mapping, eval_batch
     self.schedule_length = max(1, sim.local.num_steps(sim.store.max_size))
     self._programs: dict[tuple, Any] = {}
@@ -174,15 +172,40 @@ class RoundProgram:
   # ------------------------------------------------------------------------------------------- the program
 
   def _round(self, statics, carry, x: CallInputs, data) -> tuple[Any, RoundOutputs]:
-    """One round (``x`` holds its slice of the call's inputs)."""
-    sim, method = self.sim, self.sim.method
+    """One round (``x`` holds its slice of the call's inputs): broadcast, map, reduce, evaluate."""
+    sim = self.sim
     models, step_states, memory = (list(part) for part in carry)
     images, labels, index_table, test_images, test_labels = data
-    r, stacked = x.rounds, method.sharing.stacked
-    before = ServerState(r, tuple(models), tuple(step_states))
-    key = round_key(sim.config.seed, r)
+    before = ServerState(x.rounds, tuple(models), tuple(step_states))
     starts = [sim.start_variables(before, g) for g in range(len(sim.groups))]
     shares = [sim.group_share(before, g) for g in range(len(sim.groups))]
+    results, memory = self._train(x, starts, shares, memory, images, labels, index_table)
+    spreads = [program(res.delta_sum, res.weight_sum, res.uploads[DISSIMILARITY])
+               for program, res in zip(sim.dissimilarity_programs, results)]
+    server_metrics = []
+    for f in sim.federations:
+      trains = functools.reduce(jnp.logical_or, [x.groups[g].count > 0 for g in f.members])
+      model, new_states, metrics = run_server_steps(
+          sim.method.server, f, models[f.index], step_states[f.index], tuple(starts[g] for g in f.members),
+          tuple(results[g] for g in f.members), tuple(x.groups[g].real > 0 for g in f.members),
+          tuple(x.groups[g].server_ids for g in f.members), x.rounds,
+          server_key(sim.config.seed, x.rounds, sim.store.num_clients, f.index), x.plans, statics)
+      models[f.index] = _select(trains, model, models[f.index])
+      step_states[f.index] = _select(trains, new_states, step_states[f.index])
+      server_metrics.append(metrics)
+    after = ServerState(x.rounds + 1, tuple(models), tuple(step_states))
+    correct = jax.lax.cond(x.evaluate, lambda: self._correct(after, test_images, test_labels),
+                           lambda: jnp.zeros(len(sim.groups), jnp.int32))
+    outputs = RoundOutputs(jnp.stack([res.loss_sum for res in results]),
+                           jnp.stack([res.num_examples for res in results]), tuple(server_metrics), tuple(spreads),
+                           correct)
+    return (tuple(models), tuple(step_states), tuple(memory)), outputs
+
+  def _train(self, x: CallInputs, starts, shares, memory, images, labels, index_table):
+    """Every group's cohort trained (all groups in one device loop over the round's steps): the groups'
+    results, and their client memory with the cohort's rows written."""
+    sim, stacked = self.sim, self.sim.method.sharing.stacked
+    key = round_key(sim.config.seed, x.rounds)
     begun, client_starts, memory_rows = [], [], []
     for g, (trainer, gx) in enumerate(zip(sim.trainers, x.groups)):
       client_starts.append(jax.tree.map(lambda m: m[gx.slots], starts[g]) if stacked else starts[g])
@@ -198,7 +221,7 @@ class RoundProgram:
                    for t, s, b, gx in zip(sim.trainers, states, begun, x.groups))
 
     trained = jax.lax.fori_loop(0, x.steps, step, tuple(b[0] for b in begun))
-    results, spreads = [], []
+    results, memory = [], list(memory)
     for g, (trainer, gx) in enumerate(zip(sim.trainers, x.groups)):
       result, new_rows, stacked_uploads = cohort.reduce(trainer, trained[g], client_starts[g], memory_rows[g],
                                                         shares[g], gx.weights, gx.real, per_client_start=stacked,
@@ -206,27 +229,7 @@ class RoundProgram:
       if memory[g]:
         memory[g] = jax.tree.map(lambda m, new: m.at[gx.rows].set(new, mode="drop"), memory[g], new_rows)
       results.append(result._replace(uploads={**result.uploads, **_stacked_rows(stacked_uploads, gx.count)}))
-      if sim.dissimilarity_programs:
-        spreads.append(sim.dissimilarity_programs[g](result.delta_sum, result.weight_sum,
-                                                     result.uploads[DISSIMILARITY]))
-    server_metrics = []
-    for f in sim.federations:
-      trains = functools.reduce(jnp.logical_or, [x.groups[g].count > 0 for g in f.members])
-      model, new_states, metrics = run_server_steps(
-          method.server, f, models[f.index], step_states[f.index], tuple(starts[g] for g in f.members),
-          tuple(results[g] for g in f.members), tuple(x.groups[g].real > 0 for g in f.members),
-          tuple(x.groups[g].server_ids for g in f.members), r,
-          server_key(sim.config.seed, r, sim.store.num_clients, f.index), x.plans, statics)
-      models[f.index] = _select(trains, model, models[f.index])
-      step_states[f.index] = _select(trains, new_states, step_states[f.index])
-      server_metrics.append(metrics)
-    after = ServerState(r + 1, tuple(models), tuple(step_states))
-    correct = jax.lax.cond(x.evaluate, lambda: self._correct(after, test_images, test_labels),
-                           lambda: jnp.zeros(len(sim.groups), jnp.int32))
-    outputs = RoundOutputs(jnp.stack([res.loss_sum for res in results]),
-                           jnp.stack([res.num_examples for res in results]), tuple(server_metrics), tuple(spreads),
-                           correct)
-    return (tuple(models), tuple(step_states), tuple(memory)), outputs
+    return results, memory
 
   def _correct(self, state: ServerState, test_images: jax.Array, test_labels: jax.Array) -> jax.Array:
     sim = self.sim

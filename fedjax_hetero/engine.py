@@ -287,8 +287,7 @@ class Simulation:
         rows.append(row)
       return state, rows
     if not consume:
-      state = state._replace(models=copy_tree(state.models), steps=copy_tree(state.steps),
-                             memory=copy_tree(state.memory))
+      state = state._replace(memory=copy_tree(state.memory))
     for length in self.round_program.call_lengths(state.round, count):
       state, call_rows = self.round_program.run(state, length, evaluate)
       rows += call_rows

@@ -238,8 +238,10 @@ class RoundProgram:
                       for i, g in enumerate(sim.groups)]).astype(jnp.int32)
 
   def program(self, statics: tuple):
-    """The jitted call for one static plan: ``(carry, inputs, count, data) -> (carry, outputs [K, ...])``; the
-    carry (models, server step states, client memory) is donated."""
+    """The jitted call for one static plan: ``(server, memory, inputs, count, data) -> (carry, outputs [K, ...])``
+    with ``server`` the models and server step states, ``carry`` those and the memory after the call. The client
+    memory is donated (updated in place, as the host loop's backends do); the models are not, so a checkpoint
+    still being written from them stays valid."""
     if statics not in self._programs:
       self._programs[statics] = self._build(statics)
     return self._programs[statics]
@@ -247,7 +249,8 @@ class RoundProgram:
   def _build(self, statics: tuple):
     one_round = jax.jit(functools.partial(self._round, statics))  # traced once: eval_shape below, then the loop
 
-    def call(carry, inputs: CallInputs, count, data):
+    def call(server, memory, inputs: CallInputs, count, data):
+      carry = (*server, memory)
       first = jax.tree.map(lambda a: a[0], inputs)
       shapes = jax.eval_shape(one_round, carry, first, data)[1]
       buffers = jax.tree.map(lambda s: jnp.zeros((self.rounds_per_call,) + s.shape, s.dtype), shapes)
@@ -259,15 +262,15 @@ class RoundProgram:
 
       return jax.lax.fori_loop(0, count, body, (carry, buffers))
 
-    return jax.jit(call, donate_argnums=0)
+    return jax.jit(call, donate_argnums=1)
 
   def run(self, state: ServerState, count: int, evaluate: Collection[int]) -> tuple[ServerState, list[dict]]:
-    """``count`` rounds from ``state`` in one call (its buffers are donated); the new state and the rows."""
+    """``count`` rounds from ``state`` in one call (its client memory is donated); the new state and the rows."""
     sim = self.sim
     t0 = time.perf_counter()
     inputs, drawn, plans, statics = self.call_inputs(state, count, evaluate)
     data = (sim.store.images, sim.store.labels, sim.store.index_table, sim.test_images, sim.test_labels)
-    carry, outputs = self.program(statics)((state.models, state.steps, state.memory), inputs, np.int32(count), data)
+    carry, outputs = self.program(statics)((state.models, state.steps), state.memory, inputs, np.int32(count), data)
     outputs = jax.device_get(outputs)
     seconds = (time.perf_counter() - t0) / count
     rows = [self._row(state.round + i, outputs, i, drawn[i], plans[i], seconds, evaluate) for i in range(count)]

@@ -37,6 +37,7 @@ from fedjax_hetero.methods.api import Method
 from fedjax_hetero.models import parameter_split, resolve_cut
 from fedjax_hetero.sampling.samplers import WEIGHTINGS, SamplingInfo
 from fedjax_hetero.server.steps import Federation, Plan, server_program
+from fedjax_hetero.simulation_checks import check_simulation_inputs
 from fedjax_hetero.validation import SEED_MAX, check_choice, check_integer, check_number, cli_flag
 
 
@@ -150,6 +151,7 @@ class Simulation:
     """``track_dissimilarity``: log every round's gradient dissimilarity (`fedjax_hetero.dissimilarity`) per
     group, split at ``dissimilarity_cut`` (None: each model's `decoupling_cut`). It adds an upload to the
     client programs, which can change results in the last float bits; off by default."""
+    check_simulation_inputs(groups, store, local, method, test_images, test_labels)  # reliability hook (issue 35)
     if config.clients_per_round > store.num_clients:
       raise ValueError(f"clients_per_round={config.clients_per_round} exceeds the {store.num_clients} clients")
     if method.one_group and len(groups) != 1:

@@ -27,10 +27,10 @@ def _check_group(index: int, group: Any, num_clients: int) -> np.ndarray:
   if not all(hasattr(group, field) for field in ("name", "model", "clients")):
     raise ValueError(f"groups[{index}] must be an ArchGroup(name, model, clients), got {type(group).__name__}")
   ids = np.asarray(group.clients)
-  if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-    raise ValueError(f"{where}: clients must be a 1-D array of integer client ids, got {ids.dtype} {ids.shape}")
   if ids.size == 0:
     raise ValueError(f"{where} has no client; every architecture group needs at least one")
+  if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+    raise ValueError(f"{where}: clients must be a 1-D array of integer client ids, got {ids.dtype} {ids.shape}")
   if ids.min() < 0 or ids.max() >= num_clients:
     bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
     raise ValueError(f"{where} holds client {bad}, outside the store's {num_clients} clients [0, {num_clients})")

@@ -151,7 +151,7 @@ class Simulation:
     """``track_dissimilarity``: log every round's gradient dissimilarity (`fedjax_hetero.dissimilarity`) per
     group, split at ``dissimilarity_cut`` (None: each model's `decoupling_cut`). It adds an upload to the
     client programs, which can change results in the last float bits; off by default."""
-    check_simulation_inputs(groups, store, local, method, test_images, test_labels)  # reliability hook (issue 35)
+    check_simulation_inputs(groups, store, local, method, config, backend, test_images, test_labels)  # reliability hook
     if config.clients_per_round > store.num_clients:
       raise ValueError(f"clients_per_round={config.clients_per_round} exceeds the {store.num_clients} clients")
     if method.one_group and len(groups) != 1:

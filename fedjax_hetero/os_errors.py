@@ -57,14 +57,15 @@ def failed_path(error: BaseException) -> str | None:
   return " -> ".join(repr(str(p)) for p in (cause.filename, cause.filename2) if p is not None)
 
 
-def describe(error: BaseException) -> str:
+def describe(error: BaseException, context: str = "") -> str:
   """``'/runs/x/metrics.jsonl': Operation not permitted (EPERM; check the permissions ...)``. An `OSError`
   without an errno (ours, such as `checkpoints.CheckpointWriteError`, whose message names the path and the
-  cause) gives its message; a `MemoryError` says what to lower."""
+  cause) gives its message; a `MemoryError` says what to lower. ``context`` (e.g. the results folder) follows
+  an error that names no path (a write to an open stream: matplotlib's savefig)."""
   if isinstance(error, MemoryError):
     return (f"out of memory while allocating arrays ({_first_line(error)}); lower --max-train-samples, "
             "--batch-size or the number of clients, or use a machine with more memory")
   if isinstance(error, OSError) and error.errno is None:
     return _first_line(error)
   path = failed_path(error)
-  return f"{path}: {reason(error)}" if path else reason(error)
+  return f"{path}: {reason(error)}" if path else reason(error) + (f" {context}" if context else "")

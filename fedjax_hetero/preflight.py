@@ -1,7 +1,9 @@
 """Settings a run would accept and then silently not use, or fail on deep inside compute; refused up front.
 
 `check_settings` needs only the config (a run calls it before it takes its folder): a learning rate that is 0 in
-float32 training arithmetic, and partition settings a ``--partition-file`` overrides. `check_fit` needs the
+float32 training arithmetic, partition settings a ``--partition-file`` overrides, and settings that act only
+beside a choice the run did not make (`ACTS_ONLY_WITH`: ``--alpha`` without the Dirichlet partition,
+``--momentum`` with Adam, ...). `check_fit` needs the
 loaded data and the partition (before the store and the models are built): images too small for a group's
 model, a batch larger than every client (every batch padded to it, for the same result), and clients that take
 no local step. Each error names the flag.
@@ -16,33 +18,65 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_hetero import models
+from fedjax_hetero.config import flatten
+from fedjax_hetero.methods import build_method
+from fedjax_hetero.simulation_checks import check_learning_rate
 from fedjax_hetero.validation import cli_flag, first_line
 
-# XLA:CPU flushes subnormal floats to zero, so a float32 learning rate below this is 0 in training.
-FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 # The partition settings a partition file replaces, and the values that mean "not set".
 PARTITION_FILE_OVERRIDES = ("partition", "alpha", "classes_per_client")
 
 
-def check_learning_rate(flag: str, learning_rate: float) -> None:
-  """ValueError unless the learning rate survives float32 arithmetic (is at least float32's smallest normal)."""
-  if 0 < learning_rate < FLOAT32_TINY:
-    raise ValueError(f"{flag} {learning_rate:g} is 0 in float32 training arithmetic (below {FLOAT32_TINY:.3g}, the "
-                     "smallest normal float32; XLA flushes smaller values to 0), so the weights would never change")
+def _has_term(name: str) -> Callable[[Any], bool]:
+  def acts(config: Any) -> bool:
+    method = build_method(config.method.name, config.method, config.client)
+    return any(term.name == name for term in method.terms)
+  return acts
+
+
+_FEDCROSS = ("alpha", "strategy", "similarity", "global_from", "warmup_rounds", "propellers", "propeller_rounds",
+             "dynamic_alpha_rounds")
+_FEDIMPRO = ("beta", "std_max", "weight", "loss", "sample_from", "noise", "num_synthetic")  # (its cut: also the metric's)
+
+
+# Settings that act only beside another choice: (setting, whether it acts in this config, that choice). Set
+# to anything but its default without that choice, it would be recorded in config.json and do nothing.
+ACTS_ONLY_WITH: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("data.alpha", lambda c: c.data.partition == "dirichlet", "--partition dirichlet"),
+    ("data.classes_per_client", lambda c: c.data.partition == "shards", "--partition shards"),
+    ("client.momentum", lambda c: c.client.optimizer == "sgd", "--optimizer sgd (Adam has no momentum setting)"),
+    ("method.moon_temperature", _has_term("moon"), "a method with MOON's term (MOON, HeteroMOON, InCoMOON, or "
+                                                   "--moon-mu)"),
+    ("method.clusamp_similarity", _has_term("clustered"), "--method CluSamp"),
+    *((f"method.fedcross.{name}", _has_term("cross"), "--method FedCross") for name in _FEDCROSS),
+    *((f"method.fedimpro.{name}", _has_term("fedimpro"), "--method FedImpro") for name in _FEDIMPRO),
+    ("federation.backdoor_scale", lambda c: c.federation.malicious_fraction > 0, "--malicious-fraction above 0"),
+    ("federation.backdoor_delta", lambda c: c.federation.malicious_fraction > 0, "--malicious-fraction above 0"),
+    ("divergence.loss_factor", lambda c: c.divergence.action != "off", "--on-divergence stop or rollback"),
+    ("divergence.chance_evals", lambda c: c.divergence.action != "off", "--on-divergence stop or rollback"),
+    ("divergence.rollback_lr_factor", lambda c: c.divergence.action == "rollback", "--on-divergence rollback"),
+    ("divergence.max_rollbacks", lambda c: c.divergence.action == "rollback", "--on-divergence rollback"),
+)
+
+
+def _check_partition_file(config: Any, flat: dict[str, Any], defaults: dict[str, Any]) -> None:
+  for name in PARTITION_FILE_OVERRIDES:
+    path = "data." + name
+    if flat[path] != defaults[path]:
+      raise ValueError(f"{cli_flag(path)} {flat[path]} has no effect with {cli_flag('data.partition_file')}: "
+                       "the file gives every client its samples; drop it")
 
 
 def check_settings(config: Any) -> None:
   """The config-only checks (see the module docstring); ValueError naming the flag."""
   check_learning_rate(cli_flag("client.learning_rate"), config.client.learning_rate)
-  data = config.data
-  if data.partition_file is None:
+  flat, defaults = flatten(config), flatten(type(config)())
+  if config.data.partition_file is not None:
+    _check_partition_file(config, flat, defaults)
     return
-  defaults = type(data)()
-  for name in PARTITION_FILE_OVERRIDES:
-    value = getattr(data, name)
-    if value != getattr(defaults, name):
-      raise ValueError(f"{cli_flag('data.' + name)} {value} has no effect with {cli_flag('data.partition_file')}: "
-                       "the file gives every client its samples; drop it")
+  for path, acts, choice in ACTS_ONLY_WITH:
+    if flat[path] != defaults[path] and not acts(config):
+      raise ValueError(f"{cli_flag(path)} {flat[path]} has no effect without {choice}; drop it (or add that)")
 
 
 def _smallest_working_size(name: str, width: float, channels: int, start: int, limit: int = 256) -> int | None:

@@ -2,7 +2,8 @@
 
 * `lock`: a run (or a resume) holds an exclusive ``fcntl.flock`` on ``<folder>/.lock`` while it runs. The
   kernel drops the lock with the process, so a run killed with SIGKILL leaves no stale lock; a second process
-  on the folder fails at once, naming the holder's pid (written into the file).
+  on the folder fails at once, naming the holder's pid (written into the file). A run refused before it wrote
+  anything removes the lock file (and the folder) it made.
 * `check_fresh`, `clear_for_overwrite`: ``--overwrite`` deletes only a folder that holds a run (its
   ``config.json``, ``metrics.jsonl``, ``checkpoints/`` or ``partition.txt``); anything else is refused,
   naming what is there.
@@ -67,11 +68,20 @@ def _holder(fd: int) -> str:
   return f"pid {text}" if text.isdigit() else "a process that is starting"
 
 
-def _acquire(output_dir: str) -> int:
-  """An open descriptor of the folder's lock file, locked; FolderInUseError if another process holds it."""
+def _open_lock_file(path: str) -> tuple[int, bool]:
+  """An open descriptor of the lock file, and whether this call created it."""
+  try:
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+  except FileExistsError:
+    return os.open(path, os.O_RDWR | os.O_CREAT, 0o644), False
+
+
+def _acquire(output_dir: str) -> tuple[int, bool]:
+  """An open descriptor of the folder's lock file, locked, and whether it was made now; FolderInUseError if
+  another process holds it."""
   path = os.path.join(output_dir, LOCK_FILE)
   try:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd, made = _open_lock_file(path)
   except OSError as e:
     raise ValueError(f"{_folder_flag(output_dir)} cannot be used: {describe(e)}") from None
   try:
@@ -85,17 +95,22 @@ def _acquire(output_dir: str) -> int:
                            "wait for it to end, or choose another folder") from None
   os.ftruncate(fd, 0)
   os.write(fd, str(os.getpid()).encode())
-  return fd
+  return fd, made
 
 
-def _release(fd: int, output_dir: str, created: bool) -> None:
-  """Unlocks; a folder this run created and left empty (a run refused early) is removed again. The lock file
-  goes while still locked, so a process waiting for it finds the folder gone or makes its own."""
+def _release(fd: int, output_dir: str, made_folder: bool, made_lock: bool) -> None:
+  """Unlocks. A run refused before it wrote anything leaves the folder as it found it: the lock file it made
+  goes (while still locked, so a process waiting for it finds it gone and makes its own), and so does a folder
+  it made."""
   try:
-    if created and set(os.listdir(output_dir)) == {LOCK_FILE}:
+    names = set(os.listdir(output_dir))
+    if made_lock and not names & set(RUN_ENTRIES):
       os.remove(os.path.join(output_dir, LOCK_FILE))
-      with contextlib.suppress(OSError):
-        os.rmdir(output_dir)
+      if made_folder and names == {LOCK_FILE}:
+        with contextlib.suppress(OSError):
+          os.rmdir(output_dir)
+  except OSError:
+    pass  # (the folder went away under the run: nothing to tidy)
   finally:
     os.close(fd)
 
@@ -107,18 +122,18 @@ def lock(output_dir: str, enabled: bool = True) -> Iterator[None]:
   if not enabled:
     yield
     return
-  created = _make_folder(output_dir)
+  made_folder = _make_folder(output_dir)
   try:
-    fd = _acquire(output_dir)
+    fd, made_lock = _acquire(output_dir)
   except BaseException:
-    if created:
+    if made_folder:
       with contextlib.suppress(OSError):
         os.rmdir(output_dir)
     raise
   try:
     yield
   finally:
-    _release(fd, output_dir, created)
+    _release(fd, output_dir, made_folder, made_lock)
 
 
 def _entries(output_dir: str) -> list[str]:
@@ -256,8 +271,12 @@ def check_data(config: Any, sim: Any, log: Callable[[str], None]) -> None:
     return
   path = os.path.join(config.output.dir, FINGERPRINT_FILE)
   now = fingerprint.of_simulation(sim)
-  recorded = read_json_object(path) if config.output.resume else None
-  changed = fingerprint.differences(recorded, now) if recorded is not None else []
+  try:
+    recorded = read_json_object(path) if config.output.resume else None
+  except ValueError as e:
+    recorded, changed = None, [f"the record cannot be read: {e}"]
+  else:
+    changed = fingerprint.differences(recorded, now) if recorded is not None else []
   if changed:
     message = (f"the data differ from those the run in {config.output.dir!r} trained on ({'; '.join(changed)}; "
                f"recorded in {path}); was {cli_flag('data.data_dir')} pointed at other files?")

@@ -15,10 +15,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_hetero.client.local import LocalConfig
 from fedjax_hetero.data import checks
 from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.preflight import check_learning_rate
 from fedjax_hetero.validation import first_line
+
+# XLA:CPU flushes subnormal floats to zero, so a float32 learning rate below this is 0 in training.
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+
+
+def check_learning_rate(name: str, learning_rate: float) -> None:
+  """ValueError unless the learning rate survives float32 arithmetic (is at least float32's smallest normal)."""
+  if 0 < learning_rate < FLOAT32_TINY:
+    raise ValueError(f"{name} {learning_rate:g} is 0 in float32 training arithmetic (below {FLOAT32_TINY:.3g}, the "
+                     "smallest normal float32; XLA flushes smaller values to 0), so the weights would never change")
 
 
 def _check_group(index: int, group: Any, num_clients: int) -> np.ndarray:
@@ -92,11 +102,24 @@ def check_local(local: Any, method: Any) -> None:
                        "(build_method(name, options, local))")
 
 
-def check_simulation_inputs(groups: Sequence[Any], store: Any, local: Any, method: Any, test_images: Any,
-                            test_labels: Any) -> None:
+def check_types(store: Any, local: Any, method: Any, config: Any, backend: Any) -> None:
+  """Each argument of the type it must have (a name or a dict in its place fails deep inside, unnamed)."""
+  from fedjax_hetero.engine import FederationConfig  # (the engine imports this module)
+  from fedjax_hetero.methods.api import Method
+  for name, value, kind, how in (("store", store, FederatedStore, "FederatedStore.build(...)"),
+                                 ("local", local, LocalConfig, "LocalConfig(...)"),
+                                 ("method", method, Method, "build_method(name, options, local)"),
+                                 ("config", config, FederationConfig, "FederationConfig(...)")):
+    if not isinstance(value, kind):
+      raise ValueError(f"{name} must be a {kind.__name__} ({how}), got {type(value).__name__} {value!r:.60}")
+  if not all(hasattr(backend, attribute) for attribute in ("name", "train", "place")):  # (a Protocol)
+    raise ValueError(f"backend must be a Backend (make_backend(name)), got {type(backend).__name__} {backend!r:.60}")
+
+
+def check_simulation_inputs(groups: Sequence[Any], store: Any, local: Any, method: Any, config: Any, backend: Any,
+                            test_images: Any, test_labels: Any) -> None:
   """All of the above, in the order a user would fix them; `Simulation.__init__` calls it first."""
-  if not isinstance(store, FederatedStore):
-    raise ValueError(f"store must be a FederatedStore (FederatedStore.build), got {type(store).__name__}")
+  check_types(store, local, method, config, backend)
   check_groups(groups, store.num_clients)
   check_test_set(test_images, test_labels, store)
   check_local(local, method)

@@ -79,7 +79,7 @@ def _overwrite_foreign(env: Env) -> Result:
   with open(os.path.join(out, "thesis.tex"), "w") as f:
     f.write("years of work")
   result = env.cli(out, "--overwrite")
-  return dataclasses.replace(result, correct=os.path.exists(os.path.join(out, "thesis.tex")))
+  return dataclasses.replace(result, harmed=os.listdir(out) != ["thesis.tex"])
 
 
 NO_OPS = [

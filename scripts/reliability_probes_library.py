@@ -45,15 +45,16 @@ def store(**changes) -> FederatedStore:
 
 
 def simulation(groups=None, local=LOCAL, method_local=LOCAL, method="FedAvg", test_images=None, test_labels=None,
-               data_store=None) -> Simulation:
+               data_store=None, method_object=None, backend=None) -> Simulation:
   """Two MLP groups over the four clients, any argument replaced, after one round and an evaluation (what a
   bad input does if nothing stops it)."""
   data_store = data_store or store()
   model = lambda w: build_model("mlp", DATA.num_classes, w, hidden=(8,))
   groups = groups if groups is not None else [ArchGroup("mlp@1", model(1.0), np.array([0, 1])),
                                               ArchGroup("mlp@0.5", model(0.5), np.array([2, 3]))]
-  sim = Simulation(groups, data_store, local, build_method(method, MethodOptions(), method_local),
-                   FederationConfig(clients_per_round=2), make_backend("sequential"),
+  method_object = method_object if method_object is not None else build_method(method, MethodOptions(), method_local)
+  sim = Simulation(groups, data_store, local, method_object, FederationConfig(clients_per_round=2),
+                   backend if backend is not None else make_backend("sequential"),
                    jnp.asarray(DATA.test_images if test_images is None else test_images),
                    jnp.asarray(DATA.test_labels if test_labels is None else test_labels))
   state, _ = sim.run_round(sim.init_state())

@@ -36,6 +36,7 @@ class Result:
   exception: BaseException | None = None  # in-process probes
   correct: bool = True  # the probe's own check of the results folder (Works)
   in_process: bool = False  # a library call, not a process
+  harmed: bool = False  # the probe's check that an error left things as they were failed (Error)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +70,7 @@ def _classify_process(result: Result, expect: Error | Works) -> str:
     if result.status != 0:
       return "unhelpful"  # refused (or failed on) something that should work
     return "handled correctly" if result.correct else "silent-wrong"
-  if result.status == 0:
+  if result.status == 0 or result.harmed:  # (an error that still changed what it should not have)
     return "silent-wrong"
   lines = [line for line in result.err.splitlines() if line.strip()]
   errors = [line for line in lines if "error:" in line]

@@ -118,6 +118,13 @@ MISUSE = [
     ("Simulation: lr 1e-50", call(simulation, local=dataclasses.replace(LOCAL, learning_rate=1e-50),
                                   method_local=dataclasses.replace(LOCAL, learning_rate=1e-50)),
      r"^local.learning_rate 1e-50 is 0 in float32 training arithmetic"),
+    ("Simulation: the method by name", call(Simulation, groups([0, 1], [2, 3]), store(), LOCAL, "FedAvg",
+                                           FederationConfig(), make_backend("sequential"), DATA.test_images,
+                                           DATA.test_labels), r"^method must be a Method \(build_method"),
+    ("Simulation: local as a dict", call(simulation, local={"learning_rate": 0.1}), r"^local must be a LocalConfig"),
+    ("Simulation: the backend by name", call(Simulation, groups([0, 1], [2, 3]), store(), LOCAL,
+                                             build_method("FedAvg", MethodOptions(), LOCAL), FederationConfig(), "vmap",
+                                             DATA.test_images, DATA.test_labels), r"^backend must be a Backend"),
     # build_model
     ("build_model: one class", call(build_model, "cnn", 1), r"^num_classes must be an integer >= 2, got 1"),
     ("build_model: classes as text", call(build_model, "cnn", "10"), r"^num_classes must be an integer >= 2, got '10'"),

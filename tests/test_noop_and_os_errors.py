@@ -45,6 +45,18 @@ NO_OPS = [
                                          "by zero; the smallest size it takes is 4 (--image-size)"),
     ("--groups cnn_cifar@0.25 --image-size 8", "--image-size 8 is too small for group cnn_cifar@0.25"),
     ("--resume-unchecked", "--resume-unchecked applies to --resume; add it"),
+    # settings that act only beside another choice (preflight.ACTS_ONLY_WITH)
+    ("--momentum 0.9", "--momentum 0.9 has no effect without --optimizer sgd (Adam has no momentum setting)"),
+    ("--alpha 0.1 --partition iid", "--alpha 0.1 has no effect without --partition dirichlet"),
+    ("--classes-per-client 5", "--classes-per-client 5 has no effect without --partition shards"),
+    ("--backdoor-scale 5", "--backdoor-scale 5.0 has no effect without --malicious-fraction above 0"),
+    ("--divergence-max-rollbacks 5", "--divergence-max-rollbacks 5 has no effect without --on-divergence rollback"),
+    ("--on-divergence off --divergence-chance-evals 9", "--divergence-chance-evals 9 has no effect without "
+                                                        "--on-divergence stop or rollback"),
+    ("--moon-temperature 0.1", "--moon-temperature 0.1 has no effect without a method with MOON's term"),
+    ("--fedcross-alpha 0.5", "--fedcross-alpha 0.5 has no effect without --method FedCross"),
+    ("--fedimpro-noise 0.1", "--fedimpro-noise 0.1 has no effect without --method FedImpro"),
+    ("--clusamp-similarity L2", "--clusamp-similarity L2 has no effect without --method CluSamp"),
     ("--repair-metrics", "--repair-metrics applies to --resume; add it"),
 ]
 

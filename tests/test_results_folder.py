@@ -135,6 +135,7 @@ def test_overwrite_deletes_only_a_folder_that_holds_a_run(dataset, tmp_path, no_
                                        r"\(no config.json, metrics.jsonl, checkpoints/\) but figures, thesis.tex"):
     run_experiment(base_config(foreign, overwrite=True), dataset, log=lambda _: None)
   assert (foreign / "thesis.tex").read_text() == "years of work"
+  assert sorted(os.listdir(foreign)) == ["figures", "thesis.tex"], "no lock file is left behind either"
 
 
 def test_overwrite_clears_a_run_but_keeps_its_lock_file(tmp_path):

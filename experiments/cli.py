@@ -413,7 +413,7 @@ def main(dataset: str, defaults: RunConfig, description: str, argv: Sequence[str
     except (ValueError, fdata.DataNotFoundError, FloatingPointError) as e:
       _fail(str(e))
     except (OSError, MemoryError) as e:  # reliability hook (issue 35): one line for every OS error
-      _fail(os_errors.describe(e), 1)
+      _fail(os_errors.describe(e, f"(writing in --output-dir {config.output.dir!r})"), 1)
     if main_process:
       final = summary["final_accuracy"] or {}
       print(json.dumps({"final_accuracy": final, "best_mean_accuracy": summary["best_mean_accuracy"],

@@ -100,8 +100,12 @@ def _image_problem(name: str, width: float, image_shape: tuple[int, ...]) -> str
 
 
 def _check_images(config: Any, image_shape: tuple[int, ...]) -> None:
+  """Only with --image-size: every model takes the datasets' own sizes, and `Simulation` checks images
+  handed to it in any case (`simulation_checks.check_models`), naming no flag."""
   size = config.data.image_size
-  what = f"{cli_flag('data.image_size')} {size}" if size else f"the dataset's {image_shape[0]}x{image_shape[1]} images"
+  if size is None:
+    return
+  what = f"{cli_flag('data.image_size')} {size}"
   for spec in config.groups:
     name, width = models.parse_group_spec(spec)
     problem = _image_problem(name, width, image_shape)
@@ -109,7 +113,7 @@ def _check_images(config: Any, image_shape: tuple[int, ...]) -> None:
       continue
     smallest = _smallest_working_size(name, width, image_shape[-1], image_shape[0])
     hint = f"; the smallest size it takes is {smallest}" if smallest else ""
-    raise ValueError(f"{what} is too small for group {spec}: {problem}{hint} ({cli_flag('data.image_size')})")
+    raise ValueError(f"{what} is too small for group {spec}: {problem}{hint}")
 
 
 def _check_batches(config: Any, sizes: np.ndarray, log: Callable[[str], None]) -> None:

@@ -42,7 +42,7 @@ NO_OPS = [
     ("--partition-file {parts} --partition shards", "--partition shards has no effect with --partition-file"),
     ("--partition-file {parts} --classes-per-client 3", "--classes-per-client 3 has no effect with --partition-file"),
     ("--groups cnn@0.25 --image-size 1", "--image-size 1 is too small for group cnn@0.25: ZeroDivisionError: division "
-                                         "by zero; the smallest size it takes is 4 (--image-size)"),
+                                         "by zero; the smallest size it takes is 4"),
     ("--groups cnn_cifar@0.25 --image-size 8", "--image-size 8 is too small for group cnn_cifar@0.25"),
     ("--resume-unchecked", "--resume-unchecked applies to --resume; add it"),
     # settings that act only beside another choice (preflight.ACTS_ONLY_WITH)

@@ -5,8 +5,8 @@ float32 training arithmetic, partition settings a ``--partition-file`` overrides
 beside a choice the run did not make (`ACTS_ONLY_WITH`: ``--alpha`` without the Dirichlet partition,
 ``--momentum`` with Adam, ...). `check_fit` needs the
 loaded data and the partition (before the store and the models are built): images too small for a group's
-model, a batch larger than every client (every batch padded to it, for the same result), and clients that take
-no local step. Each error names the flag.
+model, a batch larger than every client (every batch padded to it, for the same result: refused above twice the
+largest client, a warning below), and clients that take no local step. Each error names the flag.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from fedjax_hetero.methods import build_method
 from fedjax_hetero.simulation_checks import check_learning_rate
 from fedjax_hetero.validation import cli_flag, first_line
 
+# A batch this many times the largest client (every batch mostly padding) is refused; a smaller excess is a warning.
+PADDING_REFUSED = 2
 # The partition settings a partition file replaces, and the values that mean "not set".
 PARTITION_FILE_OVERRIDES = ("partition", "alpha", "classes_per_client")
 
@@ -120,8 +122,11 @@ def _check_batches(config: Any, sizes: np.ndarray, log: Callable[[str], None]) -
   local, flag = config.client, cli_flag("client.batch_size")
   largest = int(sizes.max()) if len(sizes) else 0
   if local.batch_size > largest and not local.drop_last:
-    raise ValueError(f"{flag} {local.batch_size} exceeds the largest client's {largest} samples: every batch would be "
-                     f"padded to {local.batch_size} rows for the same result; pass at most {largest}")
+    waste = (f"{flag} {local.batch_size} exceeds the largest client's {largest} samples: every batch is padded to "
+             f"{local.batch_size} rows for the result {flag} {largest} gives")
+    if local.batch_size > PADDING_REFUSED * largest:
+      raise ValueError(f"{waste} (over {PADDING_REFUSED}x the work); pass at most {largest}")
+    log(f"warning: {waste} (up to {local.batch_size / max(largest, 1):.1f}x the work)")
   stepless = int(np.sum([local.num_steps(int(n)) == 0 for n in sizes]))
   why = (f"fewer than {flag} {local.batch_size} samples with {cli_flag('client.drop_last')}" if local.drop_last
          else "no samples")

@@ -32,8 +32,10 @@ from fedjax_hetero.os_errors import describe
 from fedjax_hetero.validation import cli_flag, first_line
 
 LOCK_FILE = ".lock"
-# A folder holding one of these is a run's (partition.txt: a run killed before it wrote config.json).
-RUN_ENTRIES = ("config.json", "metrics.jsonl", "checkpoints", "partition.txt")
+# A folder holding one of these is a run's (partition.txt: a run killed before it wrote config.json; the others
+# are written beside config.json, but any of them marks the folder as one this library wrote).
+RUN_ENTRIES = ("config.json", "metrics.jsonl", "checkpoints", "partition.txt", "summary.json", "data_fingerprint.json",
+               "damaged_checkpoints", metrics_log.DROPPED_CHECKPOINTS)
 SETTINGS_FILES = ("config.json", "summary.json")
 FINGERPRINT_FILE = "data_fingerprint.json"
 UNREADABLE = ".unreadable"

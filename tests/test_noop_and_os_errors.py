@@ -34,7 +34,8 @@ def partition_file(tmp_path) -> str:
 NO_OPS = [
     ("--lr 1e-50", "--lr 1e-50 is 0 in float32 training arithmetic (below 1.18e-38, the smallest normal float32"),
     ("--lr 1e-40", "--lr 1e-40 is 0 in float32 training arithmetic"),
-    ("--batch-size 100000", "--batch-size 100000 exceeds the largest client's"),
+    ("--batch-size 100000", "--batch-size 100000 exceeds the largest client's 26 samples: every batch is padded to "
+                            "100000 rows for the result --batch-size 26 gives (over 2x the work); pass at most 26"),
     ("--drop-last --batch-size 150", "no client would take a local step (fewer than --batch-size 150 samples with "
                                      "--drop-last; the largest client has"),
     ("--partition-file {parts} --alpha 0.1", "--alpha 0.1 has no effect with --partition-file: the file gives every "
@@ -113,6 +114,14 @@ def test_an_immutable_metrics_file_ends_a_resume_in_one_line(tmp_path, capsys):
   assert one_error_line(capsys.readouterr().err) == (
       f"error: '{out / 'metrics.jsonl'}': Operation not permitted (EPERM; check the permissions (and for chattr +i: "
       "lsattr))")
+
+
+def test_a_batch_somewhat_larger_than_every_client_is_a_warning(tmp_path):
+  logs = []
+  run_experiment(base_config(tmp_path / "out", rounds=1, batch_size=64), synthetic_dataset(num_train=240, num_test=64),
+                 log=logs.append)
+  assert any(line.startswith("warning: --batch-size 64 exceeds the largest client's") and "x the work)" in line
+             for line in logs), logs
 
 
 def test_clients_without_a_step_are_named_in_a_warning(tmp_path, capsys):

@@ -98,7 +98,8 @@ def test_a_locked_folder_names_its_holder_and_a_folder_left_empty_is_removed(tmp
 
 def test_a_second_run_on_a_locked_folder_fails_at_once_and_kill_9_frees_the_folder(dataset, tmp_path):
   """The acceptance: the holder is a CLI run; a second run (the library's, timed, and the CLI's) fails naming
-  its pid; kill -9 frees the folder, and --resume then ends the run with the rows of an uninterrupted one."""
+  its pid; kill -9 frees the folder, and --resume then ends the run (that a resume after kill -9 equals an
+  uninterrupted run is tests/test_recovery.py's and test_distributed.py's, and the survey's)."""
   out = tmp_path / "held"
   holder = start_fmnist("--output-dir", str(out), "--rounds", "400")
   try:
@@ -117,10 +118,7 @@ def test_a_second_run_on_a_locked_folder_fails_at_once_and_kill_9_frees_the_fold
   done = len(read_rows(out))
   resumed = run_fmnist_cli(*TINY, "--output-dir", str(out), "--resume", "--rounds", str(done + 2))
   assert resumed.returncode == 0, resumed.stderr[-3000:]
-  straight = run_fmnist_cli(*TINY, "--output-dir", str(tmp_path / "straight"), "--rounds", str(done + 2))
-  assert straight.returncode == 0, straight.stderr[-3000:]
   assert [r["round"] for r in read_rows(out)] == list(range(1, done + 3))
-  assert [r["train_loss"] for r in read_rows(out)] == [r["train_loss"] for r in read_rows(tmp_path / "straight")]
 
 
 # ------------------------------------------------------------------------------------------------ overwrite

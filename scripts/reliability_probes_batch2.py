@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scripts import reliability_probes_library as lib
-from scripts.reliability_probes_cli import LONG, CliProbe, Env, _resume_with_immutable, _wait_for_rows
+from scripts.reliability_probes_cli import HOLD, LONG, CliProbe, Env, _resume_with_immutable, _wait_for_rows
 from scripts.reliability_probes_readback import _compare, _lines, _resume_after, _write
 from scripts.survey_common import (BASE_ARGS, REPO, Error, Result, Works, call, finish, rounds_are, start_cli,
                                    without)
@@ -41,23 +41,25 @@ def two_folders_at_once(env: Env) -> Result:
 def symlink_to_a_live_run(env: Env) -> Result:
   out, link = env.out(), env.out("link")
   started = time.perf_counter()
-  live = start_cli(out, *LONG, cache=env.cache)
+  live = start_cli(out, *HOLD, cache=env.cache)
   _wait_for_rows(out, 2, live)
   os.symlink(out, link)
   second = env.cli(link, "--resume", *LONG)
-  finish(live, started, 180)
+  live.kill()
+  finish(live, started, 60)
   return second
 
 
 def compare_on_a_live_run(env: Env) -> Result:
   out = env.copy()
   started = time.perf_counter()
-  live = start_cli(out, "--resume", "--rounds", "60", cache=env.cache)
+  live = start_cli(out, "--resume", *HOLD, cache=env.cache)
   _wait_for_rows(out, 5, live)
   proc = subprocess.Popen([sys.executable, "-m", "experiments.compare", out], cwd=REPO, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
   compared = finish(proc, time.perf_counter(), 60)
-  finish(live, started, 180)
+  live.kill()
+  finish(live, started, 60)
   return compared
 
 

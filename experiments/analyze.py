@@ -28,7 +28,7 @@ from flax import traverse_util
 
 from fedjax_hetero import analysis, checkpoints
 from fedjax_hetero import data as fdata
-from fedjax_hetero import evaluation, runner
+from fedjax_hetero import evaluation, metrics_log, runner
 from fedjax_hetero.client.local import normalize
 from fedjax_hetero.config import RunConfig
 from fedjax_hetero.engine import ServerState, Simulation
@@ -236,8 +236,7 @@ def _read_rows(run_dir: str) -> list[dict[str, Any]]:
   path = os.path.join(run_dir, "metrics.jsonl")
   if not os.path.isfile(path):
     raise ValueError(f"{path} not found; is {run_dir!r} a results folder?")
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  return metrics_log.read_rows(path, keys=("round",))  # checked: one row per round (issue 35)
 
 
 def run_tracking(args: argparse.Namespace) -> list[str]:

@@ -19,6 +19,7 @@ from fedjax_hetero import aggregators
 from fedjax_hetero import data as fdata
 from fedjax_hetero import distributed
 from fedjax_hetero import models
+from fedjax_hetero import os_errors
 from fedjax_hetero.aggregators import fedcross
 from fedjax_hetero.algorithms.fedgen import PRESETS as FEDGEN_PRESETS
 from fedjax_hetero.algorithms.fedimpro import LOSS_MODES, SAMPLE_SOURCES
@@ -90,7 +91,18 @@ def build_parser(defaults: RunConfig, description: str) -> argparse.ArgumentPars
                  help="continue from the last checkpoint in --output-dir; the other settings must match its "
                       "config.json, except the round counts, --backend, --steps-per-call, --data-dir and the local "
                       "optimizer")
-  p.add_argument("--overwrite", action="store_true", help="delete a non-empty --output-dir first")
+  p.add_argument("--overwrite", action="store_true",
+                 help="delete --output-dir first if it holds a run (config.json, metrics.jsonl or checkpoints/); "
+                 "a folder of other files is refused")
+  # Reliability (issue 35, fedjax_hetero.results_folder / metrics_log).
+  p.add_argument("--resume-unchecked", action="store_true",
+                 help="with --resume: continue a folder whose config.json (and summary.json) cannot be read or is "
+                 "gone, or whose data fingerprint differs, with this command's settings, unchecked (the unreadable "
+                 "files are kept as *.unreadable)")
+  p.add_argument("--repair-metrics", action="store_true",
+                 help="with --resume: rebuild a damaged metrics.jsonl: keep the rows of rounds 1..k before the first "
+                 "missing one, drop the rest with a note, and train the later rounds again from the latest checkpoint "
+                 "up to round k (later checkpoints are moved to dropped_checkpoints/)")
   p.add_argument("--backend", default=d.backend, choices=BACKENDS, help="how clients are mapped onto hardware")
   p.add_argument("--round-program", default=d.round_program, choices=ROUND_PROGRAMS,
                  help="fused: every round (up to --rounds-per-call of them) is one device program; host: the host "
@@ -408,6 +420,8 @@ def main(dataset: str, defaults: RunConfig, description: str, argv: Sequence[str
       summary = run_experiment(config)
     except (ValueError, fdata.DataNotFoundError, FloatingPointError) as e:
       _fail(str(e))
+    except (OSError, MemoryError) as e:  # reliability hook (issue 35): one line for every OS error
+      _fail(os_errors.describe(e, f"(writing in --output-dir {config.output.dir!r})"), 1)
     if main_process:
       final = summary["final_accuracy"] or {}
       print(json.dumps({"final_accuracy": final, "best_mean_accuracy": summary["best_mean_accuracy"],

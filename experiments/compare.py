@@ -43,12 +43,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 from typing import Any, Sequence
 
 import numpy as np
+
+from fedjax_hetero import metrics_log, os_errors, results_folder
 
 Runs = Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]]  # (label, summary.json, metrics.jsonl rows)
 
@@ -58,10 +59,11 @@ def load_run(run_dir: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
   for path in (summary_path, metrics_path):
     if not os.path.exists(path):
       raise SystemExit(f"error: {path} not found; is {run_dir!r} a finished results folder?")
-  with open(summary_path) as f:
-    summary = json.load(f)
-  with open(metrics_path) as f:
-    rows = [json.loads(line) for line in f if line.strip()]
+  try:  # read back checked (issue 35): a damaged file is an error naming it and the line, not a traceback
+    summary = results_folder.read_json_object(summary_path)
+    rows = metrics_log.read_rows(metrics_path)
+  except (ValueError, OSError) as e:
+    raise SystemExit(f"error: {os_errors.describe(e) if isinstance(e, OSError) else e}") from None
   return summary, rows
 
 

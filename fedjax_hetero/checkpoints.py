@@ -7,6 +7,12 @@ state, so any method's state round-trips without knowing its types.
 In a multi-process run every process calls `save` and the restores, with the same arguments: orbax writes
 the replicated arrays once (process 0 is its primary host) and restores them into the template's shardings,
 replicated global arrays (a restore needs a template holding real arrays, such as the initial state).
+
+A write that fails never hangs the process: before each save the folder is tried (a probe directory, the free
+space against the state's size), and a failure orbax meets in its background threads comes back from the
+manager as one `CheckpointWriteError` naming the folder and the cause, with orbax's own tracebacks kept out
+of the log and its waiting threads let go. Each checkpoint records its round (orbax's custom metadata), and a
+restore refuses a checkpoint whose recorded round is not its folder's name.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import json
 import logging
 import os
 import shutil
+import tempfile
+import threading
 from typing import Any, Callable
 
 import jax
@@ -22,6 +30,7 @@ import orbax.checkpoint as ocp
 from flax import serialization
 
 from fedjax_hetero.engine import ServerState
+from fedjax_hetero.os_errors import failed_path, reason, root_os_error
 from fedjax_hetero.validation import first_line
 
 
@@ -36,7 +45,80 @@ class _QuietUnrankedSaves(logging.Filter):
     return "did not provide metrics" not in record.getMessage()
 
 
+class _QuietWriteFailures(logging.Filter):
+  """A write orbax fails on (disk full, no permission) is logged by each of its threads with a traceback;
+  it also comes back from the manager, which reports it in one line (`CheckpointWriteError`)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    error = record.exc_info[1] if record.exc_info else None
+    return not ("orbax" in record.pathname and error is not None and _is_write_failure(error))
+
+
 logging.getLogger("absl").addFilter(_QuietUnrankedSaves())
+logging.getLogger("absl").addFilter(_QuietWriteFailures())
+
+
+class CheckpointWriteError(OSError):
+  """A checkpoint could not be written; the message names the folder, the round and the cause."""
+
+
+def _write_error(directory: Any, step: int | None, error: BaseException) -> CheckpointWriteError:
+  which = f"the checkpoint of round {step}" if step is not None else "a checkpoint"
+  path = failed_path(error)
+  where = f" ({path})" if path and path.strip("'") != str(directory) else ""
+  return CheckpointWriteError(f"cannot write {which} in {str(directory)!r}{where}: {reason(error)}")
+
+
+# tensorstore reports a failed write as a status in the text of a ValueError, not as an OSError.
+_STORAGE_STATUSES = ("RESOURCE_EXHAUSTED", "PERMISSION_DENIED", "No space left on device", "Read-only file system")
+
+
+def _is_write_failure(error: BaseException) -> bool:
+  """Whether ``error`` (or a cause) is the file system refusing a write, as opposed to a misuse of orbax."""
+  chain, seen = error, set()
+  while chain is not None and id(chain) not in seen:
+    seen.add(id(chain))
+    if any(status in str(chain) for status in _STORAGE_STATUSES):
+      return True
+    chain = chain.__cause__ or chain.__context__
+  return root_os_error(error) is not None
+
+
+def _let_waiting_threads_go() -> None:
+  """Ends orbax's save threads that wait for a signal from a save that failed (they would wait 300 s each,
+  and the interpreter waits for them at exit). Best effort: orbax's thread class is private."""
+  from orbax.checkpoint._src.futures import future as orbax_future
+  for thread in threading.enumerate():
+    if isinstance(thread, getattr(orbax_future, "_SignalingThread", ())) and thread.is_alive():
+      try:
+        thread.cancel()
+        orbax_future.set_signals(thread._receive_signals, operation_id=thread._operation_id)
+      except Exception:  # noqa: BLE001 - another orbax version: the error is still reported
+        pass
+
+
+class _Manager(ocp.CheckpointManager):
+  """orbax's manager, whose failed writes raise one `CheckpointWriteError` and leave no thread waiting."""
+
+  def wait_until_finished(self) -> None:
+    try:
+      super().wait_until_finished()
+    except Exception as e:
+      if not _is_write_failure(e):
+        raise
+      _let_waiting_threads_go()
+      raise _write_error(self.directory, None, e) from e
+
+  def save(self, step: int, *args: Any, **kwargs: Any) -> bool:
+    try:
+      return super().save(step, *args, **kwargs)
+    except CheckpointWriteError:
+      raise
+    except Exception as e:
+      if not _is_write_failure(e):
+        raise
+      _let_waiting_threads_go()
+      raise _write_error(self.directory, step, e) from e
 
 
 def manager(output_dir: str, every: int = 1, keep: int = 2) -> ocp.CheckpointManager:
@@ -53,7 +135,7 @@ def manager(output_dir: str, every: int = 1, keep: int = 2) -> ocp.CheckpointMan
   # manager that reopens the folder (a resumed run) would see no best at all.
   options = ocp.CheckpointManagerOptions(save_interval_steps=every, preservation_policy=policy,
                                          best_fn=lambda metrics: metrics[BEST_METRIC], best_mode="max")
-  return ocp.CheckpointManager(_root(output_dir), options=options)
+  return _Manager(_root(output_dir), options=options)
 
 
 def _root(output_dir: str) -> str:
@@ -72,7 +154,34 @@ def save(checkpoints: ocp.CheckpointManager, state: ServerState, force: bool = F
   test accuracy) ranks it for keeping the best. Returns whether it saved; the save finishes in the background
   (``checkpoints.wait_until_finished()``)."""
   metrics = None if accuracy is None else {BEST_METRIC: float(accuracy)}
-  return checkpoints.save(state.round, args=ocp.args.StandardSave(state_tree(state)), force=force, metrics=metrics)
+  tree = state_tree(state)
+  if force or checkpoints.should_save(state.round):
+    check_room(str(checkpoints.directory), state.round, sum(leaf.nbytes for leaf in jax.tree.leaves(tree)))
+  return checkpoints.save(state.round, args=ocp.args.StandardSave(tree), force=force, metrics=metrics,
+                          custom_metadata={ROUND_KEY: int(state.round)})
+
+
+# Room a checkpoint needs beyond its arrays' bytes (orbax's metadata files and file blocks), and the key of its
+# recorded round.
+_MARGIN_BYTES, _MARGIN_FACTOR = 64 << 10, 1.1
+ROUND_KEY = "round"
+
+
+def check_room(directory: str, step: int, nbytes: int) -> None:
+  """Raises `CheckpointWriteError` unless ``directory`` takes a new folder and has room for ``nbytes``: checked
+  before orbax's threads start, so the common failures (no permission, an immutable or read-only folder, a
+  full disk) stop the run at once."""
+  try:
+    os.makedirs(directory, exist_ok=True)
+    os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=directory))
+    stats = os.statvfs(directory)
+  except OSError as e:  # (the probe's own name would only confuse: the folder is named)
+    raise _write_error(directory, step, OSError(e.errno, e.strerror)) from None
+  free, needed = stats.f_bavail * stats.f_frsize, int(nbytes * _MARGIN_FACTOR) + _MARGIN_BYTES
+  if free < needed:
+    raise CheckpointWriteError(f"cannot write the checkpoint of round {step} in {directory!r}: No space left on "
+                               f"device (ENOSPC; it needs about {needed / 1e6:.1f} MB, {free / 1e6:.1f} MB are free; "
+                               "free some space or choose another --output-dir)")
 
 
 def best_step(checkpoints: ocp.CheckpointManager) -> int | None:
@@ -82,6 +191,7 @@ def best_step(checkpoints: ocp.CheckpointManager) -> int | None:
 
 def restore(checkpoints: ocp.CheckpointManager, step: int, template: ServerState) -> ServerState:
   """The checkpoint of round ``step``, shaped and typed like ``template`` (e.g. the simulation's initial state)."""
+  _check_step_files(str(checkpoints.directory), step)
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state_tree(template))
   return _from_tree(step, checkpoints.restore(step, args=ocp.args.StandardRestore(abstract)), template)
 
@@ -102,7 +212,22 @@ def restore_latest(checkpoints: ocp.CheckpointManager, template: ServerState) ->
 
 
 # The JSON files a manager reads when it opens a folder (the step's metadata and its metrics).
-_OPENED_FILES = ("_CHECKPOINT_METADATA", os.path.join("metrics", "metrics"))
+_METADATA = "_CHECKPOINT_METADATA"
+_OPENED_FILES = (_METADATA, os.path.join("metrics", "metrics"))
+
+
+def _check_step_files(root: str, step: int) -> None:
+  """Raises ValueError if a JSON file of checkpoint ``step`` does not parse, or the round it records is not
+  ``step`` (a renamed or copied folder); checkpoints of older versions record none."""
+  for name in _OPENED_FILES:
+    path = os.path.join(root, str(step), name)
+    if not os.path.exists(path):
+      continue
+    with open(path) as f:
+      content = json.load(f)
+    recorded = (content.get("custom_metadata") or {}).get(ROUND_KEY) if isinstance(content, dict) else None
+    if name == _METADATA and recorded is not None and recorded != step:
+      raise ValueError(f"it records round {recorded}, but its folder is named {step}")
 
 
 def restore_latest_intact(output_dir: str, template: ServerState,
@@ -119,10 +244,7 @@ def restore_latest_intact(output_dir: str, template: ServerState,
   failures: list[tuple[int, Exception]] = []
   for step in steps:
     try:
-      for name in _OPENED_FILES:
-        if os.path.exists(os.path.join(root, str(step), name)):
-          with open(os.path.join(root, str(step), name)) as f:
-            json.load(f)
+      _check_step_files(root, step)
       restored = ocp.StandardCheckpointer().restore(os.path.join(root, str(step), "default"), abstract)
     except Exception as e:  # orbax raises many kinds (ValueError, OSError, tensorstore's, msgpack's)
       failures.append((step, e))

@@ -171,14 +171,22 @@ class OutputConfig:
   checkpoint_every: int = 10
   keep_checkpoints: int = 2  # the latest N, besides the one with the best mean test accuracy
   progress: bool = True
+  # Reliability (issue 35, `fedjax_hetero.results_folder`): resume a folder whose saved settings cannot be read
+  # (its checkpoints continue with the given settings, unchecked); rebuild a damaged metrics.jsonl.
+  resume_unchecked: bool = False
+  repair_metrics: bool = False
 
   def __post_init__(self):
     check_text("output.dir", self.dir)
     for path, value in (("output.resume", self.resume), ("output.overwrite", self.overwrite),
-                        ("output.progress", self.progress)):
+                        ("output.progress", self.progress), ("output.resume_unchecked", self.resume_unchecked),
+                        ("output.repair_metrics", self.repair_metrics)):
       check_bool(path, value)
     check_integer("output.checkpoint_every", self.checkpoint_every, minimum=1)
     check_integer("output.keep_checkpoints", self.keep_checkpoints, minimum=1)
+    for path in ("output.resume_unchecked", "output.repair_metrics"):  # (reliability, issue 35)
+      if getattr(self, path.split(".")[1]) and not self.resume:
+        raise ValueError(f"{cli_flag(path)} applies to {cli_flag('output.resume')}; add it")
 
   def check_paths(self) -> None:
     """Raises ValueError if the results folder cannot be used: it, or a folder above it, is a file, or it

@@ -38,6 +38,7 @@ from fedjax_hetero.round_program import RoundProgram
 from fedjax_hetero.round_rows import NonFiniteLossError, accuracies  # (NonFiniteLossError re-exported)
 from fedjax_hetero.sampling.samplers import WEIGHTINGS, Participants, SamplingInfo
 from fedjax_hetero.server.steps import Federation, server_program
+from fedjax_hetero.simulation_checks import check_simulation_inputs
 from fedjax_hetero.validation import SEED_MAX, check_choice, check_integer, check_number, cli_flag
 
 
@@ -131,6 +132,7 @@ class Simulation:
     (`fedjax_hetero.round_program`), "host" as the host loop of `run_round`; "auto" picks the program on an
     accelerator when the method and backend allow it, the host loop on CPU (see docs/performance.md).
     ``rounds_per_call`` None: `AUTO_ROUNDS_PER_CALL`."""
+    check_simulation_inputs(groups, store, local, method, config, backend, test_images, test_labels)
     if config.clients_per_round > store.num_clients:
       raise ValueError(f"clients_per_round={config.clients_per_round} exceeds the {store.num_clients} clients")
     if method.one_group and len(groups) != 1:

@@ -18,7 +18,6 @@ import concurrent.futures
 import dataclasses
 import json
 import os
-import shutil
 import time
 from typing import Any, Callable, Sequence
 
@@ -30,6 +29,7 @@ from tqdm.auto import tqdm
 from fedjax_hetero import checkpoints
 from fedjax_hetero import data as fdata
 from fedjax_hetero import distributed
+from fedjax_hetero import metrics_log, preflight, results_folder  # reliability hooks (issue 35)
 from fedjax_hetero import models
 from fedjax_hetero.backends import make_backend
 from fedjax_hetero.config import FLAGS, RunConfig, as_dict, flatten, from_dict
@@ -71,6 +71,7 @@ def build_simulation(config: RunConfig, dataset: fdata.ArrayDataset | None = Non
                      log: Callable[[str], None] = print) -> tuple[Simulation, list[np.ndarray]]:
   """Loads and partitions the data and builds the simulation (no training yet)."""
   dataset, parts = partitioned_dataset(config, dataset)
+  preflight.check_fit(config, dataset, parts, log)  # reliability hook: sizes that would fail or do nothing
   store = FederatedStore.build(dataset.train_images, dataset.train_labels, parts, dataset.num_classes,
                                dataset.mean, dataset.std)
   groups = []
@@ -115,16 +116,13 @@ def malicious_report(sim: Simulation) -> str:
 
 
 def _check_output(config: RunConfig) -> None:
-  out = config.output.dir
-  if os.path.exists(out) and os.listdir(out) and not (config.output.resume or config.output.overwrite):
-    raise ValueError(f"output directory {out!r} is not empty; pass --resume to continue it or --overwrite "
-                     "to start over")
+  results_folder.check_fresh(config.output.dir, config.output.overwrite)  # reliability hook
 
 
 def _prepare_output(config: RunConfig) -> None:
   out = config.output.dir
   if config.output.overwrite and not config.output.resume and os.path.exists(out):
-    shutil.rmtree(out)
+    results_folder.clear_for_overwrite(out)  # reliability hook: the folder's lock file stays
   os.makedirs(out, exist_ok=True)
 
 
@@ -260,29 +258,6 @@ def _next_segment(segments: list[dict[str, Any]], config: RunConfig, from_round:
   return kept + [{"from_round": from_round, "settings": settings, "reason": reason}]
 
 
-def _read_metrics(path: str, upto: int, log: Callable[[str], None]) -> list[dict[str, Any]]:
-  """The metrics rows of rounds up to ``upto`` (the restored checkpoint's round). A half-written last line (a
-  run killed while writing it) and the rows of later rounds are removed, each with a warning."""
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    lines = [line for line in f.read().splitlines() if line.strip()]
-  rows = []
-  for number, line in enumerate(lines, 1):
-    try:
-      rows.append(json.loads(line))
-    except json.JSONDecodeError as e:
-      if number < len(lines):
-        raise ValueError(f"{path}, line {number}, is not valid JSON ({e}); only a half-written last line is "
-                         "repaired on --resume") from None
-      log(f"warning: {path}: its last line is half-written ({len(line)} characters: {line[:60]!r}...); removed it")
-  later = [r["round"] for r in rows if r["round"] > upto]
-  if later:
-    log(f"warning: {path}: removed the metrics of rounds {min(later)}-{max(later)}, which come after the checkpoint "
-        f"of round {upto} (they are trained again)")
-  return [r for r in rows if r["round"] <= upto]
-
-
 def plot_accuracy(rows: Sequence[dict[str, Any]], path: str, title: str) -> None:
   """Test accuracy vs round, one line per architecture group plus the mean; beside it, if the rows log it, the
   gradient dissimilarity of the low and high parts per group."""
@@ -329,13 +304,23 @@ def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
 
   Raises `guard.DivergenceError` when the run diverges and ``config.divergence`` says stop (after writing the
   summary; the best checkpoint is kept). In a multi-process run every process calls it, with the same config;
-  only process 0 writes files and logs."""
+  only process 0 writes files and logs. The run holds its folder's lock throughout (`results_folder.lock`):
+  a second run on the folder fails at once with FolderInUseError."""
+  # Reliability hooks (issue 35): settings that would do nothing, then the folder's lock.
+  preflight.check_settings(config)
+  config.output.check_paths()
+  with results_folder.lock(config.output.dir, enabled=distributed.is_main_process()):
+    return _run_experiment(config, dataset, log)
+
+
+def _run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None, log: Callable[[str], None]) -> dict[str, Any]:
   main = distributed.is_main_process()
   log = log if main else _quiet
   config.data.check_paths()
   config.output.check_paths()
   changed = None
   if config.output.resume:
+    results_folder.check_resume(config, saved_config, log)  # reliability hook: what the resume reads is sound
     _check_process_count(config.output.dir)
     config = _keep_rolled_back_learning_rate(config, log)
     changed = _check_resumable(config, log)
@@ -347,6 +332,7 @@ def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
   if main:
     _prepare_output(config)
   sim, parts = build_simulation(config, dataset, log)
+  results_folder.check_data(config, sim, log)  # reliability hook: a resume trains on the data it started on
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
     initial = pool.submit(sim.init_state)  # XLA compiles the initialization while the partition is drawn
     if main:
@@ -363,7 +349,7 @@ def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
     if restored is not None:
       state = sim.place(restored)
       log(f"resumed from round {state.round}")
-    rows = _read_metrics(metrics_path, state.round, log)
+    rows = metrics_log.read_for_resume(metrics_path, state.round, log)  # reliability hook
   # Every process has read the folder (and process 0 set damaged checkpoints aside) before it is rewritten.
   distributed.barrier("fedjax_hetero.runner: folder read")
   manager = checkpoints.manager(out, config.output.checkpoint_every, config.output.keep_checkpoints)

@@ -38,7 +38,7 @@ def build(backend, method="HeteroAvg"):
   groups = [ArchGroup(f"mlp@{w}", build_model("mlp", ds.num_classes, w, hidden=(16,)), clients)
             for w, clients in zip(widths, assign_groups(6, len(widths)))]
   local = LocalConfig(epochs=2, batch_size=8, optimizer="adam", learning_rate=1e-2, steps_per_call=2)
-  return Simulation(groups, store, local, build_method(method), FederationConfig(clients_per_round=5, seed=0),
+  return Simulation(groups, store, local, build_method(method, local=local), FederationConfig(clients_per_round=5, seed=0),
                     make_backend(backend), jnp.asarray(ds.test_images), jnp.asarray(ds.test_labels))
 
 

@@ -167,8 +167,8 @@ def test_the_sharded_runs_agree_with_the_sequential_backend(runs):
 
 def test_only_process_zero_writes_and_every_process_checkpoints(runs):
   folder = runs["out"]["FedCross", "2x2"]
-  assert sorted(os.listdir(folder)) == ["accuracy.png", "checkpoints", "config.json", "metrics.jsonl",
-                                        "partition.png", "partition.txt", "summary.json"]
+  assert sorted(os.listdir(folder)) == [".lock", "accuracy.png", "checkpoints", "config.json", "data_fingerprint.json",
+                                        "metrics.jsonl", "partition.png", "partition.txt", "summary.json"]
   assert sorted(os.listdir(os.path.join(folder, "checkpoints"))) == ["1", "2"]
   with open(os.path.join(folder, "config.json")) as f:
     assert json.load(f)["processes"] == 2

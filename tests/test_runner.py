@@ -77,6 +77,10 @@ class _OnlyStep:
   def all_steps(self):
     return self._manager.all_steps()
 
+  @property
+  def directory(self):
+    return self._manager.directory
+
 
 # ---------------------------------------------------------------------------------------------- resume
 

@@ -127,8 +127,16 @@ def check_scalar(name: str, value: Any) -> None:
     raise ValueError(f"{name} must be a scalar, got shape {tuple(np.shape(value))}")
 
 
+def check_numeric(name: str, value: Any) -> None:
+  """A number or an array of numbers (not None, text or an object array that numpy would fail on unnamed)."""
+  dtype = _dtype(value) if value is not None and not isinstance(value, (str, bytes)) else None
+  if dtype is None or not np.issubdtype(dtype, np.number):
+    raise ValueError(f"{name} must be a number, got {value!r}" + (f" (dtype {dtype})" if dtype is not None else ""))
+
+
 def check_weight(name: str, value: Any) -> None:
-  """A scalar weight: finite and >= 0 (when concrete)."""
+  """A scalar weight: a number, finite and >= 0 (when concrete)."""
+  check_numeric(name, value)
   check_scalar(name, value)
   if is_concrete(value):
     number = float(np.asarray(value))

@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from fedjax_hetero.data import checks
+
 # cifar100_coarse: CIFAR-100 with its 20 superclass labels (the FedCross authors' code trains on these).
 DATASETS: tuple[str, ...] = ("fashion_mnist", "cifar10", "cifar100", "cifar100_coarse", "svhn_cropped", "synthetic")
 
@@ -76,6 +78,7 @@ class ArrayDataset:
   std: tuple[float, ...]
 
   def __post_init__(self) -> None:
+    checks.check_num_classes("num_classes", self.num_classes)
     for split in ("train", "test"):
       images = getattr(self, f"{split}_images")
       labels = getattr(self, f"{split}_labels")
@@ -91,9 +94,7 @@ class ArrayDataset:
       raise ValueError(
           f"train/test image shapes differ: {self.train_images.shape[1:]} vs "
           f"{self.test_images.shape[1:]}")
-    channels = self.train_images.shape[-1]
-    if len(self.mean) != channels or len(self.std) != channels:
-      raise ValueError(f"mean/std need {channels} entries, got {len(self.mean)}/{len(self.std)}")
+    checks.check_normalization(self.mean, self.std, self.train_images.shape[-1])
 
   @property
   def image_shape(self) -> tuple[int, int, int]:
@@ -206,6 +207,7 @@ def _fashion_mnist_from_idx(paths: list[str]) -> ArrayDataset:
       raise _corrupt(x_path, f"images of shape {x.shape[1:]}, expected {FASHION_MNIST_IMAGE_SHAPE}")
     if y.size and y.max() >= FASHION_MNIST_CLASSES:
       raise _corrupt(y_path, f"label {y.max()}, expected 0 to {FASHION_MNIST_CLASSES - 1}")
+  _check_plausible(paths, train_x, train_y, test_x)
   mean, std = _NORMALIZATION["fashion_mnist"]
   return ArrayDataset(
       name="fashion_mnist",
@@ -217,6 +219,21 @@ def _fashion_mnist_from_idx(paths: list[str]) -> ArrayDataset:
       mean=mean,
       std=std,
   )
+
+
+def _check_plausible(paths: list[str], train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray) -> None:
+  """Files that parse but cannot be Fashion-MNIST's training and test sets: the training images no more
+  than the test images (60,000 and 10,000: the files of one split under the other's names), or training
+  labels missing a class."""
+  if len(train_x) <= len(test_x):
+    raise CorruptDataError(
+        f"Fashion-MNIST's training file {paths[0]} holds {len(train_x)} images and its test file {paths[2]} "
+        f"{len(test_x)}: the training set is the larger one (60,000 against 10,000), so the train and test "
+        f"files look swapped; {_fashion_mnist_refetch_hint(paths[0])}")
+  missing = sorted(set(range(FASHION_MNIST_CLASSES)) - set(np.unique(train_y).tolist()))
+  if missing:
+    raise _corrupt(paths[1], f"its labels hold no image of class {', '.join(map(str, missing))}; Fashion-MNIST's "
+                             f"training set holds all {FASHION_MNIST_CLASSES}")
 
 
 def load_fashion_mnist(data_dir: str | None = None) -> ArrayDataset:
@@ -326,9 +343,9 @@ def synthetic_dataset(
     noise_std: float = 32.0,
 ) -> ArrayDataset:
   """Easily learnable data: a fixed random uint8 prototype per class plus Gaussian noise."""
-  if num_classes < 1 or num_train < 1 or num_test < 0 or len(image_shape) != 3:
+  if num_classes < 2 or num_train < 1 or num_test < 0 or len(image_shape) != 3:
     raise ValueError(
-        "need num_classes >= 1, num_train >= 1, num_test >= 0, image_shape (H, W, C); got "
+        "need num_classes >= 2, num_train >= 1, num_test >= 0, image_shape (H, W, C); got "
         f"{num_classes}, {num_train}, {num_test}, {image_shape}")
   rng = np.random.default_rng(seed)
   prototypes = rng.integers(0, 256, size=(num_classes, *image_shape)).astype(np.float32)

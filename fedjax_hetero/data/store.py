@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_hetero import distributed
+from fedjax_hetero.data import checks
 from fedjax_hetero.data.partition import class_counts
 
 
@@ -38,6 +39,14 @@ class FederatedStore:
   @classmethod
   def build(cls, images: np.ndarray, labels: np.ndarray, parts: Sequence[np.ndarray], num_classes: int,
             mean: Sequence[float], std: Sequence[float]) -> "FederatedStore":
+    """The store of uint8 ``images`` [N, H, W, C] with integer ``labels`` in [0, ``num_classes``), one array of
+    sample ids in [0, N) per client (``parts``), and one ``mean`` and ``std`` > 0 per channel; a ValueError
+    naming the argument otherwise (`fedjax_hetero.data.checks`)."""
+    shape = checks.check_images("images", images)
+    num_classes = checks.check_num_classes("num_classes", num_classes)
+    checks.check_labels("labels", labels, shape[0], num_classes)
+    checks.check_normalization(mean, std, shape[-1])
+    checks.check_parts("parts", parts, shape[0])
     sizes = np.array([len(p) for p in parts], np.int64)
     table = np.zeros((len(parts), max(1, int(sizes.max()))), np.int32)
     for row, part in zip(table, parts):

@@ -24,7 +24,7 @@ or sampler of its name.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Collection, NamedTuple
+from typing import Any, Callable, Collection, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -71,6 +71,9 @@ class Method:
   # (group's model as the clients train it, a sample input) -> the paths of its variable leaves that each group
   # of a shared federation keeps its own copy of (NeFL's inconsistent parameters); None: every leaf is shared
   own_leaves: Callable[[nn.Module, jax.Array], Collection[Path]] | None = None
+  # The LocalConfig settings the method's build read, as (name, value) pairs (SCAFFOLD's learning rate,
+  # FedNova's optimizer): a Simulation training with other values is refused (`simulation_checks`).
+  local_settings: tuple[tuple[str, Any], ...] = ()
 
   def __post_init__(self):
     for kind, names in (("client term", [t.name for t in self.terms]), ("server step", [s.name for s in self.server])):

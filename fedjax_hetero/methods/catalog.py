@@ -12,7 +12,7 @@ NeFL, FedRolex, and FedIN with its baseline InclusiveFL.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from fedjax_hetero import aggregators
 from fedjax_hetero.algorithms.fedgen import FedGenConfig
@@ -305,11 +305,25 @@ def get_entry(name: str) -> Entry:
     raise ValueError(f"unknown method {name!r}; accepted: {', '.join(e.name for e in METHODS.values())}") from None
 
 
+class _ReadsRecorded:
+  """A LocalConfig that notes the settings a method's build reads (see `Method.local_settings`)."""
+
+  def __init__(self, local: LocalConfig):
+    self._local, self.read = local, {}
+
+  def __getattr__(self, name: str) -> Any:
+    value = getattr(self._local, name)
+    self.read[name] = value
+    return value
+
+
 def build_method(name: str, options: MethodOptions = MethodOptions(), local: LocalConfig = LocalConfig()) -> Method:
   """The method called ``name`` (case-insensitive), with ``options``; ``prox_mu``/``moon_mu``
   override a method's own mu, and a nonzero value adds the term to a method without it."""
   entry = get_entry(name)
-  method = dataclasses.replace(entry.build(options, local), summary=entry.summary)
+  reads = _ReadsRecorded(local)
+  method = dataclasses.replace(entry.build(options, reads), summary=entry.summary,
+                               local_settings=tuple(sorted(reads.read.items())))
   names = [s.name for s in method.server]
   if (options.inco_variant or options.inco_granularity) and "inco" not in names:
     raise ValueError(f"--inco-variant/--inco-granularity apply to the InCo* methods, not {entry.name}")

@@ -12,12 +12,14 @@ width; plain "vit" is the default depth, 6).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import Any
 
 import flax.linen as nn
 
+from fedjax_hetero.data.checks import check_num_classes
 from fedjax_hetero.models.cnn import CNN
 from fedjax_hetero.models.cnn_cifar import CNNCifar
 from fedjax_hetero.models.common import bn_mask, cut_shape, parameter_split, resolve_cut, run_parts, scale_channels
@@ -47,14 +49,35 @@ def _check_name(name: str) -> str:
   return key
 
 
+_SIMPLE = {"cnn": CNN, "mlp": MLP, "cnn_cifar": CNNCifar, "vgg16": VGG16, "vit": ViT}
+
+
+def _model_class(key: str) -> type:
+  if key in _SIMPLE:
+    return _SIMPLE[key]
+  if key == "resnet20_preact":
+    return PreActResNet
+  return ViT if _VIT_DEPTH.fullmatch(key) else ResNet
+
+
+def _check_overrides(name: str, key: str, overrides: dict[str, Any]) -> None:
+  accepted = {f.name for f in dataclasses.fields(_model_class(key))} - {"parent", "name", "num_classes", "width"}
+  unknown = sorted(set(overrides) - accepted)
+  if unknown:
+    raise ValueError(f"model {name!r} has no setting {unknown[0]!r}; accepted overrides: {', '.join(sorted(accepted))}")
+
+
 def build_model(name: str, num_classes: int, width: float = 1.0, **overrides: Any) -> nn.Module:
-  """Builds model `name` (case-insensitive); `overrides` replace constructor fields.
+  """Builds model `name` (case-insensitive) for ``num_classes`` (an integer >= 2); `overrides` replace
+  constructor fields (an unknown one is a ValueError naming it).
 
   "vit_d<depth>" is `ViT(depth=<depth>)`; it takes no `depth` override.
   """
   key = _check_name(name)
   width = _check_width(width)
-  simple = {"cnn": CNN, "mlp": MLP, "cnn_cifar": CNNCifar, "vgg16": VGG16, "vit": ViT}
+  check_num_classes("num_classes", num_classes)
+  _check_overrides(name, key, overrides)
+  simple = _SIMPLE
   if key in simple:
     return simple[key](num_classes=num_classes, width=width, **overrides)
   if key == "resnet20_preact":

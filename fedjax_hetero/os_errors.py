@@ -1,0 +1,71 @@
+"""One line for an operating-system error: the path it concerns and the cause, as the CLI prints it.
+
+Libraries wrap the `OSError` that stopped them (orbax in its own exceptions, matplotlib in a `ValueError`
+at times), so `describe` looks down an error's chain of causes for the first one that says which file and
+which errno.
+"""
+
+from __future__ import annotations
+
+import errno
+from typing import Iterator
+
+
+# What a user can do about the commonest causes.
+_ADVICE = {errno.ENOSPC: "free some space or choose another --output-dir",
+           errno.EDQUOT: "free some space or choose another --output-dir",
+           errno.EROFS: "the file system is mounted read-only; choose another --output-dir",
+           errno.EACCES: "check the permissions (and for chattr +i: lsattr)",
+           errno.EPERM: "check the permissions (and for chattr +i: lsattr)",
+           errno.ENAMETOOLONG: "a path component may hold at most 255 bytes"}
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+  seen: set[int] = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    yield error
+    error = error.__cause__ or error.__context__
+
+
+def root_os_error(error: BaseException) -> OSError | None:
+  """The first error in ``error``'s chain of causes that carries an errno, if any."""
+  return next((e for e in _chain(error) if isinstance(e, OSError) and e.errno is not None), None)
+
+
+def _first_line(error: BaseException) -> str:
+  lines = str(error).strip().splitlines()
+  return lines[0] if lines else type(error).__name__
+
+
+def reason(error: BaseException) -> str:
+  """The cause of an OS error without its path: ``Operation not permitted (EPERM; check the permissions ...)``;
+  the first line of any other error."""
+  cause = root_os_error(error)
+  if cause is None:
+    return _first_line(error)
+  code = errno.errorcode.get(cause.errno, str(cause.errno))
+  advice = _ADVICE.get(cause.errno)
+  return f"{cause.strerror or _first_line(cause)} ({code}" + (f"; {advice})" if advice else ")")
+
+
+def failed_path(error: BaseException) -> str | None:
+  """The path (or ``'a' -> 'b'`` for a rename) an OS error in ``error``'s chain concerns, if it says."""
+  cause = root_os_error(error)
+  if cause is None or cause.filename is None:
+    return None
+  return " -> ".join(repr(str(p)) for p in (cause.filename, cause.filename2) if p is not None)
+
+
+def describe(error: BaseException, context: str = "") -> str:
+  """``'/runs/x/metrics.jsonl': Operation not permitted (EPERM; check the permissions ...)``. An `OSError`
+  without an errno (ours, such as `checkpoints.CheckpointWriteError`, whose message names the path and the
+  cause) gives its message; a `MemoryError` says what to lower. ``context`` (e.g. the results folder) follows
+  an error that names no path (a write to an open stream: matplotlib's savefig)."""
+  if isinstance(error, MemoryError):
+    return (f"out of memory while allocating arrays ({_first_line(error)}); lower --max-train-samples, "
+            "--batch-size or the number of clients, or use a machine with more memory")
+  if isinstance(error, OSError) and error.errno is None:
+    return _first_line(error)
+  path = failed_path(error)
+  return f"{path}: {reason(error)}" if path else reason(error) + (f" {context}" if context else "")

@@ -1,0 +1,145 @@
+"""Settings a run would accept and then silently not use, or fail on deep inside compute; refused up front.
+
+`check_settings` needs only the config (a run calls it before it takes its folder): a learning rate that is 0 in
+float32 training arithmetic, partition settings a ``--partition-file`` overrides, and settings that act only
+beside a choice the run did not make (`ACTS_ONLY_WITH`: ``--alpha`` without the Dirichlet partition,
+``--momentum`` with Adam, ...). `check_fit` needs the
+loaded data and the partition (before the store and the models are built): images too small for a group's
+model, a batch larger than every client (every batch padded to it, for the same result: refused above twice the
+largest client, a warning below), and clients that take no local step. Each error names the flag.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_hetero import models
+from fedjax_hetero.config import flatten
+from fedjax_hetero.methods import build_method
+from fedjax_hetero.simulation_checks import check_learning_rate
+from fedjax_hetero.validation import cli_flag, first_line
+
+# A batch this many times the largest client (every batch mostly padding) is refused; a smaller excess is a warning.
+PADDING_REFUSED = 2
+# The partition settings a partition file replaces, and the values that mean "not set".
+PARTITION_FILE_OVERRIDES = ("partition", "alpha", "classes_per_client")
+
+
+def _has_term(name: str) -> Callable[[Any], bool]:
+  def acts(config: Any) -> bool:
+    method = build_method(config.method.name, config.method, config.client)
+    return any(term.name == name for term in method.terms)
+  return acts
+
+
+_FEDCROSS = ("alpha", "strategy", "similarity", "global_from", "warmup_rounds", "propellers", "propeller_rounds",
+             "dynamic_alpha_rounds")
+_FEDIMPRO = ("beta", "std_max", "weight", "loss", "sample_from", "noise", "num_synthetic")  # (its cut: also the metric's)
+
+
+# Settings that act only beside another choice: (setting, whether it acts in this config, that choice). Set
+# to anything but its default without that choice, it would be recorded in config.json and do nothing.
+ACTS_ONLY_WITH: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("data.alpha", lambda c: c.data.partition == "dirichlet", "--partition dirichlet"),
+    ("data.classes_per_client", lambda c: c.data.partition == "shards", "--partition shards"),
+    ("client.momentum", lambda c: c.client.optimizer == "sgd", "--optimizer sgd (Adam has no momentum setting)"),
+    ("method.moon_temperature", _has_term("moon"), "a method with MOON's term (MOON, HeteroMOON, InCoMOON, or "
+                                                   "--moon-mu)"),
+    ("method.clusamp_similarity", _has_term("clustered"), "--method CluSamp"),
+    *((f"method.fedcross.{name}", _has_term("cross"), "--method FedCross") for name in _FEDCROSS),
+    *((f"method.fedimpro.{name}", _has_term("fedimpro"), "--method FedImpro") for name in _FEDIMPRO),
+    ("federation.backdoor_scale", lambda c: c.federation.malicious_fraction > 0, "--malicious-fraction above 0"),
+    ("federation.backdoor_delta", lambda c: c.federation.malicious_fraction > 0, "--malicious-fraction above 0"),
+    ("divergence.loss_factor", lambda c: c.divergence.action != "off", "--on-divergence stop or rollback"),
+    ("divergence.chance_evals", lambda c: c.divergence.action != "off", "--on-divergence stop or rollback"),
+    ("divergence.rollback_lr_factor", lambda c: c.divergence.action == "rollback", "--on-divergence rollback"),
+    ("divergence.max_rollbacks", lambda c: c.divergence.action == "rollback", "--on-divergence rollback"),
+)
+
+
+def _check_partition_file(config: Any, flat: dict[str, Any], defaults: dict[str, Any]) -> None:
+  for name in PARTITION_FILE_OVERRIDES:
+    path = "data." + name
+    if flat[path] != defaults[path]:
+      raise ValueError(f"{cli_flag(path)} {flat[path]} has no effect with {cli_flag('data.partition_file')}: "
+                       "the file gives every client its samples; drop it")
+
+
+def check_settings(config: Any) -> None:
+  """The config-only checks (see the module docstring); ValueError naming the flag."""
+  check_learning_rate(cli_flag("client.learning_rate"), config.client.learning_rate)
+  flat, defaults = flatten(config), flatten(type(config)())
+  if config.data.partition_file is not None:
+    _check_partition_file(config, flat, defaults)
+    return
+  for path, acts, choice in ACTS_ONLY_WITH:
+    if flat[path] != defaults[path] and not acts(config):
+      raise ValueError(f"{cli_flag(path)} {flat[path]} has no effect without {choice}; drop it (or add that)")
+
+
+def _smallest_working_size(name: str, width: float, channels: int, start: int, limit: int = 256) -> int | None:
+  for size in range(start + 1, limit + 1):
+    if _image_problem(name, width, (size, size, channels)) is None:
+      return size
+  return None
+
+
+def _image_problem(name: str, width: float, image_shape: tuple[int, ...]) -> str | None:
+  """Why the group's model cannot take images of ``image_shape`` (an error tracing it, or a layer left with no
+  values), None if it can; shapes only, nothing computed."""
+  model = models.build_model(name, 10, width)
+  try:
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, *image_shape), jnp.float32))
+  except Exception as e:  # noqa: BLE001 - whatever the model raises on a too small input
+    return first_line(e, 160)
+  empty = [jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]
+           if 0 in leaf.shape]
+  return f"its layer {empty[0]} would have no values" if empty else None
+
+
+def _check_images(config: Any, image_shape: tuple[int, ...]) -> None:
+  """Only with --image-size: every model takes the datasets' own sizes, and `Simulation` checks images
+  handed to it in any case (`simulation_checks.check_models`), naming no flag."""
+  size = config.data.image_size
+  if size is None:
+    return
+  what = f"{cli_flag('data.image_size')} {size}"
+  for spec in config.groups:
+    name, width = models.parse_group_spec(spec)
+    problem = _image_problem(name, width, image_shape)
+    if problem is None:
+      continue
+    smallest = _smallest_working_size(name, width, image_shape[-1], image_shape[0])
+    hint = f"; the smallest size it takes is {smallest}" if smallest else ""
+    raise ValueError(f"{what} is too small for group {spec}: {problem}{hint}")
+
+
+def _check_batches(config: Any, sizes: np.ndarray, log: Callable[[str], None]) -> None:
+  local, flag = config.client, cli_flag("client.batch_size")
+  largest = int(sizes.max()) if len(sizes) else 0
+  if local.batch_size > largest and not local.drop_last:
+    waste = (f"{flag} {local.batch_size} exceeds the largest client's {largest} samples: every batch is padded to "
+             f"{local.batch_size} rows for the result {flag} {largest} gives")
+    if local.batch_size > PADDING_REFUSED * largest:
+      raise ValueError(f"{waste} (over {PADDING_REFUSED}x the work); pass at most {largest}")
+    log(f"warning: {waste} (up to {local.batch_size / max(largest, 1):.1f}x the work)")
+  stepless = int(np.sum([local.num_steps(int(n)) == 0 for n in sizes]))
+  why = (f"fewer than {flag} {local.batch_size} samples with {cli_flag('client.drop_last')}" if local.drop_last
+         else "no samples")
+  if stepless == len(sizes):
+    raise ValueError(f"no client would take a local step ({why}; the largest client has {largest}), so no round "
+                     f"would change the model; lower {flag}" + ("" if not local.drop_last else " or drop --drop-last"))
+  if stepless:
+    log(f"warning: {stepless} of {len(sizes)} clients take no local step ({why}): a round that samples only "
+        "them changes nothing")
+
+
+def check_fit(config: Any, dataset: Any, parts: Sequence[np.ndarray], log: Callable[[str], None] = print) -> None:
+  """The data-dependent checks (see the module docstring); ValueError naming the flag, before anything is built."""
+  _check_images(config, tuple(dataset.image_shape))
+  _check_batches(config, np.array([len(p) for p in parts], np.int64), log)
+

@@ -1,0 +1,290 @@
+"""The results folder a run owns: one run at a time, what ``--overwrite`` may delete, and what a resume reads.
+
+* `lock`: a run (or a resume) holds an exclusive ``fcntl.flock`` on ``<folder>/.lock`` while it runs. The
+  kernel drops the lock with the process, so a run killed with SIGKILL leaves no stale lock; a second process
+  on the folder fails at once, naming the holder's pid (written into the file). A run refused before it wrote
+  anything removes the lock file (and the folder) it made.
+* `check_fresh`, `clear_for_overwrite`: ``--overwrite`` deletes only a folder that holds a run (its
+  ``config.json``, ``metrics.jsonl``, ``checkpoints/`` or ``partition.txt``); anything else is refused,
+  naming what is there.
+* `check_resume`: before a resume reads anything, ``config.json`` and ``summary.json`` must parse as a run's
+  settings (errors name the file) and ``metrics.jsonl`` must be one row per round (`fedjax_hetero.metrics_log`).
+  A folder holding checkpoints or metrics but no readable settings is refused: nothing could check that the
+  command continues the same run. ``--resume-unchecked`` continues it anyway (unreadable files are set
+  aside as ``*.unreadable``), ``--repair-metrics`` rebuilds the metrics it can.
+* `check_data`: the data a run trains and evaluates on are fingerprinted into ``data_fingerprint.json``
+  (`fedjax_hetero.data.fingerprint`); a resume on other data (another ``--data-dir``, swapped files) is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import shutil
+from typing import Any, Callable, Iterator
+
+from fedjax_hetero import distributed, metrics_log
+from fedjax_hetero.data import fingerprint
+from fedjax_hetero.os_errors import describe
+from fedjax_hetero.validation import cli_flag, first_line
+
+LOCK_FILE = ".lock"
+# A folder holding one of these is a run's (partition.txt: a run killed before it wrote config.json; the others
+# are written beside config.json, but any of them marks the folder as one this library wrote).
+RUN_ENTRIES = ("config.json", "metrics.jsonl", "checkpoints", "partition.txt", "summary.json", "data_fingerprint.json",
+               "damaged_checkpoints", metrics_log.DROPPED_CHECKPOINTS)
+SETTINGS_FILES = ("config.json", "summary.json")
+FINGERPRINT_FILE = "data_fingerprint.json"
+UNREADABLE = ".unreadable"
+
+
+class FolderInUseError(ValueError):
+  """Another process holds the results folder's lock."""
+
+
+def _folder_flag(output_dir: str) -> str:
+  return f"{cli_flag('output.dir')} {output_dir!r}"
+
+
+def _make_folder(output_dir: str) -> bool:
+  """Creates the folder (and its parents) if needed; returns whether it did. One-line errors for the paths the
+  OS refuses (a dangling symlink, a name too long, /proc, a read-only file system)."""
+  if os.path.islink(output_dir) and not os.path.exists(output_dir):
+    raise ValueError(f"{_folder_flag(output_dir)} is a symbolic link to {os.readlink(output_dir)!r}, which does "
+                     "not exist; create its target or choose another folder")
+  if os.path.isdir(output_dir):
+    return False
+  try:
+    os.makedirs(output_dir)
+  except OSError as e:
+    raise ValueError(f"{_folder_flag(output_dir)} cannot be created: {describe(e)}") from None
+  return True
+
+
+def _holder(fd: int) -> str:
+  os.lseek(fd, 0, os.SEEK_SET)
+  text = os.read(fd, 64).decode(errors="replace").strip()
+  return f"pid {text}" if text.isdigit() else "a process that is starting"
+
+
+def _open_lock_file(path: str) -> tuple[int, bool]:
+  """An open descriptor of the lock file, and whether this call created it."""
+  try:
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+  except FileExistsError:
+    return os.open(path, os.O_RDWR | os.O_CREAT, 0o644), False
+
+
+def _acquire(output_dir: str) -> tuple[int, bool]:
+  """An open descriptor of the folder's lock file, locked, and whether it was made now; FolderInUseError if
+  another process holds it."""
+  path = os.path.join(output_dir, LOCK_FILE)
+  try:
+    fd, made = _open_lock_file(path)
+  except OSError as e:
+    raise ValueError(f"{_folder_flag(output_dir)} cannot be used: {describe(e)}") from None
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError as e:
+    holder = _holder(fd) if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else None
+    os.close(fd)
+    if holder is None:
+      raise ValueError(f"{_folder_flag(output_dir)} cannot be locked: {describe(e)}") from None
+    raise FolderInUseError(f"{_folder_flag(output_dir)} is in use by another run ({holder}, which holds {path}); "
+                           "wait for it to end, or choose another folder") from None
+  os.ftruncate(fd, 0)
+  os.write(fd, str(os.getpid()).encode())
+  return fd, made
+
+
+def _release(fd: int, output_dir: str, made_folder: bool, made_lock: bool) -> None:
+  """Unlocks. A run refused before it wrote anything leaves the folder as it found it: the lock file it made
+  goes (while still locked, so a process waiting for it finds it gone and makes its own), and so does a folder
+  it made."""
+  try:
+    names = set(os.listdir(output_dir))
+    if made_lock and not names & set(RUN_ENTRIES):
+      os.remove(os.path.join(output_dir, LOCK_FILE))
+      if made_folder and names == {LOCK_FILE}:
+        with contextlib.suppress(OSError):
+          os.rmdir(output_dir)
+  except OSError:
+    pass  # (the folder went away under the run: nothing to tidy)
+  finally:
+    os.close(fd)
+
+
+@contextlib.contextmanager
+def lock(output_dir: str, enabled: bool = True) -> Iterator[None]:
+  """Holds the results folder's lock for the block (see the module docstring); creates the folder if needed.
+  ``enabled`` False (the other processes of a multi-process run, which process 0 speaks for) does nothing."""
+  if not enabled:
+    yield
+    return
+  made_folder = _make_folder(output_dir)
+  try:
+    fd, made_lock = _acquire(output_dir)
+  except BaseException:
+    if made_folder:
+      with contextlib.suppress(OSError):
+        os.rmdir(output_dir)
+    raise
+  try:
+    yield
+  finally:
+    _release(fd, output_dir, made_folder, made_lock)
+
+
+def _entries(output_dir: str) -> list[str]:
+  return sorted(set(os.listdir(output_dir)) - {LOCK_FILE}) if os.path.isdir(output_dir) else []
+
+
+def _listing(names: list[str], limit: int = 6) -> str:
+  shown = ", ".join(names[:limit])
+  return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def check_fresh(output_dir: str, overwrite: bool) -> None:
+  """A new run's folder is empty, or ``overwrite`` and it holds a run; else ValueError saying what is there."""
+  entries = _entries(output_dir)
+  if not entries:
+    return
+  if not overwrite:
+    raise ValueError(f"output directory {output_dir!r} is not empty; pass --resume to continue it or --overwrite "
+                     "to start over")
+  if not set(entries) & set(RUN_ENTRIES):
+    raise ValueError(f"{cli_flag('output.overwrite')} deletes only a results folder, and {output_dir!r} holds no run "
+                     f"(no {', '.join(RUN_ENTRIES[:3])}/) but {_listing(entries)}; move those away or choose "
+                     "another folder")
+
+
+def clear_for_overwrite(output_dir: str) -> None:
+  """Deletes everything in the (locked) folder but its lock file."""
+  for name in _entries(output_dir):
+    path = os.path.join(output_dir, name)
+    if os.path.isdir(path) and not os.path.islink(path):
+      shutil.rmtree(path)
+    else:
+      os.remove(path)
+
+
+def read_json_object(path: str) -> dict[str, Any] | None:
+  """The JSON object in ``path`` (None if there is no such file); ValueError naming the file otherwise."""
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    text = f.read()
+  try:
+    value = json.loads(text)
+  except json.JSONDecodeError as e:
+    what = "is empty" if not text.strip() else f"is not valid JSON ({e}; half-written?)"
+    raise ValueError(f"{path} {what}") from None
+  if not isinstance(value, dict):
+    raise ValueError(f"{path} holds {type(value).__name__} {json.dumps(value)[:40]}, not a JSON object")
+  return value
+
+
+def _check_history(path: str, saved: dict[str, Any]) -> None:
+  """config.json's records beside the settings: segments and rollbacks (lists of objects), processes."""
+  for key in ("segments", "rollbacks"):
+    entries = saved.get(key, [])
+    if not (isinstance(entries, list) and all(isinstance(e, dict) for e in entries)):
+      raise ValueError(f"{path}: {key!r} is not a list of objects")
+  if any(not isinstance(seg.get("from_round"), int) or not isinstance(seg.get("settings"), dict)
+         for seg in saved.get("segments", [])):
+    raise ValueError(f"{path}: a segment lacks its from_round or settings")
+  if any(not (isinstance(r.get("learning_rate"), list) and len(r["learning_rate"]) == 2) for r in saved.get("rollbacks", [])):
+    raise ValueError(f"{path}: a rollback lacks its learning_rate [before, after]")
+  processes = saved.get("processes", 1)
+  if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+    raise ValueError(f"{path}: 'processes' is {processes!r}, not a process count")
+
+
+def _settings_problem(output_dir: str, read_saved: Callable[..., Any]) -> tuple[str | None, Any]:
+  """(why the folder's saved settings cannot be read, None if they can; the saved config, None if none)."""
+  try:
+    saved = read_json_object(os.path.join(output_dir, "config.json"))
+    if saved is not None:
+      _check_history(os.path.join(output_dir, "config.json"), saved)
+    else:
+      read_json_object(os.path.join(output_dir, "summary.json"))
+  except ValueError as e:
+    return str(e), None
+  name = "config.json" if saved is not None else "summary.json"
+  try:
+    return None, read_saved(output_dir, lambda _: None)
+  except (ValueError, TypeError, AttributeError, KeyError) as e:
+    return f"{os.path.join(output_dir, name)} does not hold a run's settings ({first_line(e, 200)})", None
+
+
+def _has_state(output_dir: str) -> bool:
+  root = os.path.join(output_dir, "checkpoints")
+  steps = os.path.isdir(root) and any(name.isdigit() for name in os.listdir(root))
+  metrics = os.path.join(output_dir, "metrics.jsonl")
+  return steps or (os.path.exists(metrics) and os.path.getsize(metrics) > 0)
+
+
+def _set_aside(output_dir: str, log: Callable[[str], None]) -> None:
+  for name in SETTINGS_FILES:
+    path = os.path.join(output_dir, name)
+    if os.path.exists(path):
+      os.replace(path, path + UNREADABLE)
+      log(f"warning: --resume-unchecked: moved {path} to {path + UNREADABLE}; this command's settings are used "
+          "unchecked")
+
+
+def _check_settings(output_dir: str, unchecked: bool, read_saved: Callable[..., Any],
+                    log: Callable[[str], None]) -> None:
+  problem, saved = _settings_problem(output_dir, read_saved)
+  if problem is None and (saved is not None or not _has_state(output_dir)):
+    return
+  why = problem or (f"{output_dir!r} holds checkpoints or metrics but no config.json (or summary.json) with the "
+                    "settings they were trained with")
+  if not unchecked:
+    raise ValueError(f"cannot resume: {why}; nothing can check that this command continues the same run. Restore "
+                     f"the file, or pass {cli_flag('output.resume_unchecked')} to continue with this command's "
+                     "settings unchecked")
+  log(f"warning: {cli_flag('output.resume_unchecked')}: {why}")
+  _set_aside(output_dir, log)
+
+
+def check_resume(config: Any, read_saved: Callable[..., Any], log: Callable[[str], None]) -> None:
+  """Before a resume reads the folder (see the module docstring); ``read_saved(output_dir, log)`` reads its
+  saved config (`fedjax_hetero.runner.saved_config`). Process 0 checks (and repairs, as asked); the others
+  wait for it."""
+  out = config.output.dir
+  if distributed.is_main_process():
+    _check_settings(out, config.output.resume_unchecked, read_saved, log)
+    if config.output.repair_metrics:
+      metrics_log.repair(out, log)
+    else:
+      metrics_log.check(os.path.join(out, "metrics.jsonl"))
+  distributed.barrier("fedjax_hetero.results_folder: resume checked")
+
+
+def check_data(config: Any, sim: Any, log: Callable[[str], None]) -> None:
+  """Records the fingerprint of the data ``sim`` trains and evaluates on (a new run), or compares it with the
+  recorded one (a resume; an older folder without a record gets one). ValueError on other data, unless
+  ``--resume-unchecked`` (then a warning)."""
+  if not distributed.is_main_process():
+    return
+  path = os.path.join(config.output.dir, FINGERPRINT_FILE)
+  now = fingerprint.of_simulation(sim)
+  try:
+    recorded = read_json_object(path) if config.output.resume else None
+  except ValueError as e:
+    recorded, changed = None, [f"the record cannot be read: {e}"]
+  else:
+    changed = fingerprint.differences(recorded, now) if recorded is not None else []
+  if changed:
+    message = (f"the data differ from those the run in {config.output.dir!r} trained on ({'; '.join(changed)}; "
+               f"recorded in {path}); was {cli_flag('data.data_dir')} pointed at other files?")
+    if not config.output.resume_unchecked:
+      raise ValueError(f"cannot resume: {message} Point it at the run's data, or pass --overwrite instead of "
+                       "--resume to start over")
+    log(f"warning: {cli_flag('output.resume_unchecked')}: {message}")
+  with open(path, "w") as f:
+    json.dump(now, f)

@@ -1,0 +1,126 @@
+"""The checks of `fedjax_hetero.engine.Simulation`'s inputs, run before anything is traced or computed.
+
+Groups that share a client, an empty group, client ids outside the store (a gather would clamp them), two
+groups of one name (their metrics would overwrite each other), a test set whose labels do not match its images
+or the store's classes, images a group's model cannot take, a learning rate that is 0 in float32, and a
+method built for other local-training settings than the simulation's (SCAFFOLD's correction uses the
+learning rate, FedNova's normalization the optimizer): each is a ValueError naming the argument.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_hetero.client.local import LocalConfig
+from fedjax_hetero.data import checks
+from fedjax_hetero.data.store import FederatedStore
+from fedjax_hetero.validation import first_line
+
+# XLA:CPU flushes subnormal floats to zero, so a float32 learning rate below this is 0 in training.
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+
+
+def check_learning_rate(name: str, learning_rate: float) -> None:
+  """ValueError unless the learning rate survives float32 arithmetic (is at least float32's smallest normal)."""
+  if 0 < learning_rate < FLOAT32_TINY:
+    raise ValueError(f"{name} {learning_rate:g} is 0 in float32 training arithmetic (below {FLOAT32_TINY:.3g}, the "
+                     "smallest normal float32; XLA flushes smaller values to 0), so the weights would never change")
+
+
+def _check_group(index: int, group: Any, num_clients: int) -> np.ndarray:
+  """The group's client ids, checked: a non-empty 1-D integer array of distinct ids in [0, num_clients)."""
+  where = f"groups[{index}] ({getattr(group, 'name', '?')})"
+  if not all(hasattr(group, field) for field in ("name", "model", "clients")):
+    raise ValueError(f"groups[{index}] must be an ArchGroup(name, model, clients), got {type(group).__name__}")
+  ids = np.asarray(group.clients)
+  if ids.size == 0:
+    raise ValueError(f"{where} has no client; every architecture group needs at least one")
+  if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+    raise ValueError(f"{where}: clients must be a 1-D array of integer client ids, got {ids.dtype} {ids.shape}")
+  if ids.min() < 0 or ids.max() >= num_clients:
+    bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+    raise ValueError(f"{where} holds client {bad}, outside the store's {num_clients} clients [0, {num_clients})")
+  if len(np.unique(ids)) != len(ids):
+    raise ValueError(f"{where} lists a client twice")
+  return ids
+
+
+def check_groups(groups: Sequence[Any], num_clients: int) -> None:
+  """Non-empty, uniquely named groups whose client lists are valid and disjoint."""
+  if isinstance(groups, (str, bytes)) or not hasattr(groups, "__len__") or not len(groups):
+    raise ValueError("groups must be a non-empty sequence of ArchGroup")
+  owner: dict[int, int] = {}
+  for index, group in enumerate(groups):
+    for client in _check_group(index, group, num_clients).tolist():
+      if client in owner:
+        raise ValueError(f"client {client} is in groups[{owner[client]}] ({groups[owner[client]].name}) and "
+                         f"groups[{index}] ({group.name}); a client belongs to one architecture group")
+      owner[client] = index
+  names = [g.name for g in groups]
+  repeated = sorted({n for n in names if names.count(n) > 1})
+  if repeated:
+    raise ValueError(f"two groups are named {repeated[0]!r}; group names key the metrics, so each must be unique")
+
+
+def check_test_set(test_images: Any, test_labels: Any, store: FederatedStore) -> None:
+  """uint8 test images shaped like the store's, one label per image, each a class of the store."""
+  shape = checks.check_images("test_images", test_images)
+  if shape[1:] != tuple(store.images.shape[1:]):
+    raise ValueError(f"test_images have images of shape {shape[1:]}, the training store {tuple(store.images.shape[1:])}")
+  if shape[0] == 0:
+    raise ValueError("test_images holds no image; the evaluation needs at least one")
+  checks.check_labels("test_labels", test_labels, shape[0], store.num_classes)
+
+
+def check_models(groups: Sequence[Any], image_shape: tuple[int, ...]) -> None:
+  """Every group's model takes images of ``image_shape`` (traced for shapes only)."""
+  sample = jnp.zeros((1, *image_shape), jnp.float32)
+  for index, group in enumerate(groups):
+    try:
+      shapes = jax.eval_shape(group.model.init, jax.random.key(0), sample)
+    except Exception as e:  # noqa: BLE001 - whatever the model raises on an input it cannot take
+      raise ValueError(f"groups[{index}] ({group.name}): its model cannot take images of shape {image_shape} "
+                       f"({first_line(e, 200)})") from None
+    if any(0 in leaf.shape for leaf in jax.tree.leaves(shapes)):
+      raise ValueError(f"groups[{index}] ({group.name}): images of shape {image_shape} are too small for its model "
+                       "(a layer would have no values)")
+
+
+def check_local(local: Any, method: Any) -> None:
+  """A learning rate that survives float32, and the settings the method was built with (its
+  ``local_settings``, see `fedjax_hetero.methods.build_method`) equal to the simulation's."""
+  check_learning_rate("local.learning_rate", local.learning_rate)
+  for field, built_with in getattr(method, "local_settings", ()):
+    now = getattr(local, field)
+    if now != built_with:
+      raise ValueError(f"method {method.name} was built with local.{field}={built_with!r}, but the simulation trains "
+                       f"with local.{field}={now!r}; build it with the simulation's LocalConfig "
+                       "(build_method(name, options, local))")
+
+
+def check_types(store: Any, local: Any, method: Any, config: Any, backend: Any) -> None:
+  """Each argument of the type it must have (a name or a dict in its place fails deep inside, unnamed)."""
+  from fedjax_hetero.engine import FederationConfig  # (the engine imports this module)
+  from fedjax_hetero.methods.api import Method
+  for name, value, kind, how in (("store", store, FederatedStore, "FederatedStore.build(...)"),
+                                 ("local", local, LocalConfig, "LocalConfig(...)"),
+                                 ("method", method, Method, "build_method(name, options, local)"),
+                                 ("config", config, FederationConfig, "FederationConfig(...)")):
+    if not isinstance(value, kind):
+      raise ValueError(f"{name} must be a {kind.__name__} ({how}), got {type(value).__name__} {value!r:.60}")
+  if not all(hasattr(backend, attribute) for attribute in ("name", "train", "place")):  # (a Protocol)
+    raise ValueError(f"backend must be a Backend (make_backend(name)), got {type(backend).__name__} {backend!r:.60}")
+
+
+def check_simulation_inputs(groups: Sequence[Any], store: Any, local: Any, method: Any, config: Any, backend: Any,
+                            test_images: Any, test_labels: Any) -> None:
+  """All of the above, in the order a user would fix them; `Simulation.__init__` calls it first."""
+  check_types(store, local, method, config, backend)
+  check_groups(groups, store.num_clients)
+  check_test_set(test_images, test_labels, store)
+  check_local(local, method)
+  check_models(groups, tuple(store.images.shape[1:]))

@@ -1,0 +1,134 @@
+"""Settings that would do nothing (or do something else) are refused, and every OS error is one line.
+
+`NO_OPS` and `OS_ERRORS` are tables of command-line arguments (``{tmp}`` is a fresh folder) and a fragment the
+CLI's one ``error:`` line must hold; the CLI runs in this process and must exit with the given status,
+without a traceback and before any compute.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+
+import pytest
+
+from experiments import cli, fmnist
+from fedjax_hetero.data import synthetic_dataset
+from fedjax_hetero.runner import run_experiment
+from tests.test_bad_input import BASE_ARGS
+from tests.test_runner import base_config
+
+MLP_ARGS = BASE_ARGS.replace("cnn@0.5,cnn@0.25", "mlp@0.5,mlp@0.25")
+WITHOUT_SUBSET = MLP_ARGS.replace("--max-train-samples 200 ", "")  # (a partition file excludes a subset)
+
+
+def partition_file(tmp_path) -> str:
+  path = tmp_path / "parts.json"
+  path.write_text(json.dumps([list(range(c * 20, c * 20 + 20)) for c in range(10)]))
+  return str(path)
+
+
+# (arguments, fragment of the error line)
+NO_OPS = [
+    ("--lr 1e-50", "--lr 1e-50 is 0 in float32 training arithmetic (below 1.18e-38, the smallest normal float32"),
+    ("--lr 1e-40", "--lr 1e-40 is 0 in float32 training arithmetic"),
+    ("--batch-size 100000", "--batch-size 100000 exceeds the largest client's 26 samples: every batch is padded to "
+                            "100000 rows for the result --batch-size 26 gives (over 2x the work); pass at most 26"),
+    ("--drop-last --batch-size 150", "no client would take a local step (fewer than --batch-size 150 samples with "
+                                     "--drop-last; the largest client has"),
+    ("--partition-file {parts} --alpha 0.1", "--alpha 0.1 has no effect with --partition-file: the file gives every "
+                                             "client its samples; drop it"),
+    ("--partition-file {parts} --partition shards", "--partition shards has no effect with --partition-file"),
+    ("--partition-file {parts} --classes-per-client 3", "--classes-per-client 3 has no effect with --partition-file"),
+    ("--groups cnn@0.25 --image-size 1", "--image-size 1 is too small for group cnn@0.25: ZeroDivisionError: division "
+                                         "by zero; the smallest size it takes is 4"),
+    ("--groups cnn_cifar@0.25 --image-size 8", "--image-size 8 is too small for group cnn_cifar@0.25"),
+    ("--resume-unchecked", "--resume-unchecked applies to --resume; add it"),
+    # settings that act only beside another choice (preflight.ACTS_ONLY_WITH)
+    ("--momentum 0.9", "--momentum 0.9 has no effect without --optimizer sgd (Adam has no momentum setting)"),
+    ("--alpha 0.1 --partition iid", "--alpha 0.1 has no effect without --partition dirichlet"),
+    ("--classes-per-client 5", "--classes-per-client 5 has no effect without --partition shards"),
+    ("--backdoor-scale 5", "--backdoor-scale 5.0 has no effect without --malicious-fraction above 0"),
+    ("--divergence-max-rollbacks 5", "--divergence-max-rollbacks 5 has no effect without --on-divergence rollback"),
+    ("--on-divergence off --divergence-chance-evals 9", "--divergence-chance-evals 9 has no effect without "
+                                                        "--on-divergence stop or rollback"),
+    ("--moon-temperature 0.1", "--moon-temperature 0.1 has no effect without a method with MOON's term"),
+    ("--fedcross-alpha 0.5", "--fedcross-alpha 0.5 has no effect without --method FedCross"),
+    ("--fedimpro-noise 0.1", "--fedimpro-noise 0.1 has no effect without --method FedImpro"),
+    ("--clusamp-similarity L2", "--clusamp-similarity L2 has no effect without --method CluSamp"),
+    ("--repair-metrics", "--repair-metrics applies to --resume; add it"),
+]
+
+# (arguments, fragment, exit status)
+OS_ERRORS = [
+    ("--output-dir /proc/fedjax_hetero_test/run", "--output-dir '/proc/fedjax_hetero_test/run' cannot be created: "
+                                                  "'/proc/fedjax_hetero_test': No such file or directory (ENOENT)", 2),
+    ("--output-dir {tmp}/" + "x" * 300, "cannot be created: ", 2),
+    ("--output-dir {tmp}/link", "--output-dir '{tmp}/link' is a symbolic link to '{tmp}/nowhere', which does not exist",
+     2),
+]
+
+
+def run_cli(tmp_path, base: str, args: str) -> int:
+  argv = shlex.split(f"{base} {args}".format(tmp=tmp_path, parts=partition_file(tmp_path)))
+  with pytest.raises(SystemExit) as info:
+    cli.main("fashion_mnist", fmnist.DEMO, "test", argv)
+  return info.value.code
+
+
+def one_error_line(err: str) -> str:
+  lines = [line for line in err.splitlines() if line.strip()]
+  assert len(lines) == 1 and lines[0].startswith("error: "), err
+  return lines[0]
+
+
+@pytest.mark.parametrize("args, fragment", NO_OPS, ids=[a for a, _ in NO_OPS])
+def test_a_setting_that_would_do_nothing_is_refused(args, fragment, tmp_path, capsys, no_compute):
+  base = WITHOUT_SUBSET if "--partition-file" in args else MLP_ARGS
+  assert run_cli(tmp_path, base, args) == 2
+  assert fragment.format(tmp=tmp_path) in one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("args, fragment, status", OS_ERRORS, ids=[a[:40] for a, _, _ in OS_ERRORS])
+def test_an_os_error_on_the_output_folder_is_one_line(args, fragment, status, tmp_path, capsys, no_compute):
+  os.symlink(tmp_path / "nowhere", tmp_path / "link")
+  assert run_cli(tmp_path, MLP_ARGS, args) == status
+  assert fragment.format(tmp=tmp_path) in one_error_line(capsys.readouterr().err)
+
+
+def test_an_immutable_metrics_file_ends_a_resume_in_one_line(tmp_path, capsys):
+  out = tmp_path / "out"
+  args = f"--groups mlp@0.5 --num-clients 4 --clients-per-round 2 --no-progress --compile-cache off --output-dir {out}"
+  assert cli.main("synthetic", cli.preset(dataset="synthetic", rounds=1), "test", shlex.split(args))["final_round"] == 1
+  capsys.readouterr()
+  if subprocess.run(["chattr", "+i", str(out / "metrics.jsonl")], capture_output=True).returncode:
+    pytest.skip("chattr +i is not available here (needs root on a file system with attributes)")
+  try:
+    with pytest.raises(SystemExit) as info:
+      cli.main("synthetic", cli.preset(dataset="synthetic", rounds=1), "test", shlex.split(args + " --resume --rounds 2"))
+  finally:
+    subprocess.run(["chattr", "-i", str(out / "metrics.jsonl")], capture_output=True)
+  assert info.value.code == 1
+  assert one_error_line(capsys.readouterr().err) == (
+      f"error: '{out / 'metrics.jsonl'}': Operation not permitted (EPERM; check the permissions (and for chattr +i: "
+      "lsattr))")
+
+
+def test_a_batch_somewhat_larger_than_every_client_is_a_warning(tmp_path):
+  logs = []
+  run_experiment(base_config(tmp_path / "out", rounds=1, batch_size=64), synthetic_dataset(num_train=240, num_test=64),
+                 log=logs.append)
+  assert any(line.startswith("warning: --batch-size 64 exceeds the largest client's") and "x the work)" in line
+             for line in logs), logs
+
+
+def test_clients_without_a_step_are_named_in_a_warning(tmp_path, capsys):
+  dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
+  logs = []
+  config = base_config(tmp_path / "out", rounds=1, drop_last=True, batch_size=30, partition="iid_imbalanced")
+  run_experiment(config, dataset, log=logs.append)
+  warning = [line for line in logs if "take no local step" in line]
+  assert len(warning) == 1 and warning[0].endswith("(fewer than --batch-size 30 samples with --drop-last): a round "
+                                                   "that samples only them changes nothing"), logs

@@ -184,8 +184,8 @@ def test_test_first_evaluates_exactly_the_first_n_images(monkeypatch):
   np.testing.assert_array_equal(np.asarray(sim.test_labels), DATASET.test_labels[:13])
   assert sim.store.mean == (0.0,) and sim.trainers[0].std == (1.0,)
   seen = []
-  real = engine.accuracy
-  monkeypatch.setattr(engine, "accuracy", lambda model, variables, images, labels, *rest: seen.append(
+  real = engine.correct_predictions
+  monkeypatch.setattr(engine, "correct_predictions", lambda model, variables, images, labels, *rest: seen.append(
       labels.shape[0]) or real(model, variables, images, labels, *rest))
   accuracy = sim.evaluate(sim.init_state())["mlp"]
   assert seen == [13] and abs(accuracy * 13 - round(accuracy * 13)) < 1e-6

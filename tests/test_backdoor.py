@@ -171,7 +171,7 @@ def test_backends_agree_under_attack(attacked_runs):
 def test_fraction_zero_is_the_clean_run_bit_for_bit_and_the_attack_changes_it():
   clean = simulation(widths=(1.0,))
   zero = simulation(widths=(1.0,), malicious_fraction=0.0, backdoor_scale=7.0, backdoor_delta="difference")
-  assert all(t.backdoor is None for t in zero.trainers) and zero._attack is None
+  assert all(t.backdoor is None for t in zero.trainers) and zero.attack_table is None
   chex.assert_shape(zero.malicious_clients, (0,))
   (clean_state, clean_rows, _), (zero_state, zero_rows, _) = run(clean, 2), run(zero, 2)
   chex.assert_trees_all_equal(zero_state.models, clean_state.models)

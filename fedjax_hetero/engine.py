@@ -16,7 +16,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import math
-import numbers
 import time
 from typing import Any, NamedTuple, Sequence
 
@@ -30,14 +29,15 @@ from fedjax_hetero.backends import Backend, copy_tree, empty_group_result
 from fedjax_hetero.client import backdoor
 from fedjax_hetero.client.local import LocalConfig, LocalTrainer
 from fedjax_hetero.compilation import mapping_headroom
+from fedjax_hetero.config.federation import FederationConfig  # re-exported: configs live in fedjax_hetero.config
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.evaluation import EVAL_BATCH, accuracy
 from fedjax_hetero.hetero.maps import SubmodelMap, Variables, complete, extract, identity_map, pick_global, separate
 from fedjax_hetero.methods.api import Method
 from fedjax_hetero.models import parameter_split, resolve_cut
-from fedjax_hetero.sampling.samplers import WEIGHTINGS, SamplingInfo
+from fedjax_hetero.sampling.samplers import SamplingInfo
 from fedjax_hetero.server.steps import Federation, Plan, server_program
-from fedjax_hetero.validation import SEED_MAX, check_choice, check_integer, check_number, cli_flag
+from fedjax_hetero.validation import cli_flag
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,42 +54,6 @@ def assign_groups(num_clients: int, num_groups: int) -> list[np.ndarray]:
   if num_groups > num_clients:
     raise ValueError(f"{num_groups} architecture groups need at least as many clients, got {num_clients}")
   return np.array_split(np.arange(num_clients), num_groups)
-
-
-@dataclasses.dataclass(frozen=True)
-class FederationConfig:
-  """How rounds are drawn: participants per round, the seed, and the clients' aggregation weights; and
-  which clients attack (`fedjax_hetero.client.backdoor`: a fraction of all clients, each uploading its update
-  plus ``backdoor_scale`` times its update on shuffled labels). A fraction of 0 changes nothing."""
-
-  clients_per_round: int = 10
-  seed: int = 0
-  sample_seed: int | None = None  # the stream of the rounds' cohorts alone; None: ``seed``
-  weighting: str = "uniform"  # "uniform" (InCo's code) or "num_samples"
-  # One probability per architecture group: every round each client's group is drawn afresh from them
-  # (HeteroFL's dynamic "a1-b1-..." mode). Empty: every client keeps the group it was assigned.
-  group_draw: tuple[float, ...] = ()
-  malicious_fraction: float = 0.0  # of all clients, fixed by the seed (FedFA's experiments: 0, 0.01, 0.2)
-  backdoor_scale: float = 20.0  # lambda of FedFA's Eq. 1 (its experiments: 1 and 20)
-  backdoor_delta: str = "update"  # what lambda multiplies: "update" (copy - start) or "difference" (copy - clean)
-
-  def __post_init__(self):
-    check_integer("federation.clients_per_round", self.clients_per_round, minimum=1)
-    check_number("federation.malicious_fraction", self.malicious_fraction, minimum=0, maximum=1)
-    check_number("federation.backdoor_scale", self.backdoor_scale, minimum=0)
-    check_choice("federation.backdoor_delta", self.backdoor_delta, backdoor.READINGS)
-    check_integer("federation.seed", self.seed, minimum=0, maximum=SEED_MAX)
-    check_integer("federation.sample_seed", self.sample_seed, minimum=0, maximum=SEED_MAX, optional=True)
-    check_choice("federation.weighting", self.weighting, WEIGHTINGS)
-    draw = self.group_draw
-    if not isinstance(draw, (tuple, list)) or not all(isinstance(p, numbers.Real) and not isinstance(p, bool)
-                                                      for p in draw):
-      raise ValueError(f"{cli_flag('federation.group_draw')} must be a sequence of probabilities, got {draw!r}")
-    probabilities = np.asarray(draw, float)
-    if len(probabilities) and not (np.all(np.isfinite(probabilities)) and np.all(probabilities >= 0)
-                                   and abs(probabilities.sum() - 1) < 1e-6):
-      raise ValueError(f"{cli_flag('federation.group_draw')} must be non-negative probabilities summing to 1, "
-                       f"got {draw}")
 
 
 def round_key(seed: int, round_index: int) -> jax.Array:

@@ -2,9 +2,9 @@
 
 ``python -m tests.golden`` (from the repository root) runs every method on the sequential and vmap
 backends and writes ``tests/golden_methods.json``; `tests/test_golden.py` reruns them and requires the
-same numbers bit for bit. The record was made before the method API was rebuilt (issue 14), so it
-pins the behaviour every refactor must keep. The vmap entries were re-recorded once, in the speed work
-(issue 21), when the vmap backend began padding a group's cohort to the largest cohort it can have instead
+same numbers bit for bit. The record was made before the method API was rebuilt, so it
+pins the behaviour every refactor must keep. The vmap entries were re-recorded once, in the speed work,
+when the vmap backend began padding a group's cohort to the largest cohort it can have instead
 of the next power of two: the old engine padded that way reproduces the new record bit for bit, and
 every sequential entry stayed as it was.
 

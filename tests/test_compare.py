@@ -12,6 +12,8 @@ from experiments import compare
 from fedjax_hetero.config import RunConfig
 from fedjax_hetero.runner import run_experiment
 
+pytestmark = pytest.mark.slow  # end to end (`pytest -m "not slow"` leaves it out)
+
 
 def test_compare_tables_and_plots_two_runs(tmp_path):
   dirs = []

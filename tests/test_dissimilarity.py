@@ -70,6 +70,7 @@ def test_engine_logs_it_per_group_and_compiles_it_in_the_first_round(method):
   assert logged == {g.name for g in sim.groups}
 
 
+@pytest.mark.slow
 def test_runs_log_it_by_default_and_the_flag_turns_it_off(tmp_path):
   dataset = synthetic_dataset(num_train=160, num_test=32, seed=0)
   base = RunConfig.from_flags(dataset="synthetic", method="HeteroAvg", groups=("mlp@0.5", "mlp"), num_clients=6,

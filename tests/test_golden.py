@@ -26,7 +26,7 @@ OWN = next((r for r in RECORD["records"] if r["cpu"] == SIGNATURE), None)
 SKIP_REASON = (None if jax.__version__ == RECORD["jax"] else
                f"golden record skipped: it was made with jax {RECORD['jax']}, this is jax {jax.__version__}; rerun "
                "`python -m tests.golden` on the commit before your change to compare like with like")
-pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))]
 # What each entry's run produced in this process (`golden.record` is deterministic): the foreign-record check
 # below reads its entry from here when the parametrized test already ran it, instead of training it again.
 RUNS: dict[str, list] = {}

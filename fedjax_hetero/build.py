@@ -10,6 +10,10 @@ hands `engine.Simulation` the built groups, store, method and backend.
 from __future__ import annotations
 
 import dataclasses
+import glob
+import os
+import socket
+import urllib.parse
 from typing import Callable
 
 import jax
@@ -20,7 +24,7 @@ from fedjax_hetero import data as fdata
 from fedjax_hetero import models
 from fedjax_hetero.backends import make_backend
 from fedjax_hetero.client.terms import term_cuts
-from fedjax_hetero.config import RunConfig, check_federation, declare
+from fedjax_hetero.config import DataConfig, RunConfig, check_federation, declare
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.engine import ArchGroup, Simulation, assign_groups
 from fedjax_hetero.methods import Method, build_method, check_options, get_entry
@@ -80,12 +84,43 @@ def _check_models(config: RunConfig, method: Method) -> None:
                        "(add a width-1 group, or --no-heterofl-scaler)")
 
 
+# Where tensorflow-datasets downloads each dataset from, the first time it prepares it.
+TFDS_SOURCES = {"cifar10": "www.cs.toronto.edu", "cifar100": "www.cs.toronto.edu", "svhn_cropped": "ufldl.stanford.edu"}
+
+
+def check_downloadable(data: DataConfig, timeout: float = 5.0) -> None:
+  """For a tfds dataset not prepared on this machine, that the server tfds downloads it from (or the proxy in
+  ``$HTTPS_PROXY``) answers: offline, tfds retries for minutes and leaves partial files, so this fails within
+  seconds instead, with what to do. Prepared datasets (``<data dir>/<name>/<version>/dataset_info.json``) load
+  without network and are not checked."""
+  name = data.dataset.removesuffix("_coarse")
+  if name not in TFDS_SOURCES:
+    return
+  root = (data.data_dir or os.environ.get("TFDS_DATA_DIR")
+          or os.path.join(os.path.expanduser("~"), "tensorflow_datasets"))
+  if glob.glob(os.path.join(root, name, "*", "dataset_info.json")):
+    return
+  proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+  address = urllib.parse.urlsplit(proxy) if proxy else None
+  host, port = (address.hostname, address.port or 80) if address else (TFDS_SOURCES[name], 443)
+  try:
+    socket.create_connection((host, port), timeout=timeout).close()
+  except OSError as e:
+    raise fdata.DataNotFoundError(
+        f"tfds dataset {name!r} is not prepared in {root!r}, and {host}:{port} (where it is downloaded from"
+        f"{', the proxy' if address else ''}) cannot be reached: {type(e).__name__}: {e}\n"
+        "tfds needs network access once to download and prepare it, e.g.\n"
+        f"  python -c \"import tensorflow_datasets as tfds; tfds.builder('{name}').download_and_prepare()\"\n"
+        "or pass --data-dir DIR pointing at a directory that holds prepared tfds data.") from None
+
+
 def partitioned_dataset(config: RunConfig, dataset: fdata.ArrayDataset | None = None
                         ) -> tuple[fdata.ArrayDataset, list[np.ndarray]]:
   """The run's dataset (loaded unless given; its subset, first test images, resized images and normalization if
   configured) and its client partition (drawn, or read from the partition file)."""
   d, seed = config.data, config.federation.seed
   if dataset is None:
+    check_downloadable(d)
     dataset = fdata.load_dataset(d.dataset, d.data_dir)
   d.check_sizes(len(dataset.train_labels), len(dataset.test_labels), dataset.num_classes)
   if d.partition_file is not None:  # checked before the images are resized

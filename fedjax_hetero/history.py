@@ -96,7 +96,7 @@ def upgrade(tree: dict[str, Any], ignored: list[str]) -> RunConfig:
   one with a flat method (``method.fedfa_graft``, ``method.prox_mu``/``fedprox_mu``). Unknown names go to
   ``ignored``; options of families the run's method does not read are dropped (older configs kept them all)."""
   preset = None
-  if "data" not in tree:
+  if not any(isinstance(value, dict) for value in tree.values()):  # the flat layout: one value per flag
     flags = {k: v for k, v in tree.items() if not (v is None and k in FLAGS and FLAGS[k].default is not None)}
     preset = flags.pop("fedgen_preset", None)
     method = {k: flags.pop(k) for k in ("prox_mu", "fedprox_mu") if k in flags}

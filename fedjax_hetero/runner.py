@@ -19,12 +19,12 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import time
 from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
-from tqdm.auto import tqdm
 
 from fedjax_hetero import checkpoints
 from fedjax_hetero import data as fdata
@@ -35,9 +35,11 @@ from fedjax_hetero.build import build_simulation, id_list, partitioned_dataset, 
 from fedjax_hetero.config import RunConfig, as_dict
 from fedjax_hetero.engine import NonFiniteLossError, ServerState, Simulation
 from fedjax_hetero.guard import DivergenceError, DivergenceWatch
+from fedjax_hetero.interruption import Interrupted, StopRequests
 from fedjax_hetero.methods import Method
+from fedjax_hetero.reporting import Reporter
 
-__all__ = ["advance", "build_simulation", "partitioned_dataset", "run_experiment", "saved_config"]
+__all__ = ["Interrupted", "advance", "build_simulation", "partitioned_dataset", "run_experiment", "saved_config"]
 
 Log = Callable[[str], None]
 
@@ -112,12 +114,16 @@ def _read_metrics(path: str, upto: int, log: Log) -> list[dict[str, Any]]:
 def _history(config: RunConfig, log: Log) -> tuple[RunConfig, run_history.History, str | None]:
   """The run's history so far (read once, on --resume) and the config it continues with; raises ValueError if
   the config may not continue the folder's run."""
-  if not config.output.resume:
+  output = config.output
+  saved = run_history.read(output.dir, log) if output.resume or output.resume_or_start else None
+  if saved is None:
+    if output.resume and not output.resume_or_start:
+      raise ValueError(f"--resume: {output.dir!r} holds no run to continue (no config.json); start it without "
+                       "--resume, or pass --resume-or-start to continue a run where there is one and start it "
+                       "where there is none")
     _check_output(config)
     return config, run_history.History(processes=jax.process_count()), None
-  saved = run_history.read(config.output.dir, log)
-  if saved is None:
-    return config, run_history.History(processes=jax.process_count()), None
+  config = dataclasses.replace(config, output=dataclasses.replace(output, resume=True))
   config = run_history.keep_rolled_back_learning_rate(config, saved.history, log)
   changed = run_history.check_resume(saved, config, jax.process_count(), log)
   return config, saved.history, changed
@@ -151,10 +157,10 @@ def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
   given = method
   method = run_method(config, method)  # the build step: the method made once, checked against the config
   config, history, changed = _history(config, log)
+  sim, parts = build_simulation(config, dataset, log, method)  # the data loads before the folder is made
   distributed.barrier("fedjax_hetero.runner: settings read")  # before process 0 changes the folder
   if main:
     _prepare_output(config)
-  sim, parts = build_simulation(config, dataset, log, method)
   state = _initial_state(sim, parts, config.output.dir, main)
   run = _Run(config, dataset, log, given, sim, history, main)
   run.begin(state, changed)
@@ -174,6 +180,7 @@ class _Run:
     self.rows: list[dict[str, Any]] = []
     self.state: ServerState | None = None
     self.wall_start = 0.0
+    self.reporter = Reporter(config, sim.method.name, log, main)
 
   def begin(self, state: ServerState, changed: str | None) -> None:
     """Restores the latest intact checkpoint on --resume, and writes config.json and the metrics kept."""
@@ -196,6 +203,7 @@ class _Run:
 
   def _rewrite(self) -> None:
     """config.json and metrics.jsonl as they stand, and the guard and best accuracy rebuilt from the rows."""
+    self.reporter.restart(self.rows)
     if self.main:
       run_history.write(self.config, self.history)
       with open(self.metrics_path, "w") as f:
@@ -205,21 +213,36 @@ class _Run:
     self.best = max((r["test_accuracy"]["mean"] for r in self.rows if r.get("test_accuracy")), default=-1.0)
 
   def train(self) -> dict[str, Any]:
-    """Trains the remaining rounds; returns the summary (written with the plot)."""
+    """Trains the remaining rounds; returns the summary (written with the plot). On SIGINT or SIGTERM it stops
+    after the round in progress, writes what it has and raises `Interrupted`."""
     self.wall_start = time.perf_counter()
-    bar = tqdm(total=self.config.rounds, initial=self.state.round, desc=self.sim.method.name, unit="round",
-               disable=not (self.config.output.progress and self.main), dynamic_ncols=True)
     try:
-      while self.state.round < self.config.rounds:
-        error = self._round()
-        if error is not None:
-          self._recover(error)
-        bar.n = self.state.round
-        bar.set_postfix(self._postfix(), refresh=True)
+      with StopRequests(jax.process_count() == 1, self.log) as stop:
+        try:
+          while self.state.round < self.config.rounds and stop.requested is None:
+            error = self._round()
+            if error is not None:
+              self._recover(error)
+        except KeyboardInterrupt:  # a second Ctrl-C, or one before the handlers: the round in progress is lost
+          self._interrupt(signal.SIGINT, clean=False)
+      if stop.requested is not None:
+        self._interrupt(stop.requested, clean=True)
     finally:
-      bar.close()
+      self.reporter.close()
       self.manager.wait_until_finished()
     return self.finish()
+
+  def _interrupt(self, signum: int, clean: bool) -> None:
+    """Ends a stopped run: its state saved (after a completed round), summary and plot written, a resume hint."""
+    self.manager.wait_until_finished()
+    done = self.state.round
+    if clean and done and self.manager.latest_step() != done and checkpoints.save(self.manager, self.state,
+                                                                                 force=True):
+      self.manager.wait_until_finished()
+    self.finish(interrupted={"signal": signal.Signals(signum).name, "completed_round": done})
+    self.log(f"interrupted after round {done} of {self.config.rounds} ({signal.Signals(signum).name}); "
+             f"to continue, rerun the same command with --resume (results so far in {self.out})")
+    raise Interrupted(signum, done)
 
   def _round(self) -> DivergenceError | None:
     """One round trained, logged and checkpointed; the divergence it shows, if any (the state then stays)."""
@@ -233,6 +256,7 @@ class _Run:
     if self.main:
       with open(self.metrics_path, "a") as f:
         f.write(json.dumps(row) + "\n")
+    self.reporter.add(self.rows)
     error = self.watch.check(row) if self.config.divergence.action != "off" else None
     if error is not None:
       return error
@@ -245,16 +269,6 @@ class _Run:
         jax.tree.leaves(state.memory):
       self.manager.wait_until_finished()  # the next round writes the memory in place: the save must have read it
     return None
-
-  def _postfix(self) -> dict[str, str]:
-    if not self.rows:
-      return {}
-    last = self.rows[-1]
-    postfix = {"loss": f"{last['train_loss']:.3f}", "samples/s": f"{last['samples_per_s']:.0f}"}
-    evaluated = next((r["test_accuracy"] for r in reversed(self.rows) if r.get("test_accuracy")), None)
-    if evaluated:
-      postfix["acc"] = f"{100 * evaluated['mean']:.2f}%"
-    return postfix
 
   def _recover(self, error: DivergenceError) -> None:
     """A diverged round: stop (raising), or roll back to the best checkpoint with a lower learning rate."""
@@ -286,9 +300,10 @@ class _Run:
              "; no checkpoint with an evaluation was saved, so there is nothing to keep or roll back to")
     raise DivergenceError(f"{error}{where}", error.round, error.group) from None
 
-  def finish(self, stopped: dict[str, Any] | None = None) -> dict[str, Any]:
+  def finish(self, stopped: dict[str, Any] | None = None, interrupted: dict[str, Any] | None = None
+             ) -> dict[str, Any]:
     """Writes summary.json and accuracy.png (process 0); returns the summary."""
-    summary = self.summary(stopped)
+    summary = {**self.summary(stopped), "interrupted": interrupted}
     if self.main:
       with open(os.path.join(self.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

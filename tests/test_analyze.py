@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from experiments import analyze
+from fedjax_hetero.cli import analyze
 from fedjax_hetero import analysis, evaluation
 from fedjax_hetero.config import RunConfig, as_dict
 from fedjax_hetero.runner import run_experiment

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import compare
+from fedjax_hetero.cli import compare
 from fedjax_hetero.backends import make_backend
 from fedjax_hetero.client.backdoor import (Backdoor, attack_table, cohort_inputs, malicious_clients, num_malicious,
                                            shuffled_row)

@@ -242,7 +242,7 @@ def test_fedcross_with_alpha_one_keeps_the_uploads_and_warmup_averages():
 
 
 def test_fedcross_needs_one_group():
-  with pytest.raises(ValueError, match=r"FedCross trains one architecture \(.*\), got 2 groups"):
+  with pytest.raises(ValueError, match=r"FedCross trains one architecture"):
     simulation("FedCross")
 
 

@@ -23,7 +23,7 @@ import time
 import numpy as np
 import pytest
 
-from experiments import launch
+from fedjax_hetero.cli import launch
 from fedjax_hetero.cli import run as cli
 from fedjax_hetero import distributed
 from tests.helpers import FMNIST_FILE, REPO

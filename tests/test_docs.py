@@ -45,6 +45,8 @@ python3() { record python "$@"; }
 bash() { record bash "$@"; }
 pip() { record pip "$@"; }
 fedjax-hetero() { record fedjax-hetero "$@"; }
+jupyter() { record jupyter "$@"; }
+papermill() { record papermill "$@"; }
 git() { :; }
 cd() { :; }
 srun() { "$@"; }
@@ -111,7 +113,12 @@ def check_run(dataset: str, argv: list[str]) -> None:
 
 def check_command(command: list[str]) -> None:
   program, *args = command
-  if program == "pip":
+  if program in ("jupyter", "papermill"):  # the notebook named must exist
+    notebooks = [a for a in args if a.endswith(".ipynb") and not a.startswith("out")]
+    assert notebooks and all(os.path.isfile(os.path.join(REPO, n)) for n in notebooks), command
+    return
+  if program == "pip" or command[1:3] == ["-m", "pip"]:
+    args = args[2:] if program != "pip" else args
     extras = tomllib.load(open(os.path.join(REPO, "pyproject.toml"), "rb"))["project"]["optional-dependencies"]
     for arg in args:
       for extra in re.findall(r"\[([\w,-]+)\]", arg):

@@ -107,7 +107,7 @@ def test_absent_classes_get_no_gradient_in_local_training(masked):
 def test_static_bn_re_estimates_statistics_on_training_samples():
   """With the Scaler on and width 0.5: the stem BN's statistics are the mean over batches of the batch mean
   and biased variance of the stem conv's (unscaled) output on the chosen samples."""
-  ds, store = resnet_data()
+  ds, store = tiny_federation(4, 48, 8, "iid")
   model = tiny_resnet(width=0.5, scaler=True)
   variables = model_variables(tiny_resnet(width=0.5), jnp.zeros((1, 8, 8, 1)), 5)
   out = static_batch_norm_evaluation(num_samples=40, batch_size=20)(model, variables, store)

@@ -228,7 +228,8 @@ def plot_accuracy(rows: Sequence[Mapping[str, Any]], path: str, title: str) -> s
   """A run's test accuracy vs round, one line per architecture group plus the mean; beside it, if the rows log
   it, the gradient dissimilarity of the low and high parts per group (a run's ``accuracy.png``)."""
   evaluated = [r for r in rows if r.get("test_accuracy")]
-  spread = [r for r in rows if r.get("dissimilarity")]
+  spread = [r for r in rows if any(part is not None for group in (r.get("dissimilarity") or {}).values()
+                                   for part in (group.get("low"), group.get("high")))]
   fig = _figure(12 if spread else 7, 4.5)
   ax, *right = fig.subplots(1, 2 if spread else 1, squeeze=False)[0]
   if spread:

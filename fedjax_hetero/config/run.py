@@ -26,6 +26,7 @@ from fedjax_hetero.validation import show
 # The names `fedjax_hetero.backends.make_backend` accepts (tests/test_config.py holds the two equal).
 BACKEND_NAMES = ("auto", "sequential", "vmap", "sharded")
 DIVERGENCE_ACTIONS = ("stop", "rollback", "off")
+LOG_WRITERS = ("csv", "tensorboard", "wandb")  # `fedjax_hetero.reporting.WRITERS`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,17 @@ class DivergenceConfig(Settings):
     validate(self)
 
 
+def parse_list(text: str) -> tuple[str, ...]:
+  return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
+def _check_writers(name: str, writers: Any) -> None:
+  if not isinstance(writers, (tuple, list)) or not all(w in LOG_WRITERS for w in writers):
+    raise ValueError(f"{name} must be a list of {', '.join(LOG_WRITERS)}, got {show(writers)}")
+  if len(set(writers)) != len(writers):
+    raise ValueError(f"{name} names a writer twice: {', '.join(writers)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class OutputConfig(Settings):
   TITLE = "results folder"
@@ -66,11 +78,19 @@ class OutputConfig(Settings):
   resume: bool = setting(
       False, "continue from the last checkpoint in --output-dir; the other settings must match its config.json, "
       "except the round counts, --backend, --steps-per-call, --data-dir and the local optimizer", Flag())
+  resume_or_start: bool = setting(
+      False, "continue the run in --output-dir if it holds one, else start it (for jobs a scheduler may restart); "
+      "--resume alone refuses a folder without a run", Flag())
   overwrite: bool = setting(False, "delete a non-empty --output-dir first", Flag())
   checkpoint_every: int = setting(10, "checkpoint every N rounds", Integer(1))
   keep_checkpoints: int = setting(2, "checkpoints kept: the latest N, and besides them the one with the best mean "
                                   "test accuracy", Integer(1))
-  progress: bool = setting(True, "show the progress bar", Flag())
+  progress: bool = setting(True, "show a progress bar on a terminal (without one, or with --no-progress: one "
+                           "line per evaluation)", Flag())
+  log: tuple[str, ...] = setting(
+      (), "also write the metrics to: csv (metrics.csv), tensorboard (event files under tensorboard/; needs "
+      "tensorboardX), wandb (a Weights & Biases run; needs wandb, WANDB_MODE=offline keeps it on disk); "
+      "comma-separated", Custom(_check_writers, parse_list), metavar="WRITER,...")
 
   def __post_init__(self):
     validate(self)
@@ -80,9 +100,10 @@ class OutputConfig(Settings):
     cannot be created or written; or if --resume and --overwrite are both given. Checked when a run starts,
     not when a saved config is read (like `DataConfig.check_paths`)."""
     flag = cli_name(self, "dir")
-    if self.resume and self.overwrite:
-      raise ValueError(f"{cli_name(self, 'resume')} and {cli_name(self, 'overwrite')} exclude each other: "
-                       f"continue {flag} {self.dir!r}, or delete it and start over")
+    for resume in ("resume", "resume_or_start"):
+      if getattr(self, resume) and self.overwrite:
+        raise ValueError(f"{cli_name(self, resume)} and {cli_name(self, 'overwrite')} exclude each other: "
+                         f"continue {flag} {self.dir!r}, or delete it and start over")
     path = os.path.abspath(self.dir)
     if os.path.exists(path) and not os.path.isdir(path):
       raise ValueError(f"{flag} {self.dir!r} is a file, not a directory")
@@ -109,10 +130,6 @@ def _check_groups(name: str, groups: Any) -> None:
       raise ValueError(f"{name}: {e}") from None
 
 
-def parse_groups(text: str) -> tuple[str, ...]:
-  return tuple(g.strip() for g in text.split(",") if g.strip())
-
-
 @dataclasses.dataclass(frozen=True)
 class RunConfig(Settings):
   TITLE = "run"
@@ -121,7 +138,7 @@ class RunConfig(Settings):
   groups: tuple[str, ...] = setting(
       ("cnn@1", "cnn@0.5", "cnn@0.25"), "comma-separated architecture groups, each NAME or NAME@WIDTH; names: "
       f"{', '.join(models.MODEL_NAMES)}. Clients are split into equal contiguous blocks, one per group, in the "
-      "order given", Custom(_check_groups, parse_groups), metavar="NAME@WIDTH,...")
+      "order given", Custom(_check_groups, parse_list), metavar="NAME@WIDTH,...")
   client: LocalConfig = LocalConfig(batch_size=32)
   method: MethodConfig = MethodConfig()
   federation: FederationConfig = FederationConfig()

@@ -238,6 +238,7 @@ def _entries() -> list[Entry]:
 
 
 METHODS: dict[str, Entry] = {e.name.lower(): e for e in _entries()}
+PAPER_METHODS = frozenset(METHODS)  # registered methods may not shadow them (registering a name again replaces it)
 
 
 def get_entry(name: str, missing_ok: bool = False) -> Entry | None:
@@ -246,6 +247,23 @@ def get_entry(name: str, missing_ok: bool = False) -> Entry | None:
   entry = METHODS.get(name.lower()) if isinstance(name, str) else None
   if entry is None and not missing_ok:
     raise ValueError(f"--method: unknown method {name!r}; accepted: {', '.join(e.name for e in METHODS.values())}")
+  return entry
+
+
+def register_method(name: str, build: Callable[..., Method], options: tuple[type, ...] = (),
+                    paper: str = "registered methods", summary: str = "") -> Entry:
+  """Makes a method declared by value available by name: ``--method NAME`` in a command run by the process
+  that registered it, `build_method`, and ``--resume`` of its results folders. ``build(*families)`` makes the
+  method from the option families ``options`` (types of `MethodConfig`'s families, or `LocalConfig`), which its
+  flags then set; the method it returns must be called ``name``. Registering a name again replaces it."""
+  known = {type(family) for family in MethodConfig().families().values()} | {LocalConfig}
+  unknown = [kind.__name__ for kind in options if kind not in known]
+  if unknown:
+    raise ValueError(f"{name}: options must be MethodConfig's option families or LocalConfig, got {unknown}")
+  if name.lower() in PAPER_METHODS:
+    raise ValueError(f"{name!r} is the name of a method of the papers: choose another")
+  entry = Entry(name, paper, summary, build, tuple(options))
+  METHODS[name.lower()] = entry
   return entry
 
 
@@ -274,7 +292,10 @@ def build_method(name: str, options: MethodConfig = MethodConfig(), local: Local
   entry = get_entry(name)
   check_options(entry, options)
   families = [local if kind is LocalConfig else options.family(kind) for kind in entry.options]
-  return dataclasses.replace(entry.build(*families), summary=entry.summary)
+  method = entry.build(*families)
+  if method.name.lower() != entry.name.lower():
+    raise ValueError(f"the method registered as {entry.name!r} is called {method.name!r}")
+  return dataclasses.replace(method, summary=entry.summary or method.summary)
 
 
 def methods_by_paper() -> dict[str, list[Entry]]:

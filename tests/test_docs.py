@@ -235,7 +235,7 @@ def _flags_of(module: str | None) -> set[str] | None:
 @pytest.mark.slow
 @pytest.mark.parametrize("path, code, line", blocks_of("python"), ids=lambda v: str(v)[:40])
 def test_every_python_block_runs_as_written(path, code, line, tmp_path, monkeypatch):
-  if "fashion_mnist" in code or "RunConfig" in code and not os.path.exists(FMNIST_FILE):
+  if ("fashion_mnist" in code or "RunConfig" in code) and not os.path.exists(FMNIST_FILE):
     pytest.skip("Fashion-MNIST Debian package not installed (apt-get install dataset-fashion-mnist)")
   monkeypatch.chdir(tmp_path)
   exec(compile(code, f"{path}:{line}", "exec"), {"__name__": "__doc_example__"})

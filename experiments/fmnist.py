@@ -5,11 +5,7 @@
     python -m experiments.fmnist --help
 """
 
-from experiments.cli import main, preset
-
-# Evaluating the three models on the 10,000 test images costs about as much as two rounds on a 2-core CPU,
-# so the demo evaluates every 10 rounds (and after the last).
-DEMO = preset(dataset="fashion_mnist", output_dir="runs/fmnist", eval_every=10)
+from fedjax_hetero.cli.run import main
 
 if __name__ == "__main__":
-  main("fashion_mnist", DEMO, __doc__.splitlines()[0])
+  main("fashion_mnist")

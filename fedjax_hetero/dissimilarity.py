@@ -25,6 +25,9 @@ from fedjax_hetero.client.terms import ClientTerm, with_upload
 
 NAME = "dissimilarity"
 PARTS = ("low", "high")
+# A spread below this fraction of the mean update's squared norm is float rounding, not dissimilarity: what a
+# single client's update leaves (its spread is exactly 0). It is logged as no value (NaN, None in metrics.jsonl).
+NO_SPREAD = 1e-6
 
 
 def update_norms() -> ClientTerm:
@@ -49,6 +52,7 @@ def gradient_dissimilarity(delta_sum: Any, weight_sum: jax.Array, norm_sums: Any
       continue
     spread = sum(s / weight_sum for s, m in zip(jax.tree.leaves(norm_sums), jax.tree.leaves(mask)) if m)
     mean_norm = sum(jnp.sum(jnp.square(d)) for d, m in zip(jax.tree.leaves(mean), jax.tree.leaves(mask)) if m)
-    out[f"{name}_spread"] = jnp.maximum(spread - mean_norm, 0.0)  # >= 0 but for float cancellation
-    out[name] = out[f"{name}_spread"] / mean_norm
+    spread = jnp.maximum(spread - mean_norm, 0.0)  # >= 0 but for float cancellation
+    spread = jnp.where(spread > NO_SPREAD * mean_norm, spread, jnp.nan)
+    out[f"{name}_spread"], out[name] = spread, spread / mean_norm
   return out

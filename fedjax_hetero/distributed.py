@@ -26,7 +26,8 @@ import jax
 import numpy as np
 from jax._src import xla_bridge  # private, but jax has no public way to ask whether it has computed yet
 
-from fedjax_hetero.validation import check_choice, check_integer, cli_flag, first_line, show
+from fedjax_hetero.config.declare import Custom, Integer, OneOf, Settings, cli_name, setting, validate
+from fedjax_hetero.validation import cli_flag, first_line, show
 
 MODES = ("off", "auto")  # off: one process unless the coordinator flags are given; auto: jax detects the cluster
 ENV = {"coordinator": "FEDJAX_HETERO_COORDINATOR", "num_processes": "FEDJAX_HETERO_NUM_PROCESSES",
@@ -37,7 +38,7 @@ FAILED = 1
 
 
 @dataclasses.dataclass(frozen=True)
-class DistributedConfig:
+class DistributedConfig(Settings):
   """How this process joins a multi-process run.
 
   ``mode`` "off" with no coordinator settings is a single-process run. With ``coordinator``,
@@ -50,30 +51,37 @@ class DistributedConfig:
   silent process counts as dead and the others stop with jax's error.
   """
 
-  mode: str = "off"
-  coordinator: str | None = None  # process 0's HOST:PORT
-  num_processes: int | None = None
-  process_id: int | None = None
-  timeout: int = 60
-  heartbeat_timeout: int = 20
+  TITLE = "multi-process runs (jax.distributed; needs --backend sharded or auto)"
+  DESCRIPTION = ("Every process runs the same command; process 0 writes the results folder, which must be on a "
+                 "file\nsystem all processes see. python -m experiments.launch starts such a run on this machine's "
+                 "CPUs.")
+
+  mode: str = setting(
+      "off", "auto: let jax.distributed.initialize detect the processes (Cloud TPU VM or pod slice, SLURM, Open "
+      "MPI); off: one process, unless --coordinator, --num-processes and --process-id are given", OneOf(MODES),
+      flag="distributed")
+  coordinator: str | None = setting(None, f"process 0's address and a free port (default: ${ENV['coordinator']})",
+                                    Custom(lambda name, value: _check_address(value), str), metavar="HOST:PORT")
+  num_processes: int | None = setting(None, f"processes in the run (default: ${ENV['num_processes']})", Integer(1),
+                                      metavar="N")
+  process_id: int | None = setting(None, f"this process's index, 0 to N-1 (default: ${ENV['process_id']})",
+                                   Integer(0), metavar="I")
+  timeout: int = setting(60, "how long processes wait for each other to join, and at the end to finish",
+                         Integer(1), flag="distributed_timeout", metavar="SECONDS")
+  heartbeat_timeout: int = setting(20, "a process silent this long counts as dead: the others stop with an error",
+                                   Integer(1), metavar="SECONDS")
 
   def __post_init__(self):
-    check_choice("distributed.mode", self.mode, MODES)
-    check_integer("distributed.num_processes", self.num_processes, minimum=1, optional=True)
-    check_integer("distributed.process_id", self.process_id, minimum=0, optional=True)
-    check_integer("distributed.timeout", self.timeout, minimum=1)
-    check_integer("distributed.heartbeat_timeout", self.heartbeat_timeout, minimum=1)
-    if self.coordinator is not None:
-      _check_address(self.coordinator)
+    validate(self)
     given = [name for name in EXPLICIT if getattr(self, name) is not None]
     if self.mode == "off" and given and len(given) < len(EXPLICIT):
-      missing = [cli_flag(f"distributed.{name}") for name in EXPLICIT if name not in given]
-      raise ValueError(f"{', '.join(cli_flag(f'distributed.{n}') for n in given)} given without "
+      missing = [cli_name(DistributedConfig, name) for name in EXPLICIT if name not in given]
+      raise ValueError(f"{', '.join(cli_name(DistributedConfig, n) for n in given)} given without "
                        f"{', '.join(missing)}: a multi-process run needs all three (or "
-                       f"{cli_flag('distributed.mode')} auto on a Cloud TPU VM, SLURM or Open MPI)")
+                       f"{cli_name(DistributedConfig, 'mode')} auto on a Cloud TPU VM, SLURM or Open MPI)")
     if self.num_processes is not None and self.process_id is not None and self.process_id >= self.num_processes:
-      raise ValueError(f"{cli_flag('distributed.process_id')} must be in [0, {self.num_processes - 1}] for "
-                       f"{cli_flag('distributed.num_processes')} {self.num_processes}, got {self.process_id}")
+      raise ValueError(f"{cli_name(DistributedConfig, 'process_id')} must be in [0, {self.num_processes - 1}] for "
+                       f"{cli_name(DistributedConfig, 'num_processes')} {self.num_processes}, got {self.process_id}")
 
   @property
   def enabled(self) -> bool:
@@ -95,7 +103,7 @@ class DistributedConfig:
 
 
 def _check_address(address: object) -> None:
-  flag = cli_flag("distributed.coordinator")
+  flag = cli_name(DistributedConfig, 'coordinator')
   host, sep, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
   if not (sep and host and port.isdigit() and 1 <= int(port) <= 65535):
     raise ValueError(f"{flag} must be HOST:PORT (process 0's address and a free port, e.g. 10.0.0.1:1234), "
@@ -120,7 +128,8 @@ def from_flags(mode: str = "off", coordinator: str | None = None, num_processes:
     try:
       values[name] = int(text)
     except ValueError:
-      raise ValueError(f"${variable} must be an integer ({cli_flag(f'distributed.{name}')}), got {text!r}") from None
+      raise ValueError(f"${variable} must be an integer ({cli_name(DistributedConfig, name)}), "
+                       f"got {text!r}") from None
   return DistributedConfig(mode, timeout=timeout, heartbeat_timeout=heartbeat_timeout, **values)
 
 
@@ -148,7 +157,8 @@ def initialize(config: DistributedConfig) -> bool:
       f" of {config.num_processes}" if config.num_processes else "")
   where = f"coordinator {config.coordinator}" if config.coordinator else "the cluster jax detects"
   # Said first because a join that times out ends in jax's own fatal error, which does not say what it waited for.
-  print(f"{who}: joining the run ({where}); waiting up to {config.timeout} s ({cli_flag('distributed.timeout')}) "
+  timeout = cli_name(DistributedConfig, "timeout")
+  print(f"{who}: joining the run ({where}); waiting up to {config.timeout} s ({timeout}) "
         "for every process", file=sys.stderr, flush=True)
   try:
     jax.distributed.initialize(config.coordinator, config.num_processes, config.process_id,
@@ -156,12 +166,12 @@ def initialize(config: DistributedConfig) -> bool:
                                heartbeat_timeout_seconds=config.heartbeat_timeout,
                                shutdown_timeout_seconds=config.timeout)
   except ValueError as e:  # jax's checks of what it was given or detected
-    hint = (f"; {cli_flag('distributed.mode')} auto found no Cloud TPU VM, SLURM or Open MPI job: pass "
-            f"{', '.join(cli_flag(f'distributed.{n}') for n in EXPLICIT)}" if config.coordinator is None else "")
+    hint = (f"; {cli_name(DistributedConfig, 'mode')} auto found no Cloud TPU VM, SLURM or Open MPI job: pass "
+            f"{', '.join(cli_name(DistributedConfig, n) for n in EXPLICIT)}" if config.coordinator is None else "")
     raise RuntimeError(f"{who}: cannot join the run ({where}): {str(e).rstrip('.')}{hint}") from e
   except Exception as e:  # jax raises its runtime's errors (e.g. DEADLINE_EXCEEDED) under several types
     raise RuntimeError(f"{who}: the processes did not all join ({where}) within "
-                       f"{cli_flag('distributed.timeout')} {config.timeout} s: {first_line(e, 400)}") from e
+                       f"{cli_name(DistributedConfig, 'timeout')} {config.timeout} s: {first_line(e, 400)}") from e
   _joined.append(config)
   return True
 

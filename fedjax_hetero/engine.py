@@ -14,7 +14,6 @@ all groups (layer-wise averaging). See docs/architecture.md.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import Any, Collection, Sequence
 
 import flax.linen as nn
@@ -26,6 +25,8 @@ from fedjax_hetero import dissimilarity
 from fedjax_hetero.backends import Backend, copy_tree
 from fedjax_hetero.client import backdoor
 from fedjax_hetero.client.local import LocalConfig, LocalTrainer
+from fedjax_hetero.config.federation import FederationConfig, check_federation  # (FederationConfig re-exported)
+from fedjax_hetero.config.run import AUTO_ROUNDS_PER_CALL, ROUND_PROGRAMS  # (re-exported)
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.evaluation import ACCELERATOR_EVAL_BATCH, EVAL_BATCH, correct_predictions
 from fedjax_hetero.hetero.maps import SubmodelMap, Variables, complete, extract, identity_map, pick_global, separate
@@ -36,10 +37,10 @@ from fedjax_hetero.host_round import HostLoop
 from fedjax_hetero.state import ServerState, round_key, server_key  # (re-exported)
 from fedjax_hetero.round_program import RoundProgram
 from fedjax_hetero.round_rows import NonFiniteLossError, accuracies  # (NonFiniteLossError re-exported)
-from fedjax_hetero.sampling.samplers import WEIGHTINGS, Participants, SamplingInfo
+from fedjax_hetero.sampling.samplers import Participants, SamplingInfo
 from fedjax_hetero.server.steps import Federation, server_program
 from fedjax_hetero.simulation_checks import check_simulation_inputs
-from fedjax_hetero.validation import SEED_MAX, check_choice, check_integer, check_number, cli_flag
+from fedjax_hetero.validation import check_choice, check_integer, cli_flag
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,50 +53,10 @@ class ArchGroup:
 
 
 def assign_groups(num_clients: int, num_groups: int) -> list[np.ndarray]:
-  """Contiguous blocks of client ids per group, smallest architecture first (as InCo's code)."""
+  """Contiguous blocks of client ids per group, in the groups' order (as InCo's code)."""
   if num_groups > num_clients:
     raise ValueError(f"{num_groups} architecture groups need at least as many clients, got {num_clients}")
   return np.array_split(np.arange(num_clients), num_groups)
-
-
-@dataclasses.dataclass(frozen=True)
-class FederationConfig:
-  """How rounds are drawn: participants per round, the seed, and the clients' aggregation weights; and
-  which clients attack (`fedjax_hetero.client.backdoor`: a fraction of all clients, each uploading its update
-  plus ``backdoor_scale`` times its update on shuffled labels). A fraction of 0 changes nothing."""
-
-  clients_per_round: int = 10
-  seed: int = 0
-  sample_seed: int | None = None  # the stream of the rounds' cohorts alone; None: ``seed``
-  weighting: str = "uniform"  # "uniform" (InCo's code) or "num_samples"
-  # One probability per architecture group: every round each client's group is drawn afresh from them
-  # (HeteroFL's dynamic "a1-b1-..." mode). Empty: every client keeps the group it was assigned.
-  group_draw: tuple[float, ...] = ()
-  malicious_fraction: float = 0.0  # of all clients, fixed by the seed (FedFA's experiments: 0, 0.01, 0.2)
-  backdoor_scale: float = 20.0  # lambda of FedFA's Eq. 1 (its experiments: 1 and 20)
-  backdoor_delta: str = "update"  # what lambda multiplies: "update" (copy - start) or "difference" (copy - clean)
-
-  def __post_init__(self):
-    check_integer("federation.clients_per_round", self.clients_per_round, minimum=1)
-    check_number("federation.malicious_fraction", self.malicious_fraction, minimum=0, maximum=1)
-    check_number("federation.backdoor_scale", self.backdoor_scale, minimum=0)
-    check_choice("federation.backdoor_delta", self.backdoor_delta, backdoor.READINGS)
-    check_integer("federation.seed", self.seed, minimum=0, maximum=SEED_MAX)
-    check_integer("federation.sample_seed", self.sample_seed, minimum=0, maximum=SEED_MAX, optional=True)
-    check_choice("federation.weighting", self.weighting, WEIGHTINGS)
-    draw = self.group_draw
-    if not isinstance(draw, (tuple, list)) or not all(isinstance(p, numbers.Real) and not isinstance(p, bool)
-                                                      for p in draw):
-      raise ValueError(f"{cli_flag('federation.group_draw')} must be a sequence of probabilities, got {draw!r}")
-    probabilities = np.asarray(draw, float)
-    if len(probabilities) and not (np.all(np.isfinite(probabilities)) and np.all(probabilities >= 0)
-                                   and abs(probabilities.sum() - 1) < 1e-6):
-      raise ValueError(f"{cli_flag('federation.group_draw')} must be non-negative probabilities summing to 1, "
-                       f"got {draw}")
-
-
-ROUND_PROGRAMS = ("auto", "fused", "host")
-AUTO_ROUNDS_PER_CALL = 25  # the runner also ends a call at every checkpoint and at the last round
 
 
 def _federations(groups: Sequence[ArchGroup], shapes: Sequence[Variables], maps: Sequence[SubmodelMap],
@@ -133,13 +94,7 @@ class Simulation:
     accelerator when the method and backend allow it, the host loop on CPU (see docs/performance.md).
     ``rounds_per_call`` None: `AUTO_ROUNDS_PER_CALL`."""
     check_simulation_inputs(groups, store, local, method, config, backend, test_images, test_labels)
-    if config.clients_per_round > store.num_clients:
-      raise ValueError(f"clients_per_round={config.clients_per_round} exceeds the {store.num_clients} clients")
-    if method.one_group and len(groups) != 1:
-      raise ValueError(f"{method.name} trains one architecture {method.one_group}, got {len(groups)} groups; pass "
-                       "one group (e.g. --groups cnn)")
-    if method.sharing.stacked and config.clients_per_round < 2:
-      raise ValueError(f"{method.name} needs clients_per_round >= 2 (one model per sampled client)")
+    check_federation(config, store.num_clients, [g.name for g in groups], method)
     self.method, self.store, self.config, self.backend, self.local = method, store, config, backend, local
     self.groups = tuple(dataclasses.replace(g, model=method.wrap_model(g.model)) for g in groups)
     self.test_images, self.test_labels = test_images, test_labels
@@ -158,9 +113,6 @@ class Simulation:
       self.row_of_client[g.clients] = np.arange(len(g.clients))
     if (self.group_of_client < 0).any():
       raise ValueError("every client must belong to an architecture group")
-    if config.group_draw and len(config.group_draw) != len(self.groups):
-      raise ValueError(f"group_draw needs one probability per architecture group ({len(self.groups)}), got "
-                       f"{len(config.group_draw)}")
     if config.group_draw and any(t.init_memory for t in method.terms):
       raise ValueError(f"{method.name} keeps per-client memory in its group's shape; it cannot redraw groups")
     self.federations = _federations(self.groups, shapes, self.maps, self.global_index, method.sharing.shared, config,
@@ -170,10 +122,6 @@ class Simulation:
     terms = method.terms + ((dissimilarity.update_norms(),) if track_dissimilarity else ())
     # The backdoor attack's malicious clients (sorted ids; none by default) and their traced inputs.
     self.malicious_clients = backdoor.malicious_clients(store.num_clients, config.malicious_fraction, config.seed)
-    if config.malicious_fraction > 0 and not len(self.malicious_clients):
-      raise ValueError(f"{cli_flag('federation.malicious_fraction')} {config.malicious_fraction} of "
-                       f"{store.num_clients} clients rounds to no malicious client; pass at least "
-                       f"{0.5 / store.num_clients:g}, or 0 for a clean run")
     attack = (backdoor.Backdoor(config.backdoor_scale, config.backdoor_delta) if len(self.malicious_clients)
               else None)
     self.attack_table = (backdoor.attack_table(store.num_clients, self.malicious_clients, config.seed) if attack

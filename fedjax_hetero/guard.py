@@ -13,7 +13,7 @@ Three signs, each named with its round and architecture group:
 
 `DivergenceWatch` is pure host-side bookkeeping over the metrics rows `Simulation.run_round` returns,
 so the guard costs nothing on the device. What to do about it (stop, or roll back to the best
-checkpoint with a lower learning rate) is the runner's part: `DivergenceConfig.action`.
+checkpoint with a lower learning rate) is the runner's part: `DivergenceConfig.action` (in `fedjax_hetero.config`).
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from fedjax_hetero.validation import check_choice, check_integer, check_number
-
-ACTIONS = ("stop", "rollback", "off")
+from fedjax_hetero.config.run import DIVERGENCE_ACTIONS as ACTIONS  # re-exported
+from fedjax_hetero.config.run import DivergenceConfig  # re-exported
 
 
 class DivergenceError(FloatingPointError):
@@ -34,29 +33,6 @@ class DivergenceError(FloatingPointError):
     super().__init__(message)
     self.round = round_
     self.group = group
-
-
-@dataclasses.dataclass(frozen=True)
-class DivergenceConfig:
-  """When a run counts as diverged, and what the runner does then.
-
-  ``action``: "stop" ends the run with an error (the best checkpoint is kept); "rollback" restores the
-  best checkpoint, multiplies the clients' learning rate by ``rollback_lr_factor`` and goes on, at most
-  ``max_rollbacks`` times; "off" only keeps the engine's non-finite-loss error.
-  """
-
-  action: str = "stop"
-  loss_factor: float = 10.0  # a group's loss above this multiple of its lowest so far
-  chance_evals: int = 3  # evaluations in a row at chance accuracy, after being clearly above it
-  rollback_lr_factor: float = 0.5
-  max_rollbacks: int = 3
-
-  def __post_init__(self):
-    check_choice("divergence.action", self.action, ACTIONS)
-    check_number("divergence.loss_factor", self.loss_factor, above=1)
-    check_integer("divergence.chance_evals", self.chance_evals, minimum=1)
-    check_number("divergence.rollback_lr_factor", self.rollback_lr_factor, above=0, below=1)
-    check_integer("divergence.max_rollbacks", self.max_rollbacks, minimum=0)
 
 
 def at_chance(accuracy: float, num_classes: int) -> bool:

@@ -1,63 +1,43 @@
 """Checks of the settings' values, with errors that name the command-line flag.
 
-Every config dataclass checks its fields in ``__post_init__`` with these
-functions, so a library user building one gets the message a CLI user gets:
-the flag as typed (``--lr``), the value, and what is allowed. A setting is
-named by its dotted path in `fedjax_hetero.config.RunConfig`
-(``client.learning_rate``); `flag_name` derives its flat flag name, the rule
-`fedjax_hetero.config.FLAGS` is built with, and `cli_flag` its spelling on the
-command line. This module imports nothing of the package, so that every config
+The config dataclasses declare each setting once (`fedjax_hetero.config.declare`) and check it with these
+functions, so a library user building one gets the message a CLI user gets: the flag as typed (``--lr``),
+the value, and what is allowed. A check is given the flag itself (``"--lr"``) or, from older callers, the
+setting's dotted path in `fedjax_hetero.config.RunConfig` (``"client.learning_rate"``), which `cli_flag`
+turns into the flag. This module imports nothing of the package at import time, so that every config
 module can use it.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Any, Iterable
 
-# Settings whose flag name is not their leaf's name.
-RENAMED_FLAGS: dict[str, str] = {"method.name": "method", "output.dir": "output_dir",
-                                 "method.fedcross.global_from": "fedcross_global", "divergence.action": "on_divergence",
-                                 # `fedjax_hetero.distributed.DistributedConfig`, not part of a run's config
-                                 "distributed.mode": "distributed", "distributed.timeout": "distributed_timeout"}
-# Families whose flag names put the family's name before the leaf's (method.fedcross.alpha: fedcross_alpha).
-PREFIXED_FAMILIES: tuple[str, ...] = ("method.fedcross", "method.fedimpro", "method.fedin", "divergence")
-# Families without flags of their own (FedGen's settings: only --fedgen-preset sets them).
-UNFLAGGED_FAMILIES: tuple[str, ...] = ("method.fedgen",)
-# Flags the CLI spells other than "--" and the flag name with dashes.
-CLI_SPELLINGS: dict[str, str] = {"learning_rate": "--lr"}
 # jax turns a seed into a key through 32-bit integers: larger seeds would alias smaller ones.
 SEED_MAX = 2 ** 32 - 1
 
 
-def _in_family(path: str, family: str) -> bool:
-  return path.startswith(family + ".")
+@functools.cache
+def _spellings() -> dict[str, str]:
+  """Dotted path -> command-line flag, of every declared setting of a run and of a process's multi-process
+  settings (`fedjax_hetero.distributed.DistributedConfig`, under ``distributed.``)."""
+  from fedjax_hetero.config import RunConfig, declare
+  from fedjax_hetero.distributed import DistributedConfig
+
+  table = {leaf.path: leaf.cli for leaf in declare.leaves(RunConfig())}
+  table.update({f"distributed.{leaf.path}": leaf.cli for leaf in declare.leaves(DistributedConfig())})
+  return table
 
 
-def has_flag(path: str) -> bool:
-  """Whether the setting at ``path`` has a flag name (see `flag_name`)."""
-  return not any(_in_family(path, family) for family in UNFLAGGED_FAMILIES)
-
-
-def flag_name(path: str) -> str:
-  """The flat flag name of the setting at dotted ``path`` (``client.learning_rate`` -> ``learning_rate``)."""
-  if path in RENAMED_FLAGS:
-    return RENAMED_FLAGS[path]
-  leaf = path.rsplit(".", 1)[-1]
-  for family in PREFIXED_FAMILIES:
-    if _in_family(path, family):
-      return f"{family.rsplit('.', 1)[-1]}_{leaf}"
-  return leaf
-
-
-def cli_flag(path: str) -> str:
-  """How the setting at ``path`` is named to a user: its command-line flag (``--lr``), or its path if it has
-  no flag."""
-  if not has_flag(path):
-    return path
-  name = flag_name(path)
-  return CLI_SPELLINGS.get(name, "--" + name.replace("_", "-"))
+def cli_flag(name: str) -> str:
+  """How a setting is named to a user: ``name`` itself if it is a flag (``--lr``) or an environment variable,
+  else the command-line flag of the setting at dotted path ``name`` (``client.learning_rate`` -> ``--lr``);
+  a name that is neither, ``--`` and its last part with dashes."""
+  if name.startswith(("-", "$")):
+    return name
+  return _spellings().get(name) or "--" + name.rsplit(".", 1)[-1].replace("_", "-")
 
 
 def first_line(error: BaseException, limit: int) -> str:
@@ -101,46 +81,46 @@ def _within(value: float, minimum: float | None, maximum: float | None, above: f
           and (above is None or value > above) and (below is None or value < below))
 
 
-def check_integer(path: str, value: Any, minimum: int | None = None, maximum: int | None = None,
+def check_integer(name: str, value: Any, minimum: int | None = None, maximum: int | None = None,
                   optional: bool = False) -> None:
   """An integer (not a bool or a float) in ``[minimum, maximum]``; None too if ``optional``."""
   if optional and value is None:
     return
   if not (_is_integer(value) and _within(value, minimum, maximum, None, None)):
-    raise ValueError(f"{cli_flag(path)} must be an integer{_bounds(minimum, maximum, None, None)}, got {show(value)}")
+    raise ValueError(f"{cli_flag(name)} must be an integer{_bounds(minimum, maximum, None, None)}, got {show(value)}")
 
 
-def check_number(path: str, value: Any, minimum: float | None = None, maximum: float | None = None, *,
+def check_number(name: str, value: Any, minimum: float | None = None, maximum: float | None = None, *,
                  above: float | None = None, below: float | None = None, optional: bool = False) -> None:
   """A finite real number (not a bool), ``>= minimum``, ``<= maximum``, ``> above``, ``< below``; None too if
   ``optional``."""
   if optional and value is None:
     return
   if not (_is_number(value) and math.isfinite(value) and _within(value, minimum, maximum, above, below)):
-    raise ValueError(f"{cli_flag(path)} must be a finite number{_bounds(minimum, maximum, above, below)}, "
+    raise ValueError(f"{cli_flag(name)} must be a finite number{_bounds(minimum, maximum, above, below)}, "
                      f"got {show(value)}")
 
 
-def check_choice(path: str, value: Any, accepted: Iterable[Any], optional: bool = False) -> None:
+def check_choice(name: str, value: Any, accepted: Iterable[Any], optional: bool = False) -> None:
   """One of ``accepted``; None too if ``optional``."""
   accepted = tuple(accepted)
   if optional and value is None:
     return
   if value not in accepted:
-    raise ValueError(f"{cli_flag(path)} must be one of {', '.join(map(str, accepted))}, got {show(value)}")
+    raise ValueError(f"{cli_flag(name)} must be one of {', '.join(map(str, accepted))}, got {show(value)}")
 
 
-def check_bool(path: str, value: Any, optional: bool = False) -> None:
+def check_bool(name: str, value: Any, optional: bool = False) -> None:
   """True or False (a string such as "false" would count as true); None too if ``optional``."""
   if optional and value is None:
     return
   if not isinstance(value, bool):
-    raise ValueError(f"{cli_flag(path)} must be true or false, got {show(value)}")
+    raise ValueError(f"{cli_flag(name)} must be true or false, got {show(value)}")
 
 
-def check_text(path: str, value: Any, optional: bool = False) -> None:
+def check_text(name: str, value: Any, optional: bool = False) -> None:
   """A non-empty string; None too if ``optional``."""
   if optional and value is None:
     return
   if not (isinstance(value, str) and value.strip()):
-    raise ValueError(f"{cli_flag(path)} must be a non-empty string, got {show(value)}")
+    raise ValueError(f"{cli_flag(name)} must be a non-empty string, got {show(value)}")

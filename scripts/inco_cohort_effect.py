@@ -1,4 +1,4 @@
-"""How much a group's accuracy moves with the round's cohort, and what unpaired comparisons look like (issue 19).
+"""How much a group's accuracy moves with the round's cohort, and what unpaired comparisons look like.
 
 Usage: python scripts/inco_cohort_effect.py RUN_DIR... [--group resnet10@0.125] [--skip 5] [--baseline HeteroAvg]
 

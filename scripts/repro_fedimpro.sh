@@ -10,9 +10,8 @@ OUT=runs/repro/fedimpro
 for seed in $SEEDS; do
   for method in $METHODS; do
     dir="$OUT/${method}_s${seed}"
-    if [ -f "$dir/summary.json" ]; then continue; fi
-    flag=$([ -d "$dir" ] && echo --resume || echo)
+    if [ -f "$dir/summary.json" ] && ! grep -q '"interrupted": {' "$dir/summary.json"; then continue; fi
     .venv/bin/python -m experiments.fmnist --preset fedimpro-cpu --method "$method" --seed "$seed" \
-      --output-dir "$dir" --no-progress $flag
+      --output-dir "$dir" --no-progress --resume-or-start
   done
 done

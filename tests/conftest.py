@@ -58,3 +58,12 @@ def no_compute(monkeypatch):
 
   monkeypatch.setattr(engine.Simulation, "init_state", forbidden)
   monkeypatch.setattr(engine.Simulation, "run_round", forbidden)
+
+
+def pytest_terminal_summary(terminalreporter):
+  """Says under the summary line why the golden record was skipped, if it was (another jax version)."""
+  skipped = terminalreporter.stats.get("skipped", [])
+  reasons = {report.longrepr[2] for report in skipped
+             if "test_golden" in report.nodeid and isinstance(report.longrepr, tuple)}
+  for reason in sorted(r.removeprefix("Skipped: ") for r in reasons if "golden record skipped" in r):
+    terminalreporter.write_line(reason, yellow=True, bold=True)

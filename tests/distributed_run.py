@@ -21,7 +21,7 @@ import time
 
 import jax
 
-from experiments import cli, fmnist
+from fedjax_hetero.cli import run as cli
 from fedjax_hetero import engine
 
 
@@ -48,7 +48,7 @@ def main(argv: list[str]) -> None:
   for index, flags in enumerate(spec["runs"]):
     if die and die["run"] == index:
       _die_before(die["process"], die["round"], die["after"], die["stamp"])
-    cli.main("fashion_mnist", fmnist.DEMO, "distributed test run", [*flags, *argv[1:]])
+    cli.main("fashion_mnist", [*flags, *argv[1:]])
 
 
 if __name__ == "__main__":

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from fedjax_hetero.algorithms.fedgen import FedGenConfig
+from fedjax_hetero.config import FedGenConfig, MethodConfig
 from fedjax_hetero.backends import make_backend
 from fedjax_hetero.client.local import LocalConfig
 from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation, assign_groups
-from fedjax_hetero.methods import MethodOptions, build_method
+from fedjax_hetero.methods import build_method
 from tests.golden import ONE_GROUP, group_models
 from tests.helpers import tiny_federation
 
@@ -29,6 +29,6 @@ def golden_simulation(method: str, backend: str, family: str) -> GoldenSimulatio
   groups = [ArchGroup(name, model, clients)
             for (name, model), clients in zip(models, assign_groups(store.num_clients, len(models)))]
   local = LocalConfig(epochs=2, batch_size=8, optimizer="adam", learning_rate=1e-2, steps_per_call=2)
-  built = build_method(method, MethodOptions(fedgen=TINY_FEDGEN), local)
+  built = build_method(method, MethodConfig(fedgen=TINY_FEDGEN) if method == "FedGen" else MethodConfig(), local)
   return GoldenSimulation(groups, store, local, built, FederationConfig(clients_per_round=3, seed=0),
                           make_backend(backend), jnp.asarray(ds.test_images), jnp.asarray(ds.test_labels))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,9 +17,10 @@ from fedjax_hetero.backends import make_backend
 from fedjax_hetero.client.local import LocalConfig
 from fedjax_hetero.data import ArrayDataset, partition, synthetic_dataset
 from fedjax_hetero.data.store import FederatedStore
+from fedjax_hetero.config import MethodConfig, RunConfig
 from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation, assign_groups
-from fedjax_hetero.methods import MethodOptions, build_method
-from fedjax_hetero.models import build_model
+from fedjax_hetero.methods import build_method
+from fedjax_hetero.models import ResNet, build_model
 
 TINY_NUM_CLIENTS = 6
 FMNIST_FILE = "/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"
@@ -68,11 +71,57 @@ def random_batch(seed: int, size: int, num_classes: int = 4, image_shape: tuple[
   return images, labels
 
 
-def tiny_federation(num_clients: int = TINY_NUM_CLIENTS) -> tuple[ArrayDataset, FederatedStore]:
-  """160 synthetic training images over ``num_clients`` clients of unequal sizes."""
-  ds = synthetic_dataset(num_train=160, num_test=32, seed=0)
-  parts = partition(ds.train_labels, "iid_imbalanced", num_clients, 0)
+def random_tree(shapes: dict, rng: np.random.Generator):
+  """A nested dict of float32 normal draws, one leaf per ``path: shape`` entry (path ``("a", "b")`` or
+  ``"a/b"``)."""
+  return traverse_util.unflatten_dict({tuple(path.split("/")) if isinstance(path, str) else path:
+                                       rng.normal(size=shape).astype(np.float32) for path, shape in shapes.items()})
+
+
+def tiny_resnet(stage_sizes=(1, 1), width: float = 1.0, num_classes: int = 4, **fields) -> ResNet:
+  """The smallest ResNet with stages, blocks and BatchNorm: base width 4, the CIFAR stem."""
+  return ResNet(stage_sizes=stage_sizes, num_classes=num_classes, width=width, base_channels=4, stem="cifar",
+                **fields)
+
+
+def tiny_federation(num_clients: int = TINY_NUM_CLIENTS, num_train: int = 160, num_test: int = 32,
+                    scheme: str = "iid_imbalanced") -> tuple[ArrayDataset, FederatedStore]:
+  """Synthetic images split over ``num_clients`` clients (by default 160 training images over 6 clients of
+  unequal sizes)."""
+  ds = synthetic_dataset(num_train=num_train, num_test=num_test, seed=0)
+  parts = partition(ds.train_labels, scheme, num_clients, 0)
   return ds, FederatedStore.build(ds.train_images, ds.train_labels, parts, ds.num_classes, ds.mean, ds.std)
+
+
+def mlp_groups(widths=(1.0,), hidden=(16,), num_classes: int = 4) -> list[tuple[str, nn.Module]]:
+  """MLP width groups, named ``mlp@WIDTH``."""
+  return [(f"mlp@{w}", build_model("mlp", num_classes, w, hidden=hidden)) for w in widths]
+
+
+def method_options(**flags) -> MethodConfig:
+  """The method options set by flag name (``fedfa_graft=False``) or by family (``fedgen=FedGenConfig(...)``)."""
+  families = {name: flags.pop(name) for name in list(flags) if isinstance(flags[name], tuple(
+      type(family) for family in MethodConfig().families().values()))}
+  return dataclasses.replace(RunConfig.from_flags(**flags).method, **families)
+
+
+TINY_LOCAL = LocalConfig(epochs=2, batch_size=8, optimizer="adam", learning_rate=1e-2, steps_per_call=2)
+
+
+def simulation(method, models, data=None, local: LocalConfig = TINY_LOCAL, backend: str = "sequential",
+               options: dict | None = None, track_dissimilarity: bool = False, round_program: str = "auto",
+               **federation) -> Simulation:
+  """The tests' simulation builder: the groups ``models`` ((name, module) pairs) over the clients of ``data``
+  (`tiny_federation` by default) in contiguous blocks; ``method`` a name (with ``options``, `method_options`'s
+  flags) or a `Method`; ``federation``: `FederationConfig` fields (seed 0, 3 clients per round unless given)."""
+  ds, store = data or tiny_federation()
+  groups = [ArchGroup(name, model, clients)
+            for (name, model), clients in zip(models, assign_groups(store.num_clients, len(models)))]
+  if isinstance(method, str):
+    method = build_method(method, method_options(**(options or {})), local)
+  config = FederationConfig(**{"clients_per_round": 3, "seed": 0, **federation})
+  return Simulation(groups, store, local, method, config, make_backend(backend), jnp.asarray(ds.test_images),
+                    jnp.asarray(ds.test_labels), track_dissimilarity=track_dissimilarity, round_program=round_program)
 
 
 def tiny_simulation(method, backend: str = "sequential", widths=(1.0,), clients_per_round: int = 3,
@@ -80,17 +129,12 @@ def tiny_simulation(method, backend: str = "sequential", widths=(1.0,), clients_
                     group_draw=(), track_dissimilarity: bool = False, round_program: str = "auto",
                     **options) -> Simulation:
   """A two-epoch simulation of MLP width groups on `tiny_federation` (or ``data``). ``method`` is a name
-  (then ``options`` are its `MethodOptions`) or a `Method`."""
-  ds, store = data or tiny_federation()
-  groups = [ArchGroup(f"mlp@{w}", build_model("mlp", ds.num_classes, w, hidden=hidden), clients)
-            for w, clients in zip(widths, assign_groups(store.num_clients, len(widths)))]
-  local = LocalConfig(epochs=2, batch_size=8, optimizer=optimizer, learning_rate=1e-2 if optimizer == "adam" else 0.05,
-                      steps_per_call=2)
-  if isinstance(method, str):
-    method = build_method(method, MethodOptions(**options), local)
-  config = FederationConfig(clients_per_round=clients_per_round, seed=0, weighting=weighting, group_draw=group_draw)
-  return Simulation(groups, store, local, method, config, make_backend(backend), jnp.asarray(ds.test_images),
-                    jnp.asarray(ds.test_labels), track_dissimilarity=track_dissimilarity, round_program=round_program)
+  (then ``options`` are `method_options`) or a `Method`."""
+  local = dataclasses.replace(TINY_LOCAL, optimizer=optimizer, learning_rate=1e-2 if optimizer == "adam" else 0.05)
+  data = data or tiny_federation()
+  return simulation(method, mlp_groups(widths, hidden, data[0].num_classes), data, local, backend, options,
+                    track_dissimilarity, round_program, clients_per_round=clients_per_round, weighting=weighting,
+                    group_draw=group_draw)
 
 
 def run_rounds(sim: Simulation, rounds: int = 2):

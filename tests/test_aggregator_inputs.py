@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from fedjax_hetero import aggregators as A
 from fedjax_hetero.hetero import build_group_map, extract
+from tests.helpers import random_tree
 
 # The package exports a function of the module's name.
 hetero_avg_module = importlib.import_module("fedjax_hetero.aggregators.hetero_avg")
@@ -265,11 +266,6 @@ PROPERTY = settings(max_examples=25, deadline=None, database=None)
 PROP_GROUPS = [NARROW, GLOBAL, params_only(put(NARROW, "params/out/kernel", (1, 2)))]
 PROP_MAPS = [build_group_map(shape_tree(GLOBAL), shape_tree(g), f"p{i}") for i, g in enumerate(PROP_GROUPS)]
 weights_st = st.lists(st.floats(0.01, 100.0), min_size=3, max_size=3)
-
-
-def random_tree(shapes, rng):
-  return traverse_util.unflatten_dict({tuple(p.split("/")): rng.normal(size=s).astype(np.float32)
-                                       for p, s in shapes.items()})
 
 
 def assert_trees_close(a, b, rtol=1e-5, atol=1e-5):

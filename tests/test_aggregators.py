@@ -11,6 +11,8 @@ from flax import traverse_util
 
 from fedjax_hetero import aggregators
 from fedjax_hetero.hetero import build_group_map, extract, identity_map
+from fedjax_hetero.hetero.maps import flatten
+from tests.helpers import random_tree
 
 # Global leaf shapes, and three groups' owned shapes (None: the group lacks the layer).
 GLOBAL = {
@@ -33,14 +35,6 @@ def unflat(flat):
   return traverse_util.unflatten_dict(dict(flat))
 
 
-def flat(tree):
-  return traverse_util.flatten_dict(tree)
-
-
-def random_tree(shapes, rng):
-  return unflat({p: rng.normal(size=s).astype(np.float32) for p, s in shapes.items()})
-
-
 def shape_tree(shapes):
   return unflat({p: jax.ShapeDtypeStruct(s, jnp.float32) for p, s in shapes.items()})
 
@@ -59,7 +53,7 @@ def numpy_sums(group_sums, group_weights):
   num = {p: np.zeros(s, np.float64) for p, s in GLOBAL.items()}
   den = {p: np.zeros(s, np.float64) for p, s in GLOBAL.items()}
   for sums, weight, owned in zip(group_sums, group_weights, GROUPS):
-    sums = flat(sums)
+    sums = flatten(sums)
     for path, shape in owned.items():
       num[path][owned_slice(shape)] += sums[path]
       den[path][owned_slice(shape)] += float(weight)
@@ -68,7 +62,7 @@ def numpy_sums(group_sums, group_weights):
 
 def numpy_hetero_avg(global_vars, group_sums, group_weights):
   num, den = numpy_sums(group_sums, group_weights)
-  old = flat(global_vars)
+  old = flatten(global_vars)
   out = {}
   for path in GLOBAL:
     delta = np.divide(num[path], den[path], out=np.zeros_like(num[path]), where=den[path] > 0)
@@ -78,7 +72,7 @@ def numpy_hetero_avg(global_vars, group_sums, group_weights):
 
 def numpy_hetero_avg_weights(global_vars, group_sums, group_weights):
   num, den = numpy_sums(group_sums, group_weights)
-  old = flat(global_vars)
+  old = flatten(global_vars)
   out = {}
   for path in GLOBAL:
     out[path] = np.where(den[path] > 0, num[path] / np.where(den[path] > 0, den[path], 1.0), old[path])
@@ -131,8 +125,8 @@ def test_hetero_avg_matches_numpy(maps, data):
   got = jax.jit(lambda g, s, w: aggregators.hetero_avg(g, s, w, maps))(global_vars, group_sums, group_weights)
   expected = numpy_hetero_avg(global_vars, group_sums, group_weights)
   chex.assert_trees_all_close(got, expected, rtol=1e-5, atol=1e-6)
-  for path, leaf in flat(got).items():  # nobody covers it: unchanged
-    np.testing.assert_array_equal(np.asarray(leaf)[uncovered(path)], flat(global_vars)[path][uncovered(path)])
+  for path, leaf in flatten(got).items():  # nobody covers it: unchanged
+    np.testing.assert_array_equal(np.asarray(leaf)[uncovered(path)], flatten(global_vars)[path][uncovered(path)])
 
 
 def test_hetero_avg_weights_matches_numpy(maps, data):
@@ -141,8 +135,8 @@ def test_hetero_avg_weights_matches_numpy(maps, data):
   got = fn(global_vars, group_sums, group_weights)
   expected = numpy_hetero_avg_weights(global_vars, group_sums, group_weights)
   chex.assert_trees_all_close(got, expected, rtol=1e-5, atol=1e-6)
-  for path, leaf in flat(got).items():
-    np.testing.assert_array_equal(np.asarray(leaf)[uncovered(path)], flat(global_vars)[path][uncovered(path)])
+  for path, leaf in flatten(got).items():
+    np.testing.assert_array_equal(np.asarray(leaf)[uncovered(path)], flatten(global_vars)[path][uncovered(path)])
 
 
 def test_heterogeneous_mean_delta_is_zero_where_uncovered(maps, data):
@@ -151,7 +145,7 @@ def test_heterogeneous_mean_delta_is_zero_where_uncovered(maps, data):
       group_sums, group_weights, global_vars)
   expected = jax.tree.map(np.subtract, numpy_hetero_avg(global_vars, group_sums, group_weights), global_vars)
   chex.assert_trees_all_close(delta, expected, rtol=1e-5, atol=1e-6)
-  for path, leaf in flat(delta).items():
+  for path, leaf in flatten(delta).items():
     np.testing.assert_array_equal(np.asarray(leaf)[uncovered(path)], 0.0)
 
 
@@ -164,7 +158,7 @@ def test_group_with_zero_weight_changes_nothing_it_alone_owns(maps, data):
   chex.assert_trees_all_close(got, numpy_hetero_avg(global_vars, sums, weights), rtol=1e-5, atol=1e-6)
   # bn/mean[2:5] is owned only by group 1, which took no part.
   bn = ("batch_stats", "bn", "mean")
-  np.testing.assert_array_equal(np.asarray(flat(got)[bn])[2:], flat(global_vars)[bn][2:])
+  np.testing.assert_array_equal(np.asarray(flatten(got)[bn])[2:], flatten(global_vars)[bn][2:])
 
 
 def test_hetero_avg_on_deltas_equals_average_of_uploaded_weights(maps, data):
@@ -218,9 +212,9 @@ def test_per_client_layerwise_mean(maps, weighting):
     num, den = np.zeros(shape), np.zeros(shape)
     for (g, n), d in zip(clients, deltas):
       if path in GROUPS[g]:
-        num[owned_slice(GROUPS[g][path])] += weight_of(n) * flat(d)[path]
+        num[owned_slice(GROUPS[g][path])] += weight_of(n) * flatten(d)[path]
         den[owned_slice(GROUPS[g][path])] += weight_of(n)
-    expected[path] = flat(global_vars)[path] + np.divide(num, den, out=np.zeros(shape), where=den > 0)
+    expected[path] = flatten(global_vars)[path] + np.divide(num, den, out=np.zeros(shape), where=den > 0)
   chex.assert_trees_all_close(got, unflat(expected), rtol=1e-5, atol=1e-5)
 
 
@@ -234,10 +228,10 @@ def test_uniform_and_sample_weighting_differ(maps):
   uniform = avg(global_vars, [jax.tree.map(lambda x, y: x + y, a, b)], [jnp.float32(2.0)])
   weighted = avg(global_vars, [jax.tree.map(lambda x, y: 1 * x + 9 * y, a, b)], [jnp.float32(10.0)])
   kernel = ("params", "dense", "kernel")
-  np.testing.assert_allclose(np.asarray(flat(uniform)[kernel])[:2, :3],
-                             flat(global_vars)[kernel][:2, :3] + (a["params"]["dense"]["kernel"] +
+  np.testing.assert_allclose(np.asarray(flatten(uniform)[kernel])[:2, :3],
+                             flatten(global_vars)[kernel][:2, :3] + (a["params"]["dense"]["kernel"] +
                                                                   b["params"]["dense"]["kernel"]) / 2, rtol=1e-5)
-  assert not np.allclose(np.asarray(flat(uniform)[kernel]), np.asarray(flat(weighted)[kernel]))
+  assert not np.allclose(np.asarray(flatten(uniform)[kernel]), np.asarray(flatten(weighted)[kernel]))
 
 
 def test_heterogeneous_sums_matches_numpy(maps, data):

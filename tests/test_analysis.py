@@ -30,7 +30,8 @@ def tiny_images(n: int, size: int, seed: int = 0) -> jax.Array:
   return jnp.asarray(np.random.default_rng(seed).integers(0, 256, (n, size, size, 1)), jnp.uint8)
 
 
-def tiny_resnet(name: str = "resnet10", width: float = 1.0):
+def small_preset(name: str = "resnet10", width: float = 1.0):
+  """A ResNet preset by name (ImageNet stem, 10 classes) at base width 4."""
   return build_model(name, 10, width=width, base_channels=4)
 
 
@@ -77,7 +78,7 @@ def test_linear_cka_constant_features_is_zero_not_nan():
 
 
 def test_stage_outputs_match_direct_calls():
-  model = tiny_resnet()
+  model = small_preset()
   images = tiny_images(6, 16)
   variables = model_variables(model, images.astype(jnp.float32), seed=0)
   cuts = ("stage3", "stem", "features")  # out of model order on purpose
@@ -91,7 +92,7 @@ def test_stage_outputs_match_direct_calls():
 def test_cka_matrix_heterogeneous_groups():
   images = tiny_images(12, 16, seed=1)
   sample = images.astype(jnp.float32)
-  models = [tiny_resnet("resnet10", 1.0), tiny_resnet("resnet10", 0.5), tiny_resnet("resnet14", 1.0)]
+  models = [small_preset("resnet10", 1.0), small_preset("resnet10", 0.5), small_preset("resnet14", 1.0)]
   pairs = [(m, model_variables(m, sample, seed=i)) for i, m in enumerate(models)]
   pairs.append((models[0], pairs[0][1]))  # a copy of group 0: CKA 1 with it
   matrices = analysis.cka_matrix(pairs, images, MEAN, STD)
@@ -126,7 +127,7 @@ def test_cka_matrix_cnn_widths_and_layer_similarity(tmp_path):
 @pytest.fixture(scope="module")
 def resnet_and_directions():
   """A tiny ResNet10 with non-trivial BN statistics and two directions over all its variables."""
-  model = tiny_resnet()
+  model = small_preset()
   variables = model_variables(model, tiny_images(2, 16).astype(jnp.float32), seed=3)
   direction = jax.jit(analysis.filter_normalized_direction)
   return model, variables, direction(variables, jax.random.key(1)), direction(variables, jax.random.key(2))
@@ -249,7 +250,7 @@ def test_recalibrate_batch_stats_matches_numpy(momentum):
 
 def test_recalibrate_batch_stats_restores_training_statistics():
   """Statistics estimated on the data a ResNet is evaluated on reproduce its training-mode outputs."""
-  model = tiny_resnet()
+  model = small_preset()
   images = normalize(tiny_images(32, 16), MEAN, STD)
   variables = model_variables(model, images[:1], seed=0)
   variables = {**variables, "batch_stats": jax.tree.map(lambda s: s + 3.0, variables["batch_stats"])}

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from experiments import analyze
+from fedjax_hetero.cli import analyze
 from fedjax_hetero import analysis, evaluation
 from fedjax_hetero.config import RunConfig, as_dict
 from fedjax_hetero.runner import run_experiment
 
 # One worker runs the module, so its two module-scoped runs train once (under xdist each worker would train its own).
-pytestmark = pytest.mark.xdist_group("analyze")
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("analyze")]
 
 TINY = dict(dataset="synthetic", steps_per_call=1, num_clients=4, clients_per_round=2, rounds=2,
             max_train_samples=128, max_test_samples=64, progress=False, dissimilarity=False)

@@ -1,5 +1,5 @@
 """The InCo authors' protocol switches: --image-size, --normalize, --partition-file, --test-first, --sample-seed,
-the inco-authors-cpu preset and scripts/convert_inco_split.py (docs/inco_fidelity.md)."""
+the inco-authors-cpu preset and scripts/convert_inco_split.py (docs/reproduction.md)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import chex
 import numpy as np
 import pytest
 
-from experiments import cli, fmnist
+from fedjax_hetero.cli import run as cli
 from fedjax_hetero import engine
 from fedjax_hetero.client.local import normalize
 from fedjax_hetero.config import DataConfig, RunConfig
@@ -167,7 +167,7 @@ def test_the_cli_rejects_bad_values_before_loading_data(args, fragment, tmp_path
   argv = shlex.split(f"--groups cnn@0.25 --num-clients 10 --no-progress --compile-cache off "
                      f"--output-dir {tmp_path}/out {args}".format(tmp=tmp_path))
   with pytest.raises(SystemExit) as info:
-    cli.main("fashion_mnist", fmnist.DEMO, "test", argv)
+    cli.main("fashion_mnist", argv)
   assert info.value.code == 2
   assert fragment.format(tmp=tmp_path) in capsys.readouterr().err
   assert not (tmp_path / "out").exists()
@@ -216,12 +216,12 @@ def test_sample_seed_changes_the_cohorts_alone():
 
 def test_inco_authors_cpu_preset(monkeypatch, tmp_path, capsys):
   configs = []
-  monkeypatch.setattr(cli, "run_experiment", lambda c: configs.append(c) or {
+  monkeypatch.setattr(cli, "run_experiment", lambda c, **_: configs.append(c) or {
       "final_accuracy": {}, "best_mean_accuracy": None, "train_seconds_all_rounds": 0.0})
   split = str(tmp_path / "split.npz")
   save_partition_file(split, some_parts(100, used=1000))
-  cli.main("fashion_mnist", fmnist.DEMO, "test", ["--preset", "inco-authors-cpu", "--partition-file", split])
-  cli.main("fashion_mnist", fmnist.DEMO, "test", ["--preset", "inco-cpu"])
+  cli.main("fashion_mnist", ["--preset", "inco-authors-cpu", "--partition-file", split])
+  cli.main("fashion_mnist", ["--preset", "inco-cpu"])
   authors, plain = configs
   assert (authors.data.image_size, authors.data.normalize, authors.data.test_first, authors.eval_every,
           authors.data.partition_file) == (32, "none", 9728, 1, split)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import compare
+from fedjax_hetero.cli import compare
 from fedjax_hetero.backends import make_backend
 from fedjax_hetero.client.backdoor import (Backdoor, attack_table, cohort_inputs, malicious_clients, num_malicious,
                                            shuffled_row)
@@ -24,10 +24,11 @@ from fedjax_hetero.compilation import CompileLog
 from fedjax_hetero.config import RunConfig
 from fedjax_hetero.data import synthetic_dataset
 from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation, assign_groups, round_key
-from fedjax_hetero.methods import MethodOptions, build_method
+from fedjax_hetero.methods import build_method
 from fedjax_hetero.models import build_model
 from fedjax_hetero.runner import run_experiment
-from tests.helpers import model_variables, tiny_federation
+from tests import helpers
+from tests.helpers import method_options, mlp_groups, model_variables, tiny_federation
 
 LOCAL = LocalConfig(epochs=2, batch_size=8, optimizer="adam", learning_rate=1e-2, steps_per_call=2)
 ROUNDS = 3
@@ -36,12 +37,7 @@ RTOL, ATOL = 1e-4, 1e-5  # the backends' tolerance (tests/test_backends.py)
 
 def simulation(backend: str = "sequential", method: str = "HeteroAvg", widths=(0.5, 1.0), **federation) -> Simulation:
   """MLP width groups (two by default) over `tiny_federation`'s 6 clients, 3 per round."""
-  ds, store = tiny_federation()
-  groups = [ArchGroup(f"mlp@{w}", build_model("mlp", ds.num_classes, w, hidden=(16,)), clients)
-            for w, clients in zip(widths, assign_groups(store.num_clients, len(widths)))]
-  config = FederationConfig(clients_per_round=3, seed=0, **federation)
-  return Simulation(groups, store, LOCAL, build_method(method, MethodOptions(), LOCAL), config, make_backend(backend),
-                    jnp.asarray(ds.test_images), jnp.asarray(ds.test_labels))
+  return helpers.simulation(method, mlp_groups(widths), local=LOCAL, backend=backend, **federation)
 
 
 def run(sim: Simulation, rounds: int = ROUNDS):
@@ -107,7 +103,7 @@ def clean_setting(method: str):
   ds, store = tiny_federation()
   model = build_model("mlp", ds.num_classes, 1.0, hidden=(16,))
   start = model_variables(model, jnp.zeros((1,) + ds.train_images.shape[1:]), seed=1)
-  terms = build_method(method, MethodOptions(), LOCAL).terms
+  terms = build_method(method, method_options(), LOCAL).terms
   return store, model, start, terms, LocalTrainer(model, LOCAL, store.mean, store.std, terms)
 
 
@@ -228,6 +224,7 @@ def test_library_users_get_the_same_errors(no_compute):
 # ---------------------------------------------------------------------------------------- results and compare
 
 
+@pytest.mark.slow
 def test_results_folder_records_the_malicious_clients(tmp_path):
   config = RunConfig.from_flags(dataset="synthetic", groups=("mlp",), num_clients=6, clients_per_round=3,
                                 rounds=1, eval_every=1, progress=False, output_dir=str(tmp_path), batch_size=16,

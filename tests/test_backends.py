@@ -22,6 +22,7 @@ from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation, assign_groups
 from fedjax_hetero.methods import build_method
 from fedjax_hetero.models import build_model
+from tests.helpers import tiny_simulation
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
@@ -31,15 +32,7 @@ RTOL, ATOL = 1e-4, 1e-5
 
 def build(backend, method="HeteroAvg"):
   """A tiny simulation: 6 clients of unequal sizes, two MLP width groups, 5 clients per round."""
-  ds = synthetic_dataset(num_train=160, num_test=32, seed=0)
-  parts = partition(ds.train_labels, "iid_imbalanced", 6, 0)
-  store = FederatedStore.build(ds.train_images, ds.train_labels, parts, ds.num_classes, ds.mean, ds.std)
-  widths = (0.5, 1.0)
-  groups = [ArchGroup(f"mlp@{w}", build_model("mlp", ds.num_classes, w, hidden=(16,)), clients)
-            for w, clients in zip(widths, assign_groups(6, len(widths)))]
-  local = LocalConfig(epochs=2, batch_size=8, optimizer="adam", learning_rate=1e-2, steps_per_call=2)
-  return Simulation(groups, store, local, build_method(method, local=local), FederationConfig(clients_per_round=5, seed=0),
-                    make_backend(backend), jnp.asarray(ds.test_images), jnp.asarray(ds.test_labels))
+  return tiny_simulation(method, backend, (0.5, 1.0), 5)
 
 
 def initial_state(sim):
@@ -175,6 +168,7 @@ SHARDED_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sharded_matches_sequential_on_four_cpu_devices(sequential_run, tmp_path):
   out = str(tmp_path / "sharded.npz")
   # Its own compilation cache: executables built for a 4-device client must not be read by this 1-device process.

@@ -5,7 +5,7 @@ To probe a new bad input, add one line to a table:
 * `BAD_FLAGS`: command-line arguments (split like a shell; ``{tmp}`` is a fresh folder, ``{file}`` an existing
   file) and a fragment the error must contain, naming the flag. The CLI must exit with status 2, print
   ``error: ...`` (argparse: ``... error: argument ...``) and no traceback, and reject the input before it
-  loads any data (`experiments.cli.run_experiment` is never called).
+  loads any data (`fedjax_hetero.cli.run.run_experiment` is never called).
 * `BAD_DATASETS`: a Fashion-MNIST file, how it is damaged, and a fragment of the error; the run stops while
   loading the data, before any training.
 * `MISUSE`: a library call (configs, partitioners, sub-model maps, aggregators; more aggregator cases are in
@@ -27,7 +27,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experiments import cli, fmnist
+from fedjax_hetero.cli import run as cli
+from fedjax_hetero.cli.datasets import defaults_for
 from fedjax_hetero import aggregators as A
 from fedjax_hetero import config as run_config
 from fedjax_hetero import engine
@@ -38,7 +39,7 @@ from fedjax_hetero.data import (DataNotFoundError, class_counts, dirichlet, iid_
                                 partition)
 from fedjax_hetero.data.datasets import FASHION_MNIST_FILES, FASHION_MNIST_SYSTEM_DIR, CorruptDataError
 from fedjax_hetero.hetero import build_group_map, coverage, embed, extract, graft, pick_global
-from fedjax_hetero.validation import cli_flag, has_flag
+from fedjax_hetero.validation import cli_flag
 
 # ------------------------------------------------------------------------------------------------ the CLI
 
@@ -94,7 +95,7 @@ BAD_FLAGS = [
     ("--alpha -1 --partition iid", "--alpha must be a finite number > 0, got -1.0"),
     ("--prox-mu -1", "--prox-mu must be a finite number >= 0, got -1.0"),
     ("--prox-mu inf", "--prox-mu must be a finite number >= 0, got inf"),
-    ("--fedprox-mu -0.1", "--fedprox-mu must be a finite number >= 0, got -0.1"),
+    ("--fedprox-mu -0.1", "--fedprox-mu was renamed: pass --prox-mu"),
     ("--moon-mu -5", "--moon-mu must be a finite number >= 0, got -5.0"),
     ("--moon-mu nan", "--moon-mu must be a finite number >= 0, got nan"),
     ("--moon-temperature 0", "--moon-temperature must be a finite number > 0, got 0.0"),
@@ -135,8 +136,8 @@ BAD_FLAGS = [
     ("--groups cnn,foo", "--groups: unknown model 'foo'"),
     ("--method Nope", "--method: unknown method 'Nope'; accepted: FedAvg"),
     ("--method FedCross", "FedCross trains one architecture group, got 2"),
-    ("--method FedNova --aggregate weights", "FedNova aggregates deltas; --aggregate weights is not defined"),
-    ("--inco-variant paper", "--inco-variant/--inco-granularity apply to the InCo* methods"),
+    ("--method FedNova --aggregate weights", "--aggregate applies to FedAvg, HeteroAvg"),
+    ("--inco-variant paper", "--inco-variant applies to InCoAvg, InCoProx, InCoScaffold, InCoNova, InCoMOON, not"),
     ("--fedimpro-cut nope", "--fedimpro-cut, group cnn@0.5"),
     ("--preset fedimpro-cpu --max-train-samples 50", "--max-train-samples 50 is too few for --num-clients 10"),
     # argparse's own checks
@@ -149,7 +150,7 @@ BAD_FLAGS = [
 ]
 
 
-def _must_not_run(config):
+def _must_not_run(config, **_):
   raise AssertionError("the CLI started a run with a bad input")
 
 
@@ -159,7 +160,7 @@ def run_cli(tmp_path, args: str) -> int:
   a_file.write_text("not a folder")
   argv = shlex.split(f"{BASE_ARGS} {args}".format(tmp=tmp_path, file=a_file))
   with pytest.raises(SystemExit) as info:
-    cli.main("fashion_mnist", fmnist.DEMO, "test", argv)
+    cli.main("fashion_mnist", argv)
   return info.value.code
 
 
@@ -181,22 +182,19 @@ def test_the_cli_rejects_a_bad_flag_before_loading_data(args, fragment, tmp_path
 def test_every_case_is_listed_once_and_the_base_run_is_valid(tmp_path, capsys, monkeypatch):
   assert len({args for args, _ in BAD_FLAGS}) == len(BAD_FLAGS)
   configs = []
-  monkeypatch.setattr(cli, "run_experiment", lambda config: configs.append(config) or {
+  monkeypatch.setattr(cli, "run_experiment", lambda config, **_: configs.append(config) or {
       "final_accuracy": {}, "best_mean_accuracy": None, "train_seconds_all_rounds": 0.0})
-  cli.main("fashion_mnist", fmnist.DEMO, "test", shlex.split(fill(BASE_ARGS, tmp_path)))
+  cli.main("fashion_mnist", shlex.split(fill(BASE_ARGS, tmp_path)))
   assert len(configs) == 1 and configs[0].data.max_test_samples == 50
 
 
 def test_every_flag_a_message_names_is_a_cli_flag():
   """`cli_flag` spells every setting as the parser does, so a message's flag is what the user typed."""
-  parser = cli.build_parser(fmnist.DEMO, "test")
+  parser = cli.build_parser(defaults_for("fashion_mnist").config(), "test")
   options = {option for action in parser._actions for option in action.option_strings}
-  settable_only_by_name = {"dataset", "progress"}  # the dataset module, presets; --no-progress
-  for flag, path in run_config.FLAGS.items():
-    assert has_flag(path)
-    if flag not in settable_only_by_name:
-      assert cli_flag(path) in options, (flag, path)
-  assert cli_flag("client.learning_rate") == "--lr" and cli_flag("method.fedgen.ensemble_lr") == "method.fedgen.ensemble_lr"
+  for flag, leaf in run_config.FLAGS.items():
+    assert cli_flag(leaf.path) == leaf.cli in options, (flag, leaf.path)
+  assert cli_flag("client.learning_rate") == "--lr" and cli_flag("method.fedgen.ensemble_lr") == "--fedgen-ensemble-lr"
 
 
 # ------------------------------------------------------------------------------------ damaged dataset files
@@ -347,9 +345,9 @@ MISUSE = [
     ("RunConfig: a group as a number", call(RunConfig.from_flags, groups=("cnn", 0.5)),
      r"--groups: a group spec is a string such as 'cnn@0.5', got 0.5"),
     ("FedGen: no learning rate", call(FedGenConfig, ensemble_lr=0.0),
-     r"method.fedgen.ensemble_lr must be a finite number > 0, got 0.0"),
-    ("FedGen: growing decay", call(FedGenConfig, coefficient_decay=1.5), r"coefficient_decay must be .* in \(0, 1\]"),
-    ("FedGen: negative weight", call(FedGenConfig, generative_alpha=-1.0), r"generative_alpha must be .* >= 0"),
+     r"--fedgen-ensemble-lr must be a finite number > 0, got 0.0"),
+    ("FedGen: growing decay", call(FedGenConfig, coefficient_decay=1.5), r"--fedgen-coefficient-decay must be .* in \(0, 1\]"),
+    ("FedGen: negative weight", call(FedGenConfig, generative_alpha=-1.0), r"--fedgen-generative-alpha must be .* >= 0"),
     ("check_sizes: subset too big", call(DataConfig(max_train_samples=70000).check_sizes, 60000, 10000, 10),
      r"--max-train-samples 70000 exceeds the 60000 training samples of fashion_mnist"),
     ("check_sizes: test subset too big", call(DataConfig(max_test_samples=20000).check_sizes, 60000, 10000, 10),

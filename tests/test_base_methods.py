@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import cli
+from fedjax_hetero.cli import run as cli
 from fedjax_hetero import aggregators
 from fedjax_hetero.client.local import LocalConfig, LocalTrainer
 from fedjax_hetero.client.terms import (model_contrastive_loss, nova_normalizer, scaffold_control_update,
@@ -242,7 +242,7 @@ def test_fedcross_with_alpha_one_keeps_the_uploads_and_warmup_averages():
 
 
 def test_fedcross_needs_one_group():
-  with pytest.raises(ValueError, match=r"FedCross trains one architecture \(.*\), got 2 groups"):
+  with pytest.raises(ValueError, match=r"FedCross trains one architecture"):
     simulation("FedCross")
 
 
@@ -269,6 +269,7 @@ def test_runner_methods_cover_every_kind():
   assert set(METHODS) >= {m.lower() for m in RUNNER_METHODS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", RUNNER_METHODS)
 def test_methods_run_from_the_runner(tmp_path, method):
   built = build_method(method)

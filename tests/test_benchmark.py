@@ -10,6 +10,8 @@ import pytest
 from benchmarks import throughput
 from fedjax_hetero.models import build_model
 
+pytestmark = pytest.mark.slow  # end to end (`pytest -m "not slow"` leaves it out)
+
 NUMERIC_KEYS = ("fl_samples_per_s", "centralized_samples_per_s", "ratio", "compile_s", "clients_per_round",
                 "batch_size", "devices")
 

@@ -8,9 +8,11 @@ import os
 import numpy as np
 import pytest
 
-from experiments import compare
+from fedjax_hetero.cli import compare
 from fedjax_hetero.config import RunConfig
 from fedjax_hetero.runner import run_experiment
+
+pytestmark = pytest.mark.slow  # end to end (`pytest -m "not slow"` leaves it out)
 
 
 def test_compare_tables_and_plots_two_runs(tmp_path):
@@ -65,7 +67,7 @@ def test_paired_statistics_rounds_to_target_and_dissimilarity_columns():
 
 
 def test_runs_that_would_be_merged_in_a_paired_table_are_an_error():
-  from experiments.compare import check_unique
+  from fedjax_hetero.cli.compare import check_unique
   summary = {"method": "FedFA", "config": {"federation": {"seed": 0, "malicious_fraction": 0.2, "backdoor_scale": 1}}}
   check_unique([("a", summary, []), ("b", {**summary, "method": "FlexiFed"}, [])])
   with pytest.raises(ValueError, match=r"a and b are both FedFA \[backdoor 20% x1\] with seed 0"):

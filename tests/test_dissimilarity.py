@@ -39,7 +39,8 @@ def test_matches_the_direct_formula_on_hand_made_updates():
     np.testing.assert_allclose(got[name], spread / np.sum(mean ** 2), rtol=1e-5)
   identical = gradient_dissimilarity(jax.tree.map(lambda d: 3 * d, deltas[0]), jnp.float32(3.0),
                                      jax.tree.map(lambda d: 3 * np.sum(d ** 2), deltas[0]["params"]), parts)
-  np.testing.assert_allclose([identical["low"], identical["high"]], 0.0, atol=1e-6)
+  # One client (or identical updates): no dissimilarity to measure, so no value rather than rounding's ~1e-7.
+  assert all(np.isnan(identical[k]) for k in ("low", "high", "low_spread", "high_spread"))
 
 
 def test_parameter_split_of_the_cnn_and_of_moon_projection():
@@ -65,11 +66,12 @@ def test_engine_logs_it_per_group_and_compiles_it_in_the_first_round(method):
       assert not log.names, f"round {r + 1} compiled {log.names}"
     (group, values), = metrics["dissimilarity"].items()
     assert set(values) == {"low", "high", "low_spread", "high_spread"}
-    assert values["low"] < 1e-5 and values["high"] < 1e-5  # one client: its update is the mean (up to rounding)
+    assert all(v is None for v in values.values())  # one client: no point, rather than a 0.0 on a log axis
     logged.add(group)
   assert logged == {g.name for g in sim.groups}
 
 
+@pytest.mark.slow
 def test_runs_log_it_by_default_and_the_flag_turns_it_off(tmp_path):
   dataset = synthetic_dataset(num_train=160, num_test=32, seed=0)
   base = RunConfig.from_flags(dataset="synthetic", method="HeteroAvg", groups=("mlp@0.5", "mlp"), num_clients=6,

@@ -23,12 +23,12 @@ import time
 import numpy as np
 import pytest
 
-from experiments import cli, fmnist, launch
+from fedjax_hetero.cli import launch
+from fedjax_hetero.cli import run as cli
 from fedjax_hetero import distributed
 from tests.helpers import FMNIST_FILE, REPO
 
 # One xdist worker runs the whole module, so its module-scoped launches run once (scripts/test.sh: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("distributed")
 
 ROUNDS = 2
 HEARTBEAT_S = 10
@@ -49,8 +49,9 @@ TEST_IMAGES = 64
 DEATH_NOTICE_S = HEARTBEAT_S + 20
 TIMEOUT_S = 600
 
-pytestmark = pytest.mark.skipif(not os.path.exists(FMNIST_FILE), reason="Fashion-MNIST Debian package not installed "
-                                "(apt-get install dataset-fashion-mnist)")
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("distributed"),
+              pytest.mark.skipif(not os.path.exists(FMNIST_FILE),
+                                 reason="Fashion-MNIST Debian package not installed (apt-get install dataset-fashion-mnist)")]
 
 
 def flags(method: str, backend: str, out) -> list[str]:
@@ -211,7 +212,7 @@ def test_resume_with_another_process_count_is_refused(runs, tmp_path, capsys, no
   assert runs["resumed"][0] == 0
   argv = flags("HeteroAvg", "sharded", runs["killed"]) + ["--resume", "--rounds", "3"]
   with pytest.raises(SystemExit) as info:
-    cli.main("fashion_mnist", fmnist.DEMO, "test", argv)
+    cli.main("fashion_mnist", argv)
   assert info.value.code == 2
   assert "with 1 process(es): it was run with 2" in capsys.readouterr().err
 
@@ -245,7 +246,7 @@ def test_bad_multi_process_flags_are_rejected_before_anything_starts(args, fragm
                                                                       no_join):
   argv = ["--output-dir", str(tmp_path / "out"), *args.split()]
   with pytest.raises(SystemExit) as info:
-    cli.main("fashion_mnist", fmnist.DEMO, "test", argv)
+    cli.main("fashion_mnist", argv)
   assert info.value.code == 2
   assert fragment in capsys.readouterr().err
 

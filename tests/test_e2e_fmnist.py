@@ -8,6 +8,8 @@ import pytest
 
 from tests.helpers import REPO, run_fmnist_cli
 
+pytestmark = pytest.mark.slow  # end to end (`pytest -m "not slow"` leaves it out)
+
 
 @pytest.mark.slow
 def test_fmnist_cli_learns_and_writes_results(tmp_path):

@@ -9,19 +9,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import cli, fmnist
+from fedjax_hetero.cli import run as cli
 from fedjax_hetero import aggregators
+from fedjax_hetero.config import FedFAOptions
 from fedjax_hetero.backends import empty_result, make_backend
 from fedjax_hetero.client.local import LocalConfig
 from fedjax_hetero.data import partition, synthetic_dataset
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation, assign_groups
 from fedjax_hetero.hetero import build_group_map, coverage, embed, extract, graft, identity_map
-from fedjax_hetero.methods import METHODS, MethodOptions, build_method
+from fedjax_hetero.methods import METHODS, build_method
 from fedjax_hetero.methods.fedfa import graft_pairs, grafted_maps
 from fedjax_hetero.models import ResNet, build_model
 from fedjax_hetero.server.steps import server_program
-from tests.helpers import numpy_variables, run_rounds, tiny_simulation
+from tests.helpers import (method_options, numpy_variables, run_rounds, simulation, tiny_federation, tiny_resnet,
+                           tiny_simulation)
 
 
 def params(**leaves):
@@ -30,10 +32,6 @@ def params(**leaves):
 
 def shapes_of(model, image=(8, 8, 1)):
   return jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1,) + image))
-
-
-def tiny_resnet(stage_sizes, width=1.0):
-  return ResNet(stage_sizes=stage_sizes, num_classes=4, width=width, base_channels=4, stem="cifar")
 
 
 # ------------------------------------------------------------------------------------------ layer grafting
@@ -247,14 +245,8 @@ def test_fedrolex_window_by_hand():
 
 
 def resnet_simulation(method, **options):
-  ds = synthetic_dataset(num_train=48, num_test=8, seed=0)
-  store = FederatedStore.build(ds.train_images, ds.train_labels, partition(ds.train_labels, "iid", 4, 0),
-                               ds.num_classes, ds.mean, ds.std)
-  groups = [ArchGroup(f"resnet{sizes}", tiny_resnet(sizes), c)
-            for sizes, c in zip([(1, 1), (2, 2)], assign_groups(4, 2))]
-  return Simulation(groups, store, LocalConfig(batch_size=16), build_method(method, MethodOptions(**options)),
-                    FederationConfig(clients_per_round=4), make_backend("sequential"), jnp.asarray(ds.test_images),
-                    jnp.asarray(ds.test_labels))
+  return simulation(method, [(f"resnet{sizes}", tiny_resnet(sizes)) for sizes in [(1, 1), (2, 2)]],
+                    tiny_federation(4, 48, 8, "iid"), LocalConfig(batch_size=16), options=options, clients_per_round=4)
 
 
 @pytest.fixture(scope="module")
@@ -325,7 +317,7 @@ def test_flexifed_and_fedrolex_two_rounds_and_fedfa_without_its_parts_is_flexife
                                        weight_sum=jnp.float32(w)) for st, w in zip(starts, (2.0, 1.0))]
   cohorts = [np.array([0, 1]), np.array([3])]
   flexifed = sim.aggregate(0, state, starts, [{}, {}], results, cohorts)[0]
-  off = build_method("FedFA", MethodOptions(fedfa_graft=False, fedfa_scale=False))
+  off = build_method("FedFA", method_options(fedfa_graft=False, fedfa_scale=False))
   sim.server_programs[0] = server_program(off.server, sim.federations[0])
   chex.assert_trees_all_close(sim.aggregate(0, state, starts, [{}, {}], results, cohorts)[0], flexifed,
                               rtol=1e-6, atol=1e-7)
@@ -346,15 +338,15 @@ def test_help_lists_the_new_methods_under_their_papers():
 
 def test_fedfa_options_are_checked():
   with pytest.raises(ValueError, match="--fedfa-norm must be one of l2, rms"):
-    MethodOptions(fedfa_norm="l1")
+    method_options(fedfa_norm="l1")
   with pytest.raises(ValueError, match="--fedfa-percentile"):
-    MethodOptions(fedfa_percentile=0.0)
-  with pytest.raises(ValueError, match="apply to FedFA, not HeteroAvg"):
-    build_method("HeteroAvg", MethodOptions(fedfa_graft=False))
+    method_options(fedfa_percentile=0.0)
+  with pytest.raises(ValueError, match="^--fedfa-graft applies to FedFA, not HeteroAvg$"):
+    build_method("HeteroAvg", method_options(fedfa_graft=False))
   with pytest.raises(ValueError, match="--no-fedfa-scale turns off"):
-    build_method("FedFA", MethodOptions(fedfa_scale=False, fedfa_norm="rms"))
+    build_method("FedFA", method_options(fedfa_scale=False, fedfa_norm="rms"))
   assert [t.name for t in build_method("FedFA").terms] == ["fedfa", "fedfa_norms"]
-  assert build_method("FedFA", MethodOptions(fedfa_scale=False)).terms == ()
+  assert build_method("FedFA", method_options(fedfa_scale=False)).terms == ()
 
 
 def test_fedrolex_rejects_a_flattened_feature_map():
@@ -368,16 +360,15 @@ def test_cli_flags_reach_the_method_and_bad_ones_stop_before_compute(tmp_path, c
   base = ["--groups", "resnet10,resnet14", "--num-clients", "10", "--rounds", "1", "--no-progress",
           "--compile-cache", "off", "--output-dir", str(tmp_path / "out")]
   configs = []
-  monkeypatch.setattr(cli, "run_experiment", lambda config: configs.append(config) or {
+  monkeypatch.setattr(cli, "run_experiment", lambda config, **_: configs.append(config) or {
       "final_accuracy": {}, "best_mean_accuracy": None, "train_seconds_all_rounds": 0.0})
-  cli.main("fashion_mnist", fmnist.DEMO, "test", base + ["--method", "fedfa", "--no-fedfa-graft", "--fedfa-norm", "rms",
+  cli.main("fashion_mnist", base + ["--method", "fedfa", "--no-fedfa-graft", "--fedfa-norm", "rms",
                                                          "--fedfa-percentile", "90"])
   method = configs[0].method
-  assert (method.name, method.fedfa_graft, method.fedfa_scale, method.fedfa_norm, method.fedfa_percentile) == (
-      "fedfa", False, None, "rms", 90.0)
-  for args, fragment in ((["--method", "HeteroAvg", "--fedfa-scale"], "apply to FedFA, not HeteroAvg"),
+  assert (method.name, method.fedfa) == ("fedfa", FedFAOptions(graft=False, scale=True, norm="rms", percentile=90.0))
+  for args, fragment in ((["--method", "HeteroAvg", "--no-fedfa-scale"], "applies to FedFA, not HeteroAvg"),
                          (["--method", "FedFA", "--fedfa-percentile", "101"], "--fedfa-percentile"),
                          (["--method", "FedFA", "--fedfa-norm", "l1"], "invalid choice")):
     with pytest.raises(SystemExit) as info:
-      cli.main("fashion_mnist", fmnist.DEMO, "test", base + args)
+      cli.main("fashion_mnist", base + args)
     assert info.value.code == 2 and fragment in capsys.readouterr().err

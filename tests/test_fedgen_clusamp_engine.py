@@ -14,6 +14,7 @@ import pytest
 from fedjax_hetero import checkpoints
 from fedjax_hetero.algorithms.fedgen import FedGenConfig
 from fedjax_hetero.client.local import LocalTrainer
+from fedjax_hetero.build import run_method
 from fedjax_hetero.config import RunConfig
 from fedjax_hetero.data import synthetic_dataset
 from fedjax_hetero.data.store import FederatedStore, sample_clients
@@ -34,7 +35,8 @@ def data():
 
 
 def simulation(data, method, backend="sequential", widths=(1.0,), clients_per_round=3, optimizer="adam"):
-  return tiny_simulation(method, backend, widths, clients_per_round, optimizer, data=data, fedgen=TINY_FEDGEN)
+  fedgen = {"fedgen": TINY_FEDGEN} if method == "FedGen" else {}  # FedGen's options are FedGen's alone
+  return tiny_simulation(method, backend, widths, clients_per_round, optimizer, data=data, **fedgen)
 
 
 def run(sim, rounds=2):
@@ -179,9 +181,10 @@ def test_clusamp_needs_one_group(data):
   with pytest.raises(ValueError, match="CluSamp trains one architecture"):
     simulation(data, "CluSamp", widths=(0.5, 1.0))
   with pytest.raises(ValueError, match="CluSamp trains one architecture group"):
-    RunConfig.from_flags(dataset="synthetic", method="CluSamp", groups=("mlp@0.5", "mlp"))
+    run_method(RunConfig.from_flags(dataset="synthetic", method="CluSamp", groups=("mlp@0.5", "mlp")))
 
 
+@pytest.mark.slow
 def test_clusamp_resume_equals_an_uninterrupted_run(tmp_path):
   dataset = synthetic_dataset(num_train=160, num_test=32, seed=0)
   base = RunConfig.from_flags(dataset="synthetic", method="CluSamp", groups=("mlp",), num_clients=NUM_CLIENTS,

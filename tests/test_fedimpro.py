@@ -18,6 +18,7 @@ from fedjax_hetero.algorithms import fedimpro as fi
 from fedjax_hetero.backends import empty_result
 from fedjax_hetero.client.local import masked_cross_entropy
 from fedjax_hetero.client.terms import Batch, Outputs, RoundInput, StepContext
+from fedjax_hetero.build import run_method
 from fedjax_hetero.config import RunConfig
 from fedjax_hetero.data import synthetic_dataset
 from fedjax_hetero.methods.fedimpro import feature_sharing, feature_statistics, shape_classes
@@ -236,9 +237,9 @@ def test_cut_point_shapes_decide_which_groups_share_statistics():
 
 def test_a_missing_cut_point_is_a_clear_error_listing_the_valid_ones():
   with pytest.raises(ValueError, match="valid cut points: stem, stage1, stage2, stage3, stage4, features"):
-    RunConfig.from_flags(groups=("resnet18@0.25",), method="FedImpro", fedimpro_cut="layer2")
+    run_method(RunConfig.from_flags(groups=("resnet18@0.25",), method="FedImpro", fedimpro_cut="layer2"))
   with pytest.raises(ValueError, match="cnn@0.5.*valid cut points: conv1, conv2, features"):
-    RunConfig.from_flags(groups=("cnn@0.5",), method="FedImpro", fedimpro_cut="logits")
+    run_method(RunConfig.from_flags(groups=("cnn@0.5",), method="FedImpro", fedimpro_cut="logits"))
   with pytest.raises(ValueError, match="--fedimpro-beta"):
     fi.FedImproConfig(beta=1.0)
 
@@ -261,6 +262,7 @@ def test_engine_trains_with_shared_statistics_on_both_backends():
   chex.assert_trees_all_close(stats_a, stats_b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_resume_restores_the_statistics_bit_for_bit(tmp_path):
   dataset = synthetic_dataset(num_train=160, num_test=32, seed=0)
   base = RunConfig.from_flags(dataset="synthetic", method="FedImpro", groups=("mlp",), num_clients=6,

@@ -19,21 +19,18 @@ from fedjax_hetero.algorithms import fedin as fi
 from fedjax_hetero.backends import make_backend
 from fedjax_hetero.client.local import LocalConfig
 from fedjax_hetero.client.terms import Batch, RoundInput, StepContext
+from fedjax_hetero.build import run_method
 from fedjax_hetero.config import RunConfig
 from fedjax_hetero.data import partition, synthetic_dataset
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation, assign_groups
-from fedjax_hetero.methods import MethodOptions, build_method
+from fedjax_hetero.methods import build_method
 from fedjax_hetero.methods.fedin import (NAME, distillation_targets, feature_bank, intermediate_training,
                                          momentum_distillation)
 from fedjax_hetero.models import ResNet
 from fedjax_hetero.runner import run_experiment
 from fedjax_hetero.server.steps import Carry
-from tests.helpers import model_variables, run_rounds
-
-
-def tiny_resnet(stage_sizes=(1, 1), width=1.0):
-  return ResNet(stage_sizes=stage_sizes, num_classes=4, width=width, base_channels=4, stem="cifar")
+from tests.helpers import model_variables, run_rounds, simulation, tiny_federation, tiny_resnet
 
 
 def pairs(s_in, s_out, valid):
@@ -170,14 +167,8 @@ def test_a_batch_is_drawn_without_replacement_or_with_it_from_a_small_bank():
 
 
 def depth_simulation(method, groups=((1, 1), (1, 2)), **options):
-  ds = synthetic_dataset(num_train=48, num_test=8, seed=0)
-  store = FederatedStore.build(ds.train_images, ds.train_labels, partition(ds.train_labels, "iid", 4, 0),
-                               ds.num_classes, ds.mean, ds.std)
-  arch = [ArchGroup(f"resnet{s}", tiny_resnet(s), c) for s, c in zip(groups, assign_groups(4, len(groups)))]
-  local = LocalConfig(batch_size=8)
-  return Simulation(arch, store, local, build_method(method, MethodOptions(**options), local),
-                    FederationConfig(clients_per_round=4), make_backend("sequential"), jnp.asarray(ds.test_images),
-                    jnp.asarray(ds.test_labels))
+  return simulation(method, [(f"resnet{s}", tiny_resnet(s)) for s in groups], tiny_federation(4, 48, 8, "iid"),
+                    LocalConfig(batch_size=8), options=options, clients_per_round=4)
 
 
 def test_pairs_with_a_non_finite_value_are_dropped_and_counted():
@@ -245,13 +236,13 @@ def test_two_inclusivefl_rounds_on_resnet_depth_groups(inclusive_sim):
 
 def test_bad_input_is_refused_before_compute():
   with pytest.raises(ValueError, match="--groups, group cnn: FedIN needs .* CNN declares none"):
-    RunConfig.from_flags(groups=("cnn",), method="FedIN")
+    run_method(RunConfig.from_flags(groups=("cnn",), method="FedIN"))
   with pytest.raises(ValueError, match="--fedin-rule"):
     fi.FedINConfig(rule="projection")
   with pytest.raises(ValueError, match="--fedin-bank-capacity"):
     fi.FedINConfig(bank_capacity=0)
-  with pytest.raises(ValueError, match="--fedin-\\* apply to FedIN"):
-    RunConfig.from_flags(method="HeteroAvg", fedin_bank="history")
+  with pytest.raises(ValueError, match="^--fedin-bank applies to FedIN, not HeteroAvg$"):
+    run_method(RunConfig.from_flags(method="HeteroAvg", fedin_bank="history"))
   with pytest.raises(ValueError, match="--inclusivefl-momentum"):
     RunConfig.from_flags(method="InclusiveFL", inclusivefl_momentum=1.0)
 
@@ -281,6 +272,7 @@ def test_a_checkpoint_restores_the_bank_and_the_run_goes_on_bit_for_bit(tmp_path
   chex.assert_trees_all_equal(resumed.models, straight.models)
 
 
+@pytest.mark.slow
 def test_fedin_runs_through_the_experiment_driver(tmp_path):
   config = RunConfig.from_flags(dataset="synthetic", method="FedIN", groups=("resnet10@0.0625",), num_clients=4,
                                 clients_per_round=2, rounds=2, eval_every=1, progress=False, batch_size=16,

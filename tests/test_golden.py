@@ -22,6 +22,11 @@ with open(golden.GOLDEN_PATH) as f:
   RECORD = json.load(f)
 SIGNATURE = golden.cpu_signature()
 OWN = next((r for r in RECORD["records"] if r["cpu"] == SIGNATURE), None)
+# Why the whole module skips on another jax version; tests/conftest.py repeats it under the summary line.
+SKIP_REASON = (None if jax.__version__ == RECORD["jax"] else
+               f"golden record skipped: it was made with jax {RECORD['jax']}, this is jax {jax.__version__}; rerun "
+               "`python -m tests.golden` on the commit before your change to compare like with like")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))]
 # What each entry's run produced in this process (`golden.record` is deterministic): the foreign-record check
 # below reads its entry from here when the parametrized test already ran it, instead of training it again.
 RUNS: dict[str, list] = {}
@@ -42,17 +47,22 @@ def assert_close(want, have, method: str, where: str) -> None:
     np.testing.assert_allclose(have["models"][group]["sum"], model["sum"], rtol=tol["parameter_sum"], err_msg=where)
 
 
+def expected_runs(entry) -> list:
+  """This CPU's record of ``entry``, or else the first other CPU's that has it (skips if none has)."""
+  for record in ([OWN] if OWN else []) + RECORD["records"]:
+    if golden.key(*entry) in record["runs"]:
+      return record["runs"][golden.key(*entry)]
+  pytest.skip(f"no CPU's record has {golden.key(*entry)}: run `python -m tests.golden --missing`")
+
+
 @pytest.mark.parametrize("entry", list(golden.entries()), ids=lambda e: golden.key(*e))
 def test_method_reproduces_its_golden_record(entry):
-  expected = (OWN or RECORD["records"][0])["runs"][golden.key(*entry)]
-  if jax.__version__ != RECORD["jax"]:
-    pytest.skip(f"the record was made with jax {RECORD['jax']}; this is {jax.__version__}: rerun "
-                "`python -m tests.golden` on the commit before your change to compare like with like")
+  expected = expected_runs(entry)
   compiled = []
   got = golden.record(*entry, compiled=compiled)
   RUNS[golden.key(*entry)] = got
   for round_index, (want, have) in enumerate(zip(expected, got), start=1):
-    if OWN is None:
+    if OWN is None or golden.key(*entry) not in OWN["runs"]:
       assert_close(want, have, entry[0], f"{golden.key(*entry)} round {round_index} (CPU {SIGNATURE} has no record "
                    "of its own: compared within tolerance)")
       continue
@@ -66,8 +76,8 @@ def test_method_reproduces_its_golden_record(entry):
 def test_another_cpus_record_holds_within_tolerance():
   """The comparison a CPU without a record of its own gets, against another CPU's record (one cheap entry)."""
   foreign = next((r for r in RECORD["records"] if r["cpu"] != SIGNATURE), None)
-  if foreign is None or jax.__version__ != RECORD["jax"]:
-    pytest.skip("no record of another CPU with this jax version")
+  if foreign is None:
+    pytest.skip("no record of another CPU")
   entry = ("FedAvg", "sequential", "mlp")
   got = RUNS.get(golden.key(*entry)) or golden.record(*entry)
   assert len(got) == len(foreign["runs"][golden.key(*entry)]) == golden.ROUNDS

@@ -10,6 +10,7 @@ import pytest
 from flax import traverse_util
 
 from fedjax_hetero.hetero import build_group_map, coverage, embed, extract, identity_map, pick_global
+from fedjax_hetero.hetero.maps import flatten
 from fedjax_hetero.models import build_model
 
 NUM_CLASSES = 4
@@ -30,18 +31,10 @@ def shapes(model, x):
   return jax.eval_shape(model.init, jax.random.key(0), x)
 
 
-def plain(tree):
-  return {k: plain(v) if hasattr(v, "items") else v for k, v in tree.items()}
-
-
-def flat(tree):
-  return traverse_util.flatten_dict(plain(tree))
-
-
 def filled(shape_tree, seed):
   """numpy-random float32 arrays shaped like `shape_tree` (no PRNG compiles)."""
   rng = np.random.default_rng(seed)
-  out = {path: rng.normal(size=leaf.shape).astype(np.float32) for path, leaf in flat(shape_tree).items()}
+  out = {path: rng.normal(size=leaf.shape).astype(np.float32) for path, leaf in flatten(shape_tree).items()}
   return traverse_util.unflatten_dict(out)
 
 
@@ -63,14 +56,14 @@ def case(request):
 
 def test_the_cases_are_real_width_and_depth_groups():
   """Guards the fixtures: the width group has narrower leaves, the depth group lacks blocks."""
-  global_flat, group_flat = flat(shapes(cnn(1.0), CNN_INPUT)), flat(shapes(cnn(0.5), CNN_INPUT))
+  global_flat, group_flat = flatten(shapes(cnn(1.0), CNN_INPUT)), flatten(shapes(cnn(0.5), CNN_INPUT))
   assert set(global_flat) == set(group_flat)
   assert group_flat[("params", "conv1", "kernel")].shape == (3, 3, 1, 2)
   assert global_flat[("params", "conv1", "kernel")].shape == (3, 3, 1, 4)
   # fc1 input is the channel-major flattening: 8 channels * 2 * 2 vs 4 * 2 * 2.
   assert global_flat[("params", "fc1", "kernel")].shape == (32, 8)
   assert group_flat[("params", "fc1", "kernel")].shape == (16, 4)
-  deep, shallow = flat(shapes(resnet("resnet26"), RESNET_INPUT)), flat(shapes(resnet("resnet10"), RESNET_INPUT))
+  deep, shallow = flatten(shapes(resnet("resnet26"), RESNET_INPUT)), flatten(shapes(resnet("resnet10"), RESNET_INPUT))
   assert set(shallow) < set(deep)
   assert ("params", "stage3_block2", "conv1", "kernel") in deep
   assert not any(p[1] == "stage3_block2" for p in shallow)
@@ -79,8 +72,8 @@ def test_the_cases_are_real_width_and_depth_groups():
 
 def test_map_records_owned_shapes(case):
   _, global_shapes, group_shapes, group_map = case
-  group_flat = flat(group_shapes)
-  assert set(group_map.owned) == set(flat(global_shapes))
+  group_flat = flatten(group_shapes)
+  assert set(group_map.owned) == set(flatten(global_shapes))
   for path, owned in group_map.owned.items():
     if path in group_flat:
       assert owned == tuple(group_flat[path].shape)
@@ -99,8 +92,8 @@ def jitted_ops(group_map, global_shapes):
 
 
 def check_embedded(name, embedded, group_vars):
-  group_flat = flat(group_vars)
-  for path, leaf in flat(embedded).items():
+  group_flat = flatten(group_vars)
+  for path, leaf in flatten(embedded).items():
     leaf = np.asarray(leaf)
     if path not in group_flat:  # a layer the group does not have: all zeros
       np.testing.assert_array_equal(leaf, 0.0, err_msg=f"{name}: {path}")
@@ -113,8 +106,8 @@ def check_embedded(name, embedded, group_vars):
 
 
 def check_coverage(mask, group_shapes):
-  group_flat = flat(group_shapes)
-  for path, leaf in flat(mask).items():
+  group_flat = flatten(group_shapes)
+  for path, leaf in flatten(mask).items():
     expected = np.zeros(leaf.shape, np.float32)
     if path in group_flat:
       expected[tuple(slice(0, d) for d in group_flat[path].shape)] = 1.0
@@ -140,8 +133,8 @@ def test_extract_takes_the_leading_slice(case):
   global_vars = filled(global_shapes, seed=3)
   got = extract_fn(global_vars)
   chex.assert_trees_all_equal_shapes(got, group_shapes)
-  global_flat = flat(global_vars)
-  for path, leaf in flat(got).items():
+  global_flat = flatten(global_vars)
+  for path, leaf in flatten(got).items():
     expected = global_flat[path][tuple(slice(0, d) for d in leaf.shape)]
     np.testing.assert_array_equal(np.asarray(leaf), expected)
 

@@ -17,14 +17,11 @@ from fedjax_hetero.compilation import CompileLog
 from fedjax_hetero.data import partition, synthetic_dataset
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation, assign_groups
-from fedjax_hetero.methods import MethodOptions, build_method
+from fedjax_hetero.methods import build_method
 from fedjax_hetero.methods.heterofl import absent_class_logits, static_batch_norm_evaluation
 from fedjax_hetero.models import ResNet, build_model
-from tests.helpers import model_variables, random_batch, run_rounds, tiny_simulation
-
-
-def tiny_resnet(width: float = 1.0, scaler: bool = False) -> ResNet:
-  return ResNet(stage_sizes=(1, 1), num_classes=4, width=width, base_channels=4, stem="cifar", scaler=scaler)
+from tests.helpers import (method_options, model_variables, random_batch, run_rounds, simulation, tiny_federation,
+                           tiny_resnet, tiny_simulation)
 
 
 # ---------------------------------------------------------------------------------------------- the Scaler
@@ -60,7 +57,7 @@ def test_resnet_scaler_scales_what_batch_norm_sees():
   images, _ = random_batch(2, 6)
   x = images.astype(jnp.float32) / 255.0
   for width, ratio in ((0.5, 2.0), (1.0, 1.0)):
-    plain, scaled = tiny_resnet(width), tiny_resnet(width, scaler=True)
+    plain, scaled = tiny_resnet(width=width), tiny_resnet(width=width, scaler=True)
     variables = model_variables(plain, x, 3)
     zeros = {**variables, "batch_stats": jax.tree.map(jnp.zeros_like, variables["batch_stats"])}
     _, a = plain.apply(zeros, x, train=True, mutable=["batch_stats"])
@@ -107,19 +104,12 @@ def test_absent_classes_get_no_gradient_in_local_training(masked):
 # ---------------------------------------------------------------------------------------------- static BN
 
 
-def resnet_data(num_clients: int = 4):
-  ds = synthetic_dataset(num_train=48, num_test=8, seed=0)
-  store = FederatedStore.build(ds.train_images, ds.train_labels, partition(ds.train_labels, "iid", num_clients, 0),
-                               ds.num_classes, ds.mean, ds.std)
-  return ds, store
-
-
 def test_static_bn_re_estimates_statistics_on_training_samples():
   """With the Scaler on and width 0.5: the stem BN's statistics are the mean over batches of the batch mean
   and biased variance of the stem conv's (unscaled) output on the chosen samples."""
-  ds, store = resnet_data()
-  model = tiny_resnet(0.5, scaler=True)
-  variables = model_variables(tiny_resnet(0.5), jnp.zeros((1, 8, 8, 1)), 5)
+  ds, store = tiny_federation(4, 48, 8, "iid")
+  model = tiny_resnet(width=0.5, scaler=True)
+  variables = model_variables(tiny_resnet(width=0.5), jnp.zeros((1, 8, 8, 1)), 5)
   out = static_batch_norm_evaluation(num_samples=40, batch_size=20)(model, variables, store)
   chex.assert_trees_all_equal_shapes(out, variables)
   ids = np.sort(np.random.default_rng(0).permutation(48)[:40])
@@ -135,11 +125,8 @@ def test_static_bn_re_estimates_statistics_on_training_samples():
 
 
 def resnet_simulation(method: str, backend: str = "sequential", widths=(1.0, 0.5), **options) -> Simulation:
-  ds, store = resnet_data()
-  groups = [ArchGroup(f"resnet@{w}", tiny_resnet(w), c) for w, c in zip(widths, assign_groups(4, len(widths)))]
-  return Simulation(groups, store, LocalConfig(batch_size=16), build_method(method, MethodOptions(**options)),
-                    FederationConfig(clients_per_round=4), make_backend(backend), jnp.asarray(ds.test_images),
-                    jnp.asarray(ds.test_labels))
+  return simulation(method, [(f"resnet@{w}", tiny_resnet(width=w)) for w in widths], tiny_federation(4, 48, 8, "iid"),
+                    LocalConfig(batch_size=16), backend, options, clients_per_round=4)
 
 
 def test_static_bn_keeps_no_running_statistics_in_training():
@@ -184,19 +171,19 @@ def test_heterofl_switches_and_their_checks():
   method = build_method("HeteroFL")
   assert [t.name for t in method.terms] == ["scaler", "static_bn", "label_mask"]
   assert method.evaluation_variables is not None
-  off = build_method("HeteroFL", MethodOptions(heterofl_scaler=False, heterofl_static_bn=False,
+  off = build_method("HeteroFL", method_options(heterofl_scaler=False, heterofl_static_bn=False,
                                                heterofl_mask_logits=False))
   assert off.terms == () and off.evaluation_variables is None
   with pytest.raises(ValueError, match="HeteroFL"):
-    build_method("HeteroAvg", MethodOptions(heterofl_scaler=False))
+    build_method("HeteroAvg", method_options(heterofl_scaler=False))
   with pytest.raises(ValueError, match="bn-samples"):
-    build_method("HeteroFL", MethodOptions(heterofl_static_bn=False, heterofl_bn_samples=10))
+    build_method("HeteroFL", method_options(heterofl_static_bn=False, heterofl_bn_samples=10))
   with pytest.raises(ValueError, match="scaler"):
     method.wrap_model(build_model("vgg16", 4, 0.5))
 
 
 def test_help_lists_heterofl_under_the_fedfa_paper_and_flags_reach_the_method():
-  from experiments import cli
+  from fedjax_hetero.cli import run as cli
   from fedjax_hetero.config import RunConfig
 
   text = cli.methods_help()
@@ -204,6 +191,6 @@ def test_help_lists_heterofl_under_the_fedfa_paper_and_flags_reach_the_method():
   lines = [line for line in text.splitlines() if line.startswith("    HeteroFL ")]
   assert len(lines) == 1 and heading < text.index(lines[0]) < text.index("FedRolex (Alam et al., NeurIPS 2022)")
   config = RunConfig.from_flags(method="HeteroFL", heterofl_scaler=False, heterofl_bn_samples=64)
-  assert config.method.heterofl_scaler is False and config.method.heterofl_bn_samples == 64
+  assert config.method.heterofl.scaler is False and config.method.heterofl.bn_samples == 64
   with pytest.raises(ValueError, match="heterofl-bn-samples"):
     RunConfig.from_flags(method="HeteroFL", heterofl_bn_samples=0)

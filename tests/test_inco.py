@@ -17,9 +17,11 @@ from fedjax_hetero.client.local import LocalConfig
 from fedjax_hetero.data import partition, synthetic_dataset
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation, assign_groups
-from fedjax_hetero.methods import MethodOptions, build_method
+from fedjax_hetero.methods import build_method
 from fedjax_hetero.hetero import build_group_map
 from fedjax_hetero.models import build_model
+from tests import helpers
+from tests.helpers import method_options, tiny_federation
 
 EPS = 1e-7
 SHAPE = (3, 3, 4, 5)  # HWIO
@@ -264,15 +266,10 @@ def test_theta_zero_without_normalization_equals_hetero_avg():
 
 
 def simulation(method, names, **options):
-  ds = synthetic_dataset(num_train=48, num_test=8, seed=0)
-  parts = partition(ds.train_labels, "iid", 6, 0)
-  store = FederatedStore.build(ds.train_images, ds.train_labels, parts, ds.num_classes, ds.mean, ds.std)
+  data = tiny_federation(6, 48, 8, "iid")
   small = lambda n: {"base_channels": 4} if n.startswith("resnet") else {"hidden": (8,)}
-  groups = [ArchGroup(n, build_model(n, ds.num_classes, **small(n)), c)
-            for n, c in zip(names, assign_groups(6, len(names)))]
-  return Simulation(groups, store, LocalConfig(), build_method(method, MethodOptions(**options)),
-                    FederationConfig(clients_per_round=3), make_backend("sequential"), jnp.asarray(ds.test_images),
-                    jnp.asarray(ds.test_labels))
+  return helpers.simulation(method, [(n, build_model(n, data[0].num_classes, **small(n))) for n in names], data,
+                            LocalConfig(), options=options)
 
 
 def test_incoavg_needs_a_model_with_cross_layer_pairs():
@@ -281,7 +278,7 @@ def test_incoavg_needs_a_model_with_cross_layer_pairs():
     simulation("InCoAvg", ["mlp"])
 
 
-@pytest.mark.parametrize("variant, granularity", [(None, None), ("no_optimization", "tensor")])
+@pytest.mark.parametrize("variant, granularity", [("code", "kernel"), ("no_optimization", "tensor")])
 def test_incoavg_aggregate_applies_inco_to_the_mean_delta(variant, granularity):
   sim = simulation("InCoAvg", ["resnet10", "resnet14"], inco_variant=variant, inco_granularity=granularity)
   pairs = build_model("resnet14", 10).cross_layer_pairs()
@@ -300,7 +297,7 @@ def test_incoavg_aggregate_applies_inco_to_the_mean_delta(variant, granularity):
   @jax.jit
   def reference(model, sums, weights):
     delta = aggregators.heterogeneous_mean_delta(sums, weights, sim.maps, model)
-    return jax.tree.map(jnp.add, model, inco(delta, pairs, variant or "code", granularity or "kernel")[0])
+    return jax.tree.map(jnp.add, model, inco(delta, pairs, variant, granularity)[0])
 
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7), new,
                reference(model, sums, weights))
@@ -309,8 +306,9 @@ def test_incoavg_aggregate_applies_inco_to_the_mean_delta(variant, granularity):
 
 def test_inco_options_are_checked():
   with pytest.raises(ValueError, match="--inco-variant must be one of code, theorem, paper, .*, got 'nope'"):
-    MethodOptions(inco_variant="nope")
+    method_options(inco_variant="nope")
   with pytest.raises(ValueError, match="--inco-granularity must be one of kernel, tensor, got 'row'"):
-    MethodOptions(inco_granularity="row")
-  with pytest.raises(ValueError, match="apply to the InCo\\* methods, not HeteroAvg"):
-    build_method("HeteroAvg", MethodOptions(inco_variant="theorem"))
+    method_options(inco_granularity="row")
+  with pytest.raises(ValueError, match="--inco-variant applies to InCoAvg, InCoProx, InCoScaffold, InCoNova, "
+                     "InCoMOON, not HeteroAvg"):
+    build_method("HeteroAvg", method_options(inco_variant="theorem"))

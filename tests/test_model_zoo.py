@@ -11,6 +11,7 @@ from flax import traverse_util
 
 from fedjax_hetero import aggregators, hetero, models
 from fedjax_hetero.models import build_model, parse_group_spec
+from fedjax_hetero.hetero.maps import flatten
 from tests.helpers import model_variables
 
 NEW_MODELS = ("cnn_cifar", "resnet20_preact", "vgg16", "vit")
@@ -36,10 +37,6 @@ def images(seed: int = 0, batch: int = BATCH, size: int = 16, channels: int = 3)
 
 def shapes(model, size: int = 32, channels: int = 3):
   return jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, size, size, channels)))
-
-
-def flat(tree) -> dict[tuple[str, ...], jax.Array]:
-  return traverse_util.flatten_dict(dict(tree))
 
 
 def train_apply(model, variables, x, mask=None, **kwargs):
@@ -83,11 +80,11 @@ def test_output_shapes(name, size, channels):
 
 
 def test_input_size_dependent_shapes():
-  vgg28, vgg32 = flat(shapes(build_model("vgg16", 10), 28, 1)), flat(shapes(build_model("vgg16", 10), 32, 1))
+  vgg28, vgg32 = flatten(shapes(build_model("vgg16", 10), 28, 1)), flatten(shapes(build_model("vgg16", 10), 32, 1))
   assert vgg28[("params", "fc1", "kernel")].shape == vgg32[("params", "fc1", "kernel")].shape == (512, 4096)
-  assert flat(shapes(build_model("cnn_cifar", 10), 28, 1))[("params", "fc1", "kernel")].shape == (256, 120)
+  assert flatten(shapes(build_model("cnn_cifar", 10), 28, 1))[("params", "fc1", "kernel")].shape == (256, 120)
   for size, patches in ((28, 49), (32, 64)):
-    assert flat(shapes(build_model("vit", 10), size))[("params", "pos_embed")].shape == (1, patches + 1, 64)
+    assert flatten(shapes(build_model("vit", 10), size))[("params", "pos_embed")].shape == (1, patches + 1, 64)
 
 
 def test_cut_points():
@@ -138,7 +135,7 @@ def test_bn_mask_ignores_padded_rows(name):
 
 def test_preact_init():
   variables = jax.jit(models.PreActBottleneck(planes=64).init)(jax.random.key(0), jnp.zeros((1, 4, 4, 64)))
-  params = flat(variables["params"])
+  params = flatten(variables["params"])
   for path, leaf in params.items():
     if path[0].startswith("bn"):
       chex.assert_trees_all_equal(leaf, jnp.full_like(leaf, 0.5 if path[-1] == "scale" else 0.0))
@@ -152,7 +149,7 @@ def test_preact_projection_shortcut_input(preact_shortcut):
   x = images(channels=8)
   variables = model_variables(block, x, seed=3)
   kernel = variables["params"]["downsample_conv"]["kernel"]
-  no_shortcut = traverse_util.unflatten_dict({**flat(variables), ("params", "downsample_conv", "kernel"): 0 * kernel})
+  no_shortcut = traverse_util.unflatten_dict({**flatten(variables), ("params", "downsample_conv", "kernel"): 0 * kernel})
   shortcut = block.apply(variables, x) - block.apply(no_shortcut, x)
 
   bn = variables["batch_stats"]["bn1"]
@@ -185,10 +182,10 @@ def test_vgg_dropout_needs_train_and_rng():
 def test_half_width_is_leading_slice(name):
   wide, narrow = shapes(build_model(name, 10)), shapes(build_model(name, 10, 0.5))
   group_map = hetero.build_group_map(wide, narrow, f"{name}@0.5")  # raises unless every leaf is a leading slice
-  assert set(flat(narrow)) == set(flat(wide))
+  assert set(flatten(narrow)) == set(flatten(wide))
   assert all(shape is not None for shape in group_map.owned.values())
   assert num_params(narrow) < num_params(wide)
-  assert flat(narrow)[("params", "head", "bias")].shape == (10,)
+  assert flatten(narrow)[("params", "head", "bias")].shape == (10,)
 
 
 @pytest.mark.parametrize("name", ["cnn_cifar", "resnet20_preact", "vgg16"])
@@ -211,7 +208,7 @@ def test_vit_depth_nesting():
     name, width = parse_group_spec(spec)
     shallow = shapes(build_model(name, 10, width))
     group_map = hetero.build_group_map(deep, shallow, spec)
-    assert set(flat(shallow)) < set(flat(deep))
+    assert set(flatten(shallow)) < set(flatten(deep))
     unowned = {path[1] for path, shape in group_map.owned.items() if shape is None}
     assert unowned == {"block5", "block6"}
 
@@ -250,10 +247,10 @@ def test_vit_cross_layer_pairs():
 
   rng = np.random.default_rng(6)
   delta = jax.tree.map(lambda s: jnp.asarray(0.05 * rng.normal(size=s.shape), jnp.float32), tree)
-  before = flat(delta)
+  before = flatten(delta)
   targets = {target for target, _ in pairs}
   for variant in aggregators.INCO_VARIANTS:
-    results = {g: flat(aggregators.inco(delta, pairs, variant, g)[0]) for g in aggregators.INCO_GRANULARITIES}
+    results = {g: flatten(aggregators.inco(delta, pairs, variant, g)[0]) for g in aggregators.INCO_GRANULARITIES}
     chex.assert_trees_all_close(results["kernel"], results["tensor"])  # 1-D leaves are reduced whole either way
     after = results["kernel"]
     for path, leaf in before.items():

@@ -12,6 +12,7 @@ from flax import traverse_util
 
 from fedjax_hetero import models
 from fedjax_hetero.models import MODEL_NAMES, build_model, parse_group_spec
+from fedjax_hetero.hetero.maps import flatten
 from fedjax_hetero.models.common import SMALL_MAP_POSITIONS, convolution, max_pool
 
 BATCH = 4
@@ -30,14 +31,10 @@ def images(seed: int = 0, batch: int = BATCH, size: int = 16, channels: int = 3)
   return jnp.asarray(np.random.default_rng(seed).normal(size=(batch, size, size, channels)), jnp.float32)
 
 
-def flat(tree) -> dict[tuple[str, ...], jax.Array]:
-  return traverse_util.flatten_dict(dict(tree))
-
-
 def shapes_of(model, x: jax.Array) -> dict[tuple[str, ...], tuple[int, ...]]:
   """Flat variable shapes of `model.init`, without running it."""
   shapes = jax.eval_shape(model.init, jax.random.key(0), x)
-  return {path: tuple(leaf.shape) for path, leaf in flat(shapes).items()}
+  return {path: tuple(leaf.shape) for path, leaf in flatten(shapes).items()}
 
 
 def init(model, x: jax.Array, seed: int = 1):
@@ -192,7 +189,7 @@ def test_bn_mask_ignores_padded_rows():
   # Sanity check: without the mask the garbage does change the statistics.
   _, unmasked_state = model.apply(variables, padded, train=True, mutable=["batch_stats"])
   stem_mean = ("batch_stats", "stem_bn", "mean")
-  assert not np.allclose(flat(unmasked_state)[stem_mean], flat(clean_state)[stem_mean], atol=1e-3)
+  assert not np.allclose(flatten(unmasked_state)[stem_mean], flatten(clean_state)[stem_mean], atol=1e-3)
 
 
 def test_float_mask_accepted():
@@ -213,7 +210,7 @@ def test_train_updates_batch_stats():
   assert set(variables) == {"params", "batch_stats"}
   logits, state = model.apply(variables, x, train=True, mutable=["batch_stats"])
   chex.assert_shape(logits, (BATCH, 10))
-  old, new = flat(variables["batch_stats"]), flat(state["batch_stats"])
+  old, new = flatten(variables["batch_stats"]), flatten(state["batch_stats"])
   assert old.keys() == new.keys()
   assert all(not np.allclose(old[k], new[k]) for k in old)
   # Momentum 0.9: the new running mean is 0.9 * old + 0.1 * the batch mean.

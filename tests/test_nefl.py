@@ -14,23 +14,20 @@ from fedjax_hetero import aggregators
 from fedjax_hetero.backends import make_backend
 from fedjax_hetero.client.local import LocalConfig
 from fedjax_hetero.compilation import CompileLog
+from fedjax_hetero.build import run_method
 from fedjax_hetero.config import RunConfig
 from fedjax_hetero.data import partition, synthetic_dataset
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation, assign_groups
 from fedjax_hetero.hetero import OWN, build_group_map, complete, extract, separate
 from fedjax_hetero.hetero.maps import flatten
-from fedjax_hetero.methods import MethodOptions, build_method
+from fedjax_hetero.methods import build_method
 from fedjax_hetero.methods.nefl import inconsistent_leaves
 from fedjax_hetero.models import ResNet, build_model
 from fedjax_hetero.runner import run_experiment
-from tests.helpers import model_variables, random_batch
+from tests.helpers import method_options, model_variables, random_batch, simulation, tiny_federation, tiny_resnet
 
 X = jnp.zeros((1, 8, 8, 1))
-
-
-def tiny_resnet(stage_sizes, width=1.0, **fields):
-  return ResNet(stage_sizes=stage_sizes, num_classes=4, width=width, base_channels=4, stem="cifar", **fields)
 
 
 def shapes_of(model):
@@ -122,16 +119,16 @@ def test_nefl_options_are_checked_and_reach_the_models():
   method = build_method("NeFL")
   wrapped = method.wrap_model(build_model("resnet10", 10, 0.5))
   assert wrapped.step_sizes and wrapped.skip == "middle"
-  last = build_method("NeFL", MethodOptions(nefl_skip="last", nefl_step_sizes=False)).wrap_model(build_model("cnn", 10))
+  last = build_method("NeFL", method_options(nefl_skip="last", nefl_step_sizes=False)).wrap_model(build_model("cnn", 10))
   assert last == build_model("cnn", 10)  # nothing to change: any model
   with pytest.raises(ValueError, match="--nefl-skip must be one of last, middle"):
-    MethodOptions(nefl_skip="first")
-  with pytest.raises(ValueError, match="apply to NeFL, not HeteroFL"):
-    build_method("HeteroFL", MethodOptions(nefl_skip="last"))
+    method_options(nefl_skip="first")
+  with pytest.raises(ValueError, match="^--nefl-skip applies to NeFL, not HeteroFL$"):
+    build_method("HeteroFL", method_options(nefl_skip="last"))
   with pytest.raises(ValueError, match="need a ResNet"):
     method.wrap_model(build_model("cnn", 10))
   with pytest.raises(ValueError, match="--groups, group cnn@0.5: NeFL's skip and step_sizes need a ResNet"):
-    RunConfig.from_flags(method="NeFL", groups=("cnn@0.5", "cnn"))
+    run_method(RunConfig.from_flags(method="NeFL", groups=("cnn@0.5", "cnn")))
 
 
 # ------------------------------------------------------------------- inconsistent parameters, by hand
@@ -168,14 +165,10 @@ def test_consistent_leaves_average_over_holders_and_inconsistent_ones_per_group(
 
 def resnet_simulation(method="NeFL", **options):
   """Two groups: ResNet (1, 1) at width 0.5 and ResNet (1, 2) at width 1 (stage 2's block_last is shared)."""
-  ds = synthetic_dataset(num_train=48, num_test=8, seed=0)
-  store = FederatedStore.build(ds.train_images, ds.train_labels, partition(ds.train_labels, "iid", 4, 0),
-                               ds.num_classes, ds.mean, ds.std)
-  groups = [ArchGroup(name, tiny_resnet(sizes, width), c)
-            for name, sizes, width, c in zip(("small", "large"), [(1, 1), (1, 2)], (0.5, 1.0), assign_groups(4, 2))]
-  return Simulation(groups, store, LocalConfig(batch_size=16, steps_per_call=2, optimizer="sgd", learning_rate=0.1),
-                    build_method(method, MethodOptions(**options)), FederationConfig(clients_per_round=4),
-                    make_backend("sequential"), jnp.asarray(ds.test_images), jnp.asarray(ds.test_labels))
+  return simulation(method, [("small", tiny_resnet((1, 1), 0.5)), ("large", tiny_resnet((1, 2), 1.0))],
+                    tiny_federation(4, 48, 8, "iid"),
+                    LocalConfig(batch_size=16, steps_per_call=2, optimizer="sgd", learning_rate=0.1), options=options,
+                    clients_per_round=4)
 
 
 def test_nefl_two_rounds_keep_each_group_its_own_step_sizes_and_batch_norm():
@@ -202,6 +195,7 @@ def test_nefl_two_rounds_keep_each_group_its_own_step_sizes_and_batch_norm():
   assert set(accs) == {"small", "large", "mean"} and 0 <= accs["mean"] <= 1
 
 
+@pytest.mark.slow
 def test_nefl_smoke_run_through_the_experiment_driver(tmp_path):
   config = RunConfig.from_flags(dataset="synthetic", method="NeFL", groups=("resnet10@0.0625", "resnet14@0.0625"),
                                 num_clients=4, clients_per_round=4, rounds=2, eval_every=2, checkpoint_every=2,
@@ -213,12 +207,12 @@ def test_nefl_smoke_run_through_the_experiment_driver(tmp_path):
 
 
 def test_help_lists_nefl_under_the_fedfa_paper():
-  from experiments import cli
+  from fedjax_hetero.cli import run as cli
 
   text = cli.methods_help()
   lines = [line for line in text.splitlines() if line.startswith("    NeFL ")]
   assert len(lines) == 1
   assert text.index("FedFA (Park & Joe-Wong, ECML-PKDD 2024)") < text.index(lines[0]) < text.index("FedRolex (Alam")
-  assert RunConfig.from_flags(method="NeFL", groups=("resnet10",), nefl_skip="last").method.nefl_skip == "last"
+  assert RunConfig.from_flags(method="NeFL", groups=("resnet10",), nefl_skip="last").method.nefl.skip == "last"
   with pytest.raises(ValueError, match="--nefl-step-sizes"):
-    MethodOptions(nefl_step_sizes="yes")
+    method_options(nefl_step_sizes="yes")

@@ -19,6 +19,8 @@ pytest.importorskip("ipykernel", reason="ipykernel not installed (pip install -e
 
 from fedjax_hetero.data import datasets  # noqa: E402
 
+pytestmark = pytest.mark.slow  # end to end (`pytest -m "not slow"` leaves it out)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(REPO, "notebooks", "quickstart.ipynb")
 TPU_NOTEBOOK = os.path.join(REPO, "notebooks", "tpu_colab.ipynb")

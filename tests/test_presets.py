@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from experiments import cli, fmnist
-from experiments.presets import PRESETS, get_preset, paper_deviations
+from fedjax_hetero.cli import run as cli
+from fedjax_hetero.cli.presets import PRESETS, get_preset, paper_deviations
+from fedjax_hetero.config import Proximal
 from fedjax_hetero.methods import build_method
 from tests.test_prox import prox_mu
 
@@ -15,7 +16,7 @@ def captured(monkeypatch):
   """Runs `cli.main` without compute; returns the configs it would have run."""
   configs = []
 
-  def fake_run(config):
+  def fake_run(config, **_):
     configs.append(config)
     return {"final_accuracy": {}, "best_mean_accuracy": None, "train_seconds_all_rounds": 0.0}
 
@@ -24,7 +25,7 @@ def captured(monkeypatch):
 
 
 def test_inco_preset_is_the_papers_protocol(captured, capsys):
-  cli.main("fashion_mnist", fmnist.DEMO, "test", ["--preset", "inco"])
+  cli.main("fashion_mnist", ["--preset", "inco"])
   (config,) = captured
   assert config.groups == ("resnet10", "resnet14", "resnet18", "resnet22", "resnet26")
   assert (config.data.num_clients, config.federation.clients_per_round, config.data.alpha, config.client.epochs,
@@ -35,7 +36,7 @@ def test_inco_preset_is_the_papers_protocol(captured, capsys):
 
 
 def test_cpu_preset_says_how_it_differs_and_flags_override(captured, capsys):
-  cli.main("fashion_mnist", fmnist.DEMO, "test", ["--preset", "inco-cpu", "--rounds", "7", "--method", "HeteroNova"])
+  cli.main("fashion_mnist", ["--preset", "inco-cpu", "--rounds", "7", "--method", "HeteroNova"])
   (config,) = captured
   assert config.rounds == 7 and config.method.name == "HeteroNova" and config.groups[0] == "resnet10@0.125"
   out = capsys.readouterr().out
@@ -43,7 +44,7 @@ def test_cpu_preset_says_how_it_differs_and_flags_override(captured, capsys):
 
 
 def test_fedcross_cpu_preset(captured):
-  cli.main("fashion_mnist", fmnist.DEMO, "test", ["--preset", "fedcross-cpu"])
+  cli.main("fashion_mnist", ["--preset", "fedcross-cpu"])
   (config,) = captured
   assert (config.method.name, config.groups, config.client.batch_size, config.client.optimizer,
           config.client.momentum) == ("FedCross", ("cnn_cifar",), 50, "sgd", 0.5)
@@ -53,17 +54,18 @@ def test_fedcross_cpu_preset(captured):
 
 def test_unknown_preset(capsys):
   with pytest.raises(SystemExit):
-    cli.main("fashion_mnist", fmnist.DEMO, "test", ["--preset", "nope"])
+    cli.main("fashion_mnist", ["--preset", "nope"])
   assert "unknown preset 'nope'; accepted: inco, inco-cpu, fedcross, fedcross-cpu" in capsys.readouterr().err
   with pytest.raises(ValueError, match="unknown preset"):
     get_preset("nope")
 
 
 def test_fedcross_preset_baselines_follow_the_authors_framework(captured):
-  cli.main("fashion_mnist", fmnist.DEMO, "test", ["--preset", "fedcross-cpu", "--method", "FedProx"])
-  cli.main("fashion_mnist", fmnist.DEMO, "test", ["--preset", "fedcross-cpu", "--method", "FedCross"])
+  cli.main("fashion_mnist", ["--preset", "fedcross-cpu", "--method", "FedProx"])
+  cli.main("fashion_mnist", ["--preset", "fedcross-cpu", "--method", "FedCross"])
   prox, cross = captured
   assert prox.federation.weighting == "num_samples"
   # FedProx gets the paper's CIFAR-10 mu; FedCross, with no proximal term, gets none.
   assert prox_mu(build_method("FedProx", prox.method, prox.client)) == pytest.approx(0.01)
   assert prox_mu(build_method("FedCross", cross.method, cross.client)) == 0
+  assert cross.method.prox == Proximal()  # the protocol's FedProx mu is not FedCross's option

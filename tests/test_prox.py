@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from experiments import cli
+from fedjax_hetero.cli import run as cli
+from fedjax_hetero.cli.datasets import defaults_for
+from fedjax_hetero.cli.flags import config_from_args
 from fedjax_hetero.backends import make_backend
 from fedjax_hetero.client.local import LocalConfig, LocalTrainer
 from fedjax_hetero.client.terms import RoundInput, proximal, proximal_term
@@ -20,10 +22,11 @@ from fedjax_hetero.data import partition, synthetic_dataset
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation, assign_groups
 from fedjax_hetero.hetero.maps import extract
-from fedjax_hetero.methods import FEDPROX_MU, METHODS, PER_GROUP, MethodOptions, build_method, get_entry
+from fedjax_hetero.hetero.maps import flatten
+from fedjax_hetero.methods import FEDPROX_MU, METHODS, PER_GROUP, build_method, get_entry
 from fedjax_hetero.models import build_model
 from fedjax_hetero.runner import build_simulation
-from tests.helpers import numpy_variables, random_batch
+from tests.helpers import TINY_LOCAL, method_options, numpy_variables, random_batch, tiny_simulation
 
 NUM_CLASSES = 4
 MEAN, STD = (0.45,), (0.25,)
@@ -38,8 +41,8 @@ def batch(seed, size):
   return random_batch(seed, size, NUM_CLASSES)
 
 
-def flat(tree):
-  return {"/".join(p): np.asarray(v, np.float64) for p, v in traverse_util.flatten_dict(dict(tree)).items()}
+def float64_leaves(tree):
+  return {"/".join(p): np.asarray(v, np.float64) for p, v in flatten(tree).items()}
 
 
 def prox_mu(method) -> float:
@@ -89,8 +92,8 @@ def test_proximal_gradient_is_mu_times_distance_to_anchor(sgd_trainers):
   mask = jnp.asarray(np.array([1, 1, 0, 1, 1, 1, 0, 1], bool))
   with_prox = prox_step(state1, images, labels, mask)
   without = plain_step(state1._replace(terms=()), images, labels, mask)
-  w1, anchor = flat(state1.variables["params"]), flat(variables["params"])
-  got_prox, got_plain = flat(with_prox.variables["params"]), flat(without.variables["params"])
+  w1, anchor = float64_leaves(state1.variables["params"]), float64_leaves(variables["params"])
+  got_prox, got_plain = float64_leaves(with_prox.variables["params"]), float64_leaves(without.variables["params"])
   largest = 0.0
   for k in anchor:
     want = -0.5 * 0.5 * (w1[k] - anchor[k])  # -lr * mu * (w1 - w^t)
@@ -131,7 +134,7 @@ def test_all_masked_step_is_a_no_op_with_prox_and_batch_norm():
 @pytest.mark.parametrize("kwargs", [dict(prox_mu=-0.1), dict(prox_mu=float("nan")), dict(prox_mu=float("inf"))])
 def test_configs_reject_bad_mu(kwargs):
   with pytest.raises(ValueError, match="--prox-mu must be a finite number >= 0"):
-    MethodOptions(**kwargs)
+    method_options(**kwargs)
   with pytest.raises(ValueError, match="--prox-mu must be a finite number >= 0"):
     RunConfig.from_flags(method="FedProx", **kwargs)
 
@@ -155,29 +158,16 @@ def test_prox_methods_are_registered():
   assert {"fedprox", "heteroprox", "incoprox"} <= set(METHODS)
 
 
-def test_prox_mu_precedence():
-  mu = lambda name, **options: prox_mu(build_method(name, MethodOptions(**options)))
-  assert mu("FedProx") == pytest.approx(0.1)
+def test_one_proximal_mu():
+  """--prox-mu is the mu of every method with FedProx's term (0 leaves the term out); it applies to no other."""
+  mu = lambda name, **options: prox_mu(build_method(name, method_options(**options)))
+  for name in ("FedProx", "HeteroProx", "InCoProx", "FedIN"):
+    assert mu(name) == pytest.approx(FEDPROX_MU)
+    assert mu(name, prox_mu=0.3) == pytest.approx(0.3)
   assert mu("FedProx", prox_mu=0.0) == 0.0  # an explicit 0 turns the term off
-  assert mu("FedProx", prox_mu=0.3) == pytest.approx(0.3)
-  assert mu("FedProx", fedprox_mu=0.2) == pytest.approx(0.2)
-  assert mu("FedProx", prox_mu=0.3, fedprox_mu=0.2) == pytest.approx(0.3)
   assert mu("FedAvg") == 0.0
-  assert mu("FedAvg", prox_mu=0.05) == pytest.approx(0.05)  # a nonzero mu adds the term to any method
-  assert mu("FedAvg", fedprox_mu=0.2) == 0.0
-
-
-def mlp_simulation(method, backend="sequential", prox_mu=None):
-  """6 clients of unequal sizes, two MLP width groups, 5 clients per round."""
-  ds = synthetic_dataset(num_train=160, num_test=32, seed=0)
-  parts = partition(ds.train_labels, "iid_imbalanced", 6, 0)
-  store = FederatedStore.build(ds.train_images, ds.train_labels, parts, ds.num_classes, ds.mean, ds.std)
-  groups = [ArchGroup(f"mlp@{w}", build_model("mlp", ds.num_classes, w, hidden=(16,)), clients)
-            for w, clients in zip((0.5, 1.0), assign_groups(6, 2))]
-  local = LocalConfig(epochs=2, batch_size=8, optimizer="adam", learning_rate=1e-2, steps_per_call=2)
-  return Simulation(groups, store, local, build_method(method, MethodOptions(prox_mu=prox_mu), local),
-                    FederationConfig(clients_per_round=5, seed=0), make_backend(backend),
-                    jnp.asarray(ds.test_images), jnp.asarray(ds.test_labels))
+  with pytest.raises(ValueError, match="^--prox-mu applies to FedProx, HeteroProx, InCoProx, FedIN, not FedAvg$"):
+    mu("FedAvg", prox_mu=0.05)
 
 
 def initial_state(sim):
@@ -200,10 +190,13 @@ def run(sim, rounds=1):
 def mlp_runs():
   """One round of each MLP run, by (method, prox_mu)."""
   runs = {}
-  for method, mu in [("FedAvg", None), ("FedProx", None), ("FedProx", 0.0), ("FedAvg", 0.1),
-                     ("HeteroAvg", None), ("HeteroProx", None), ("HeteroProx", 0.0)]:
-    sim = mlp_simulation(method, prox_mu=mu)
+  for method, mu in [("FedAvg", None), ("FedProx", None), ("FedProx", 0.0), ("HeteroAvg", None),
+                     ("HeteroProx", None), ("HeteroProx", 0.0)]:
+    sim = tiny_simulation(method, widths=(0.5, 1.0), clients_per_round=5, **({} if mu is None else {"prox_mu": mu}))
     runs[method, mu] = (sim, *run(sim))
+  sim = tiny_simulation(build_method("FedAvg", local=TINY_LOCAL).with_terms(proximal(0.1)), widths=(0.5, 1.0),
+                        clients_per_round=5)  # the term added by value
+  runs["FedAvg", 0.1] = (sim, *run(sim))
   return runs
 
 
@@ -235,7 +228,7 @@ def test_prox_methods_with_zero_mu_equal_the_plain_methods_bit_for_bit(mlp_runs,
   assert rows[0]["train_loss"] == plain_rows[0]["train_loss"]
 
 
-def test_fedavg_with_prox_mu_is_fedprox(mlp_runs):
+def test_fedavg_with_the_proximal_term_is_fedprox(mlp_runs):
   _, fedavg_state, fedavg_rows = mlp_runs["FedAvg", 0.1]
   _, fedprox_state, fedprox_rows = mlp_runs["FedProx", None]
   chex.assert_trees_all_equal(fedavg_state.models, fedprox_state.models)
@@ -243,7 +236,7 @@ def test_fedavg_with_prox_mu_is_fedprox(mlp_runs):
 
 
 def test_vmap_matches_sequential_with_prox():
-  seq_sim, vmap_sim = mlp_simulation("HeteroProx", "sequential"), mlp_simulation("HeteroProx", "vmap")
+  seq_sim, vmap_sim = (tiny_simulation("HeteroProx", backend, (0.5, 1.0), 5) for backend in ("sequential", "vmap"))
   assert vmap_sim.backend.name == "vmap"
   seq_state, seq_rows = run(seq_sim, rounds=2)
   vmap_state, vmap_rows = run(vmap_sim, rounds=2)
@@ -285,20 +278,16 @@ def test_incoprox_runs_a_round_on_resnets():
 
 
 def test_cli_prox_mu_flag_reaches_the_simulation():
-  defaults = cli.preset(dataset="synthetic")
+  defaults = defaults_for("synthetic").config()
   parser = cli.build_parser(defaults, "test")
   help_text = parser.format_help()
-  assert "--prox-mu" in help_text
-  for name in ("FedProx", "HeteroProx", "InCoProx"):
-    assert name in help_text
+  assert "--prox-mu" in help_text and "options of FedProx, HeteroProx, InCoProx, FedIN:" in help_text
   dataset = synthetic_dataset(num_train=160, num_test=8, seed=0)
   common = ["--groups", "mlp@1,mlp@0.5", "--num-clients", "4", "--clients-per-round", "2"]
-  cases = [(["--method", "FedProx"], None, 0.1), (["--method", "fedprox", "--prox-mu", "0.3"], 0.3, 0.3),
-           (["--method", "HeteroProx", "--prox-mu", "0"], 0.0, 0.0), (["--prox-mu", "0.05"], 0.05, 0.05),
-           ([], None, 0.0)]
-  for argv, flag, effective in cases:
-    config = cli.config_from_args(parser.parse_args(argv + common), "synthetic")
-    assert config.method.prox_mu == flag
+  cases = [(["--method", "FedProx"], 0.1), (["--method", "fedprox", "--prox-mu", "0.3"], 0.3),
+           (["--method", "HeteroProx", "--prox-mu", "0"], 0.0), ([], 0.0)]
+  for argv, effective in cases:
+    config = config_from_args(parser.parse_args(argv + common))
     logs = []
     sim, _ = build_simulation(config, dataset, log=logs.append)
     assert prox_mu(sim.method) == pytest.approx(effective)
@@ -307,4 +296,4 @@ def test_cli_prox_mu_flag_reaches_the_simulation():
     assert ("client terms: prox" in logs[-1]) == bool(effective), logs
   with pytest.raises(ValueError, match="--prox-mu must be a finite number >= 0, got -1.0"):
     RunConfig.from_flags(dataset="synthetic", prox_mu=-1.0)
-  assert isinstance(parser.parse_args([]), argparse.Namespace) and parser.parse_args([]).prox_mu is None
+  assert parser.parse_args([]).prox_mu == FEDPROX_MU

@@ -19,6 +19,8 @@ from fedjax_hetero.guard import DivergenceConfig, DivergenceError, DivergenceWat
 from fedjax_hetero.runner import run_experiment
 from tests.test_runner import base_config, read_rows, restore
 
+pytestmark = pytest.mark.slow  # end to end (`pytest -m "not slow"` leaves it out)
+
 
 @pytest.fixture(scope="module")
 def dataset():

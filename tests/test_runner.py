@@ -15,7 +15,8 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import cli
+from fedjax_hetero.build import run_method
+from fedjax_hetero.cli import run as cli
 from fedjax_hetero import checkpoints, engine
 from fedjax_hetero.backends import BACKENDS
 from fedjax_hetero.config import RunConfig, as_dict
@@ -24,6 +25,8 @@ from fedjax_hetero.engine import NonFiniteLossError
 from fedjax_hetero.guard import DivergenceError
 from fedjax_hetero.methods import METHODS
 from fedjax_hetero.runner import build_simulation, run_experiment
+
+pytestmark = pytest.mark.slow  # end to end (`pytest -m "not slow"` leaves it out)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GROUPS = ("mlp@1", "mlp@0.5")
@@ -276,12 +279,12 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(dataset, tmp_
 
 
 def test_cli_reports_divergence_as_an_error(monkeypatch, capsys, tmp_path):
-  def diverge(config):
+  def diverge(config, **_):
     raise NonFiniteLossError("round 7: training loss of group cnn@0.5 is nan")
 
   monkeypatch.setattr(cli, "run_experiment", diverge)
   with pytest.raises(SystemExit) as info:
-    cli.main("synthetic", cli.preset(dataset="synthetic", output_dir=str(tmp_path / "o")), "test", [])
+    cli.main("synthetic", ["--output-dir", str(tmp_path / "o")])
   assert info.value.code == 2
   assert "error: round 7: training loss of group cnn@0.5 is nan" in capsys.readouterr().err
 
@@ -291,8 +294,8 @@ def test_cli_reports_divergence_as_an_error(monkeypatch, capsys, tmp_path):
 
 BAD_ARGS = [
     ("synthetic", ["--method", "FedMoon"], r"unknown method 'FedMoon'; accepted: FedAvg, HeteroAvg"),
-    ("imagenet", [], r"unknown dataset 'imagenet'; accepted: fashion_mnist, cifar10, cifar100, "
-                     r"cifar100_coarse, svhn_cropped, synthetic"),
+    ("imagenet", [], r"--dataset must be one of fashion_mnist, cifar10, cifar100, svhn_cropped, synthetic, "
+                     r"cifar100_coarse, got 'imagenet'"),
     ("synthetic", ["--groups", "cnn@1,vgg@0.5"], r"bad group spec 'vgg@0.5': unknown model 'vgg'"),
     ("synthetic", ["--groups", "cnn@1,resnet99"], r"unknown model 'resnet99'"),
     ("synthetic", ["--alpha", "0"], r"--alpha must be a finite number > 0, got 0.0"),
@@ -311,9 +314,8 @@ BAD_ARGS = [
 def test_cli_rejects_bad_input_before_compute(dataset_name, argv, message, tmp_path, capsys, no_compute):
   out = tmp_path / "out"
   argv = [a.replace("{tmp}", str(tmp_path)) for a in argv] + ["--output-dir", str(out), "--no-progress"]
-  defaults = cli.preset(dataset="synthetic", output_dir=str(out))  # main() sets the dataset under test
   with pytest.raises(SystemExit) as info:
-    cli.main(dataset_name, defaults, "test", argv)
+    cli.main(dataset_name, argv)
   assert info.value.code == 2
   err = capsys.readouterr().err
   assert re.search(message.replace("{tmp}", re.escape(str(tmp_path))), err), err
@@ -323,14 +325,14 @@ def test_cli_rejects_bad_input_before_compute(dataset_name, argv, message, tmp_p
 
 def test_cli_rejects_unknown_backend_choice(capsys, tmp_path, no_compute):
   with pytest.raises(SystemExit) as info:
-    cli.main("synthetic", cli.preset(dataset="synthetic"), "test", ["--backend", "tpu9", "--output-dir", str(tmp_path)])
+    cli.main("synthetic", ["--backend", "tpu9", "--output-dir", str(tmp_path)])
   assert info.value.code == 2
   assert "invalid choice: 'tpu9'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("changes,message", [
     (dict(method="FedDyn"), r"unknown method 'FedDyn'"),
-    (dict(dataset="mnist"), r"unknown dataset 'mnist'"),
+    (dict(dataset="mnist"), r"--dataset must be one of fashion_mnist, .*, got 'mnist'"),
     (dict(groups=("mlp@1", "transformer")), r"unknown model 'transformer'"),
     (dict(alpha=0.0), r"--alpha must be a finite number > 0, got 0.0"),
     (dict(alpha=float("nan")), r"--alpha must be a finite number > 0, got nan"),
@@ -341,8 +343,11 @@ def test_cli_rejects_unknown_backend_choice(capsys, tmp_path, no_compute):
     (dict(rounds=0), r"--rounds must be an integer >= 1, got 0"),
 ])
 def test_config_validate(changes, message, tmp_path):
+  """Values are checked when the config is built, paths when a run starts, the method in the build step."""
   with pytest.raises(ValueError, match=message):
-    base_config(tmp_path, **changes).data.check_paths()
+    config = base_config(tmp_path, **changes)
+    config.data.check_paths()
+    run_method(config)
 
 
 def test_more_clients_than_samples_is_rejected_before_compute(tmp_path, no_compute):

@@ -40,89 +40,33 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from fedjax_hetero.config.options import FEDGEN_PRESETS, FedGenConfig  # re-exported
 from fedjax_hetero.hetero.maps import Variables
-from fedjax_hetero.validation import check_bool, check_integer, check_number
 
 HeadApply = Callable[[Variables, jax.Array], jax.Array]
 
-# Per-dataset values from the FedCross spec (baselines, FedGen, "[C] framework config").
-PRESETS: dict[str, dict[str, float]] = {
-    "cifar10": dict(ensemble_lr=3e-4, generative_alpha=0.2, generative_beta=0.2),
-    "cifar100": dict(ensemble_lr=1e-4, generative_alpha=10.0, generative_beta=1.0),
-    "femnist": dict(ensemble_lr=3e-4, generative_alpha=10.0, generative_beta=10.0),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class FedGenConfig:
-  """FedGen's hyperparameters (defaults: the spec's CIFAR-10 values)."""
-
-  noise_dim: int = 100
-  hidden_dim: int = 512
-  embedding: bool = False  # label input: one-hot (spec) or an embedding of width noise_dim
-  # Server: generator training.
-  ensemble_lr: float = 3e-4
-  ensemble_lr_decay: float = 0.98  # per round (FedGen code)
-  weight_decay: float = 1e-2
-  ensemble_epochs: int = 50
-  n_teacher_iters: int = 5
-  batch_size: int = 128
-  ensemble_alpha: float = 1.0  # teacher-loss weight
-  ensemble_eta: float = 1.0  # diversity-loss weight
-  label_pseudo_count: float = 1.0  # FedGen code starts every client's label counts at 1
-  # Clients: generative regularization.
-  generative_alpha: float = 0.2
-  generative_beta: float = 0.2
-  coefficient_decay: float = 0.98
-  coefficient_floor: float = 1e-4
-  # Generated labels per local step (FedGen code); the teacher term is scaled by this / the client batch size.
-  gen_batch_size: int = 32
-
-  def __post_init__(self):
-    for name in ("noise_dim", "hidden_dim", "ensemble_epochs", "n_teacher_iters", "batch_size", "gen_batch_size"):
-      check_integer(f"method.fedgen.{name}", getattr(self, name), minimum=1)
-    check_bool("method.fedgen.embedding", self.embedding)
-    check_number("method.fedgen.ensemble_lr", self.ensemble_lr, above=0)
-    for name in ("ensemble_lr_decay", "coefficient_decay"):
-      check_number(f"method.fedgen.{name}", getattr(self, name), above=0, maximum=1)
-    for name in ("weight_decay", "ensemble_alpha", "ensemble_eta", "label_pseudo_count", "generative_alpha",
-                 "generative_beta", "coefficient_floor"):
-      check_number(f"method.fedgen.{name}", getattr(self, name), minimum=0)
-    if self.ensemble_epochs < self.n_teacher_iters:
-      raise ValueError("ensemble_epochs must be >= n_teacher_iters (steps = epochs // iters * iters)")
-
-  @classmethod
-  def preset(cls, dataset: str, **overrides: Any) -> "FedGenConfig":
-    """The spec's values for "cifar10", "cifar100" or "femnist", then ``overrides``."""
-    if dataset not in PRESETS:
-      raise ValueError(f"unknown dataset {dataset!r}; expected one of {', '.join(PRESETS)}")
-    return cls(**{**PRESETS[dataset], **overrides})
-
-  @property
-  def generator_steps(self) -> int:
-    """Server Adam steps per round: (ensemble_epochs // n_teacher_iters) epochs of n_teacher_iters."""
-    return (self.ensemble_epochs // self.n_teacher_iters) * self.n_teacher_iters
-
-  def generator_learning_rate(self, round_index: int) -> float:
-    return self.ensemble_lr * self.ensemble_lr_decay ** round_index
-
-  def client_coefficients(self, round_index: int | jax.Array) -> tuple[float, float] | tuple[jax.Array, jax.Array]:
-    """(alpha, beta) of the client regularizer in round ``round_index`` (0-based); (0, 0) in round 0. A traced
-    round (the round program's) gives them in float32, computed on the device."""
-    if not isinstance(round_index, (int, np.integer)):
-      r = jnp.asarray(round_index, jnp.float32)
-      decayed = lambda initial: jnp.where(r <= 0, 0.0, jnp.maximum(min(self.coefficient_floor, initial),
-                                                                   initial * self.coefficient_decay ** r))
-      return decayed(self.generative_alpha), decayed(self.generative_beta)
-    if round_index <= 0:
-      return 0.0, 0.0
-    return (decayed_coefficient(self.generative_alpha, round_index, self.coefficient_decay, self.coefficient_floor),
-            decayed_coefficient(self.generative_beta, round_index, self.coefficient_decay, self.coefficient_floor))
+PRESETS = FEDGEN_PRESETS  # re-exported
 
 
 def decayed_coefficient(initial: float, round_index: int, decay: float = 0.98, floor: float = 1e-4) -> float:
   """``max(floor, initial * decay**round)``, FedGen's client schedule; a zero ``initial`` stays zero."""
   return max(min(floor, initial), initial * decay ** round_index)
+
+
+def client_coefficients(config: FedGenConfig, round_index: int | jax.Array
+                        ) -> tuple[float, float] | tuple[jax.Array, jax.Array]:
+  """(alpha, beta) of the client regularizer in round ``round_index`` (0-based); (0, 0) in round 0. A traced
+  round (the round program's) gives them in float32, computed on the device."""
+  if not isinstance(round_index, (int, np.integer)):
+    r = jnp.asarray(round_index, jnp.float32)
+    decayed = lambda initial: jnp.where(r <= 0, 0.0, jnp.maximum(min(config.coefficient_floor, initial),
+                                                                 initial * config.coefficient_decay ** r))
+    return decayed(config.generative_alpha), decayed(config.generative_beta)
+  if round_index <= 0:
+    return 0.0, 0.0
+  return (decayed_coefficient(config.generative_alpha, round_index, config.coefficient_decay,
+                              config.coefficient_floor),
+          decayed_coefficient(config.generative_beta, round_index, config.coefficient_decay, config.coefficient_floor))
 
 
 # ---------------------------------------------------------------------------

@@ -40,41 +40,12 @@ Choices where the paper is silent or differs from the authors' code (each is a `
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from fedjax_hetero.validation import check_choice, check_integer, check_number, check_text
-
-LOSS_MODES = ("sum", "concat")
-SAMPLE_SOURCES = ("global", "local")
-
-
-@dataclasses.dataclass(frozen=True)
-class FedImproConfig:
-  """FedImpro's settings (see the module docstring for each default's source)."""
-
-  cut: str | None = None  # split point; None: the model's `decoupling_cut` (CNN conv2, ResNets stage2)
-  beta: float = 0.0  # Eq. 7 momentum of the feature estimate
-  std_max: float = 0.1  # upper clamp of the estimated standard deviation
-  weight: float = 1.0  # weight of the synthetic-feature cross-entropy
-  loss: str = "concat"  # "concat" (mean over real + synthetic rows; code, Thm. 4.2) or "sum" (Eq. 6 as printed)
-  sample_from: str = "global"  # "global" (Algorithm 1) or "local" (the authors' code)
-  noise: float = 0.0  # std of Gaussian noise added to the uploaded means and deviations (App. D.3)
-  num_synthetic: int | None = None  # synthetic features per step; None: the batch's real rows
-
-  def __post_init__(self):
-    check_text("method.fedimpro.cut", self.cut, optional=True)
-    check_number("method.fedimpro.beta", self.beta, minimum=0, below=1)
-    check_number("method.fedimpro.std_max", self.std_max, above=0)
-    check_number("method.fedimpro.weight", self.weight, minimum=0)
-    check_number("method.fedimpro.noise", self.noise, minimum=0)
-    check_choice("method.fedimpro.loss", self.loss, LOSS_MODES)
-    check_choice("method.fedimpro.sample_from", self.sample_from, SAMPLE_SOURCES)
-    check_integer("method.fedimpro.num_synthetic", self.num_synthetic, minimum=1, optional=True)
-
+from fedjax_hetero.config.options import LOSS_MODES, SAMPLE_SOURCES, FedImproConfig  # re-exported
 
 class FeatureStats(NamedTuple):
   """Per-class diagonal Gaussians of the features at the cut: ``mean``, ``std`` [C, D] and ``seen`` [C]

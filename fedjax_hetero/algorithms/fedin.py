@@ -26,40 +26,13 @@ Choices where the paper is silent (each is a `FedINConfig` field or documented h
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from fedjax_hetero.validation import check_choice, check_integer, check_number
-
-RULES = ("eq14", "sum", "project")
-PROJECTIONS = ("tensor", "global")
-BANK_MODES = ("latest", "history")
-NUM_PAIRS = 16
-BANK_CAPACITY = 4096
-
-
-@dataclasses.dataclass(frozen=True)
-class FedINConfig:
-  """FedIN's settings (see the module docstring)."""
-
-  rule: str = "eq14"  # how G_IN and G_local combine
-  lam: float = 1.0  # Eq. 14's lambda: Z = G_IN + (lam / 2) G_local
-  projection: str = "tensor"  # Eq. 13's inner products per I tensor, or over all of I
-  bank: str = "latest"
-  bank_capacity: int = BANK_CAPACITY  # pairs the "history" bank holds
-  num_pairs: int = NUM_PAIRS  # |S|, the pairs each client regresses on per step
-
-  def __post_init__(self):
-    check_choice("method.fedin.rule", self.rule, RULES)
-    check_number("method.fedin.lam", self.lam, minimum=0)
-    check_choice("method.fedin.projection", self.projection, PROJECTIONS)
-    check_choice("method.fedin.bank", self.bank, BANK_MODES)
-    check_integer("method.fedin.bank_capacity", self.bank_capacity, minimum=1)
-    check_integer("method.fedin.num_pairs", self.num_pairs, minimum=1)
-
+from fedjax_hetero.config.options import (BANK_CAPACITY, BANK_MODES, NUM_PAIRS, PROJECTIONS,  # re-exported
+                                          RULES, FedINConfig)
 
 class FeaturePairs(NamedTuple):
   """A batch of feature pairs; ``valid`` marks the rows in use."""

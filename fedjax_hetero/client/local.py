@@ -30,50 +30,8 @@ import optax
 from fedjax_hetero.client.backdoor import AttackInput, Backdoor, BackdoorState, poisoned_params, shuffled_row
 from fedjax_hetero.client.terms import (Batch, ClientFinal, ClientTerm, Outputs, RoundInput, StepContext,
                                         term_cuts, tree_sub)
+from fedjax_hetero.config.client import OPTIMIZERS, LocalConfig  # re-exported
 from fedjax_hetero.hetero.maps import Variables
-from fedjax_hetero.validation import check_bool, check_choice, check_integer, check_number
-
-OPTIMIZERS = ("sgd", "adam")
-
-
-@dataclasses.dataclass(frozen=True)
-class LocalConfig:
-  """How each client trains in a round (a fresh optimizer every round)."""
-
-  epochs: int = 1
-  batch_size: int = 64
-  optimizer: str = "adam"
-  learning_rate: float = 1e-3
-  momentum: float = 0.0
-  weight_decay: float = 0.0
-  drop_last: bool = False
-  steps_per_call: int = 1  # one compiled step per group; >1 unrolls that many (see docs/performance.md)
-
-  def __post_init__(self):
-    check_choice("client.optimizer", self.optimizer, OPTIMIZERS)
-    for name in ("epochs", "batch_size", "steps_per_call"):
-      check_integer(f"client.{name}", getattr(self, name), minimum=1)
-    check_number("client.learning_rate", self.learning_rate, above=0)
-    check_number("client.momentum", self.momentum, minimum=0, below=1)
-    check_number("client.weight_decay", self.weight_decay, minimum=0)
-    check_bool("client.drop_last", self.drop_last)
-
-  def steps_per_epoch(self, num_examples: int) -> int:
-    if self.drop_last:
-      return num_examples // self.batch_size
-    return -(-num_examples // self.batch_size)
-
-  def num_steps(self, num_examples: int) -> int:
-    return self.epochs * self.steps_per_epoch(num_examples)
-
-  def chunk_sizes(self, num_steps: int) -> list[int]:
-    """Unrolled chunk lengths covering ``num_steps`` exactly: full chunks, then single steps."""
-    full, rest = divmod(num_steps, self.steps_per_call)
-    return [self.steps_per_call] * full + [1] * rest
-
-  def chunk_lengths(self, max_steps: int) -> tuple[int, ...]:
-    """Every chunk length a schedule of at most ``max_steps`` steps can use (one compiled program each)."""
-    return tuple(sorted({n for n in (self.steps_per_call, 1) if n <= max(max_steps, 1)}, reverse=True))
 
 
 def make_optimizer(config: LocalConfig) -> optax.GradientTransformation:

@@ -1,8 +1,12 @@
 """Federated methods as declarations (`Method`), and the registry of the papers' methods."""
 
+from fedjax_hetero.config.methods import AGGREGATE_MODES, FEDPROX_MU, MOON_MU, MethodConfig
 from fedjax_hetero.methods.api import PER_GROUP, SHARED, STACKED, Method, Sharing
-from fedjax_hetero.methods.catalog import (AGGREGATE_MODES, FEDPROX_MU, METHODS, MOON_MU, Entry, MethodOptions,
-                                           build_method, get_entry, methods_by_paper)
+from fedjax_hetero.methods.catalog import (METHODS, Entry, build_method, check_options, get_entry, methods_by_paper,
+                                           register_method)
 
-__all__ = ["AGGREGATE_MODES", "Entry", "FEDPROX_MU", "METHODS", "MOON_MU", "Method", "MethodOptions",
-           "PER_GROUP", "SHARED", "STACKED", "Sharing", "build_method", "get_entry", "methods_by_paper"]
+MethodOptions = MethodConfig  # the earlier name, for code that imports it
+
+__all__ = ["AGGREGATE_MODES", "Entry", "FEDPROX_MU", "METHODS", "MOON_MU", "Method", "MethodConfig", "MethodOptions",
+           "PER_GROUP", "SHARED", "STACKED", "Sharing", "build_method", "check_options", "get_entry",
+           "methods_by_paper", "register_method"]

@@ -94,7 +94,7 @@ def generator_training(config: fedgen.FedGenConfig) -> ServerStep:
   def broadcast(state, federation, member, round_index):
     counts = federation.store.label_counts[federation.clients[member]]
     return FedGenShare({"params": state.params, "batch_stats": state.batch_stats},
-                       jnp.asarray(config.client_coefficients(round_index), jnp.float32),
+                       jnp.asarray(fedgen.client_coefficients(config, round_index), jnp.float32),
                        fedgen.present_label_probs(counts))
 
   def plan(round_index):

@@ -24,6 +24,7 @@ from flax import traverse_util
 
 from fedjax_hetero.algorithms import fedin as fi
 from fedjax_hetero.client.terms import ClientTerm, with_upload
+from fedjax_hetero.config.methods import INCLUSIVE_BETA, INCLUSIVE_MOMENTUM
 from fedjax_hetero.hetero.maps import flatten
 from fedjax_hetero.methods.fedfa import declared_stages
 from fedjax_hetero.models import cut_shape
@@ -138,9 +139,6 @@ def feature_bank(config: fi.FedINConfig = fi.FedINConfig()) -> ServerStep:
 
 
 # InclusiveFL -------------------------------------------------------------------------------------------------
-
-INCLUSIVE_BETA, INCLUSIVE_MOMENTUM = 0.2, 0.5
-
 
 def _stages(model: nn.Module, name: str):
   stages = declared_stages(model)

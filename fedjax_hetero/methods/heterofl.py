@@ -24,13 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_hetero.client.terms import ClientFinal, ClientTerm, StepContext
+from fedjax_hetero.config.methods import BN_SAMPLES
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.evaluation import EVAL_BATCH, batch_norm_statistics
 from fedjax_hetero.hetero.maps import Variables
 
-# Training samples the server re-estimates BatchNorm statistics on before each evaluation. HeteroFL
+# Training samples the server re-estimates BatchNorm statistics on before each evaluation (BN_SAMPLES). HeteroFL
 # passes over the whole training set; a fixed subset bounds the cost of an evaluation.
-BN_SAMPLES = 2000
 
 
 def _with_scaler(model: nn.Module) -> nn.Module:

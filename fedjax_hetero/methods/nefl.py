@@ -60,12 +60,12 @@ import flax.linen as nn
 import jax
 
 from fedjax_hetero.client.terms import ClientTerm
+from fedjax_hetero.config.methods import SKIP  # the default reading (see the module docstring)
 from fedjax_hetero.hetero.maps import Path
 from fedjax_hetero.models.common import StepSize, module_leaves
 from fedjax_hetero.models.resnet import SKIPS
 
 NAME = "nefl"
-SKIP = "middle"  # the default reading (see the module docstring)
 INCONSISTENT: tuple[type, ...] = (nn.BatchNorm, StepSize)  # the modules whose leaves each sub-model keeps
 
 

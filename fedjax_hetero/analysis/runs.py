@@ -1,0 +1,194 @@
+"""Finished runs read back and paired: what `fedjax_hetero.cli.compare` tabulates.
+
+A run is a results folder's ``summary.json`` and ``metrics.jsonl`` rows. `pairings` pairs every method's runs
+with a baseline method's runs of the same seed, round by round at the rounds both evaluated; `interval` and
+`windowed_means` summarize the per-round differences. Runs under the backdoor attack are their own variant of
+the method (`method_of`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from fedjax_hetero import metrics_log, os_errors, results_folder
+
+Runs = Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]]  # (label, summary.json, metrics.jsonl rows)
+
+
+def load_run(run_dir: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+  summary_path, metrics_path = os.path.join(run_dir, "summary.json"), os.path.join(run_dir, "metrics.jsonl")
+  for path in (summary_path, metrics_path):
+    if not os.path.exists(path):
+      raise SystemExit(f"error: {path} not found; is {run_dir!r} a finished results folder?")
+  try:  # read back checked: a damaged file is an error naming it and the line, not a traceback
+    summary = results_folder.read_json_object(summary_path)
+    rows = metrics_log.read_rows(metrics_path)
+  except (ValueError, OSError) as e:
+    raise SystemExit(f"error: {os_errors.describe(e) if isinstance(e, OSError) else e}") from None
+  return summary, rows
+
+
+def evaluated(rows: Sequence[dict[str, Any]], part: str = "mean") -> list[tuple[int, float]]:
+  """(round, accuracy) of every round that evaluated ``part``: ``mean`` or an architecture group's name."""
+  return [(r["round"], r["test_accuracy"][part]) for r in rows if part in (r.get("test_accuracy") or {})]
+
+
+def up_to_round(rows: Sequence[dict[str, Any]], last_round: int | None) -> list[dict[str, Any]]:
+  return [r for r in rows if last_round is None or r["round"] <= last_round]
+
+
+def base_method_of(summary: dict[str, Any]) -> str:
+  return summary.get("method") or summary["config"]["method"]  # older summaries: only the flat config's
+
+
+def attack_of(summary: dict[str, Any]) -> str | None:
+  """The backdoor attack a run was under, as text (None: a clean run, or an older one without the option)."""
+  federation = summary["config"].get("federation") or {}
+  fraction = federation.get("malicious_fraction") or 0
+  if not fraction:
+    return None
+  delta = "" if federation.get("backdoor_delta", "update") == "update" else f" {federation['backdoor_delta']}"
+  return f"backdoor {100 * fraction:g}% x{federation.get('backdoor_scale'):g}{delta}"
+
+
+def method_of(summary: dict[str, Any]) -> str:
+  """The method, and the attack if the run was under one (an attacked run is a variant of its own)."""
+  attack = attack_of(summary)
+  return base_method_of(summary) + (f" [{attack}]" if attack else "")
+
+
+def seed_of(summary: dict[str, Any]) -> int:
+  config = summary["config"]
+  return config["federation"]["seed"] if "federation" in config else config["seed"]
+
+
+def rounds_to(rows: Sequence[dict[str, Any]], target: float) -> int | None:
+  """The first evaluated round whose mean accuracy is at least ``target`` (a fraction), or None."""
+  return next((r for r, a in evaluated(rows) if a >= target), None)
+
+
+def dissimilarity_per_round(rows: Sequence[dict[str, Any]], part: str) -> list[tuple[int, float]]:
+  """(round, the part's gradient dissimilarity averaged over the groups) for every round that logged it."""
+  out = []
+  for r in rows:
+    values = [g[part] for g in (r.get("dissimilarity") or {}).values() if g.get(part) is not None]
+    if values:
+      out.append((r["round"], float(np.mean(values))))
+  return out
+
+
+def mean_dissimilarity(rows: Sequence[dict[str, Any]], part: str) -> float:
+  values = [v for _, v in dissimilarity_per_round(rows, part)]
+  return float(np.mean(values)) if values else float("nan")
+
+
+@dataclasses.dataclass(frozen=True)
+class Pairing:
+  """One method's runs against the baseline's runs of the same seeds, for one accuracy (the mean or a group's).
+
+  Per seed (in ``seeds`` order): ``rounds``, the rounds both runs evaluated; ``diffs``, the run's accuracy minus
+  the baseline's at those rounds (points); ``best``, the run's best accuracy minus the baseline's best at those
+  rounds (points)."""
+  method: str
+  seeds: list[int]
+  rounds: list[np.ndarray]
+  diffs: list[np.ndarray]
+  best: list[float]
+
+  @property
+  def pooled(self) -> np.ndarray:
+    return np.concatenate(self.diffs)
+
+
+def runs_by_method(runs: Runs) -> dict[str, dict[int, list[dict[str, Any]]]]:
+  """method (with its attack, see ``method_of``) -> seed -> rows, in the order the runs were given."""
+  by_method: dict[str, dict[int, list[dict[str, Any]]]] = {}
+  for _, summary, rows in runs:
+    by_method.setdefault(method_of(summary), {})[seed_of(summary)] = rows
+  return by_method
+
+
+def groups_of(runs: Runs) -> list[str]:
+  """The architecture groups whose accuracy the runs logged (``test_accuracy`` keys but ``mean``), first seen first."""
+  return list(dict.fromkeys(g for _, _, rows in runs for r in rows for g in (r.get("test_accuracy") or {})
+                            if g != "mean"))
+
+
+def paired_points(rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]],
+                  part: str = "mean") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(rounds, the run's accuracy, the baseline's accuracy) at the rounds both evaluated ``part``."""
+  base_acc = dict(evaluated(base, part))
+  common = [(r, a, base_acc[r]) for r, a in evaluated(rows, part) if r in base_acc]
+  return (np.array([r for r, _, _ in common], dtype=int), np.array([a for _, a, _ in common], dtype=float),
+          np.array([b for _, _, b in common], dtype=float))
+
+
+def pairings(runs: Runs, baseline: str, part: str = "mean") -> list[Pairing]:
+  """Every method but ``baseline`` paired with it by seed and round (seeds without a common round left out)."""
+  by_method = runs_by_method(runs)
+  if baseline not in by_method:
+    raise SystemExit(f"error: no run of the baseline {baseline!r}; methods: {', '.join(by_method)}")
+  out = []
+  for method, seeds in by_method.items():
+    if method == baseline:
+      continue
+    common = sorted(set(seeds) & set(by_method[baseline]))
+    points = {s: paired_points(seeds[s], by_method[baseline][s], part) for s in common}
+    points = {s: p for s, p in points.items() if len(p[0])}
+    if points:
+      out.append(Pairing(method, list(points), [p[0] for p in points.values()],
+                         [100 * (p[1] - p[2]) for p in points.values()],
+                         [100 * (p[1].max() - p[2].max()) for p in points.values()]))
+  return out
+
+
+def interval(diffs: np.ndarray, z: float = 1.96) -> tuple[float, float, float]:
+  """(mean, low, high): the mean with a normal 95% interval over the pairs (nan bounds for a single pair)."""
+  mean = float(diffs.mean())
+  half = z * float(diffs.std(ddof=1)) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
+  return mean, mean - half, mean + half
+
+
+def windowed_means(rounds: Sequence[np.ndarray], diffs: Sequence[np.ndarray], window: int,
+                   last_round: int) -> list[float | None]:
+  """The mean difference over every seed's pairs in each window of ``window`` rounds (1..window,
+  window+1..2*window, ...) up to ``last_round``; None for a window without a pair."""
+  rounds_all, diffs_all = np.concatenate(rounds), np.concatenate(diffs)
+  out: list[float | None] = []
+  for start in range(1, last_round + 1, window):
+    inside = (rounds_all >= start) & (rounds_all < start + window)
+    out.append(float(diffs_all[inside].mean()) if inside.any() else None)
+  return out
+
+
+def default_window(last_round: int) -> int:
+  """A quarter of the rounds compared, rounded up: four windows."""
+  return max(1, math.ceil(last_round / 4))
+
+
+def final_pair(rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -> tuple[float, float] | None:
+  """(the run's, the other's) accuracy at the last round both evaluated; None if they share none."""
+  base_acc = dict(evaluated(base))
+  common = [(r, a) for r, a in evaluated(rows) if r in base_acc]
+  if not common:
+    return None
+  last, accuracy = common[-1]
+  return accuracy, base_acc[last]
+
+
+def check_unique(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]]) -> None:
+  """The paired and drop tables pair runs by method, attack and seed, so two runs sharing all three (e.g. a
+  method's ablations, which keep its name) would be merged: an error naming both."""
+  seen: dict[tuple[str, str | None, int], str] = {}
+  for name, summary, _ in runs:
+    key = (base_method_of(summary), attack_of(summary), seed_of(summary))
+    if key in seen:
+      method, attack, seed = key
+      raise ValueError(f"{seen[key]} and {name} are both {method}{f' [{attack}]' if attack else ''} with seed "
+                       f"{seed}, so their rows would be merged; compare them in separate calls")
+    seen[key] = name

@@ -1,0 +1,181 @@
+"""The run's build step: a `RunConfig` turned into the objects the engine runs, checked on the way.
+
+`run_method` makes the run's method once (from the catalog, or takes the one given) and checks the rules
+that need it and the group models: the method fits the groups and the cohort, its terms find their cut
+points on every group's model, HeteroFL's Scaler has a width-1 group. It loads no data, so the CLI calls it
+to reject bad input before anything is computed. `build_simulation` then loads and partitions the data and
+hands `engine.Simulation` the built groups, store, method and backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import socket
+import urllib.parse
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_hetero import data as fdata
+from fedjax_hetero import models, preflight
+from fedjax_hetero.backends import make_backend
+from fedjax_hetero.client.terms import term_cuts
+from fedjax_hetero.config import DataConfig, RunConfig, check_federation, declare
+from fedjax_hetero.data.store import FederatedStore
+from fedjax_hetero.engine import ArchGroup, Simulation, assign_groups
+from fedjax_hetero.methods import Method, build_method, check_options, get_entry
+
+GROUPS_FLAG = declare.cli_name(RunConfig, "groups")
+
+
+def run_method(config: RunConfig, method: Method | None = None) -> Method:
+  """The run's method, checked against the config: built from the catalog by ``config.method`` (its name and
+  option families), or ``method`` itself (a method declared by value, whose name the config must carry).
+  Raises ValueError naming the flags, before any data is loaded."""
+  if method is None:
+    method = build_method(config.method.name, config.method, config.client)
+  else:
+    if method.name.lower() != config.method.name.lower():
+      raise ValueError(f"the method given is {method.name!r} but the config names {config.method.name!r}; set "
+                       f"{declare.cli_name(config.method, 'name')} {method.name}")
+    registered = get_entry(method.name, missing_ok=True)
+    if registered is not None:
+      check_options(registered, config.method)
+  check_federation(config.federation, config.data.num_clients, config.groups, method)
+  _check_stacked(config, method)
+  _check_models(config, method)
+  return method
+
+
+def _check_stacked(config: RunConfig, method: Method) -> None:
+  cross, per_round = config.method.fedcross, config.federation.clients_per_round
+  if method.sharing.stacked and cross.propeller_rounds and cross.propellers > per_round - 1:
+    per_round_flag = declare.cli_name(config.federation, "clients_per_round")
+    raise ValueError(f"{declare.cli_name(cross, 'propellers')} must be at most {per_round - 1} ({per_round_flag} "
+                     f"{per_round} minus 1: each propeller is another client's model), got {cross.propellers}")
+
+
+def _check_models(config: RunConfig, method: Method) -> None:
+  """Every group's model takes the method's terms (their wrappers and cut points) and the low/high cut of
+  FedImpro and the dissimilarity metric; HeteroFL's Scaler divides by a group's width, its rate only if the
+  widest group has width 1."""
+  specs = [(spec, *models.parse_group_spec(spec)) for spec in config.groups]
+  widest = max(width for _, _, width in specs)
+  cut = config.method.fedimpro.cut
+  for spec, name, width in specs:
+    try:
+      model = models.build_model(name, 10, width)
+      models.resolve_cut(model, cut)
+    except ValueError as e:
+      raise ValueError(f"{declare.cli_name(config.method.fedimpro, 'cut')}, group {spec}: {e}") from None
+    try:
+      wrapped = method.wrap_model(model)
+      for term in method.terms:
+        term_cuts(term, wrapped)
+    except ValueError as e:
+      raise ValueError(f"{GROUPS_FLAG}, group {spec}: {e}") from None
+    if getattr(wrapped, "scaler", False) and widest != 1:
+      raise ValueError(f"{method.name}'s Scaler divides each group's outputs by its width, which is its rate of the "
+                       f"global model only when the widest group has width 1; {GROUPS_FLAG} widest is {widest:g} "
+                       "(add a width-1 group, or --no-heterofl-scaler)")
+
+
+# Where tensorflow-datasets downloads each dataset from, the first time it prepares it.
+TFDS_SOURCES = {"cifar10": "www.cs.toronto.edu", "cifar100": "www.cs.toronto.edu", "svhn_cropped": "ufldl.stanford.edu"}
+
+
+def check_downloadable(data: DataConfig, timeout: float = 5.0) -> None:
+  """For a tfds dataset not prepared on this machine, that the server tfds downloads it from (or the proxy in
+  ``$HTTPS_PROXY``) answers: offline, tfds retries for minutes and leaves partial files, so this fails within
+  seconds instead, with what to do. Prepared datasets (``<data dir>/<name>/<version>/dataset_info.json``) load
+  without network and are not checked."""
+  name = data.dataset.removesuffix("_coarse")
+  if name not in TFDS_SOURCES:
+    return
+  root = (data.data_dir or os.environ.get("TFDS_DATA_DIR")
+          or os.path.join(os.path.expanduser("~"), "tensorflow_datasets"))
+  if glob.glob(os.path.join(root, name, "*", "dataset_info.json")):
+    return
+  proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+  address = urllib.parse.urlsplit(proxy) if proxy else None
+  host, port = (address.hostname, address.port or 80) if address else (TFDS_SOURCES[name], 443)
+  try:
+    socket.create_connection((host, port), timeout=timeout).close()
+  except OSError as e:
+    raise fdata.DataNotFoundError(
+        f"tfds dataset {name!r} is not prepared in {root!r}, and {host}:{port} (where it is downloaded from"
+        f"{', the proxy' if address else ''}) cannot be reached: {type(e).__name__}: {e}\n"
+        "tfds needs network access once to download and prepare it, e.g.\n"
+        f"  python -c \"import tensorflow_datasets as tfds; tfds.builder('{name}').download_and_prepare()\"\n"
+        "or pass --data-dir DIR pointing at a directory that holds prepared tfds data.") from None
+
+
+def partitioned_dataset(config: RunConfig, dataset: fdata.ArrayDataset | None = None
+                        ) -> tuple[fdata.ArrayDataset, list[np.ndarray]]:
+  """The run's dataset (loaded unless given; its subset, first test images, resized images and normalization if
+  configured) and its client partition (drawn, or read from the partition file)."""
+  d, seed = config.data, config.federation.seed
+  if dataset is None:
+    check_downloadable(d)
+    dataset = fdata.load_dataset(d.dataset, d.data_dir)
+  d.check_sizes(len(dataset.train_labels), len(dataset.test_labels), dataset.num_classes)
+  if d.partition_file is not None:  # checked before the images are resized
+    parts = d.client_parts(len(dataset.train_labels))
+  if d.max_train_samples or d.max_test_samples:
+    dataset = dataset.subset(d.max_train_samples, d.max_test_samples, seed=seed)
+  if d.test_first is not None:
+    dataset = dataclasses.replace(dataset, test_images=dataset.test_images[:d.test_first],
+                                  test_labels=dataset.test_labels[:d.test_first])
+  if d.image_size is not None:
+    dataset = dataclasses.replace(dataset, train_images=fdata.resize_images(dataset.train_images, d.image_size),
+                                  test_images=fdata.resize_images(dataset.test_images, d.image_size))
+  if d.normalize == "none":
+    channels = dataset.image_shape[-1]
+    dataset = dataclasses.replace(dataset, mean=(0.0,) * channels, std=(1.0,) * channels)
+  if d.partition_file is None:
+    parts = fdata.partition(dataset.train_labels, d.partition, d.num_clients, seed, alpha=d.alpha,
+                            classes_per_client=d.classes_per_client)
+  return dataset, parts
+
+
+def build_simulation(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
+                     log: Callable[[str], None] = print, method: Method | None = None
+                     ) -> tuple[Simulation, list[np.ndarray]]:
+  """Loads and partitions the data and builds the simulation (no training yet); ``method``: the run's method
+  from `run_method` (made here when not given)."""
+  method = run_method(config, method)
+  dataset, parts = partitioned_dataset(config, dataset)
+  preflight.check_fit(config, dataset, parts, log)  # sizes that would fail or do nothing
+  store = FederatedStore.build(dataset.train_images, dataset.train_labels, parts, dataset.num_classes,
+                               dataset.mean, dataset.std)
+  groups = []
+  for spec, clients in zip(config.groups, assign_groups(config.data.num_clients, len(config.groups))):
+    name, width = models.parse_group_spec(spec)
+    groups.append(ArchGroup(spec, models.build_model(name, dataset.num_classes, width), clients))
+  backend = make_backend(config.backend)
+  sim = Simulation(groups, store, config.client, method, config.federation, backend,
+                   jnp.asarray(dataset.test_images), jnp.asarray(dataset.test_labels),
+                   track_dissimilarity=config.dissimilarity, dissimilarity_cut=config.method.fedimpro.cut,
+                   round_program=config.round_program, rounds_per_call=config.rounds_per_call)
+  terms = ", ".join(t.name for t in method.terms)
+  split = config.data.partition_file or config.data.partition
+  log(f"{dataset.name}: {len(dataset.train_labels)} train / {len(dataset.test_labels)} test samples, "
+      f"{config.data.num_clients} clients ({split}), groups {', '.join(config.groups)}, "
+      f"method {method.name}" + (f" (client terms: {terms})" if terms else "") +
+      f", backend {backend.name} on {jax.default_backend()}, " + (
+          f"{sim.round_program.rounds_per_call} rounds per device program" if sim.round_program else
+          "rounds as a host loop") + (
+          f" ({jax.device_count()} devices of {jax.process_count()} processes)" if jax.process_count() > 1 else ""))
+  if len(sim.malicious_clients):
+    attack = config.federation
+    log(f"backdoor attack: {len(sim.malicious_clients)} malicious clients (lambda {attack.backdoor_scale:g}, "
+        f"delta_backdoor = {attack.backdoor_delta}): {id_list(sim.malicious_clients)}")
+  return sim, parts
+
+
+def id_list(ids: np.ndarray) -> str:
+  return " ".join(str(int(c)) for c in ids)

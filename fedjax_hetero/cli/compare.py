@@ -1,0 +1,280 @@
+"""Compare finished runs: a markdown table and one plot of mean test accuracy vs round.
+
+    python -m experiments.compare runs/a runs/b --labels A,B --output compare.png
+
+Each RUN_DIR is a results folder of ``python -m experiments.<dataset>``
+(``summary.json`` + ``metrics.jsonl``). The table lists, per run, the method,
+rounds, final and best mean accuracy, the accuracy averaged over the last few
+evaluations (less noisy than the final one), and the training wall time (sum
+of the rounds' wall times, the first round's compilation included).
+``--up-to-round R`` cuts every run at round R, to compare runs of different
+lengths at equal rounds; ``--target 0.87`` adds the first round each run reached
+87% mean accuracy.
+
+``--baseline METHOD`` adds paired statistics: every other method's runs are paired
+with the baseline's runs of the same seed, round by round at the rounds both
+evaluated, and the table gives the mean per-round difference in accuracy points
+with a 95% interval (normal, over the per-round pairs of all seeds; neighbouring
+rounds are correlated, so read it as a lower bound on the uncertainty), the
+fraction of rounds ahead, the best accuracy minus the baseline's best (both at
+the rounds both evaluated; averaged over the seeds), and each seed's mean
+difference. A second table gives the mean difference per window of rounds
+(``--window W``: rounds 1-W, W+1-2W, ...; by default a quarter of the rounds
+compared), pooled over the seeds, to show whether a method's lead grows, holds or
+fades. With ``--target`` a per-seed table gives each side's best accuracy and the
+first round each reached the target. ``--per-group`` adds the paired statistics
+(difference with its interval, rounds ahead, best - best) of every architecture
+group's accuracy (``test_accuracy`` in ``metrics.jsonl`` holds one per group
+beside the mean). Where runs log the gradient dissimilarity
+(``fedjax_hetero.dissimilarity``) the plot shows it per round beside the accuracy.
+
+    python -m experiments.compare runs/repro/inco/*_s* --baseline HeteroAvg --window 20 --per-group
+
+Runs under the backdoor attack (``malicious_fraction`` > 0, `fedjax_hetero.client.backdoor`) are shown as
+their own variant of the method, e.g. ``HeteroFL [backdoor 20% x20]``, in all tables (so ``--baseline
+HeteroFL`` pairs them with the clean runs, and the difference is the attack's cost per round). When the runs
+hold an attacked run and a clean run of the same method and seed, a last table gives the accuracy drop
+under the attack: the clean run's final accuracy minus the attacked run's, at the last round both
+evaluated, averaged over the seeds; with ``--baseline`` it also gives each method's drop as a multiple of the
+baseline method's (the FedFA paper's robustness ratio, e.g. ``--baseline FedFA``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from fedjax_hetero.analysis.runs import (Pairing, Runs, attack_of, base_method_of, check_unique, default_window,
+                                         dissimilarity_per_round, evaluated, final_pair, groups_of, interval, load_run,
+                                         mean_dissimilarity, method_of, paired_points, pairings, rounds_to,
+                                         runs_by_method, seed_of, up_to_round, windowed_means)
+
+STATS_HEADER = "mean per-round difference (points) [95% interval] | rounds ahead | best - best (points)"
+
+
+def table(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]], last: int,
+          target: float | None = None) -> str:
+  to = f" rounds to {100 * target:g}% |" if target is not None else ""
+  spread = " dissimilarity low / high (mean over rounds) |" if any(r.get("dissimilarity") for _, _, rows in runs
+                                                                    for r in rows) else ""
+  lines = [f"| run | method | rounds | final mean acc (%) | best (%) | mean of last {last} evals (%) |{to}{spread} "
+           "train time (s) |",
+           "|---|---|---|---|---|---|" + ("---|" if to else "") + ("---|" if spread else "") + "---|"]
+  for label, summary, rows in runs:
+    accs = [a for _, a in evaluated(rows)]
+    if not accs:
+      raise SystemExit(f"error: run {label!r} has no evaluation in the rounds compared")
+    tail = accs[-last:]
+    reached = "" if target is None else f" {rounds_to(rows, target) or 'not reached'} |"
+    if spread:
+      low, high = (mean_dissimilarity(rows, part) for part in ("low", "high"))
+      reached += f" {low:.2f} / {high:.2f} |"
+    lines.append(f"| {label} | {method_of(summary)} | {rows[-1]['round']} | "
+                 f"{100 * accs[-1]:.2f} | {100 * max(accs):.2f} | {100 * sum(tail) / len(tail):.2f} |{reached} "
+                 f"{sum(r['round_seconds'] for r in rows):.0f} |")
+  return "\n".join(lines)
+
+
+def signed(value: float | None) -> str:
+  return "-" if value is None else f"{value:+.2f}"
+
+
+def stats_cells(pairing: Pairing) -> str:
+  """The cells shared by the paired tables: mean difference [95% interval] | rounds ahead | best - best."""
+  pooled = pairing.pooled
+  mean, low, high = interval(pooled)
+  return (f"{mean:+.2f} [{low:+.2f}, {high:+.2f}] | {np.mean(pooled > 0):.0%} of {len(pooled)} | "
+          f"{np.mean(pairing.best):+.2f}")
+
+
+def paired_table(runs: Runs, baseline: str) -> str:
+  """Every method against ``baseline``, paired by seed and round (see the module docstring)."""
+  lines = [f"| method - {baseline} | seeds | {STATS_HEADER} | per seed |", "|---|---|---|---|---|---|"]
+  for p in pairings(runs, baseline):
+    per_seed = ", ".join(f"s{s}: {d.mean():+.2f}" for s, d in zip(p.seeds, p.diffs))
+    lines.append(f"| {p.method} | {len(p.seeds)} | {stats_cells(p)} | {per_seed} |")
+  return "\n".join(lines)
+
+
+def window_table(runs: Runs, baseline: str, window: int | None = None) -> str:
+  """The mean per-round difference from ``baseline`` per window of rounds (default ``default_window``)."""
+  paired = pairings(runs, baseline)
+  if not paired:
+    return ""
+  last_round = max(int(r.max()) for p in paired for r in p.rounds)
+  window = window or default_window(last_round)
+  starts = range(1, last_round + 1, window)
+  heads = [f"{s}-{min(s + window - 1, last_round)}" if min(s + window - 1, last_round) > s else f"{s}"
+           for s in starts]
+  lines = [f"| method - {baseline}, rounds | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
+  for p in paired:
+    means = windowed_means(p.rounds, p.diffs, window, last_round)
+    lines.append(f"| {p.method} | " + " | ".join(signed(m) for m in means) + " |")
+  return "\n".join(lines)
+
+
+def group_table(runs: Runs, baseline: str) -> str:
+  """The paired statistics of every architecture group's accuracy (empty if the runs logged no group)."""
+  by_group = {g: {p.method: p for p in pairings(runs, baseline, g)} for g in groups_of(runs)}
+  lines = [f"| method - {baseline} | group | seeds | {STATS_HEADER} |", "|---|---|---|---|---|---|"]
+  for method in runs_by_method(runs):
+    for group, paired in by_group.items():
+      if method in paired:
+        lines.append(f"| {method} | {group} | {len(paired[method].seeds)} | {stats_cells(paired[method])} |")
+  return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def seed_table(runs: Runs, baseline: str, target: float) -> str:
+  """Per seed pair: each side's best accuracy at the rounds both evaluated and first round reaching ``target``."""
+  by_method = runs_by_method(runs)
+  to = f"{100 * target:g}%"
+  lines = [f"| method | seed | best (%) | {baseline} best (%) | best - best (points) | rounds to {to} | "
+           f"{baseline} rounds to {to} |", "|---|---|---|---|---|---|---|"]
+  for p in pairings(runs, baseline):
+    for seed in p.seeds:
+      rows, base = by_method[p.method][seed], by_method[baseline][seed]
+      _, accuracy, base_accuracy = paired_points(rows, base)
+      reached = [rounds_to(r, target) or "not reached" for r in (rows, base)]
+      lines.append(f"| {p.method} | {seed} | {100 * accuracy.max():.2f} | {100 * base_accuracy.max():.2f} | "
+                   f"{100 * (accuracy.max() - base_accuracy.max()):+.2f} | {reached[0]} | {reached[1]} |")
+  return "\n".join(lines)
+
+
+def drop_table(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]], baseline: str | None = None) -> str:
+  """Every attacked run against the clean run of its method and seed (see the module docstring); empty
+  if there is no such pair."""
+  clean: dict[tuple[str, int], list[dict[str, Any]]] = {}
+  attacked: dict[tuple[str, str], dict[int, list[dict[str, Any]]]] = {}
+  for _, summary, rows in runs:
+    method, attack, seed = base_method_of(summary), attack_of(summary), seed_of(summary)
+    if attack is None:
+      clean[(method, seed)] = rows
+    else:
+      attacked.setdefault((method, attack), {})[seed] = rows
+  drops: dict[tuple[str, str], tuple[float, float, float, str, int]] = {}
+  for (method, attack), seeds in attacked.items():
+    pairs = {s: final_pair(rows, clean[(method, s)]) for s, rows in seeds.items() if (method, s) in clean}
+    pairs = {s: p for s, p in pairs.items() if p is not None}
+    if pairs:
+      under, free = (100 * np.mean([p[i] for p in pairs.values()]) for i in (0, 1))
+      per_seed = ", ".join(f"s{s}: {100 * (p[1] - p[0]):+.2f}" for s, p in sorted(pairs.items()))
+      drops[(method, attack)] = (free, under, free - under, per_seed, len(pairs))
+  if not drops:
+    return ""
+  ratio = baseline is not None and any(m == baseline for m, _ in drops)
+  lines = ["| method | attack | seeds | clean final (%) | attacked final (%) | drop (points) |"
+           + (f" drop / {baseline}'s |" if ratio else "") + " per seed |",
+           "|---|---|---|---|---|---|" + ("---|" if ratio else "") + "---|"]
+  for (method, attack), (free, under, drop, per_seed, count) in drops.items():
+    times = ""
+    if ratio:
+      own = drops.get((baseline, attack))
+      times = f" {drop / own[2]:.2f} |" if own and own[2] else " - |"
+    lines.append(f"| {method} | {attack} | {count} | {free:.2f} | {under:.2f} | {drop:+.2f} |{times} {per_seed} |")
+  return "\n".join(lines)
+
+
+def plot(runs, path: str, title: str) -> str:
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+
+  parts = [p for p in ("low", "high") if any(p in g for _, _, rows in runs for r in rows
+                                              for g in (r.get("dissimilarity") or {}).values())]
+  fig = Figure(figsize=(7 + 4.5 * len(parts), 4.5))
+  FigureCanvasAgg(fig)
+  axes = fig.subplots(1, 1 + len(parts), squeeze=False)[0]
+  # One colour per method, one line style per run of it (e.g. per seed).
+  methods = list(dict.fromkeys(method_of(summary) for _, summary, _ in runs))
+  styles, seen = [], {}
+  for _, summary, _ in runs:
+    method = method_of(summary)
+    repeat = seen[method] = seen.get(method, -1) + 1
+    styles.append(dict(color=f"C{methods.index(method) % 10}", ls=("-", "--", ":", "-.")[repeat % 4]))
+  ax = axes[0]
+  for (label, _, rows), style in zip(runs, styles):
+    points = evaluated(rows)
+    ax.plot([r for r, _ in points], [100 * a for _, a in points], marker=".", lw=1.5, label=label, **style)
+  ax.set_xlabel("round")
+  ax.set_ylabel("mean test accuracy (%)")
+  ax.set_title(title)
+  ax.grid(alpha=0.3)
+  ax.legend(loc="lower right")
+  for part, ax in zip(parts, axes[1:]):
+    for (label, _, rows), style in zip(runs, styles):
+      points = dissimilarity_per_round(rows, part)
+      if points:
+        ax.plot(*zip(*points), lw=1.2, label=label, **style)
+    ax.set_yscale("log")
+    ax.set_xlabel("round")
+    ax.set_ylabel("Σ p_c ‖d_c − d̄‖² / ‖d̄‖²")
+    ax.set_title(f"gradient dissimilarity, {part} part")
+    ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  return path
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+  """The module docstring as it is, and the defaults but None and False (their help says what they mean)."""
+
+  def _get_help_string(self, action: argparse.Action) -> str | None:
+    return action.help if action.default in (None, False) else super()._get_help_string(action)
+
+
+def main(argv: Sequence[str] | None = None) -> str:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+  p.add_argument("run_dirs", nargs="+")
+  p.add_argument("--labels", default=None, help="comma-separated, one per run (default: the folder names)")
+  p.add_argument("--output", default=None, help="write the accuracy plot here")
+  p.add_argument("--title", default="mean test accuracy")
+  p.add_argument("--last", type=int, default=3, help="evaluations averaged in the 'last' column")
+  p.add_argument("--up-to-round", type=int, default=None, help="cut every run at this round (default: no cut)")
+  p.add_argument("--target", type=float, default=None, help="add the first round reaching this mean accuracy "
+                 "(a fraction, e.g. 0.87)")
+  p.add_argument("--baseline", default=None, help="add every method's paired per-round difference from this "
+                 "method's runs of the same seeds, and its mean per window of rounds")
+  p.add_argument("--window", type=int, default=None, help="with --baseline: rounds per window of the windowed "
+                 "differences (default: a quarter of the rounds compared)")
+  p.add_argument("--per-group", action="store_true", help="with --baseline: also pair every architecture "
+                 "group's accuracy, not only the mean")
+  args = p.parse_args(argv)
+  labels = args.labels.split(",") if args.labels else [os.path.basename(os.path.normpath(d)) for d in args.run_dirs]
+  if len(labels) != len(args.run_dirs):
+    raise SystemExit(f"error: {len(labels)} labels for {len(args.run_dirs)} runs")
+  runs = []
+  for label, run_dir in zip(labels, args.run_dirs):
+    summary, rows = load_run(run_dir)
+    runs.append((label, summary, up_to_round(rows, args.up_to_round)))
+  if args.baseline or any(attack_of(summary) for _, summary, _ in runs):  # the tables that pair runs
+    try:
+      check_unique(runs)
+    except ValueError as e:
+      raise SystemExit(f"error: {e}") from None
+  text = table(runs, args.last, args.target)
+  if args.window is not None and args.window < 1:
+    raise SystemExit("error: --window must be at least 1")
+  if args.baseline:
+    text += "\n\n" + paired_table(runs, args.baseline)
+    windows = window_table(runs, args.baseline, args.window)
+    if windows:
+      text += f"\n\nmean per-round difference from {args.baseline} (points) per window of rounds:\n" + windows
+    if args.target is not None:
+      text += "\n\nper seed (best at the rounds both evaluated):\n" + seed_table(runs, args.baseline, args.target)
+    groups = group_table(runs, args.baseline) if args.per_group else ""
+    if groups:
+      text += "\n\nper architecture group (accuracy of each group's model, paired as above):\n" + groups
+  drops = drop_table(runs, args.baseline)
+  if drops:
+    text += ("\n\naccuracy drop under the backdoor attack (clean final - attacked final, same method and seed):\n"
+             + drops)
+  print(text)
+  if args.output:
+    print(f"wrote {plot(runs, args.output, args.title)}")
+  return text
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,208 @@
+"""``python -m experiments.<dataset>``: flags -> `RunConfig` -> `runner.run_experiment`.
+
+Every setting's flag comes from its declaration (`fedjax_hetero.cli.flags`); a dataset's defaults
+(`fedjax_hetero.cli.datasets`) and a ``--preset`` change the defaults, flags given win. Every value is
+checked before anything is loaded or computed: a bad one ends the command with ``error: ...`` naming the
+flag, and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, NoReturn, Sequence
+
+from fedjax_hetero import data as fdata
+from fedjax_hetero import distributed
+from fedjax_hetero import os_errors
+from fedjax_hetero.build import run_method
+from fedjax_hetero.cli import flags
+from fedjax_hetero.cli.config_file import read_config
+from fedjax_hetero.cli.datasets import DATASETS, defaults_for
+from fedjax_hetero.cli.flags import methods_help
+from fedjax_hetero.cli.presets import PRESETS, Preset, get_preset, paper_deviations, values_for
+from fedjax_hetero.compilation import CACHE_ENV, enable_persistent_cache
+from fedjax_hetero.config import FedGenConfig, RunConfig, as_dict
+from fedjax_hetero.config.options import FEDGEN_PRESETS
+from fedjax_hetero.distributed import DistributedConfig
+from fedjax_hetero.methods import Method
+from fedjax_hetero.runner import Interrupted, run_experiment
+
+# Flags of earlier versions that were renamed, and what to pass instead (README, "Upgrading").
+RENAMED = {"--fedprox-mu": "--prox-mu (one proximal mu, read by FedProx, HeteroProx, InCoProx and FedIN)"}
+# This command's own flags, which choose defaults or set up the process rather than the run.
+OWN_FLAGS = ("preset", "compile_cache", "coarse", "fedgen_preset", "config", "seeds")
+DISTRIBUTED_FLAGS = tuple(leaf.flag for leaf in flags.declare.leaves(DistributedConfig()))
+
+
+def fail(message: str, status: int = 2) -> NoReturn:
+  """The CLI's answer to a bad input: ``error: message`` on stderr and exit status 2 (argparse's), no traceback."""
+  print(f"error: {message}", file=sys.stderr)
+  raise SystemExit(status) from None
+
+
+def _pre_parse(argv: Sequence[str] | None, dataset: str) -> argparse.Namespace:
+  """The flags that choose the defaults of the others: --dataset, --preset, --method, --fedgen-preset."""
+  pre = argparse.ArgumentParser(add_help=False)
+  for name, default in (("--dataset", dataset), ("--preset", None), ("--method", None), ("--fedgen-preset", None),
+                        ("--config", None)):
+    pre.add_argument(name, default=default)
+  known, _ = pre.parse_known_args(argv)
+  return known
+
+
+def run_defaults(argv: Sequence[str] | None, dataset: str) -> tuple[RunConfig, Preset | None]:
+  """The defaults the parser starts from: the dataset's or a ``--config`` file's, a preset's values for the
+  method the run will have, and a FedGen preset; ValueError naming the flag if one of those is bad."""
+  known = _pre_parse(argv, dataset)
+  if known.config is not None and known.preset is not None:
+    raise ValueError("--config and --preset exclude each other: a config file holds a whole run")
+  defaults = defaults_for(known.dataset).config() if known.config is None else read_config(known.config)
+  chosen = None if known.preset is None else get_preset(known.preset)
+  if chosen is not None:
+    method = known.method or chosen.values.get("method", defaults.method.name)
+    defaults = defaults.replace(**values_for(chosen, method), output_dir=f"runs/{known.dataset}-{chosen.name}")
+  if known.fedgen_preset is not None:
+    fedgen = FedGenConfig.preset(known.fedgen_preset)
+    defaults = defaults.replace(**{f"fedgen_{k}": v for k, v in as_dict(fedgen).items()})
+  return defaults, chosen
+
+
+def build_parser(defaults: RunConfig, description: str, coarse_labels: bool = False) -> argparse.ArgumentParser:
+  """Every setting's flag, defaulting to ``defaults``, and this command's own flags."""
+  parser = argparse.ArgumentParser(description=description, epilog=flags.methods_help(),
+                                   usage="%(prog)s [--preset NAME] [--method NAME] [--FLAG VALUE ...]",
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  flags.add_settings(parser, defaults, root_title="run")
+  flags.add_settings(parser, DistributedConfig())
+  own = parser.add_argument_group("this command")
+  own.add_argument("--config", default=None, metavar="FILE",
+                   help="start from the run in a JSON or YAML file (e.g. a results folder's config.json); the "
+                   "flags given as well win")
+  own.add_argument("--seeds", default=None, type=_seed_list, metavar="S,S,...",
+                   help="one run per seed, one after another, into sibling folders --output-dir_sS (which "
+                   "`compare --baseline` pairs by seed); replaces --seed")
+  own.add_argument("--preset", default=None, choices=tuple(PRESETS), help="start from a named setting: " + "; ".join(
+      f"{p.name}: {p.description}" + (f" (reduced: {p.reduced})" if p.reduced else "") for p in PRESETS.values()))
+  own.add_argument("--fedgen-preset", default=None, choices=tuple(FEDGEN_PRESETS),
+                   help="FedGen's generator and regularizer values of the FedCross framework's config for this "
+                   "dataset (--fedgen-* flags given as well win)")
+  own.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="jax's persistent compilation cache (a second run skips XLA's compilation); default "
+                   f"${CACHE_ENV}, else $XDG_CACHE_HOME/fedjax_hetero/xla (~/.cache/fedjax_hetero/xla); 'off' "
+                   "turns it off")
+  if coarse_labels:
+    own.add_argument("--coarse", action="store_true",
+                     help="train on the 20 superclass labels (the FedCross authors' code) instead of the fine ones")
+  return parser
+
+
+def _seed_list(text: str) -> tuple[int, ...]:
+  try:
+    seeds = tuple(int(s) for s in text.split(",") if s.strip())
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected comma-separated integer seeds, got {text!r}") from None
+  if not seeds or len(set(seeds)) != len(seeds):
+    raise argparse.ArgumentTypeError(f"expected distinct seeds, got {text!r}")
+  return seeds
+
+
+def seed_runs(config: RunConfig, seeds: Sequence[int] | None) -> list[RunConfig]:
+  """The runs of ``--seeds``: the config with each seed, into sibling folders ``<output-dir>_s<seed>``."""
+  if not seeds:
+    return [config]
+  return [config.replace(seed=seed, output_dir=f"{config.output.dir.rstrip('/')}_s{seed}") for seed in seeds]
+
+
+def _check_compile_cache(directory: str | None) -> None:
+  if directory and directory.lower() != "off" and os.path.exists(directory) and not os.path.isdir(directory):
+    raise ValueError(f"--compile-cache {directory!r} is a file, not a directory")
+
+
+def parse(argv: Sequence[str] | None, dataset: str, description: str | None = None,
+          coarse_labels: bool = False) -> tuple[RunConfig, DistributedConfig, argparse.Namespace, Preset | None]:
+  """The run's config, this process's multi-process settings, the command's own flags and the preset chosen;
+  every value checked (exits with status 2 naming the flag otherwise)."""
+  for old, new in RENAMED.items():
+    if any(arg == old or arg.startswith(old + "=") for arg in (sys.argv[1:] if argv is None else argv)):
+      fail(f"{old} was renamed: pass {new}")
+  try:
+    defaults, chosen = run_defaults(argv, dataset)
+  except ValueError as e:
+    fail(str(e))
+  parser = build_parser(defaults, description or defaults_for(dataset).description, coarse_labels)
+  args = parser.parse_args(argv)
+  if getattr(args, "coarse", False):
+    args.dataset = f"{args.dataset}_coarse"
+  try:
+    config = flags.config_from_args(args)
+    processes = distributed.from_flags(*(getattr(args, name) for name in DISTRIBUTED_FLAGS))
+    processes.check_backend(config.backend)
+    config.data.check_paths()
+    config.output.check_paths()
+    _check_compile_cache(args.compile_cache)
+  except ValueError as e:
+    fail(str(e))
+  return config, processes, args, chosen
+
+
+def _describe_preset(chosen: Preset, config: RunConfig) -> str:
+  changed = paper_deviations(chosen, config.flags())
+  note = "; this run differs from the paper's protocol in: " + ", ".join(
+      f"{k}={v!r} (paper {p!r})" for k, (v, p) in changed.items()) if changed else ""
+  return f"preset {chosen.name}: {'REDUCED SCALE. ' if chosen.reduced else ''}{chosen.description}{note}"
+
+
+def _run(config: RunConfig, method: Method, main_process: bool) -> dict[str, Any]:
+  """One run, its summary printed; errors and signals end the command."""
+  try:
+    summary = run_experiment(config, method=method)
+  except Interrupted as e:  # the run wrote its folder and said how to resume
+    raise SystemExit(e.exit_status) from None
+  except (ValueError, fdata.DataNotFoundError, FloatingPointError) as e:
+    fail(str(e))
+  except (OSError, MemoryError) as e:  # one line for every OS error
+    fail(os_errors.describe(e, f"(writing in --output-dir {config.output.dir!r})"), 1)
+  if main_process:
+    print(json.dumps({"final_accuracy": summary["final_accuracy"] or {},
+                      "best_mean_accuracy": summary["best_mean_accuracy"],
+                      "train_seconds": round(summary["train_seconds_all_rounds"], 1),
+                      "output_dir": config.output.dir}, indent=1), flush=True)
+  return summary
+
+
+def main(dataset: str = "fashion_mnist", argv: Sequence[str] | None = None, description: str | None = None,
+         coarse_labels: bool = False) -> dict[str, Any] | list[dict[str, Any]]:
+  """Parses flags and runs (one run per seed with ``--seeds``: a list of summaries); ``coarse_labels`` adds
+  ``--coarse`` (CIFAR-100's 20 superclasses)."""
+  config, processes, args, chosen = parse(argv, dataset, description, coarse_labels)
+  runs = seed_runs(config, args.seeds)
+  try:  # the build step: every run's method made and checked against its groups and cohort, before any data
+    methods = [run_method(run) for run in runs]
+    for run in runs:
+      run.output.check_paths()
+  except ValueError as e:
+    fail(str(e))
+  # In a multi-process run a process that fails exits at once (`distributed.exit_on_failure`).
+  with distributed.exit_on_failure(processes.enabled):
+    try:
+      distributed.initialize(processes)
+    except RuntimeError as e:
+      fail(str(e), distributed.FAILED)
+    try:
+      enable_persistent_cache(args.compile_cache)
+    except OSError as e:
+      fail(f"--compile-cache {args.compile_cache!r} cannot be used: {e}")
+    main_process = distributed.is_main_process() if processes.enabled else True
+    if chosen is not None and main_process:
+      print(_describe_preset(chosen, config), flush=True)
+    summaries = [_run(run, method, main_process) for run, method in zip(runs, methods)]
+  if args.seeds and main_process:
+    print(f"paired by seed: python -m experiments.compare {' '.join(r.output.dir for r in runs)} "
+          "RUNS_OF_ANOTHER_METHOD --baseline " + config.method.name)
+  return summaries if args.seeds else summaries[0]
+
+
+__all__ = ["DATASETS", "build_parser", "main", "methods_help", "parse", "run_defaults"]

@@ -1,0 +1,175 @@
+"""A run's history, as its results folder's ``config.json`` records it: read once, checked, extended.
+
+``config.json`` holds the latest settings (the `RunConfig` tree) and their history: one *segment* per stretch
+of rounds trained with the same local optimizer, ``{"from_round", "settings", "reason"}``, oldest first; every
+*rollback* after a divergence, ``{"diverged_round", "to_round", "reason", "learning_rate": [before, after]}``;
+and the number of processes that wrote it. `read` reads a folder's record once (older layouts included:
+`upgrade`); `check_resume` says whether a config may continue it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Callable, NamedTuple
+
+from fedjax_hetero.config import FLAGS, DivergenceConfig, FedGenConfig, RunConfig, as_dict, flatten, from_dict
+from fedjax_hetero.methods import get_entry
+
+SEGMENTS, ROLLBACKS, PROCESSES = "segments", "rollbacks", "processes"
+# Settings a resumed run may change. The first set leaves the trajectory as it was up to float tolerance (the
+# backends and the two round programs agree to it; steps_per_call and rounds_per_call only group the same steps and
+# rounds into calls; the dissimilarity metric only adds an upload). The second is the clients' local optimizer, rebuilt every round: lowering the learning rate
+# after a divergence is the usual reason to resume. Anything else (data, partition, models, method and its
+# settings) is a different run.
+UNCHANGED_TRAJECTORY = frozenset({"data.data_dir", "rounds", "eval_every", "backend", "round_program",
+                                  "rounds_per_call", "client.steps_per_call", "dissimilarity",
+                                  *(f"divergence.{f.name}" for f in dataclasses.fields(DivergenceConfig))})
+LOCAL_OPTIMIZER = frozenset(f"client.{name}" for name in ("epochs", "batch_size", "optimizer", "learning_rate",
+                                                          "momentum", "weight_decay", "drop_last"))
+# Older layouts' method settings (a flat `MethodOptions`), by their new place in `MethodConfig`.
+_OLD_METHOD_KEYS = {"aggregate": "averaging.aggregate", "moon_mu": "moon.mu", "moon_temperature": "moon.temperature",
+                    "inco_variant": "inco.variant", "inco_granularity": "inco.granularity",
+                    "clusamp_similarity": "clusamp.similarity", "inclusivefl_beta": "inclusivefl.beta",
+                    "inclusivefl_momentum": "inclusivefl.momentum", "nefl_skip": "nefl.skip",
+                    "nefl_step_sizes": "nefl.step_sizes",
+                    **{f"fedfa_{k}": f"fedfa.{k}" for k in ("graft", "scale", "norm", "percentile")},
+                    **{f"heterofl_{k}": f"heterofl.{k}" for k in ("scaler", "static_bn", "bn_samples", "mask_logits")}}
+
+
+@dataclasses.dataclass
+class History:
+  segments: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+  rollbacks: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+  processes: int = 1
+
+  def next_segment(self, config: RunConfig, from_round: int, reason: str) -> None:
+    """The rounds from ``from_round`` on are (re)trained with ``config``: later segments are dropped (their
+    rounds are trained again), and a new one starts if the local settings differ from the last's."""
+    kept = [seg for seg in self.segments if seg["from_round"] < from_round]
+    settings = local_settings(config)
+    if not (kept and kept[-1]["settings"] == settings):
+      kept.append({"from_round": from_round, "settings": settings, "reason": reason})
+    self.segments = kept
+
+  def spans(self, final_round: int) -> list[dict[str, Any]]:
+    """The segments with the rounds each covers, ``rounds: [first, last]``, for the summary."""
+    return [{**seg, "rounds": [seg["from_round"], (later["from_round"] - 1) if later else final_round]}
+            for seg, later in zip(self.segments, [*self.segments[1:], None])]
+
+
+class SavedRun(NamedTuple):
+  config: RunConfig
+  history: History
+
+
+def local_settings(config: RunConfig) -> dict[str, Any]:
+  flat = flatten(config)
+  return {path: flat[path] for path in sorted(LOCAL_OPTIMIZER)}
+
+
+def read(output_dir: str, log: Callable[[str], None] = print) -> SavedRun | None:
+  """The run a results folder holds: its config and history (``config.json``, or an older run's
+  ``summary.json``); None if it has neither. Settings this version does not know are skipped with a note;
+  raises ValueError if the rest is not a valid config."""
+  for name, key in (("config.json", None), ("summary.json", "config")):
+    path = os.path.join(output_dir, name)
+    if not os.path.exists(path):
+      continue
+    with open(path) as f:
+      saved = json.load(f)
+    tree = saved if key is None else saved.get(key)
+    if not isinstance(tree, dict):
+      continue
+    history = History(list(tree.pop(SEGMENTS, [])), list(tree.pop(ROLLBACKS, [])), tree.pop(PROCESSES, 1))
+    ignored: list[str] = []
+    config = upgrade(tree, ignored)
+    if ignored:
+      log(f"note: {path}: ignoring settings this version does not know: {', '.join(sorted(ignored))}")
+    return SavedRun(config, history if key is None else History())
+  return None
+
+
+def upgrade(tree: dict[str, Any], ignored: list[str]) -> RunConfig:
+  """A `RunConfig` from a saved tree of this or an older layout: a flat one (one value per flag), or the nested
+  one with a flat method (``method.fedfa_graft``, ``method.prox_mu``/``fedprox_mu``). Unknown names go to
+  ``ignored``; options of families the run's method does not read are dropped (older configs kept them all)."""
+  preset = None
+  if not any(isinstance(value, dict) for value in tree.values()):  # the flat layout: one value per flag
+    flags = {k: v for k, v in tree.items() if not (v is None and k in FLAGS and FLAGS[k].default is not None)}
+    preset = flags.pop("fedgen_preset", None)
+    method = {k: flags.pop(k) for k in ("prox_mu", "fedprox_mu") if k in flags}
+    ignored += sorted(set(flags) - set(FLAGS))
+    tree = as_dict(RunConfig.from_flags(**{k: v for k, v in flags.items() if k in FLAGS}))
+    tree["method"].update(method)
+  tree = dict(tree)
+  tree["method"] = _upgraded_method(dict(tree.get("method", {})), preset)
+  return _own_options_only(from_dict(tree, ignored))
+
+
+def _upgraded_method(method: dict[str, Any], fedgen_preset: str | None) -> dict[str, Any]:
+  prox, fedprox = method.pop("prox_mu", None), method.pop("fedprox_mu", None)
+  for old, new in _OLD_METHOD_KEYS.items():
+    value = method.pop(old, None)
+    if value is not None:
+      family, name = new.split(".")
+      method.setdefault(family, {})[name] = value
+  mu = prox if prox is not None else fedprox
+  if mu is not None:
+    method.setdefault("prox", {})["mu"] = mu
+  if fedgen_preset is not None:
+    method["fedgen"] = as_dict(FedGenConfig.preset(fedgen_preset))
+  return method
+
+
+def _own_options_only(config: RunConfig) -> RunConfig:
+  entry = get_entry(config.method.name, missing_ok=True)
+  if entry is None:
+    return config
+  defaults = {f.name: f.default for f in dataclasses.fields(config.method)}
+  unread = {name: defaults[name] for name, value in vars(config.method).items()
+            if dataclasses.is_dataclass(value) and type(value) not in entry.options}
+  return dataclasses.replace(config, method=dataclasses.replace(config.method, **unread))
+
+
+def check_resume(saved: SavedRun, config: RunConfig, processes: int, log: Callable[[str], None]) -> str | None:
+  """Raises ValueError, before any compute, if ``config`` (run by ``processes`` processes) would continue a
+  run it did not start; returns the local-optimizer settings it changes, as text (None if none)."""
+  out = config.output.dir
+  if saved.history.processes != processes:
+    raise ValueError(f"cannot resume {out!r} with {processes} process(es): it was run with "
+                     f"{saved.history.processes} (its config.json); resume with --num-processes "
+                     f"{saved.history.processes}, or pass --overwrite instead of --resume to start over")
+  before, now = flatten(saved.config), flatten(config)
+  changed = {path: f"{path}: {before[path]!r} -> {now[path]!r}" for path in now
+             if not path.startswith("output.") and path not in UNCHANGED_TRAJECTORY and before.get(path) != now[path]}
+  refused = [text for path, text in changed.items() if path not in LOCAL_OPTIMIZER]
+  if refused:
+    raise ValueError(f"cannot resume {out!r} with different settings ({'; '.join(refused)}); repeat the run's own "
+                     "flags (see its config.json), or pass --overwrite instead of --resume to start over")
+  if not changed:
+    return None
+  log(f"resuming with changed local training: {'; '.join(changed.values())}")
+  return "; ".join(changed.values())
+
+
+def keep_rolled_back_learning_rate(config: RunConfig, history: History, log: Callable[[str], None]) -> RunConfig:
+  """A run that rolled back lowered its learning rate; resumed with the command that started it, it keeps the
+  lowered rate instead of going back to one that diverged (another --lr still overrides)."""
+  if not history.rollbacks:
+    return config
+  lowered = history.rollbacks[-1]["learning_rate"][1]
+  diverged = {r["learning_rate"][0] for r in history.rollbacks}
+  if config.client.learning_rate not in diverged or config.client.learning_rate == lowered:
+    return config
+  log(f"keeping the learning rate {lowered:g} of the last rollback: --lr {config.client.learning_rate:g} diverged "
+      "in this run (pass another --lr to override)")
+  return dataclasses.replace(config, client=dataclasses.replace(config.client, learning_rate=lowered))
+
+
+def write(config: RunConfig, history: History) -> None:
+  """Writes the folder's ``config.json``: the latest settings and the history (call on process 0 only)."""
+  with open(os.path.join(config.output.dir, "config.json"), "w") as f:
+    json.dump({**as_dict(config), SEGMENTS: history.segments, ROLLBACKS: history.rollbacks,
+               PROCESSES: history.processes}, f, indent=2)

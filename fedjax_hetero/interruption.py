@@ -1,0 +1,53 @@
+"""Stopping a run cleanly on Ctrl-C (SIGINT) or a scheduler's SIGTERM.
+
+While a run trains, the first of those signals asks the training loop to stop after the round in progress
+(`StopRequests.requested`); the runner then waits for a pending checkpoint, saves the state, writes the
+summary and plot of the rounds done, says how to resume and raises `Interrupted`, which the command line turns
+into exit status 130 (SIGINT) or 143 (SIGTERM) without a traceback. A second Ctrl-C abandons the round in
+progress at once (the runner keeps what the last completed round left). Handlers are installed only in the
+main thread of a single-process run: the processes of a multi-process run must stop at the same round, which
+a signal to one of them cannot promise, so there the signals keep their default action.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Callable
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(KeyboardInterrupt):
+  """The run stopped on a signal after writing its results folder; ``exit_status`` is the shell's 128 + signal."""
+
+  def __init__(self, signum: int, completed_round: int):
+    super().__init__(f"{signal.Signals(signum).name} after round {completed_round}")
+    self.signum, self.completed_round = signum, completed_round
+
+  @property
+  def exit_status(self) -> int:
+    return 128 + self.signum
+
+
+class StopRequests:
+  """A context in which SIGINT and SIGTERM set ``requested`` (the signal number) instead of ending the process."""
+
+  def __init__(self, enabled: bool, log: Callable[[str], None]):
+    self.enabled = enabled and threading.current_thread() is threading.main_thread()
+    self.log, self.requested, self._previous = log, None, {}
+
+  def _handle(self, signum: int, frame) -> None:
+    if self.requested is not None and signum == signal.SIGINT:
+      raise KeyboardInterrupt  # a second Ctrl-C: abandon the round in progress
+    self.requested = signum
+    self.log(f"{signal.Signals(signum).name}: stopping after the round in progress (Ctrl-C again to stop at once)")
+
+  def __enter__(self) -> "StopRequests":
+    if self.enabled:
+      self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+    return self
+
+  def __exit__(self, *exc) -> None:
+    for signum, handler in self._previous.items():
+      signal.signal(signum, handler)

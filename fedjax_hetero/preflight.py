@@ -19,7 +19,6 @@ import numpy as np
 
 from fedjax_hetero import models
 from fedjax_hetero.config import flatten
-from fedjax_hetero.methods import build_method
 from fedjax_hetero.simulation_checks import check_learning_rate
 from fedjax_hetero.validation import cli_flag, first_line
 
@@ -29,29 +28,13 @@ PADDING_REFUSED = 2
 PARTITION_FILE_OVERRIDES = ("partition", "alpha", "classes_per_client")
 
 
-def _has_term(name: str) -> Callable[[Any], bool]:
-  def acts(config: Any) -> bool:
-    method = build_method(config.method.name, config.method, config.client)
-    return any(term.name == name for term in method.terms)
-  return acts
-
-
-_FEDCROSS = ("alpha", "strategy", "similarity", "global_from", "warmup_rounds", "propellers", "propeller_rounds",
-             "dynamic_alpha_rounds")
-_FEDIMPRO = ("beta", "std_max", "weight", "loss", "sample_from", "noise", "num_synthetic")  # (its cut: also the metric's)
-
-
 # Settings that act only beside another choice: (setting, whether it acts in this config, that choice). Set
-# to anything but its default without that choice, it would be recorded in config.json and do nothing.
+# to anything but its default without that choice, it would be recorded in config.json and do nothing. (A
+# method's options set for a method that does not read them are the build step's: `methods.check_options`.)
 ACTS_ONLY_WITH: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("data.alpha", lambda c: c.data.partition == "dirichlet", "--partition dirichlet"),
     ("data.classes_per_client", lambda c: c.data.partition == "shards", "--partition shards"),
     ("client.momentum", lambda c: c.client.optimizer == "sgd", "--optimizer sgd (Adam has no momentum setting)"),
-    ("method.moon_temperature", _has_term("moon"), "a method with MOON's term (MOON, HeteroMOON, InCoMOON, or "
-                                                   "--moon-mu)"),
-    ("method.clusamp_similarity", _has_term("clustered"), "--method CluSamp"),
-    *((f"method.fedcross.{name}", _has_term("cross"), "--method FedCross") for name in _FEDCROSS),
-    *((f"method.fedimpro.{name}", _has_term("fedimpro"), "--method FedImpro") for name in _FEDIMPRO),
     ("federation.backdoor_scale", lambda c: c.federation.malicious_fraction > 0, "--malicious-fraction above 0"),
     ("federation.backdoor_delta", lambda c: c.federation.malicious_fraction > 0, "--malicious-fraction above 0"),
     ("divergence.loss_factor", lambda c: c.divergence.action != "off", "--on-divergence stop or rollback"),

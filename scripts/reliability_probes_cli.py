@@ -163,7 +163,7 @@ def _losses(output_dir: str) -> list[float] | None:
 def _import_seconds() -> float:
   """How long the CLI's imports take here (python, jax, the package): the floor of any CLI run's time."""
   started = time.perf_counter()
-  subprocess.run([sys.executable, "-c", "import experiments.cli"], cwd=REPO, capture_output=True)
+  subprocess.run([sys.executable, "-c", "import fedjax_hetero.cli.run"], cwd=REPO, capture_output=True)
   return time.perf_counter() - started
 
 

@@ -113,7 +113,8 @@ BAD_CONFIGS = [
     ("empty", "", r"config.json is empty"),
     ("half-written", None, r"config.json is not valid JSON \(.*; half-written\?\)"),
     ("a list", "[]", r"config.json holds list \[\], not a JSON object"),
-    ("a number for data", '{"data": 5}', r"config.json does not hold a run's settings \(AttributeError"),
+    ("a number for data", '{"data": 5}', r"config.json does not hold a run's settings \(ValueError: 'data' must be an "
+                                         r"object of settings"),
     ("segments of text", '{"segments": "many"}', r"config.json: 'segments' is not a list of objects"),
 ]
 

@@ -150,8 +150,9 @@ def test_overwrite_clears_a_run_but_keeps_its_lock_file(tmp_path):
 
 
 def test_an_immutable_checkpoints_folder_stops_the_run_in_one_line_within_seconds(tmp_path):
+  """A run whose checkpoints folder turns immutable after round 1: the resume's first write fails."""
   out = tmp_path / "frozen"
-  (out / "checkpoints").mkdir(parents=True)
+  assert run_fmnist_cli(*TINY, "--output-dir", str(out), "--rounds", "1", timeout=60).returncode == 0
   with immutable(out / "checkpoints"):
     started = time.perf_counter()
     proc = run_fmnist_cli(*TINY, "--output-dir", str(out), "--resume", "--rounds", "2", "--checkpoint-every", "1",
@@ -159,7 +160,7 @@ def test_an_immutable_checkpoints_folder_stops_the_run_in_one_line_within_second
     seconds = time.perf_counter() - started
   assert proc.returncode == 1 and seconds < 30
   assert error_lines(proc.stderr) == [
-      f"error: cannot write the checkpoint of round 1 in '{out / 'checkpoints'}': Operation not permitted (EPERM; "
+      f"error: cannot write the checkpoint of round 2 in '{out / 'checkpoints'}': Operation not permitted (EPERM; "
       "check the permissions (and for chattr +i: lsattr))"], proc.stderr
 
 

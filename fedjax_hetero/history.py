@@ -97,9 +97,6 @@ def upgrade(tree: dict[str, Any], ignored: list[str]) -> RunConfig:
   ``ignored``; options of families the run's method does not read are dropped (older configs kept them all)."""
   preset = None
   sections = [f.name for f in dataclasses.fields(RunConfig) if dataclasses.is_dataclass(f.default)]
-  malformed = [name for name in sections if name in tree and not isinstance(tree[name], dict)]
-  if malformed:
-    raise ValueError(f"{', '.join(repr(name) for name in malformed)} must be an object of settings")
   if not any(isinstance(value, dict) for value in tree.values()):  # the flat layout: one value per flag
     flags = {k: v for k, v in tree.items() if not (v is None and k in FLAGS and FLAGS[k].default is not None)}
     preset = flags.pop("fedgen_preset", None)
@@ -107,6 +104,9 @@ def upgrade(tree: dict[str, Any], ignored: list[str]) -> RunConfig:
     ignored += sorted(set(flags) - set(FLAGS))
     tree = as_dict(RunConfig.from_flags(**{k: v for k, v in flags.items() if k in FLAGS}))
     tree["method"].update(method)
+  malformed = [name for name in sections if name in tree and not isinstance(tree[name], dict)]
+  if malformed:
+    raise ValueError(f"{', '.join(repr(name) for name in malformed)} must be an object of settings")
   tree = dict(tree)
   tree["method"] = _upgraded_method(dict(tree.get("method", {})), preset)
   return _own_options_only(from_dict(tree, ignored))

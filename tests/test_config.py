@@ -93,6 +93,9 @@ def test_an_older_config_json_is_upgraded():
   config = history.upgrade(flat, ignored := [])
   assert (config.method.inco.variant, config.client.learning_rate, ignored) == ("theorem", 0.01, ["no_longer_a_setting"])
   assert config.method.prox == Proximal()  # InCoAvg reads no proximal term: an older config's value is dropped
+  nested_with_a_string_section = dict(as_dict(RunConfig()), data="fashion_mnist")
+  with pytest.raises(ValueError, match="'data' must be an object of settings"):
+    history.upgrade(nested_with_a_string_section, [])
 
 
 def test_the_build_step_names_the_flags():

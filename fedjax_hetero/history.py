@@ -97,7 +97,9 @@ def upgrade(tree: dict[str, Any], ignored: list[str]) -> RunConfig:
   ``ignored``; options of families the run's method does not read are dropped (older configs kept them all)."""
   preset = None
   sections = [f.name for f in dataclasses.fields(RunConfig) if dataclasses.is_dataclass(f.default)]
-  if not any(isinstance(value, dict) for value in tree.values()):  # the flat layout: one value per flag
+  sections_only = [name for name in sections if name not in FLAGS]  # a flat layout has "method", a flag
+  flat = not any(isinstance(value, dict) or name in sections_only for name, value in tree.items())
+  if flat:  # one value per flag
     flags = {k: v for k, v in tree.items() if not (v is None and k in FLAGS and FLAGS[k].default is not None)}
     preset = flags.pop("fedgen_preset", None)
     method = {k: flags.pop(k) for k in ("prox_mu", "fedprox_mu") if k in flags}

@@ -8,6 +8,8 @@ which errno.
 from __future__ import annotations
 
 import errno
+import os
+import re
 from typing import Iterator
 
 
@@ -38,15 +40,25 @@ def _first_line(error: BaseException) -> str:
   return lines[0] if lines else type(error).__name__
 
 
+# tensorstore (orbax's array writer) puts the errno in the text of a ValueError: "... [os_error_code='28']".
+_TENSORSTORE_ERRNO = re.compile(r"os_error_code='(\d+)'")
+
+
+def _errno_in_text(error: BaseException) -> int | None:
+  return next((int(m.group(1)) for e in _chain(error) if (m := _TENSORSTORE_ERRNO.search(str(e)))), None)
+
+
 def reason(error: BaseException) -> str:
   """The cause of an OS error without its path: ``Operation not permitted (EPERM; check the permissions ...)``;
   the first line of any other error."""
   cause = root_os_error(error)
-  if cause is None:
+  number = cause.errno if cause is not None else _errno_in_text(error)
+  if number is None:
     return _first_line(error)
-  code = errno.errorcode.get(cause.errno, str(cause.errno))
-  advice = _ADVICE.get(cause.errno)
-  return f"{cause.strerror or _first_line(cause)} ({code}" + (f"; {advice})" if advice else ")")
+  strerror = (cause.strerror or _first_line(cause)) if cause is not None else os.strerror(number)
+  code = errno.errorcode.get(number, str(number))
+  advice = _ADVICE.get(number)
+  return f"{strerror} ({code}" + (f"; {advice})" if advice else ")")
 
 
 def failed_path(error: BaseException) -> str | None:

@@ -14,6 +14,7 @@ import subprocess
 
 import pytest
 
+from fedjax_hetero import os_errors
 from fedjax_hetero.cli import run as cli
 from fedjax_hetero.data import synthetic_dataset
 from fedjax_hetero.runner import run_experiment
@@ -115,6 +116,14 @@ def test_an_immutable_metrics_file_ends_a_resume_in_one_line(tmp_path, capsys):
   assert one_error_line(capsys.readouterr().err) == (
       f"error: '{out / 'metrics.jsonl'}': Operation not permitted (EPERM; check the permissions (and for chattr +i: "
       "lsattr))")
+
+
+def test_an_errno_in_the_text_of_a_tensorstore_error_is_named_like_an_os_error():
+  """orbax's array writer fails a full disk with a ValueError whose text carries the errno."""
+  wrapped = ValueError('Error writing "ocdbt.process_0/d/5e.." in OCDBT database at local file "/runs/x/": '
+                       "Failed to write 61759 bytes to file 14: No space left on device [os_error_code='28']")
+  assert os_errors.reason(wrapped) == "No space left on device (ENOSPC; free some space or choose another --output-dir)"
+  assert os_errors.reason(ValueError("shapes differ")) == "shapes differ"
 
 
 def test_a_batch_somewhat_larger_than_every_client_is_a_warning(tmp_path):

@@ -36,9 +36,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fedjax_hetero import distributed
 from fedjax_hetero.client import cohort
-from fedjax_hetero.client.backdoor import AttackInput, padded_inputs
 from fedjax_hetero.client.cohort import (GroupResult, by_reduction, empty_group_result, empty_result,  # (re-exported)
-                                         pad_rows, split_uploads)
+                                         pad_rows, padded_inputs, split_uploads)
 from fedjax_hetero.client.local import ClientOutput, LocalState, LocalTrainer
 from fedjax_hetero.compilation import program_cache
 from fedjax_hetero.data.store import FederatedStore
@@ -54,8 +53,7 @@ class Backend(Protocol):
   def train(self, trainer: LocalTrainer, start: Variables, store: FederatedStore, clients: np.ndarray,
             weights: np.ndarray, round_key: jax.Array, *, memory: Memory | None = None,
             rows: np.ndarray | None = None, server: dict[str, Any] | None = None,
-            per_client_start: bool = False, capacity: int | None = None,
-            attack: AttackInput | None = None) -> GroupResult:
+            per_client_start: bool = False, capacity: int | None = None) -> GroupResult:
     """Trains ``clients`` from ``start`` (stacked per client when ``per_client_start``).
 
     ``memory`` holds the group's per-client state and ``rows`` the cohort's rows in it. It is consumed:
@@ -64,8 +62,7 @@ class Backend(Protocol):
     ``server`` is the group's share of server state, by client term name. ``capacity`` is the
     largest cohort the group can have in a round (default: this one's): stacked uploads come back
     with that many rows, the ones past the cohort copies of the first, so every round has one shape.
-    ``attack`` holds the cohort's rows of the backdoor inputs (`fedjax_hetero.client.backdoor`); it is
-    needed, and only read, when the trainer has a backdoor.
+    A trainer's per-client inputs (``trainer.client_inputs``) go to its ``begin``.
     """
     ...
 
@@ -145,12 +142,12 @@ def _summed(output: ClientOutput, reductions: dict[str, str], weight) -> tuple[V
 def _sequential_program(trainer: LocalTrainer, schedule_length: int):
 
   @jax.jit
-  def start_client(start, index_table, client, num_examples, round_key, memory_row, server, attack):
+  def start_client(start, index_table, client, num_examples, round_key, memory_row, server, inputs):
     key = jax.random.fold_in(round_key, client)
     ids, mask = trainer.schedule(index_table[client], num_examples, key, schedule_length)
     state = trainer.init_state(start, memory_row, server, key)
-    if trainer.backdoor is not None:
-      state, ids = trainer.start_backdoor(state, ids, index_table[client], num_examples, key, attack)
+    if trainer.begin is not None:
+      state, ids = trainer.begin(state, ids, index_table[client], num_examples, key, inputs)
     return state, ids, mask
 
   run_steps = ChunkPrograms(jax.jit(trainer.run_steps, donate_argnums=0, static_argnums=6),
@@ -186,15 +183,6 @@ def copy_tree(tree):
   return jax.tree.map(jnp.copy, tree)
 
 
-def _attack_inputs(trainer: LocalTrainer, attack: AttackInput | None) -> AttackInput | tuple:
-  """The cohort's backdoor inputs if the trainer reads them, else nothing (no leaves: no change to a program)."""
-  if trainer.backdoor is None:
-    return ()
-  if attack is None:
-    raise ValueError("this trainer has a backdoor: train needs the cohort's attack inputs")
-  return attack
-
-
 # One compiled program instead of a trace and a dispatch per leaf every round; its outputs are fresh
 # buffers each call, as the sequential backend's `accumulate` donates them.
 _zero_result = jax.jit(empty_group_result, static_argnums=(0, 4))
@@ -211,9 +199,9 @@ class SequentialBackend:
     return tree
 
   def train(self, trainer, start, store, clients, weights, round_key, *, memory=None, rows=None, server=None,
-            per_client_start=False, capacity=None, attack=None):
-    attack = _attack_inputs(trainer, attack)
-    attack_row = lambda i: jax.tree.map(lambda x: x[i], attack)
+            per_client_start=False, capacity=None):
+    inputs = trainer.client_inputs(clients)
+    input_row = lambda i: jax.tree.map(lambda x: x[i], inputs)
     start_client, run_steps, accumulate = _sequential_program(trainer, _schedule_length(trainer, store))
     memory, server = memory or {}, server or {}
     first_start = _take_row(start, 0) if per_client_start else start
@@ -223,7 +211,7 @@ class SequentialBackend:
     result = result._replace(uploads=summed)
     client_args = lambda client: (store.index_table, np.int32(client), np.int32(store.sizes[client]), round_key)
     if not run_steps.compiled:  # the group's first round: its programs compile side by side
-      first_args = (first_start, *client_args(clients[0]), first_row, server, attack_row(0))
+      first_args = (first_start, *client_args(clients[0]), first_row, server, input_row(0))
       state, ids, mask = jax.eval_shape(start_client, *first_args)
       compile_side_by_side([lambda: start_client.lower(*first_args).compile(),
                             lambda: accumulate.lower(result, state, first_start, first_row, server,
@@ -233,7 +221,7 @@ class SequentialBackend:
       size = int(store.sizes[client])
       client_start = _take_row(start, i) if per_client_start else start
       row = _take_row(memory, int(rows[i])) if memory else {}
-      state, ids, mask = start_client(client_start, *client_args(client), row, server, attack_row(i))
+      state, ids, mask = start_client(client_start, *client_args(client), row, server, input_row(i))
       state = _run_schedule(run_steps, trainer, trainer.config.num_steps(size), state, store, ids, mask)
       result, new_row, own = accumulate(result, state, client_start, row, server, np.float32(weight))
       if stacked:
@@ -260,10 +248,10 @@ def _mapped_program(trainer: LocalTrainer, schedule_length: int, per_client_star
   def on_devices(f, in_specs, out_specs):
     return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs) if mesh else f
 
-  def start_local(start, index_rows, num_examples, round_key, ids, memory_rows, server, attack):
+  def start_local(start, index_rows, num_examples, round_key, ids, memory_rows, server, inputs):
     # Every client's key from its id inside the program: each device derives its own clients' keys.
     return cohort.start(trainer, schedule_length, start, index_rows, num_examples, round_key, ids, memory_rows,
-                        server, attack, per_client_start=per_client_start)
+                        server, inputs, per_client_start=per_client_start)
 
   start_spec = clients if per_client_start else whole
   start_specs = (start_spec, clients, clients, whole, clients, clients, whole, clients)
@@ -367,8 +355,7 @@ class VmapBackend:
     return jax.tree.map(lambda x: distributed.from_host(x, split), tree)
 
   def train(self, trainer, start, store, clients, weights, round_key, *, memory=None, rows=None, server=None,
-            per_client_start=False, capacity=None, attack=None):
-    attack = _attack_inputs(trainer, attack)
+            per_client_start=False, capacity=None):
     store = self._place(store)
     memory, server = memory or {}, server or {}
     size = self._padded_size(len(clients), capacity)
@@ -378,10 +365,9 @@ class VmapBackend:
     sizes = np.concatenate([store.sizes[clients], np.zeros(pad, np.int64)]).astype(np.int32)
     client_weights = np.concatenate([weights, np.zeros(pad)]).astype(np.float32)
     real = (np.arange(size) < len(clients)).astype(np.float32)
-    if attack:
-      attack = padded_inputs(attack, size)
-    cohort = self._hostsplit_uploads((padded, sizes, client_weights, real, attack))
-    padded_ids, sizes, client_weights, real, attack = cohort
+    inputs = padded_inputs(trainer.client_inputs(clients), size)
+    cohort = self._hostsplit_uploads((padded, sizes, client_weights, real, inputs))
+    padded_ids, sizes, client_weights, real, inputs = cohort
     if per_client_start:  # the slots past the cohort start from slot 0's model
       start = self._take_rows(start, np.concatenate([np.arange(len(clients)), np.zeros(pad, np.int64)]))
     memory_rows, padded_rows = {}, None
@@ -392,7 +378,7 @@ class VmapBackend:
     start_cohort, run_steps, reduce = _mapped_program(trainer, _schedule_length(trainer, store), per_client_start,
                                                       self.mesh)
     index_rows = self._take_rows(store.index_table, padded)
-    states, ids, mask = start_cohort(start, index_rows, sizes, round_key, padded_ids, memory_rows, server, attack)
+    states, ids, mask = start_cohort(start, index_rows, sizes, round_key, padded_ids, memory_rows, server, inputs)
     longest = max(trainer.config.num_steps(int(n)) for n in store.sizes[clients])
     states = _run_schedule(run_steps, trainer, longest, states, store, ids, mask)
     result, new_rows, stacked = reduce(states, start, memory_rows, server, client_weights, real)

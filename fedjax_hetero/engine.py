@@ -23,7 +23,7 @@ import numpy as np
 
 from fedjax_hetero import dissimilarity
 from fedjax_hetero.backends import Backend, copy_tree
-from fedjax_hetero.client import backdoor
+from fedjax_hetero.client import attack
 from fedjax_hetero.client.local import LocalConfig, LocalTrainer
 from fedjax_hetero.config.federation import FederationConfig, check_federation  # (FederationConfig re-exported)
 from fedjax_hetero.config.run import AUTO_ROUNDS_PER_CALL, ROUND_PROGRAMS  # (re-exported)
@@ -120,13 +120,10 @@ class Simulation:
     self.federation_of = [next(f.index for f in self.federations if g in f.members) for g in range(len(self.groups))]
     self.member_of = [self.federations[f].members.index(g) for g, f in enumerate(self.federation_of)]
     terms = method.terms + ((dissimilarity.update_norms(),) if track_dissimilarity else ())
-    # The backdoor attack's malicious clients (sorted ids; none by default) and their traced inputs.
-    self.malicious_clients = backdoor.malicious_clients(store.num_clients, config.malicious_fraction, config.seed)
-    attack = (backdoor.Backdoor(config.backdoor_scale, config.backdoor_delta) if len(self.malicious_clients)
-              else None)
-    self.attack_table = (backdoor.attack_table(store.num_clients, self.malicious_clients, config.seed) if attack
-                    else None)
-    self.trainers = [LocalTrainer(g.model, local, store.mean, store.std, terms, method.combine, attack)
+    # The attack's malicious clients (sorted ids; none by default); under attack every trainer is wrapped.
+    self.malicious_clients = attack.malicious_clients(store.num_clients, config.malicious_fraction, config.seed)
+    wrap = attack.trainer_wrapper(config, self.malicious_clients, store.num_clients)
+    self.trainers = [wrap(LocalTrainer(g.model, local, store.mean, store.std, terms, method.combine))
                      for g in self.groups]
     self.dissimilarity_programs = [self._dissimilarity_program(g.model, dissimilarity_cut) for g in self.groups
                            if track_dissimilarity]

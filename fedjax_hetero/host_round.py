@@ -19,7 +19,6 @@ import numpy as np
 
 from fedjax_hetero import dissimilarity
 from fedjax_hetero.backends import copy_tree, empty_group_result
-from fedjax_hetero.client import backdoor
 from fedjax_hetero.compilation import mapping_headroom
 from fedjax_hetero.hetero.maps import Variables
 from fedjax_hetero.round_rows import group_loss, host_metrics, merge, round_row
@@ -61,8 +60,7 @@ class HostLoop:
         group_memory = copy_tree(group_memory)
       return sim.backend.train(sim.trainers[gi], starts[gi], sim.store, cohort, group_weights, key,
                                 memory=group_memory, rows=sim.row_of_client[cohort], server=shares[gi],
-                                per_client_start=sim.method.sharing.stacked, capacity=sim.stack_size(gi),
-                                attack=None if sim.attack_table is None else backdoor.cohort_inputs(sim.attack_table, cohort))
+                                per_client_start=sim.method.sharing.stacked, capacity=sim.stack_size(gi))
 
     # In the first round the groups compile side by side (XLA compiles on one core), except in a multi-process
     # run: there every process must launch the programs, whose collectives pair up across processes, in one order.

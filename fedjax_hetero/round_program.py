@@ -33,7 +33,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_hetero.client import cohort
-from fedjax_hetero.client.backdoor import cohort_inputs, padded_inputs
 from fedjax_hetero.dissimilarity import NAME as DISSIMILARITY
 from fedjax_hetero.evaluation import EVAL_BATCH, count_correct
 from fedjax_hetero.round_rows import accuracies, group_loss, host_metrics, merge, round_row
@@ -56,7 +55,7 @@ class GroupRounds(NamedTuple):
   server_ids: np.ndarray  # int32 [K, C]: the ids the server steps see (padding: the number of clients)
   count: np.ndarray  # int32 [K]: sampled clients
   steps: np.ndarray  # int32 [K]: local steps of the group's longest client
-  attack: Any  # the cohort's backdoor inputs [K, C] (an empty tuple without the attack)
+  inputs: Any  # the cohort's per-client trainer inputs [K, C] (`LocalTrainer.client_inputs`; often none)
 
 
 class CallInputs(NamedTuple):
@@ -143,14 +142,13 @@ class RoundProgram:
       fields["server_ids"].append(np.concatenate([clients, np.full(pad, sim.store.num_clients)]))
       fields["count"].append(len(clients))
       fields["steps"].append(max([sim.local.num_steps(int(n)) for n in sim.store.sizes[clients]] or [0]))
-      if sim.attack_table is not None:
-        fields["attack"].append(padded_inputs(cohort_inputs(sim.attack_table, clients), capacity))
+      fields["inputs"].append(cohort.padded_inputs(sim.trainers[group].client_inputs(clients), capacity))
     stack = lambda name, dtype: np.stack(fields[name]).astype(dtype)
-    attack = jax.tree.map(lambda *rows: np.stack(rows), *fields["attack"]) if fields["attack"] else ()
+    inputs = jax.tree.map(lambda *rows: np.stack(rows), *fields["inputs"])
     return GroupRounds(stack("clients", np.int32), stack("sizes", np.int32), stack("weights", np.float32),
                        stack("real", np.float32), stack("rows", np.int32), stack("slots", np.int32),
                        stack("server_ids", np.int32), np.asarray(fields["count"], np.int32),
-                       np.asarray(fields["steps"], np.int32), attack)
+                       np.asarray(fields["steps"], np.int32), inputs)
 
   def call_inputs(self, state: ServerState, count: int, evaluate: Collection[int]):
     """The inputs of a call of ``count`` rounds from ``state`` (rounds in ``evaluate``, 1-based, are evaluated),
@@ -211,7 +209,7 @@ class RoundProgram:
       client_starts.append(jax.tree.map(lambda m: m[gx.slots], starts[g]) if stacked else starts[g])
       memory_rows.append(jax.tree.map(lambda m: jnp.take(m, gx.rows, axis=0, mode="clip"), memory[g]))
       begun.append(cohort.start(trainer, self.schedule_length, client_starts[g], index_table[gx.clients], gx.sizes,
-                                key, gx.clients, memory_rows[g], shares[g], gx.attack, per_client_start=stacked,
+                                key, gx.clients, memory_rows[g], shares[g], gx.inputs, per_client_start=stacked,
                                 mapping=self.mapping))
 
     def step(i, states):

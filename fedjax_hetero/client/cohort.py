@@ -17,6 +17,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fedjax_hetero.client.local import LocalState, LocalTrainer
 from fedjax_hetero.hetero.maps import Variables
@@ -62,9 +63,10 @@ def split_uploads(uploads: dict[str, Any], reductions: dict[str, str], kind: str
 
 def start(trainer: LocalTrainer, schedule_length: int, start_variables: Variables, index_rows: jax.Array,
           num_examples: jax.Array, round_key: jax.Array, client_ids: jax.Array, memory_rows: Any, share: Any,
-          attack: Any, *, per_client_start: bool, mapping: str = "vmap") -> tuple[LocalState, jax.Array, jax.Array]:
-  """Every client's round start: its state (`LocalTrainer.init_state`) and schedule ``(ids [C, S, B], mask)``.
-  ``start_variables`` is stacked per client when ``per_client_start``."""
+          inputs: Any, *, per_client_start: bool, mapping: str = "vmap") -> tuple[LocalState, jax.Array, jax.Array]:
+  """Every client's round start: its state (`LocalTrainer.init_state`, then the trainer's ``begin`` with the
+  clients' ``inputs`` if it has one) and schedule ``(ids [C, S, B], mask)``. ``start_variables`` is stacked
+  per client when ``per_client_start``."""
   keys = jax.vmap(lambda c: jax.random.fold_in(round_key, c))(client_ids)
   ids, mask = jax.vmap(lambda r, n, k: trainer.schedule(r, n, k, schedule_length))(index_rows, num_examples, keys)
   start_axis = 0 if per_client_start else None
@@ -73,9 +75,9 @@ def start(trainer: LocalTrainer, schedule_length: int, start_variables: Variable
     states = jax.vmap(init, in_axes=(start_axis, 0, 0), axis_size=len(keys))(start_variables, memory_rows, keys)
   else:
     states = over_clients(init, (start_axis, 0, 0), mapping)(start_variables, memory_rows, keys)
-  if trainer.backdoor is not None:
-    states, ids = over_clients(trainer.start_backdoor, (0,) * 6, mapping)(states, ids, index_rows, num_examples,
-                                                                          keys, attack)
+  if trainer.begin is not None:
+    states, ids = over_clients(trainer.begin, (0,) * 6, mapping)(states, ids, index_rows, num_examples, keys,
+                                                                 inputs)
   return states, ids, mask
 
 
@@ -130,6 +132,11 @@ def empty_group_result(trainer: LocalTrainer, start, memory_row, server, stack_s
   result = empty_result(start, summed)
   rows = {n: jax.tree.map(lambda x: jnp.zeros((stack_size,) + x.shape, x.dtype), v) for n, v in stacked.items()}
   return result._replace(uploads={**result.uploads, **rows})
+
+
+def padded_inputs(inputs: Any, size: int) -> Any:
+  """Per-client inputs (numpy rows) padded with zero rows to ``size`` rows (a padded cohort's)."""
+  return jax.tree.map(lambda x: np.concatenate([x, np.zeros((size - len(x),) + x.shape[1:], x.dtype)]), inputs)
 
 
 def pad_rows(tree, num_rows):

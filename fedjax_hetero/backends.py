@@ -25,9 +25,8 @@ is ``fold_in(round_key, client_id)``.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -37,14 +36,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from fedjax_hetero import distributed
 from fedjax_hetero.client import cohort
 from fedjax_hetero.client.cohort import (GroupResult, by_reduction, empty_group_result, empty_result,  # (re-exported)
-                                         pad_rows, padded_inputs, split_uploads)
+                                         join_uploads, pad_rows, padded_inputs, split_uploads,
+                                         with_stacked)
 from fedjax_hetero.client.local import ClientOutput, LocalState, LocalTrainer
-from fedjax_hetero.compilation import program_cache
+from fedjax_hetero.compilation import ChunkPrograms, compile_side_by_side, program_cache  # (re-exported)
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.hetero.maps import Variables
 
 BACKENDS = ("auto", "sequential", "vmap", "sharded")
-Memory = dict[str, Any]  # per-client state of one group, every leaf with a leading axis over its clients
+Memory = tuple[Any, ...]  # per-client state of one group, per term, every leaf with a leading axis over its clients
 
 
 class Backend(Protocol):
@@ -52,14 +52,14 @@ class Backend(Protocol):
 
   def train(self, trainer: LocalTrainer, start: Variables, store: FederatedStore, clients: np.ndarray,
             weights: np.ndarray, round_key: jax.Array, *, memory: Memory | None = None,
-            rows: np.ndarray | None = None, server: dict[str, Any] | None = None,
+            rows: np.ndarray | None = None, server: tuple[Any, ...] | None = None,
             per_client_start: bool = False, capacity: int | None = None) -> GroupResult:
     """Trains ``clients`` from ``start`` (stacked per client when ``per_client_start``).
 
     ``memory`` holds the group's per-client state and ``rows`` the cohort's rows in it. It is consumed:
     the cohort's rows are written in place (its buffers are donated), and the result carries the updated
     memory; a caller that still needs the old values passes `copy_tree` of them.
-    ``server`` is the group's share of server state, by client term name. ``capacity`` is the
+    ``server`` is the group's share of server state, one entry per client term. ``capacity`` is the
     largest cohort the group can have in a round (default: this one's): stacked uploads come back
     with that many rows, the ones past the cohort copies of the first, so every round has one shape.
     A trainer's per-client inputs (``trainer.client_inputs``) go to its ``begin``.
@@ -80,43 +80,6 @@ def _schedule_length(trainer: LocalTrainer, store: FederatedStore) -> int:
   return max(1, trainer.config.num_steps(store.max_size))
 
 
-def compile_side_by_side(jobs: list[Callable[[], Any]]) -> None:
-  """Runs compile jobs in threads: XLA compiles one program per core, and jit's cache keeps the results,
-  so the calls that follow find their programs compiled."""
-  with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-    list(pool.map(lambda job: job(), jobs))  # re-raises a job's error
-
-
-class ChunkPrograms:
-  """A group's jitted chunk of ``count`` unrolled steps, compiled for every chunk length the schedule can
-  use (`LocalConfig.chunk_lengths`) when the first chunk runs (or earlier, from `compile_jobs`), side by
-  side in threads.
-
-  Compiling them all at once means no later round compiles (a round whose clients first need a one-step
-  tail would), and XLA compiles the programs on several cores at the same time.
-  """
-
-  def __init__(self, run_steps, lengths: tuple[int, ...]):
-    self._jitted, self._lengths, self._compiled = run_steps, lengths, {}
-
-  @property
-  def compiled(self) -> bool:
-    return len(self._compiled) == len(self._lengths)
-
-  def compile_jobs(self, state, images, labels, ids, mask) -> list[Callable[[], None]]:
-    """One job per chunk length (arguments may be shapes, e.g. from `jax.eval_shape`)."""
-    def job(n: int):
-      def run():
-        self._compiled[n] = self._jitted.lower(state, images, labels, ids, mask, np.int32(0), n).compile()
-      return run
-    return [job(n) for n in self._lengths]
-
-  def __call__(self, state, images, labels, ids, mask, offset: int, count: int):
-    if not self.compiled:
-      compile_side_by_side(self.compile_jobs(state, images, labels, ids, mask))
-    return self._compiled[count](state, images, labels, ids, mask, np.int32(offset))
-
-
 def _run_schedule(run_steps: ChunkPrograms, trainer: LocalTrainer, num_steps: int, state, store: FederatedStore,
                   ids, mask):
   """Runs the first ``num_steps`` scheduled steps as a host loop over unrolled chunks."""
@@ -131,10 +94,11 @@ def _take(tree, index):
   return jax.tree.map(lambda x: x[index], tree)
 
 
-def _summed(output: ClientOutput, reductions: dict[str, str], weight) -> tuple[Variables, dict[str, Any]]:
+def _summed(output: ClientOutput, reductions: tuple[str | None, ...], weight) -> tuple[Variables, tuple[Any, ...]]:
   """The client's weighted delta and its summed uploads ("weighted" ones scaled by its weight)."""
   scale = lambda tree: jax.tree.map(lambda x: weight * x, tree)
-  uploads = {**scale(split_uploads(output.uploads, reductions, "weighted")), **split_uploads(output.uploads, reductions, "sum")}
+  uploads = join_uploads({"weighted": scale(split_uploads(output.uploads, reductions, "weighted")),
+                          "sum": output.uploads}, reductions)
   return scale(output.delta), uploads
 
 
@@ -203,9 +167,9 @@ class SequentialBackend:
     inputs = trainer.client_inputs(clients)
     input_row = lambda i: jax.tree.map(lambda x: x[i], inputs)
     start_client, run_steps, accumulate = _sequential_program(trainer, _schedule_length(trainer, store))
-    memory, server = memory or {}, server or {}
+    memory, server = memory or (), server or ()
     first_start = _take_row(start, 0) if per_client_start else start
-    first_row = _take_row(memory, int(rows[0])) if memory else {}
+    first_row = _take_row(memory, int(rows[0])) if memory else ()
     result = _zero_result(trainer, first_start, first_row, server, capacity or len(clients))
     summed, stacked = by_reduction(result.uploads, trainer.reductions)
     result = result._replace(uploads=summed)
@@ -220,16 +184,17 @@ class SequentialBackend:
     for i, (client, weight) in enumerate(zip(clients, weights)):
       size = int(store.sizes[client])
       client_start = _take_row(start, i) if per_client_start else start
-      row = _take_row(memory, int(rows[i])) if memory else {}
+      row = _take_row(memory, int(rows[i])) if memory else ()
       state, ids, mask = start_client(client_start, *client_args(client), row, server, input_row(i))
       state = _run_schedule(run_steps, trainer, trainer.config.num_steps(size), state, store, ids, mask)
       result, new_row, own = accumulate(result, state, client_start, row, server, np.float32(weight))
-      if stacked:
+      if "stack" in trainer.reductions:
         stacked = _set_row(stacked, i, own)
       if memory:
         memory = _set_row(memory, int(rows[i]), new_row)
-    stacked = _pad_rows(stacked, len(clients)) if stacked else {}
-    return result._replace(memory=memory, uploads={**result.uploads, **stacked})
+    if "stack" in trainer.reductions:
+      stacked = _pad_rows(stacked, len(clients))
+    return with_stacked(result, stacked, trainer.reductions)._replace(memory=memory)
 
 
 @program_cache
@@ -357,7 +322,7 @@ class VmapBackend:
   def train(self, trainer, start, store, clients, weights, round_key, *, memory=None, rows=None, server=None,
             per_client_start=False, capacity=None):
     store = self._place(store)
-    memory, server = memory or {}, server or {}
+    memory, server = memory or (), server or ()
     size = self._padded_size(len(clients), capacity)
     pad = size - len(clients)
     # Empty clients own no examples, so every one of their steps is masked.
@@ -370,7 +335,7 @@ class VmapBackend:
     padded_ids, sizes, client_weights, real, inputs = cohort
     if per_client_start:  # the slots past the cohort start from slot 0's model
       start = self._take_rows(start, np.concatenate([np.arange(len(clients)), np.zeros(pad, np.int64)]))
-    memory_rows, padded_rows = {}, None
+    memory_rows, padded_rows = (), None
     if memory:
       num_rows = len(jax.tree.leaves(memory)[0])
       padded_rows = np.concatenate([rows, np.full(pad, num_rows)]).astype(np.int32)
@@ -384,9 +349,9 @@ class VmapBackend:
     result, new_rows, stacked = reduce(states, start, memory_rows, server, client_weights, real)
     if memory:
       memory = self._scatter_rows(memory, padded_rows, new_rows)
-    if stacked:
+    if "stack" in trainer.reductions:
       stacked = _pad_rows(jax.tree.map(lambda x: x[:capacity or len(clients)], stacked), len(clients))
-    return result._replace(memory=memory, uploads={**result.uploads, **stacked})
+    return with_stacked(result, stacked, trainer.reductions)._replace(memory=memory)
 
 
 def make_backend(name: str) -> Backend:

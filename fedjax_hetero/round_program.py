@@ -33,7 +33,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_hetero.client import cohort
-from fedjax_hetero.dissimilarity import NAME as DISSIMILARITY
 from fedjax_hetero.evaluation import EVAL_BATCH, count_correct
 from fedjax_hetero.round_rows import accuracies, group_loss, host_metrics, merge, round_row
 from fedjax_hetero.server.steps import Plan, run_server_steps
@@ -72,7 +71,6 @@ class RoundOutputs(NamedTuple):
   loss_sum: jax.Array  # float32 [G]
   num_examples: jax.Array  # float32 [G]
   server_metrics: tuple[Any, ...]  # per federation
-  dissimilarity: tuple[Any, ...]  # per group, when tracked
   correct: jax.Array  # int32 [G]: correct test predictions after the round (0 outside evaluation rounds)
 
 
@@ -178,8 +176,6 @@ class RoundProgram:
     starts = [sim.start_variables(before, g) for g in range(len(sim.groups))]
     shares = [sim.group_share(before, g) for g in range(len(sim.groups))]
     results, memory = self._train(x, starts, shares, memory, images, labels, index_table)
-    spreads = [program(res.delta_sum, res.weight_sum, res.uploads[DISSIMILARITY])
-               for program, res in zip(sim.dissimilarity_programs, results)]
     server_metrics = []
     for f in sim.federations:
       trains = functools.reduce(jnp.logical_or, [x.groups[g].count > 0 for g in f.members])
@@ -195,8 +191,7 @@ class RoundProgram:
     correct = jax.lax.cond(x.evaluate, lambda: self._correct(after, test_images, test_labels),
                            lambda: jnp.zeros(len(sim.groups), jnp.int32))
     outputs = RoundOutputs(jnp.stack([res.loss_sum for res in results]),
-                           jnp.stack([res.num_examples for res in results]), tuple(server_metrics), tuple(spreads),
-                           correct)
+                           jnp.stack([res.num_examples for res in results]), tuple(server_metrics), correct)
     return (tuple(models), tuple(step_states), tuple(memory)), outputs
 
   def _train(self, x: CallInputs, starts, shares, memory, images, labels, index_table):
@@ -226,7 +221,7 @@ class RoundProgram:
                                                         mapping=self.mapping)
       if memory[g]:
         memory[g] = jax.tree.map(lambda m, new: m.at[gx.rows].set(new, mode="drop"), memory[g], new_rows)
-      results.append(result._replace(uploads={**result.uploads, **_stacked_rows(stacked_uploads, gx.count)}))
+      results.append(cohort.with_stacked(result, _stacked_rows(stacked_uploads, gx.count), trainer.reductions))
     return results, memory
 
   def _correct(self, state: ServerState, test_images: jax.Array, test_labels: jax.Array) -> jax.Array:
@@ -286,10 +281,8 @@ class RoundProgram:
       if any(len(cohorts[g]) for g in f.members):
         merge(server, {**host_metrics(jax.tree.map(lambda a: a[i], outputs.server_metrics[f.index])),
                        **{k: v for p in plans for k, v in p.log.items()}})
-    spreads = {sim.groups[g].name: host_metrics(jax.tree.map(lambda a: a[i], outputs.dissimilarity[g]))
-               for g in trained if outputs.dissimilarity}
     examples = sum(float(outputs.num_examples[i, g]) for g in trained)
-    row = round_row(r, losses, chosen.draws, examples, seconds, server, spreads)
+    row = round_row(r, losses, chosen.draws, examples, seconds, server)
     row["test_accuracy"] = (accuracies(outputs.correct[i], [g.name for g in sim.groups], len(sim.test_labels))
                             if r + 1 in evaluate else None)
     return row

@@ -34,7 +34,7 @@ def fused(sim: Simulation, rounds_per_call: int = 3, **changes) -> Simulation:
   """``sim``'s setting on the round program."""
   kwargs = dict(groups=sim.groups, store=sim.store, local=sim.local, method=sim.method, config=sim.config,
                 backend=sim.backend, test_images=sim.test_images, test_labels=sim.test_labels,
-                track_dissimilarity=bool(sim.dissimilarity_programs), round_program="fused",
+                round_program="fused",
                 rounds_per_call=rounds_per_call)
   return type(sim)(**{**kwargs, **changes})
 

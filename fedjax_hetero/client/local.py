@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_hetero.client.terms import (Batch, ClientFinal, ClientTerm, Outputs, RoundInput, StepContext,
-                                        term_cuts, tree_sub)
+from fedjax_hetero.client.terms import (REDUCTIONS, Batch, ClientFinal, ClientTerm, Outputs, RoundInput,
+                                        StepContext, term_cuts, tree_sub)
 from fedjax_hetero.config.client import OPTIMIZERS, LocalConfig  # re-exported
 from fedjax_hetero.hetero.maps import Variables
 
@@ -57,8 +57,8 @@ class ClientOutput(NamedTuple):
   """What one client hands back after a round."""
 
   delta: Variables  # local - start (after the terms' finish, e.g. FedNova's normalization)
-  uploads: dict[str, Any]  # further uploads by term name, reduced over the cohort as the term says
-  memory: dict[str, Any]  # the client's state kept across rounds, by term name
+  uploads: tuple[Any, ...]  # every term's upload in the terms' order (empty if it uploads nothing)
+  memory: tuple[Any, ...]  # the client's state kept across rounds, per term (empty if no term keeps any)
 
 
 def normalize(images: jax.Array, mean: tuple[float, ...], std: tuple[float, ...]) -> jax.Array:
@@ -154,26 +154,35 @@ class LocalTrainer:
     return tuple(dict.fromkeys(["local"] + [t.gradient for t in self.terms if t.loss]))
 
   @property
-  def reductions(self) -> dict[str, str]:
-    """How each term's upload is summed over a cohort."""
-    return {t.name: t.reduce for t in self.terms}
+  def reductions(self) -> tuple[str | None, ...]:
+    """How each term's upload is summed over a cohort, in the terms' order (None: no upload)."""
+    return tuple(t.upload for t in self.terms)
+
+  @property
+  def keeps_memory(self) -> bool:
+    return any(t.init_memory for t in self.terms)
 
   def client_inputs(self, clients) -> Any:
     """The per-client inputs ``begin`` reads, rows in ``clients``' order (numpy; none here)."""
     return ()
 
-  def init_memory(self, variables: Variables) -> dict[str, Any]:
-    """A client's persistent state before its first round (empty for stateless methods)."""
-    return {t.name: t.init_memory(variables) for t in self.terms if t.init_memory}
+  def init_memory(self, variables: Variables) -> tuple[Any, ...]:
+    """A client's persistent state before its first round, per term (empty when no term keeps any)."""
+    if not self.keeps_memory:
+      return ()
+    return tuple(t.init_memory(variables) if t.init_memory else () for t in self.terms)
 
-  def init_state(self, start: Variables, memory: dict[str, Any] | None = None,
-                 server: dict[str, Any] | None = None, key: jax.Array | None = None) -> LocalState:
+  def _per_term(self, values: Any) -> tuple[Any, ...]:
+    """Memory rows or shares, one per term (``()``, ``{}`` or None: none for any)."""
+    return tuple(values) if values else ((),) * len(self.terms)
+
+  def init_state(self, start: Variables, memory: tuple[Any, ...] | None = None,
+                 share: tuple[Any, ...] | None = None, key: jax.Array | None = None) -> LocalState:
     """A client's state at the start of a round, from the server's ``start`` variables, the
-    client's ``memory`` (`init_memory`), its group's share of server state (by term name) and the
+    client's ``memory`` (`init_memory`), its group's share of server state (one entry per term) and the
     client's round ``key`` (shape-only uses may leave it out)."""
-    memory, server = memory or {}, server or {}
-    terms = tuple(t.init(RoundInput(start, memory.get(t.name), server.get(t.name), key)) if t.init else ()
-                  for t in self.terms)
+    rounds = (RoundInput(start, m, s, key) for m, s in zip(self._per_term(memory), self._per_term(share)))
+    terms = tuple(t.init(r) if t.init else () for t, r in zip(self.terms, rounds))
     zero = jnp.zeros((), jnp.float32)
     return LocalState(start, self.tx.init(start["params"]), zero, zero, zero, terms)
 
@@ -251,15 +260,21 @@ class LocalTrainer:
   def _updates_terms(self) -> bool:
     return any(t.update for t in self.terms)
 
-  def finish(self, state: LocalState, start: Variables, memory: dict[str, Any] | None = None,
-             server: dict[str, Any] | None = None) -> ClientOutput:
+  def finish(self, state: LocalState, start: Variables, memory: tuple[Any, ...] | None = None,
+             share: tuple[Any, ...] | None = None) -> ClientOutput:
     """The client's upload and its memory for the next round it is sampled in."""
-    memory, server = memory or {}, server or {}
-    final = ClientFinal(start, state.variables, tree_sub(state.variables, start), state.num_steps, {}, {})
-    for term, term_state in zip(self.terms, state.terms):
+    final = ClientFinal(start, state.variables, tree_sub(state.variables, start), state.num_steps)
+    uploads, memories = [], []
+    for term, term_state, row, term_share in zip(self.terms, state.terms, self._per_term(memory),
+                                                 self._per_term(share)):
       if term.finish:
-        final = term.finish(term_state, final, memory.get(term.name), server.get(term.name))
-    return ClientOutput(final.delta, final.uploads, final.memory)
+        final = term.finish(term_state, final._replace(upload=(), memory=()), row, term_share)
+      uploads.append(final.upload if term.finish else ())
+      memories.append(final.memory if term.finish else ())
+      if (term.upload is None) != (isinstance(uploads[-1], tuple) and not uploads[-1]):
+        raise ValueError(f"client term {term.name!r} declares upload={term.upload!r} but "
+                         f"{'uploads nothing' if term.upload else 'uploads'} (set upload to one of {REDUCTIONS})")
+    return ClientOutput(final.delta, tuple(uploads), tuple(memories) if self.keeps_memory else ())
 
   def run_steps(self, state: LocalState, images: jax.Array, labels: jax.Array, ids: jax.Array, mask: jax.Array,
                 offset: jax.Array, count: int) -> LocalState:

@@ -63,12 +63,13 @@ def _proximal(o: Proximal) -> Terms:
 
 
 def _scaffold(local: LocalConfig) -> tuple[Terms, Steps]:
-  return (terms.scaffold_correction(local.learning_rate),), (steps.mean_delta(), steps.apply_delta(),
-                                                             steps.scaffold_control())
+  correction = terms.scaffold_correction(local.learning_rate)
+  return (correction,), (steps.mean_delta(), steps.apply_delta(), steps.scaffold_control(correction))
 
 
 def _nova(local: LocalConfig) -> tuple[Terms, Steps]:
-  return (terms.nova_normalization(local.optimizer, local.momentum),), (steps.nova_mean(), steps.apply_delta())
+  normalization = terms.nova_normalization(local.optimizer, local.momentum)
+  return (normalization,), (steps.nova_mean(normalization), steps.apply_delta())
 
 
 BASES = (
@@ -98,30 +99,34 @@ def _layered(name: str, base: Base, sharing: Sharing, inco: bool) -> Callable[..
 
 
 def fedcross(o: FedCrossConfig) -> Method:
-  return Method("FedCross", FEDCROSS_PAPER, "", terms=(terms.upload_variables("cross"),),
-                server=(cross_aggregation(o),), sharing=STACKED, sampler=shuffled(),
+  models = terms.upload_variables("cross")
+  return Method("FedCross", FEDCROSS_PAPER, "", terms=(models,),
+                server=(cross_aggregation(o, models),), sharing=STACKED, sampler=shuffled(),
                 one_group="(its K middleware models share one shape)")
 
 
 def fedgen(avg: Averaging, o: FedGenConfig) -> Method:
-  return Method("FedGen", FEDCROSS_PAPER, "", terms=(generative_regularizer(o),),
-                server=(_averaging(avg), steps.apply_delta(), generator_training(o)), sharing=PER_GROUP)
+  regularizer = generative_regularizer(o)
+  return Method("FedGen", FEDCROSS_PAPER, "", terms=(regularizer,),
+                server=(_averaging(avg), steps.apply_delta(), generator_training(o, regularizer)), sharing=PER_GROUP)
 
 
 def clusamp(avg: Averaging, o: ClusteredSampling) -> Method:
-  return Method("CluSamp", FEDCROSS_PAPER, "", terms=(terms.upload_flat_delta("clustered"),),
-                server=(_averaging(avg), steps.apply_delta()), sharing=PER_GROUP, sampler=clustered(o.similarity),
+  sampler = clustered(o.similarity)
+  return Method("CluSamp", FEDCROSS_PAPER, "", terms=(sampler.reads,),
+                server=(_averaging(avg), steps.apply_delta()), sharing=PER_GROUP, sampler=sampler,
                 one_group="(clustering compares all clients' representative gradients, so they need one shape)")
 
 
 def fedimpro(avg: Averaging, o: FedImproConfig) -> Method:
-  return Method("FedImpro", FEDIMPRO_PAPER, "", terms=(feature_sharing(o),),
-                server=(_averaging(avg), steps.apply_delta(), feature_statistics(o)), sharing=SHARED)
+  sharing = feature_sharing(o)
+  return Method("FedImpro", FEDIMPRO_PAPER, "", terms=(sharing,),
+                server=(_averaging(avg), steps.apply_delta(), feature_statistics(o, sharing)), sharing=SHARED)
 
 
 def fedfa(o: FedFAOptions) -> Method:
   upload = scaled_upload(o.percentile, o.norm) if o.scale else ()
-  return Method("FedFA", FEDFA_PAPER, "", terms=upload, server=(fedfa_aggregation(o.graft, o.scale),
+  return Method("FedFA", FEDFA_PAPER, "", terms=upload, server=(fedfa_aggregation(o.graft, upload or None),
                                                                 steps.apply_delta()), sharing=SHARED)
 
 
@@ -175,8 +180,9 @@ def fedrolex(avg: Averaging) -> Method:
 def fedin(avg: Averaging, prox: Proximal, o: FedINConfig) -> Method:
   """FedIN: HeteroProx (layer-wise mean, the proximal term with mu = --prox-mu) plus the IN loss on the
   server's feature pairs, its gradient combined with the local one by --fedin-rule."""
-  return Method("FedIN", FEDIN_PAPER, "", terms=_proximal(prox) + (intermediate_training(o),),
-                server=(_averaging(avg), steps.apply_delta(), feature_bank(o)), sharing=SHARED,
+  training = intermediate_training(o)
+  return Method("FedIN", FEDIN_PAPER, "", terms=_proximal(prox) + (training,),
+                server=(_averaging(avg), steps.apply_delta(), feature_bank(o, training)), sharing=SHARED,
                 combine=gradient_rule(o))
 
 

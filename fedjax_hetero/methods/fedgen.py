@@ -41,19 +41,26 @@ def generator_for(config: fedgen.FedGenConfig, model: nn.Module, num_classes: in
   return fedgen.make_generator(config, num_classes, width)
 
 
+class RegularizerState(NamedTuple):
+  """A FedGen client's round state."""
+
+  key: jax.Array  # the client's round key; each real step folds in its count
+  share: FedGenShare
+
+
 def generative_regularizer(config: fedgen.FedGenConfig) -> ClientTerm:
   """FedGen's client side: ``+ fedgen.client_regularizer`` with the server's frozen generator, and
   the upload of the final model (stacked) for the server's ensemble."""
 
   def init(r):
-    return r.key, r.share
+    return RegularizerState(r.key, r.share)
 
   def prepare(state, ctx):
     # Counting real steps only, so padded steps (vmap cohorts) do not shift the key sequence.
-    return jax.random.fold_in(state[0], ctx.num_steps.astype(jnp.uint32))
+    return jax.random.fold_in(state.key, ctx.num_steps.astype(jnp.uint32))
 
   def loss(variables, state, step_key, outputs, ctx):
-    share = state[1]
+    share = state.share
     generator = generator_for(config, ctx.model, share.label_probs.shape[0], ctx.batch.x.shape[1:])
     alpha, beta = share.coefficients[0], share.coefficients[1]
     return fedgen.client_regularizer(
@@ -62,13 +69,14 @@ def generative_regularizer(config: fedgen.FedGenConfig) -> ClientTerm:
         mask=ctx.batch.weights, gen_ratio=config.gen_batch_size / ctx.batch.labels.shape[0])[0]
 
   return ClientTerm("fedgen", init=init, prepare=prepare, loss=loss,
-                    finish=lambda _, final, memory, share: with_upload(final, "fedgen", final.variables),
-                    reduce="stack")
+                    finish=lambda _, final, memory, share: with_upload(final, final.variables),
+                    upload="stack", share=True)
 
 
-def generator_training(config: fedgen.FedGenConfig) -> ServerStep:
-  """FedGen's server step (Alg. 1): the federation's generator learns from the round's uploaded models
-  and their clients' label counts; its state carries the Adam moments across rounds."""
+def generator_training(config: fedgen.FedGenConfig, regularizer: ClientTerm) -> ServerStep:
+  """FedGen's server step (Alg. 1): the federation's generator learns from the round's models uploaded by
+  the ``regularizer`` term (`generative_regularizer`) and their clients' label counts, and is broadcast to
+  it; its state carries the Adam moments across rounds."""
 
   def generator(federation):
     return generator_for(config, federation.models[0], federation.store.num_classes,
@@ -86,7 +94,7 @@ def generator_training(config: fedgen.FedGenConfig) -> ServerStep:
     table = jnp.asarray(federation.store.label_counts, jnp.float32)
     counts = jnp.where(valid[:, None], table[jnp.clip(cohort, 0, table.shape[0] - 1)], 0.0)
     state, parts = fedgen.train_generator_round(
-        state, config, generator(federation), fedgen.feature_head(federation.models[0]), inputs.uploads("fedgen")[0],
+        state, config, generator(federation), fedgen.feature_head(federation.models[0]), inputs.uploads(regularizer)[0],
         counts, plan.inputs, inputs.key, valid)
     stats = {federation.name: {k: v.mean() for k, v in parts.items()}}
     return carry._replace(metrics={**carry.metrics, "fedgen_generator": stats}), state
@@ -100,4 +108,4 @@ def generator_training(config: fedgen.FedGenConfig) -> ServerStep:
   def plan(round_index):
     return Plan(inputs=np.float32(config.generator_learning_rate(round_index)))
 
-  return ServerStep("fedgen", update, init, broadcast, plan)
+  return ServerStep("fedgen", update, init, broadcast, plan, reads=(regularizer,))

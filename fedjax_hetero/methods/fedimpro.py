@@ -95,10 +95,10 @@ def feature_sharing(config: fi.FedImproConfig = fi.FedImproConfig()) -> ClientTe
 
   def finish(state, final, memory, share):
     noise_key = jax.random.fold_in(state.key, jnp.uint32(2**31))  # apart from the steps' keys (< 2**31)
-    return with_upload(final, NAME, fi.client_upload(fi.noisy_upload(state.local, noise_key, config.noise)))
+    return with_upload(final, fi.client_upload(fi.noisy_upload(state.local, noise_key, config.noise)))
 
-  return ClientTerm(NAME, init=init, prepare=prepare, loss=loss, update=update, finish=finish, reduce="sum",
-                    cuts=cuts)
+  return ClientTerm(NAME, init=init, prepare=prepare, loss=loss, update=update, finish=finish, upload="sum",
+                    share=True, cuts=cuts)
 
 
 @functools.cache
@@ -112,9 +112,9 @@ def shape_classes(models: tuple[nn.Module, ...], cut: str | None,
   return tuple(distinct.index(s) for s in shapes), distinct
 
 
-def feature_statistics(config: fi.FedImproConfig = fi.FedImproConfig()) -> ServerStep:
-  """FedImpro's server step: the per-class mean over holders of the uploaded estimates (Eq. 8), one estimate
-  per cut-point shape; broadcasts each group its estimate. Logs the classes known and the clients dropped for
+def feature_statistics(config: fi.FedImproConfig, sharing: ClientTerm) -> ServerStep:
+  """FedImpro's server step: the per-class mean over holders of the estimates the ``sharing`` term
+  (`feature_sharing`) uploads (Eq. 8), one estimate per cut-point shape; broadcasts each group its estimate. Logs the classes known and the clients dropped for
   non-finite statistics."""
 
   def classes(federation):
@@ -126,7 +126,7 @@ def feature_statistics(config: fi.FedImproConfig = fi.FedImproConfig()) -> Serve
 
   def update(carry, state, inputs, plan):
     member_class, _ = classes(inputs.federation)
-    uploads = inputs.uploads(NAME)
+    uploads = inputs.uploads(sharing)
     new_state, dropped = [], jnp.float32(0)
     for k, previous in enumerate(state):
       mine = [u for u, c in zip(uploads, member_class) if c == k]
@@ -140,4 +140,4 @@ def feature_statistics(config: fi.FedImproConfig = fi.FedImproConfig()) -> Serve
   def broadcast(state, federation, member, round_index):
     return state[classes(federation)[0][member]]
 
-  return ServerStep(NAME, update, init, broadcast)
+  return ServerStep(NAME, update, init, broadcast, reads=(sharing,))

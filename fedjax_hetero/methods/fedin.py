@@ -16,6 +16,7 @@ layer, plus its momentum knowledge distillation on the server (`momentum_distill
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -54,17 +55,23 @@ def _intermediate_output(model: nn.Module, variables, s_in: jax.Array, valid: ja
   return model.apply(variables, s_in, train=True, mask=valid, start=first, stop=last)
 
 
+class INState(NamedTuple):
+  """A FedIN client's round state."""
+
+  batch: fi.FeaturePairs  # S, the server's batch of feature pairs
+  pairs: fi.FeaturePairs  # the pairs to upload: the last real batch's first num_pairs
+
+
 def intermediate_training(config: fi.FedINConfig = fi.FedINConfig()) -> ClientTerm:
   """FedIN's client side: the IN loss ``MSE(I(s_in), s_out)`` on the round's batch S (Eq. 8; zero while the
   bank is empty, so the first round is local training only) as gradient "in", and the upload of the last
   local batch's first ``num_pairs`` feature pairs, detached."""
 
   def init(r):
-    batch = r.share
-    return batch, jax.tree.map(jnp.zeros_like, batch)  # (S, the pairs to upload)
+    return INState(r.share, jax.tree.map(jnp.zeros_like, r.share))
 
   def loss(variables, state, prepared, outputs, ctx):
-    s = state[0]
+    s = state.batch
     # While the bank is empty every row is invalid; BatchNorm then normalizes the (zero) rows all the same,
     # since statistics over no row would be NaN and reach the gradient through the zero weights below.
     prediction = _intermediate_output(ctx.model, variables, s.s_in, s.valid | ~s.valid.any())
@@ -74,16 +81,16 @@ def intermediate_training(config: fi.FedINConfig = fi.FedINConfig()) -> ClientTe
 
   def update(state, outputs, ctx):
     first, last = intermediate_split(ctx.model)
-    num = state[1].valid.shape[0]
+    num = state.pairs.valid.shape[0]
     take = lambda x: jnp.zeros((num,) + x.shape[1:], x.dtype).at[:min(num, x.shape[0])].set(x[:num])
     pairs = fi.FeaturePairs(take(outputs.activations[first]), take(outputs.activations[last]),
                             take(ctx.batch.mask))
-    return state[0], pairs
+    return state._replace(pairs=pairs)
 
   def finish(state, final, memory, share):
-    return with_upload(final, NAME, state[1])
+    return with_upload(final, state.pairs)
 
-  return ClientTerm(NAME, init=init, loss=loss, update=update, finish=finish, reduce="stack",
+  return ClientTerm(NAME, init=init, loss=loss, update=update, finish=finish, upload="stack", share=True,
                     cuts=intermediate_split, gradient="in")
 
 
@@ -105,9 +112,9 @@ def _feature_shapes(models: tuple[nn.Module, ...], names: tuple[str, ...],
   return shapes[0]
 
 
-def feature_bank(config: fi.FedINConfig = fi.FedINConfig()) -> ServerStep:
-  """FedIN's server step (Alg. 1 lines 3-6): adds the round's finite uploaded pairs to the bank, draws the
-  next round's S from it, and sends S to every group. Logs the bank's size and the clients whose pairs
+def feature_bank(config: fi.FedINConfig, training: ClientTerm) -> ServerStep:
+  """FedIN's server step (Alg. 1 lines 3-6): adds the round's finite pairs uploaded by the ``training`` term
+  (`intermediate_training`) to the bank, draws the next round's S from it, and sends S to every group. Logs the bank's size and the clients whose pairs
   were dropped for a non-finite value."""
 
   def shapes(federation: Federation):
@@ -120,7 +127,7 @@ def feature_bank(config: fi.FedINConfig = fi.FedINConfig()) -> ServerStep:
 
   def update(carry, bank, inputs, plan):
     rows, dropped = [], jnp.int32(0)
-    for upload, valid in zip(inputs.uploads(NAME), inputs.valid):
+    for upload, valid in zip(inputs.uploads(training), inputs.valid):
       finite = fi.finite_rows(upload)
       dropped = dropped + (valid & ~finite).sum()
       keep = upload.valid & (valid & finite)[:, None]
@@ -135,7 +142,7 @@ def feature_bank(config: fi.FedINConfig = fi.FedINConfig()) -> ServerStep:
   def broadcast(bank, federation, member, round_index):
     return bank.batch
 
-  return ServerStep(NAME, update, init, broadcast)
+  return ServerStep(NAME, update, init, broadcast, reads=(training,))
 
 
 # InclusiveFL -------------------------------------------------------------------------------------------------

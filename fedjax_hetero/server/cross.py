@@ -23,11 +23,12 @@ class CrossState(NamedTuple):
   global_model: Variables  # w_g, the mean of the middleware models (or of the uploads): evaluated, never sent
 
 
-def cross_aggregation(config: FedCrossConfig) -> ServerStep:
-  """CoModelSel + CrossAggr + global model (Alg. 1) on the uploads of the "cross" client term."""
+def cross_aggregation(config: FedCrossConfig, models) -> ServerStep:
+  """CoModelSel + CrossAggr + global model (Alg. 1) on the final models the ``models`` client term uploads
+  (`client.terms.upload_variables`)."""
 
   def update(carry, state, inputs, plan):
-    uploads = inputs.uploads("cross")[0]
+    uploads = inputs.uploads(models)[0]
     num_models = jax.tree.leaves(uploads)[0].shape[0]
     stage, alpha = plan.static, plan.inputs
     if stage == "warmup":  # the authors' code's first stage: every slot becomes the mean (FedAvg)
@@ -51,4 +52,4 @@ def cross_aggregation(config: FedCrossConfig) -> ServerStep:
     stage, alpha = config.stage_at(round_index), config.alpha_at(round_index)
     return Plan(static=stage, inputs=alpha, log={"fedcross_stage": stage, "fedcross_alpha": alpha})
 
-  return ServerStep("cross", update, init, plan=plan, evaluate=lambda state: state.global_model)
+  return ServerStep("cross", update, init, plan=plan, evaluate=lambda state: state.global_model, reads=(models,))

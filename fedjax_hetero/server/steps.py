@@ -7,9 +7,10 @@ in order, each reading the round's uploads (`RoundInputs`) and threading a
 in the manner of optax's ``update``: an averaging step fills ``delta``,
 transforms (InCo's cross-layer step) change it, and `apply_delta` adds it to
 the model. Each step owns its state (SCAFFOLD's ``c``, FedCross's global
-model, FedGen's generator), may ``broadcast`` a share of it to its group's
-clients (the client term of the same name reads it), and reads the uploads of
-the client term of its own name.
+model, FedGen's generator, each a typed pytree). A step with a client half owns
+it: ``reads`` holds the client terms whose uploads it reads
+(``inputs.uploads(term)``), and its ``broadcast`` goes to those of them that take
+a ``share``. No step and no term is linked by name.
 
 A step's ``plan(round)`` gives host-side, per-round settings: ``static``
 values the program is specialized on (FedCross's stage), traced ``inputs``
@@ -48,6 +49,7 @@ class Federation(NamedTuple):
   store: FederatedStore
   seed: int
   init_key: jax.Array  # server randomness for the steps' init
+  terms: tuple = ()  # the method's client terms, in the order of every result's uploads
 
 
 class RoundInputs(NamedTuple):
@@ -62,8 +64,12 @@ class RoundInputs(NamedTuple):
   key: jax.Array  # this federation's server key of the round
   federation: Federation
 
-  def uploads(self, name: str) -> list[Any]:
-    return [r.uploads[name] for r in self.results]
+  def uploads(self, term) -> list[Any]:
+    """Every member group's upload of client ``term`` (a term in the reading step's ``reads``)."""
+    index = next((i for i, t in enumerate(self.federation.terms) if t is term), None)
+    if index is None:
+      raise ValueError(f"client term {getattr(term, 'name', term)!r} is not among the method's terms")
+    return [r.uploads[index] for r in self.results]
 
   @property
   def weights(self) -> list[jax.Array]:
@@ -97,6 +103,7 @@ class ServerStep(NamedTuple):
   broadcast: Callable[[Any, Federation, int, int], Any] | None = None  # (state, federation, member, round)
   plan: Callable[[int], Plan] | None = None
   evaluate: Callable[[Any], Variables] | None = None  # the variables to evaluate, if not the federation's
+  reads: tuple = ()  # its client half: the `ClientTerm`s whose uploads it reads and that take its broadcast
 
 
 def run_server_steps(steps: Sequence[ServerStep], federation: Federation, model, states, starts, results, valid,
@@ -155,18 +162,19 @@ def mean_of_weights() -> ServerStep:
   return ServerStep("mean", update)
 
 
-def nova_mean() -> ServerStep:
+def nova_mean(normalization) -> ServerStep:
   """FedNova's server update (Wang et al. 2020, Eq. 7) per element over its holders, from the
-  normalized deltas and the ``a_i`` the "nova" client term uploads (`aggregators.fednova_delta`)."""
+  normalized deltas and the ``a_i`` the ``normalization`` client term uploads
+  (`client.terms.nova_normalization`, `aggregators.fednova_delta`)."""
 
   def update(carry, state, inputs, plan):
     maps = inputs.federation.maps
-    delta = aggregators.fednova_delta([r.delta_sum for r in inputs.results], inputs.weights, inputs.uploads("nova"),
-                                      maps, carry.model, inputs.offset)
+    delta = aggregators.fednova_delta([r.delta_sum for r in inputs.results], inputs.weights,
+                                      inputs.uploads(normalization), maps, carry.model, inputs.offset)
     coverage = aggregators.weighted_coverage(inputs.weights, maps, carry.model, inputs.offset)
     return carry._replace(delta=delta, coverage=coverage), state
 
-  return ServerStep("nova", update)
+  return ServerStep("nova", update, reads=(normalization,))
 
 
 def apply_delta(optimizer: optax.GradientTransformation | None = None) -> ServerStep:
@@ -212,23 +220,31 @@ def _extractor(group_map: SubmodelMap):
   return jax.jit(lambda tree: extract(tree, group_map))
 
 
-def scaffold_control() -> ServerStep:
+class ControlState(NamedTuple):
+  """SCAFFOLD's server state: the control variate ``c``, shaped like the federation's ``params``."""
+
+  params: Variables
+
+
+def scaffold_control(correction) -> ServerStep:
   """SCAFFOLD's server control variate ``c`` (Karimireddy et al. 2020, Alg. 1 line 17, as NIID-Bench:
   ``c <- c + mean_i delta_c_i`` over the sampled holders of each element; `aggregators.
-  scaffold_server_control`). Starts at zero; each group's clients get their slice of it."""
+  scaffold_server_control`) from the uploads of the ``correction`` client term
+  (`client.terms.scaffold_correction`). Starts at zero; each group's clients get their slice of it."""
 
   def init(model, federation):
-    return {"params": _zeros_like(model["params"])}
+    return ControlState(_zeros_like(model["params"]))
 
   def update(carry, control, inputs, plan):
-    deltas = [{"params": d} for d in inputs.uploads("scaffold")]
-    return carry, aggregators.scaffold_server_control(control, deltas, inputs.weights, inputs.federation.maps,
-                                                      inputs.offset)
+    deltas = [{"params": d} for d in inputs.uploads(correction)]
+    new = aggregators.scaffold_server_control({"params": control.params}, deltas, inputs.weights,
+                                              inputs.federation.maps, inputs.offset)
+    return carry, ControlState(new["params"])
 
   def broadcast(control, federation, member, round_index):
-    return _extractor(federation.maps[member])(control)["params"]
+    return _extractor(federation.maps[member])({"params": control.params})["params"]
 
-  return ServerStep("scaffold", update, init, broadcast)
+  return ServerStep("scaffold", update, init, broadcast, reads=(correction,))
 
 
 def insert_before(steps: Sequence[ServerStep], name: str, step: ServerStep) -> tuple[ServerStep, ...]:

@@ -130,126 +130,6 @@ def with_memory(final: ClientFinal, value: Any) -> ClientFinal:
   return final._replace(memory=value)
 
 
-# ------------------------------------------------------------------------------------------------ FedProx
-
-
-def proximal_term(params: Variables, anchor: Variables, mu: float) -> jax.Array:
-  """FedProx's proximal term (Li et al. 2020, Eq. 2): ``mu/2 ||w - w^t||^2`` over all leaves of ``params``."""
-  squares = jax.tree.map(lambda p, a: jnp.sum(jnp.square(p - a)), params, anchor)
-  return 0.5 * mu * sum(jax.tree.leaves(squares))
-
-
-def proximal(mu: float) -> ClientTerm:
-  """FedProx: ``+ mu/2 ||w - w^t||^2`` with ``w^t`` the parameters the client started the round from."""
-  return ClientTerm("prox", init=lambda r: r.start["params"],
-                    loss=lambda v, anchor, _, out, ctx: proximal_term(v["params"], anchor, mu))
-
-
-# --------------------------------------------------------------------------------------------------- MOON
-
-
-def _cosine(u: jax.Array, v: jax.Array, eps: float = 1e-8) -> jax.Array:
-  return jnp.sum(u * v, -1) / jnp.maximum(jnp.linalg.norm(u, axis=-1) * jnp.linalg.norm(v, axis=-1), eps)
-
-
-def model_contrastive_loss(z: jax.Array, z_global: jax.Array, z_previous: jax.Array, temperature: float,
-                           mask: jax.Array) -> jax.Array:
-  """MOON's model-contrastive loss (Li, He, Song 2021, Eq. 3), mean over real rows.
-
-  ``-log(e^{sim(z, z_glob)/tau} / (e^{sim(z, z_glob)/tau} + e^{sim(z, z_prev)/tau}))`` with cosine
-  similarity, i.e. ``softplus((sim(z, z_prev) - sim(z, z_glob)) / tau)``.
-  """
-  positive = _cosine(z, z_global) / temperature
-  negative = _cosine(z, z_previous) / temperature
-  return jnp.sum(jax.nn.softplus(negative - positive) * mask) / jnp.maximum(mask.sum(), 1.0)
-
-
-class ContrastiveAnchors(NamedTuple):
-  """MOON's round state: the two frozen models the projection is contrasted with."""
-
-  global_model: Variables  # the round's start (positive)
-  previous_model: Variables  # the client's model after its previous round (negative)
-
-
-def model_contrastive(mu: float, temperature: float) -> ClientTerm:
-  """MOON: ``+ mu * l_con`` on the projection ``z`` of the "features" cut point, against the round's
-  global model (positive) and the client's previous local model (negative), both frozen, eval mode."""
-  from fedjax_hetero.models.projection import with_projection_head
-
-  def project(ctx, variables, features):
-    return ctx.model.apply(variables, features, method="project")
-
-  def frozen_projection(ctx, variables):
-    outputs, _ = ctx.forward(variables, ctx.batch.x, False, None, ("features",))
-    return jax.lax.stop_gradient(project(ctx, variables, outputs.activations["features"]))
-
-  def prepare(state, ctx):
-    return frozen_projection(ctx, state.global_model), frozen_projection(ctx, state.previous_model)
-
-  def loss(variables, state, frozen, outputs, ctx):
-    z = project(ctx, variables, outputs.activations["features"])
-    return mu * model_contrastive_loss(z, *frozen, temperature, ctx.batch.weights)
-
-  return ClientTerm("moon", init=lambda r: ContrastiveAnchors(r.start, r.memory), init_memory=lambda v: v,
-                    prepare=prepare, loss=loss,
-                    finish=lambda state, final, memory, share: with_memory(final, final.variables),
-                    cuts=("features",), wrap_model=with_projection_head)
-
-
-# ----------------------------------------------------------------------------------------------- SCAFFOLD
-
-
-def scaffold_control_update(control: Variables, server_control: Variables, delta_params: Variables,
-                            num_steps: jax.Array, learning_rate: float) -> Variables:
-  """SCAFFOLD's option II (Karimireddy et al. 2020, Alg. 1 line 12):
-  ``c_i+ = c_i - c + (x - y_i) / (K eta)`` with ``x - y_i = -delta``, K the client's local steps."""
-  scale = 1.0 / (jnp.maximum(jnp.asarray(num_steps, jnp.float32), 1.0) * learning_rate)
-  return jax.tree.map(lambda ci, c, d: ci - c - scale * d, control, server_control, delta_params)
-
-
-def scaffold_correction(learning_rate: float) -> ClientTerm:
-  """SCAFFOLD's client side: every gradient plus ``c - c_i`` (Alg. 1 line 10); after the round the
-  option II update of ``c_i`` (kept in the client's memory, zero at first) and the upload of its change.
-  Reads the server's ``c`` (params-shaped) from its server step (`server.steps.scaffold_control`)."""
-
-  def finish(_, final, control, server_control):
-    new = scaffold_control_update(control, server_control, final.delta["params"], final.num_steps, learning_rate)
-    return with_memory(with_upload(final, tree_sub(new, control)), new)
-
-  return ClientTerm("scaffold", init=lambda r: tree_sub(r.share, r.memory),
-                    init_memory=lambda v: jax.tree.map(jnp.zeros_like, v["params"]),
-                    grad=lambda grads, correction: jax.tree.map(jnp.add, grads, correction), finish=finish,
-                    upload="weighted", share=True)
-
-
-# ------------------------------------------------------------------------------------------------ FedNova
-
-
-def nova_normalizer(num_steps: jax.Array, optimizer: str, momentum: float) -> jax.Array:
-  """FedNova's a_i (Wang et al. 2020, Sec. 4 and App. for momentum): the norm of the local
-  aggregation vector. Plain SGD: ``tau``; SGD with momentum rho: ``[tau - rho(1 - rho^tau)/(1 - rho)]/(1 - rho)``.
-
-  Adam has no such closed form; we use ``tau`` for it (each Adam step moves a weight by about
-  the learning rate whatever the gradient scale, so the update grows linearly in ``tau``).
-  """
-  tau = jnp.asarray(num_steps, jnp.float32)
-  if optimizer == "sgd" and momentum:
-    rho = momentum
-    return (tau - rho * (1.0 - rho ** tau) / (1.0 - rho)) / (1.0 - rho)
-  return tau
-
-
-def nova_normalization(optimizer: str, momentum: float) -> ClientTerm:
-  """FedNova's client side: upload ``delta / a_i`` and ``a_i`` (for `server.steps.nova_mean`)."""
-
-  def finish(_, final, memory, share):
-    a = nova_normalizer(final.num_steps, optimizer, momentum)
-    safe = jnp.where(a > 0, a, 1.0)  # a client without steps (vmap padding) has a zero delta
-    return with_upload(final._replace(delta=jax.tree.map(lambda d: d / safe, final.delta)), a)
-
-  return ClientTerm("nova", finish=finish, upload="weighted")
-
-
 # ---------------------------------------------------------------------------------------- per-client uploads
 
 
@@ -268,3 +148,25 @@ def upload_flat_delta(name: str) -> ClientTerm:
     return with_upload(final, flat)
 
   return ClientTerm(name, finish=finish, upload="stack")
+
+
+# The client terms of single methods live in their method's module now (`fedjax_hetero.methods`); their old import
+# paths keep working.
+_MOVED = {
+    "proximal_term": "fedjax_hetero.methods.fedprox",
+    "proximal": "fedjax_hetero.methods.fedprox",
+    "model_contrastive_loss": "fedjax_hetero.methods.moon",
+    "ContrastiveAnchors": "fedjax_hetero.methods.moon",
+    "model_contrastive": "fedjax_hetero.methods.moon",
+    "scaffold_control_update": "fedjax_hetero.methods.scaffold",
+    "scaffold_correction": "fedjax_hetero.methods.scaffold",
+    "nova_normalizer": "fedjax_hetero.methods.fednova",
+    "nova_normalization": "fedjax_hetero.methods.fednova",
+}
+
+
+def __getattr__(name: str):
+  if name in _MOVED:
+    import importlib
+    return getattr(importlib.import_module(_MOVED[name]), name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,7 +21,9 @@ from fedjax_hetero.config.methods import (Averaging, ClusteredSampling, Contrast
                                           HeteroFLOptions, MethodConfig, MomentumDistillation, NeFLOptions, Proximal)
 from fedjax_hetero.config.options import FedCrossConfig, FedGenConfig, FedImproConfig, FedINConfig
 from fedjax_hetero.hetero.maps import SubmodelMap, Variables, build_group_map
+from fedjax_hetero.methods import fednova, fedprox, moon, scaffold
 from fedjax_hetero.methods.api import PER_GROUP, SHARED, STACKED, Method, Sharing
+from fedjax_hetero.methods.fedcross import cross_aggregation
 from fedjax_hetero.methods.fedfa import fedfa_aggregation, scaled_upload
 from fedjax_hetero.methods.fedgen import generative_regularizer, generator_training
 from fedjax_hetero.methods.fedimpro import feature_sharing, feature_statistics
@@ -29,8 +31,8 @@ from fedjax_hetero.methods.fedin import feature_bank, gradient_rule, intermediat
 from fedjax_hetero.methods.heterofl import absent_class_logits, scaler, static_batch_norm, static_batch_norm_evaluation
 from fedjax_hetero.methods.nefl import inconsistent_leaves, nested_model
 from fedjax_hetero.sampling.samplers import clustered, shuffled
+from fedjax_hetero.methods.inco import inco as inco_step
 from fedjax_hetero.server import steps
-from fedjax_hetero.server.cross import cross_aggregation
 
 INCO_PAPER = "InCo Aggregation (Chan et al., ICLR 2024) and its baselines"
 FEDCROSS_PAPER = "FedCross (Hu et al., ICDE 2024) and its baselines"
@@ -59,17 +61,17 @@ def _averaging(o: Averaging) -> steps.ServerStep:
 
 
 def _proximal(o: Proximal) -> Terms:
-  return (terms.proximal(o.mu),) if o.mu else ()
+  return (fedprox.proximal(o.mu),) if o.mu else ()
 
 
 def _scaffold(local: LocalConfig) -> tuple[Terms, Steps]:
-  correction = terms.scaffold_correction(local.learning_rate)
-  return (correction,), (steps.mean_delta(), steps.apply_delta(), steps.scaffold_control(correction))
+  correction = scaffold.scaffold_correction(local.learning_rate)
+  return (correction,), (steps.mean_delta(), steps.apply_delta(), scaffold.scaffold_control(correction))
 
 
 def _nova(local: LocalConfig) -> tuple[Terms, Steps]:
-  normalization = terms.nova_normalization(local.optimizer, local.momentum)
-  return (normalization,), (steps.nova_mean(normalization), steps.apply_delta())
+  normalization = fednova.nova_normalization(local.optimizer, local.momentum)
+  return (normalization,), (fednova.nova_mean(normalization), steps.apply_delta())
 
 
 BASES = (
@@ -81,8 +83,8 @@ BASES = (
     Base("FedNova", "Nova", "FedNova's normalized averaging by each client's local step count", _nova,
          (LocalConfig,)),
     Base("MOON", "MOON", "CE + mu * model-contrastive loss on a projection head (MOON; --moon-mu)",
-         lambda avg, moon: ((terms.model_contrastive(moon.mu, moon.temperature),) if moon.mu else (),
-                            (_averaging(avg), steps.apply_delta())), (Averaging, Contrastive)),
+         lambda avg, o: ((moon.model_contrastive(o.mu, o.temperature),) if o.mu else (),
+                         (_averaging(avg), steps.apply_delta())), (Averaging, Contrastive)),
 )
 
 
@@ -92,7 +94,7 @@ def _layered(name: str, base: Base, sharing: Sharing, inco: bool) -> Callable[..
     method = Method(name, INCO_PAPER, "", client, server, sharing)
     if inco:
       cross_layer: CrossLayer = options[-1]
-      method = method.with_step_before("apply", steps.inco(cross_layer.variant, cross_layer.granularity))
+      method = method.with_step_before("apply", inco_step(cross_layer.variant, cross_layer.granularity))
     return method
 
   return build

@@ -29,9 +29,8 @@ import numpy as np
 import optax
 
 from fedjax_hetero import aggregators
-from fedjax_hetero.compilation import program_cache
 from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.hetero.maps import SubmodelMap, Variables, extract
+from fedjax_hetero.hetero.maps import SubmodelMap, Variables
 
 
 class Federation(NamedTuple):
@@ -162,21 +161,6 @@ def mean_of_weights() -> ServerStep:
   return ServerStep("mean", update)
 
 
-def nova_mean(normalization) -> ServerStep:
-  """FedNova's server update (Wang et al. 2020, Eq. 7) per element over its holders, from the
-  normalized deltas and the ``a_i`` the ``normalization`` client term uploads
-  (`client.terms.nova_normalization`, `aggregators.fednova_delta`)."""
-
-  def update(carry, state, inputs, plan):
-    maps = inputs.federation.maps
-    delta = aggregators.fednova_delta([r.delta_sum for r in inputs.results], inputs.weights,
-                                      inputs.uploads(normalization), maps, carry.model, inputs.offset)
-    coverage = aggregators.weighted_coverage(inputs.weights, maps, carry.model, inputs.offset)
-    return carry._replace(delta=delta, coverage=coverage), state
-
-  return ServerStep("nova", update, reads=(normalization,))
-
-
 def apply_delta(optimizer: optax.GradientTransformation | None = None) -> ServerStep:
   """``w <- w + delta``; with a server ``optimizer`` (e.g. FedAvgM's ``optax.sgd(1.0, momentum)``)
   the negated delta is its pseudo-gradient (Reddi et al. 2021, Alg. 2), its state the step's."""
@@ -191,62 +175,6 @@ def apply_delta(optimizer: optax.GradientTransformation | None = None) -> Server
   return ServerStep("apply", update, init)
 
 
-def inco(variant: str = "code", granularity: str = "kernel") -> ServerStep:
-  """InCo Aggregation's cross-layer step on the aggregated delta (Chan et al. 2024, Alg. 1 lines 6-11;
-  `aggregators.inco`), on the (target, source) pairs of the federation's largest model. Logs θ and
-  the fraction of b > 0 per target layer."""
-
-  def pairs(federation: Federation) -> tuple:
-    pairs_of = getattr(federation.largest, "cross_layer_pairs", None)
-    if pairs_of is None:
-      raise ValueError(f"InCo's cross-layer step needs cross-layer pairs, but the largest model "
-                       f"({type(federation.largest).__name__}) has no cross_layer_pairs(); use a ResNet or ViT")
-    return tuple(pairs_of())
-
-  def init(model, federation):
-    aggregators.check_pairs(pairs(federation), model)
-    return ()
-
-  def update(carry, state, inputs, plan):
-    delta, stats = aggregators.inco(carry.delta, pairs(inputs.federation), variant, granularity,
-                                    coverage=carry.coverage)
-    return carry._replace(delta=delta, metrics={**carry.metrics, "inco": stats}), state
-
-  return ServerStep("inco", update, init)
-
-
-@program_cache
-def _extractor(group_map: SubmodelMap):
-  return jax.jit(lambda tree: extract(tree, group_map))
-
-
-class ControlState(NamedTuple):
-  """SCAFFOLD's server state: the control variate ``c``, shaped like the federation's ``params``."""
-
-  params: Variables
-
-
-def scaffold_control(correction) -> ServerStep:
-  """SCAFFOLD's server control variate ``c`` (Karimireddy et al. 2020, Alg. 1 line 17, as NIID-Bench:
-  ``c <- c + mean_i delta_c_i`` over the sampled holders of each element; `aggregators.
-  scaffold_server_control`) from the uploads of the ``correction`` client term
-  (`client.terms.scaffold_correction`). Starts at zero; each group's clients get their slice of it."""
-
-  def init(model, federation):
-    return ControlState(_zeros_like(model["params"]))
-
-  def update(carry, control, inputs, plan):
-    deltas = [{"params": d} for d in inputs.uploads(correction)]
-    new = aggregators.scaffold_server_control({"params": control.params}, deltas, inputs.weights,
-                                              inputs.federation.maps, inputs.offset)
-    return carry, ControlState(new["params"])
-
-  def broadcast(control, federation, member, round_index):
-    return _extractor(federation.maps[member])({"params": control.params})["params"]
-
-  return ServerStep("scaffold", update, init, broadcast, reads=(correction,))
-
-
 def insert_before(steps: Sequence[ServerStep], name: str, step: ServerStep) -> tuple[ServerStep, ...]:
   """``steps`` with ``step`` inserted before the step called ``name``."""
   names = [s.name for s in steps]
@@ -254,3 +182,20 @@ def insert_before(steps: Sequence[ServerStep], name: str, step: ServerStep) -> t
     raise ValueError(f"no server step {name!r} in {names}")
   at = names.index(name)
   return tuple(steps[:at]) + (step,) + tuple(steps[at:])
+
+
+# The server steps of single methods live in their method's module now (`fedjax_hetero.methods`); their old import
+# paths keep working.
+_MOVED = {
+    "nova_mean": "fedjax_hetero.methods.fednova",
+    "inco": "fedjax_hetero.methods.inco",
+    "ControlState": "fedjax_hetero.methods.scaffold",
+    "scaffold_control": "fedjax_hetero.methods.scaffold",
+}
+
+
+def __getattr__(name: str):
+  if name in _MOVED:
+    import importlib
+    return getattr(importlib.import_module(_MOVED[name]), name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -68,7 +68,7 @@ def test_scaffold_step_adds_the_correction_to_the_gradient(cnn):
   noise = lambda: jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), variables["params"])
   c_i, c = noise(), noise()
   args = (*batch(0, 8), jnp.ones(8, bool))
-  got = jax.jit(scaffold.train_step)(scaffold.init_state(variables, {"scaffold": c_i}, {"scaffold": c}), *args)
+  got = jax.jit(scaffold.train_step)(scaffold.init_state(variables, (c_i,), (c,)), *args)
   want = jax.jit(plain.train_step)(plain.init_state(variables), *args)
   # SGD: y <- y - lr (g + c - c_i)
   expected = jax.tree.map(lambda w, a, b: w - 0.5 * (a - b), want.variables["params"], c, c_i)

@@ -174,6 +174,9 @@ class LocalTrainer:
 
   def _per_term(self, values: Any) -> tuple[Any, ...]:
     """Memory rows or shares, one per term (``()``, ``{}`` or None: none for any)."""
+    if isinstance(values, dict) and values:
+      raise TypeError(f"client memory and shares are tuples in the terms' order, not dicts by name (got keys "
+                      f"{sorted(values)})")
     return tuple(values) if values else ((),) * len(self.terms)
 
   def init_state(self, start: Variables, memory: tuple[Any, ...] | None = None,

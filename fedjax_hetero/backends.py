@@ -25,9 +25,8 @@ is ``fold_in(round_key, client_id)``.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -36,16 +35,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fedjax_hetero import distributed
 from fedjax_hetero.client import cohort
-from fedjax_hetero.client.backdoor import AttackInput, padded_inputs
 from fedjax_hetero.client.cohort import (GroupResult, by_reduction, empty_group_result, empty_result,  # (re-exported)
-                                         pad_rows, split_uploads)
+                                         join_uploads, pad_rows, padded_inputs, split_uploads,
+                                         with_stacked)
 from fedjax_hetero.client.local import ClientOutput, LocalState, LocalTrainer
-from fedjax_hetero.compilation import program_cache
+from fedjax_hetero.compilation import ChunkPrograms, compile_side_by_side, program_cache  # (re-exported)
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.hetero.maps import Variables
 
 BACKENDS = ("auto", "sequential", "vmap", "sharded")
-Memory = dict[str, Any]  # per-client state of one group, every leaf with a leading axis over its clients
+Memory = tuple[Any, ...]  # per-client state of one group, per term, every leaf with a leading axis over its clients
 
 
 class Backend(Protocol):
@@ -53,19 +52,17 @@ class Backend(Protocol):
 
   def train(self, trainer: LocalTrainer, start: Variables, store: FederatedStore, clients: np.ndarray,
             weights: np.ndarray, round_key: jax.Array, *, memory: Memory | None = None,
-            rows: np.ndarray | None = None, server: dict[str, Any] | None = None,
-            per_client_start: bool = False, capacity: int | None = None,
-            attack: AttackInput | None = None) -> GroupResult:
+            rows: np.ndarray | None = None, server: tuple[Any, ...] | None = None,
+            per_client_start: bool = False, capacity: int | None = None) -> GroupResult:
     """Trains ``clients`` from ``start`` (stacked per client when ``per_client_start``).
 
     ``memory`` holds the group's per-client state and ``rows`` the cohort's rows in it. It is consumed:
     the cohort's rows are written in place (its buffers are donated), and the result carries the updated
     memory; a caller that still needs the old values passes `copy_tree` of them.
-    ``server`` is the group's share of server state, by client term name. ``capacity`` is the
+    ``server`` is the group's share of server state, one entry per client term. ``capacity`` is the
     largest cohort the group can have in a round (default: this one's): stacked uploads come back
     with that many rows, the ones past the cohort copies of the first, so every round has one shape.
-    ``attack`` holds the cohort's rows of the backdoor inputs (`fedjax_hetero.client.backdoor`); it is
-    needed, and only read, when the trainer has a backdoor.
+    A trainer's per-client inputs (``trainer.client_inputs``) go to its ``begin``.
     """
     ...
 
@@ -83,43 +80,6 @@ def _schedule_length(trainer: LocalTrainer, store: FederatedStore) -> int:
   return max(1, trainer.config.num_steps(store.max_size))
 
 
-def compile_side_by_side(jobs: list[Callable[[], Any]]) -> None:
-  """Runs compile jobs in threads: XLA compiles one program per core, and jit's cache keeps the results,
-  so the calls that follow find their programs compiled."""
-  with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-    list(pool.map(lambda job: job(), jobs))  # re-raises a job's error
-
-
-class ChunkPrograms:
-  """A group's jitted chunk of ``count`` unrolled steps, compiled for every chunk length the schedule can
-  use (`LocalConfig.chunk_lengths`) when the first chunk runs (or earlier, from `compile_jobs`), side by
-  side in threads.
-
-  Compiling them all at once means no later round compiles (a round whose clients first need a one-step
-  tail would), and XLA compiles the programs on several cores at the same time.
-  """
-
-  def __init__(self, run_steps, lengths: tuple[int, ...]):
-    self._jitted, self._lengths, self._compiled = run_steps, lengths, {}
-
-  @property
-  def compiled(self) -> bool:
-    return len(self._compiled) == len(self._lengths)
-
-  def compile_jobs(self, state, images, labels, ids, mask) -> list[Callable[[], None]]:
-    """One job per chunk length (arguments may be shapes, e.g. from `jax.eval_shape`)."""
-    def job(n: int):
-      def run():
-        self._compiled[n] = self._jitted.lower(state, images, labels, ids, mask, np.int32(0), n).compile()
-      return run
-    return [job(n) for n in self._lengths]
-
-  def __call__(self, state, images, labels, ids, mask, offset: int, count: int):
-    if not self.compiled:
-      compile_side_by_side(self.compile_jobs(state, images, labels, ids, mask))
-    return self._compiled[count](state, images, labels, ids, mask, np.int32(offset))
-
-
 def _run_schedule(run_steps: ChunkPrograms, trainer: LocalTrainer, num_steps: int, state, store: FederatedStore,
                   ids, mask):
   """Runs the first ``num_steps`` scheduled steps as a host loop over unrolled chunks."""
@@ -134,10 +94,11 @@ def _take(tree, index):
   return jax.tree.map(lambda x: x[index], tree)
 
 
-def _summed(output: ClientOutput, reductions: dict[str, str], weight) -> tuple[Variables, dict[str, Any]]:
+def _summed(output: ClientOutput, reductions: tuple[str | None, ...], weight) -> tuple[Variables, tuple[Any, ...]]:
   """The client's weighted delta and its summed uploads ("weighted" ones scaled by its weight)."""
   scale = lambda tree: jax.tree.map(lambda x: weight * x, tree)
-  uploads = {**scale(split_uploads(output.uploads, reductions, "weighted")), **split_uploads(output.uploads, reductions, "sum")}
+  uploads = join_uploads({"weighted": scale(split_uploads(output.uploads, reductions, "weighted")),
+                          "sum": output.uploads}, reductions)
   return scale(output.delta), uploads
 
 
@@ -145,12 +106,12 @@ def _summed(output: ClientOutput, reductions: dict[str, str], weight) -> tuple[V
 def _sequential_program(trainer: LocalTrainer, schedule_length: int):
 
   @jax.jit
-  def start_client(start, index_table, client, num_examples, round_key, memory_row, server, attack):
+  def start_client(start, index_table, client, num_examples, round_key, memory_row, server, inputs):
     key = jax.random.fold_in(round_key, client)
     ids, mask = trainer.schedule(index_table[client], num_examples, key, schedule_length)
     state = trainer.init_state(start, memory_row, server, key)
-    if trainer.backdoor is not None:
-      state, ids = trainer.start_backdoor(state, ids, index_table[client], num_examples, key, attack)
+    if trainer.begin is not None:
+      state, ids = trainer.begin(state, ids, index_table[client], num_examples, key, inputs)
     return state, ids, mask
 
   run_steps = ChunkPrograms(jax.jit(trainer.run_steps, donate_argnums=0, static_argnums=6),
@@ -186,15 +147,6 @@ def copy_tree(tree):
   return jax.tree.map(jnp.copy, tree)
 
 
-def _attack_inputs(trainer: LocalTrainer, attack: AttackInput | None) -> AttackInput | tuple:
-  """The cohort's backdoor inputs if the trainer reads them, else nothing (no leaves: no change to a program)."""
-  if trainer.backdoor is None:
-    return ()
-  if attack is None:
-    raise ValueError("this trainer has a backdoor: train needs the cohort's attack inputs")
-  return attack
-
-
 # One compiled program instead of a trace and a dispatch per leaf every round; its outputs are fresh
 # buffers each call, as the sequential backend's `accumulate` donates them.
 _zero_result = jax.jit(empty_group_result, static_argnums=(0, 4))
@@ -211,19 +163,19 @@ class SequentialBackend:
     return tree
 
   def train(self, trainer, start, store, clients, weights, round_key, *, memory=None, rows=None, server=None,
-            per_client_start=False, capacity=None, attack=None):
-    attack = _attack_inputs(trainer, attack)
-    attack_row = lambda i: jax.tree.map(lambda x: x[i], attack)
+            per_client_start=False, capacity=None):
+    inputs = trainer.client_inputs(clients)
+    input_row = lambda i: jax.tree.map(lambda x: x[i], inputs)
     start_client, run_steps, accumulate = _sequential_program(trainer, _schedule_length(trainer, store))
-    memory, server = memory or {}, server or {}
+    memory, server = memory or (), server or ()
     first_start = _take_row(start, 0) if per_client_start else start
-    first_row = _take_row(memory, int(rows[0])) if memory else {}
+    first_row = _take_row(memory, int(rows[0])) if memory else ()
     result = _zero_result(trainer, first_start, first_row, server, capacity or len(clients))
     summed, stacked = by_reduction(result.uploads, trainer.reductions)
     result = result._replace(uploads=summed)
     client_args = lambda client: (store.index_table, np.int32(client), np.int32(store.sizes[client]), round_key)
     if not run_steps.compiled:  # the group's first round: its programs compile side by side
-      first_args = (first_start, *client_args(clients[0]), first_row, server, attack_row(0))
+      first_args = (first_start, *client_args(clients[0]), first_row, server, input_row(0))
       state, ids, mask = jax.eval_shape(start_client, *first_args)
       compile_side_by_side([lambda: start_client.lower(*first_args).compile(),
                             lambda: accumulate.lower(result, state, first_start, first_row, server,
@@ -232,16 +184,17 @@ class SequentialBackend:
     for i, (client, weight) in enumerate(zip(clients, weights)):
       size = int(store.sizes[client])
       client_start = _take_row(start, i) if per_client_start else start
-      row = _take_row(memory, int(rows[i])) if memory else {}
-      state, ids, mask = start_client(client_start, *client_args(client), row, server, attack_row(i))
+      row = _take_row(memory, int(rows[i])) if memory else ()
+      state, ids, mask = start_client(client_start, *client_args(client), row, server, input_row(i))
       state = _run_schedule(run_steps, trainer, trainer.config.num_steps(size), state, store, ids, mask)
       result, new_row, own = accumulate(result, state, client_start, row, server, np.float32(weight))
-      if stacked:
+      if "stack" in trainer.reductions:
         stacked = _set_row(stacked, i, own)
       if memory:
         memory = _set_row(memory, int(rows[i]), new_row)
-    stacked = _pad_rows(stacked, len(clients)) if stacked else {}
-    return result._replace(memory=memory, uploads={**result.uploads, **stacked})
+    if "stack" in trainer.reductions:
+      stacked = _pad_rows(stacked, len(clients))
+    return with_stacked(result, stacked, trainer.reductions)._replace(memory=memory)
 
 
 @program_cache
@@ -260,10 +213,10 @@ def _mapped_program(trainer: LocalTrainer, schedule_length: int, per_client_star
   def on_devices(f, in_specs, out_specs):
     return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs) if mesh else f
 
-  def start_local(start, index_rows, num_examples, round_key, ids, memory_rows, server, attack):
+  def start_local(start, index_rows, num_examples, round_key, ids, memory_rows, server, inputs):
     # Every client's key from its id inside the program: each device derives its own clients' keys.
     return cohort.start(trainer, schedule_length, start, index_rows, num_examples, round_key, ids, memory_rows,
-                        server, attack, per_client_start=per_client_start)
+                        server, inputs, per_client_start=per_client_start)
 
   start_spec = clients if per_client_start else whole
   start_specs = (start_spec, clients, clients, whole, clients, clients, whole, clients)
@@ -367,10 +320,9 @@ class VmapBackend:
     return jax.tree.map(lambda x: distributed.from_host(x, split), tree)
 
   def train(self, trainer, start, store, clients, weights, round_key, *, memory=None, rows=None, server=None,
-            per_client_start=False, capacity=None, attack=None):
-    attack = _attack_inputs(trainer, attack)
+            per_client_start=False, capacity=None):
     store = self._place(store)
-    memory, server = memory or {}, server or {}
+    memory, server = memory or (), server or ()
     size = self._padded_size(len(clients), capacity)
     pad = size - len(clients)
     # Empty clients own no examples, so every one of their steps is masked.
@@ -378,13 +330,12 @@ class VmapBackend:
     sizes = np.concatenate([store.sizes[clients], np.zeros(pad, np.int64)]).astype(np.int32)
     client_weights = np.concatenate([weights, np.zeros(pad)]).astype(np.float32)
     real = (np.arange(size) < len(clients)).astype(np.float32)
-    if attack:
-      attack = padded_inputs(attack, size)
-    cohort = self._hostsplit_uploads((padded, sizes, client_weights, real, attack))
-    padded_ids, sizes, client_weights, real, attack = cohort
+    inputs = padded_inputs(trainer.client_inputs(clients), size)
+    cohort = self._hostsplit_uploads((padded, sizes, client_weights, real, inputs))
+    padded_ids, sizes, client_weights, real, inputs = cohort
     if per_client_start:  # the slots past the cohort start from slot 0's model
       start = self._take_rows(start, np.concatenate([np.arange(len(clients)), np.zeros(pad, np.int64)]))
-    memory_rows, padded_rows = {}, None
+    memory_rows, padded_rows = (), None
     if memory:
       num_rows = len(jax.tree.leaves(memory)[0])
       padded_rows = np.concatenate([rows, np.full(pad, num_rows)]).astype(np.int32)
@@ -392,15 +343,15 @@ class VmapBackend:
     start_cohort, run_steps, reduce = _mapped_program(trainer, _schedule_length(trainer, store), per_client_start,
                                                       self.mesh)
     index_rows = self._take_rows(store.index_table, padded)
-    states, ids, mask = start_cohort(start, index_rows, sizes, round_key, padded_ids, memory_rows, server, attack)
+    states, ids, mask = start_cohort(start, index_rows, sizes, round_key, padded_ids, memory_rows, server, inputs)
     longest = max(trainer.config.num_steps(int(n)) for n in store.sizes[clients])
     states = _run_schedule(run_steps, trainer, longest, states, store, ids, mask)
     result, new_rows, stacked = reduce(states, start, memory_rows, server, client_weights, real)
     if memory:
       memory = self._scatter_rows(memory, padded_rows, new_rows)
-    if stacked:
+    if "stack" in trainer.reductions:
       stacked = _pad_rows(jax.tree.map(lambda x: x[:capacity or len(clients)], stacked), len(clients))
-    return result._replace(memory=memory, uploads={**result.uploads, **stacked})
+    return with_stacked(result, stacked, trainer.reductions)._replace(memory=memory)
 
 
 def make_backend(name: str) -> Backend:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_hetero import data as fdata
-from fedjax_hetero import models, preflight
+from fedjax_hetero import dissimilarity, models, preflight
 from fedjax_hetero.backends import make_backend
 from fedjax_hetero.client.terms import term_cuts
 from fedjax_hetero.config import DataConfig, RunConfig, check_federation, declare
@@ -157,11 +157,12 @@ def build_simulation(config: RunConfig, dataset: fdata.ArrayDataset | None = Non
     name, width = models.parse_group_spec(spec)
     groups.append(ArchGroup(spec, models.build_model(name, dataset.num_classes, width), clients))
   backend = make_backend(config.backend)
+  terms = ", ".join(t.name for t in method.terms)
+  if config.dissimilarity:
+    method = dissimilarity.tracked(method, config.method.fedimpro.cut)
   sim = Simulation(groups, store, config.client, method, config.federation, backend,
                    jnp.asarray(dataset.test_images), jnp.asarray(dataset.test_labels),
-                   track_dissimilarity=config.dissimilarity, dissimilarity_cut=config.method.fedimpro.cut,
                    round_program=config.round_program, rounds_per_call=config.rounds_per_call)
-  terms = ", ".join(t.name for t in method.terms)
   split = config.data.partition_file or config.data.partition
   log(f"{dataset.name}: {len(dataset.train_labels)} train / {len(dataset.test_labels)} test samples, "
       f"{config.data.num_clients} clients ({split}), groups {', '.join(config.groups)}, "

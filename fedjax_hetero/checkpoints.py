@@ -158,13 +158,16 @@ def save(checkpoints: ocp.CheckpointManager, state: ServerState, force: bool = F
   if force or checkpoints.should_save(state.round):
     check_room(str(checkpoints.directory), state.round, sum(leaf.nbytes for leaf in jax.tree.leaves(tree)))
   return checkpoints.save(state.round, args=ocp.args.StandardSave(tree), force=force, metrics=metrics,
-                          custom_metadata={ROUND_KEY: int(state.round)})
+                          custom_metadata={ROUND_KEY: int(state.round), LAYOUT_KEY: STATE_LAYOUT})
 
 
 # Room a checkpoint needs beyond its arrays' bytes (orbax's metadata files and file blocks), and the key of its
 # recorded round.
 _MARGIN_BYTES, _MARGIN_FACTOR = 64 << 10, 1.1
 ROUND_KEY = "round"
+# The layout of the server state a checkpoint holds: 2 since client memory is one entry per client term (before:
+# a dict by term name, as in the checkpoints of Scaffold and MOON runs written before then).
+LAYOUT_KEY, STATE_LAYOUT = "state_layout", 2
 
 
 def check_room(directory: str, step: int, nbytes: int) -> None:
@@ -193,7 +196,26 @@ def restore(checkpoints: ocp.CheckpointManager, step: int, template: ServerState
   """The checkpoint of round ``step``, shaped and typed like ``template`` (e.g. the simulation's initial state)."""
   _check_step_files(str(checkpoints.directory), step)
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state_tree(template))
-  return _from_tree(step, checkpoints.restore(step, args=ocp.args.StandardRestore(abstract)), template)
+  try:
+    restored = checkpoints.restore(step, args=ocp.args.StandardRestore(abstract))
+  except Exception as e:
+    raise _older_layout(str(checkpoints.directory), step, e) or e
+  return _from_tree(step, restored, template)
+
+
+def _older_layout(root: str, step: int, error: BaseException) -> ValueError | None:
+  """The error to raise for a checkpoint that did not restore, if an earlier version wrote it (else None)."""
+  path = os.path.join(root, str(step), _METADATA)
+  try:
+    with open(path) as f:
+      layout = (json.load(f).get("custom_metadata") or {}).get(LAYOUT_KEY)
+  except (OSError, ValueError, AttributeError):
+    return None
+  if layout == STATE_LAYOUT:
+    return None
+  return ValueError(f"the checkpoint of round {step} was written by an earlier version of fedjax_hetero, whose "
+                    "server state had another layout (client memory by term name); it cannot be restored: start "
+                    f"the run again ({first_line(error, 200)})")
 
 
 def _from_tree(step: int, restored: Any, template: ServerState) -> ServerState:
@@ -247,7 +269,7 @@ def restore_latest_intact(output_dir: str, template: ServerState,
       _check_step_files(root, step)
       restored = ocp.StandardCheckpointer().restore(os.path.join(root, str(step), "default"), abstract)
     except Exception as e:  # orbax raises many kinds (ValueError, OSError, tensorstore's, msgpack's)
-      failures.append((step, e))
+      failures.append((step, _older_layout(root, step, e) or e))
       continue
     for damaged, error in failures:
       source = os.path.join(root, str(damaged))

@@ -1,8 +1,9 @@
 """Gradient dissimilarity of a round's client updates, split into the model's low and high parts.
 
 FedImpro's argument (Theorem 4.2) is that sharing feature distributions shrinks the high part's share of
-the clients' gradient dissimilarity. The engine measures it for every method, per architecture group and
-round, on the updates the clients upload:
+the clients' gradient dissimilarity. `tracked` adds its measurement to any method, as an ordinary client term
+and server step (the run's builder does when ``--dissimilarity`` is on), per architecture group and round, on
+the updates the clients upload:
 
     D_part = sum_c p_c ||d_c - d_bar||^2 / ||d_bar||^2,   d_bar = sum_c p_c d_c,   p_c = w_c / sum_c w_c
 
@@ -16,12 +17,17 @@ device, so each client uploads only the squared norm of each leaf of its update 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from fedjax_hetero.client.terms import ClientTerm, with_upload
+from fedjax_hetero.methods.api import Method
+from fedjax_hetero.models import parameter_split, resolve_cut
+from fedjax_hetero.server.steps import ServerStep
 
 NAME = "dissimilarity"
 PARTS = ("low", "high")
@@ -34,9 +40,9 @@ def update_norms() -> ClientTerm:
   """Uploads the squared norm of each ``params`` leaf of the client's update, weighted-summed over the cohort."""
 
   def finish(_, final, memory, share):
-    return with_upload(final, NAME, jax.tree.map(lambda d: jnp.sum(jnp.square(d)), final.delta["params"]))
+    return with_upload(final, jax.tree.map(lambda d: jnp.sum(jnp.square(d)), final.delta["params"]))
 
-  return ClientTerm(NAME, finish=finish)
+  return ClientTerm(NAME, finish=finish, upload="weighted")
 
 
 def gradient_dissimilarity(delta_sum: Any, weight_sum: jax.Array, norm_sums: Any,
@@ -56,3 +62,39 @@ def gradient_dissimilarity(delta_sum: Any, weight_sum: jax.Array, norm_sums: Any
     spread = jnp.where(spread > NO_SPREAD * mean_norm, spread, jnp.nan)
     out[f"{name}_spread"], out[name] = spread, spread / mean_norm
   return out
+
+
+@functools.lru_cache(maxsize=64)
+def _parts(model, input_shape: tuple[int, ...], cut: str | None) -> dict[str, Any]:
+  low, high = parameter_split(model, jnp.zeros((1,) + input_shape, jnp.float32), resolve_cut(model, cut))
+  return {"low": low, "high": high}
+
+
+def dissimilarity_step(norms: ClientTerm, cut: str | None = None) -> ServerStep:
+  """Logs ``D_part`` and the spreads of every member group under ``"dissimilarity"`` (a group none of whose
+  clients trained: no value), from the group's sums and the uploads of ``norms`` (`update_norms`), split at
+  ``cut`` (None: each model's `decoupling_cut`). Changes nothing else."""
+
+  def init(model, federation):
+    for member in federation.models:  # a bad cut fails before any compute
+      _parts(member, tuple(federation.store.images.shape[1:]), cut)
+    return ()
+
+  def update(carry, state, inputs, plan):
+    federation = inputs.federation
+    shape = tuple(federation.store.images.shape[1:])
+    values = {name: gradient_dissimilarity(result.delta_sum, result.weight_sum, norm_sums,
+                                           _parts(model, shape, cut))
+              for name, model, result, norm_sums in zip(federation.group_names, federation.models, inputs.results,
+                                                        inputs.uploads(norms))}
+    return carry._replace(metrics={**carry.metrics, NAME: values}), state
+
+  return ServerStep(NAME, update, init, reads=(norms,))
+
+
+def tracked(method: Method, cut: str | None = None) -> Method:
+  """``method`` with the dissimilarity metric: the `update_norms` term and its `dissimilarity_step` last. The
+  extra upload can change results in the last float bits."""
+  norms = update_norms()
+  return dataclasses.replace(method, terms=method.terms + (norms,),
+                             server=method.server + (dissimilarity_step(norms, cut),))

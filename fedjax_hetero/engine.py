@@ -21,9 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_hetero import dissimilarity
 from fedjax_hetero.backends import Backend, copy_tree
-from fedjax_hetero.client import backdoor
+from fedjax_hetero.client import attack
 from fedjax_hetero.client.local import LocalConfig, LocalTrainer
 from fedjax_hetero.config.federation import FederationConfig, check_federation  # (FederationConfig re-exported)
 from fedjax_hetero.config.run import AUTO_ROUNDS_PER_CALL, ROUND_PROGRAMS  # (re-exported)
@@ -31,7 +30,6 @@ from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.evaluation import ACCELERATOR_EVAL_BATCH, EVAL_BATCH, correct_predictions
 from fedjax_hetero.hetero.maps import SubmodelMap, Variables, complete, extract, identity_map, pick_global, separate
 from fedjax_hetero.methods.api import Method
-from fedjax_hetero.models import parameter_split, resolve_cut
 from fedjax_hetero import round_program
 from fedjax_hetero.host_round import HostLoop
 from fedjax_hetero.state import ServerState, round_key, server_key  # (re-exported)
@@ -60,10 +58,10 @@ def assign_groups(num_clients: int, num_groups: int) -> list[np.ndarray]:
 
 
 def _federations(groups: Sequence[ArchGroup], shapes: Sequence[Variables], maps: Sequence[SubmodelMap],
-                 global_index: int, shared: bool, config: FederationConfig,
+                 global_index: int, method: Method, config: FederationConfig,
                  store: FederatedStore) -> tuple[Federation, ...]:
   """One federation for all groups (``shared``: maps onto the largest model) or one per group (identity)."""
-  members = [list(range(len(groups)))] if shared else [[g] for g in range(len(groups))]
+  members = [list(range(len(groups)))] if method.sharing.shared else [[g] for g in range(len(groups))]
   out = []
   for index, group_ids in enumerate(members):
     one = len(group_ids) == 1
@@ -74,7 +72,7 @@ def _federations(groups: Sequence[ArchGroup], shapes: Sequence[Variables], maps:
         index, chosen[0].name if one else "global", tuple(group_ids), tuple(g.name for g in chosen),
         tuple(g.model for g in chosen), tuple(identity_map(shapes[g]) if one else maps[g] for g in group_ids),
         tuple(g.clients for g in chosen), stack_sizes, groups[group_ids[0] if one else global_index].model, store,
-        config.seed, server_key(config.seed, 0, store.num_clients, len(groups) + index)))
+        config.seed, server_key(config.seed, 0, store.num_clients, len(groups) + index), method.terms))
   return tuple(out)
 
 
@@ -83,13 +81,8 @@ class Simulation:
 
   def __init__(self, groups: Sequence[ArchGroup], store: FederatedStore, local: LocalConfig, method: Method,
                config: FederationConfig, backend: Backend, test_images: jax.Array, test_labels: jax.Array,
-               track_dissimilarity: bool = False, dissimilarity_cut: str | None = None, round_program: str = "auto",
-               rounds_per_call: int | None = None):
-    """``track_dissimilarity``: log every round's gradient dissimilarity (`fedjax_hetero.dissimilarity`) per
-    group, split at ``dissimilarity_cut`` (None: each model's `decoupling_cut`). It adds an upload to the
-    client programs, which can change results in the last float bits; off by default.
-
-    ``round_program``: "fused" runs `run_rounds` as one device program per ``rounds_per_call`` rounds
+               round_program: str = "auto", rounds_per_call: int | None = None):
+    """``round_program``: "fused" runs `run_rounds` as one device program per ``rounds_per_call`` rounds
     (`fedjax_hetero.round_program`), "host" as the host loop of `run_round`; "auto" picks the program on an
     accelerator when the method and backend allow it, the host loop on CPU (see docs/performance.md).
     ``rounds_per_call`` None: `AUTO_ROUNDS_PER_CALL`."""
@@ -115,21 +108,14 @@ class Simulation:
       raise ValueError("every client must belong to an architecture group")
     if config.group_draw and any(t.init_memory for t in method.terms):
       raise ValueError(f"{method.name} keeps per-client memory in its group's shape; it cannot redraw groups")
-    self.federations = _federations(self.groups, shapes, self.maps, self.global_index, method.sharing.shared, config,
-                                    store)
+    self.federations = _federations(self.groups, shapes, self.maps, self.global_index, method, config, store)
     self.federation_of = [next(f.index for f in self.federations if g in f.members) for g in range(len(self.groups))]
     self.member_of = [self.federations[f].members.index(g) for g, f in enumerate(self.federation_of)]
-    terms = method.terms + ((dissimilarity.update_norms(),) if track_dissimilarity else ())
-    # The backdoor attack's malicious clients (sorted ids; none by default) and their traced inputs.
-    self.malicious_clients = backdoor.malicious_clients(store.num_clients, config.malicious_fraction, config.seed)
-    attack = (backdoor.Backdoor(config.backdoor_scale, config.backdoor_delta) if len(self.malicious_clients)
-              else None)
-    self.attack_table = (backdoor.attack_table(store.num_clients, self.malicious_clients, config.seed) if attack
-                    else None)
-    self.trainers = [LocalTrainer(g.model, local, store.mean, store.std, terms, method.combine, attack)
+    # The attack's malicious clients (sorted ids; none by default); under attack every trainer is wrapped.
+    self.malicious_clients = attack.malicious_clients(store.num_clients, config.malicious_fraction, config.seed)
+    wrap = attack.trainer_wrapper(config, self.malicious_clients, store.num_clients)
+    self.trainers = [wrap(LocalTrainer(g.model, local, store.mean, store.std, method.terms, method.combine))
                      for g in self.groups]
-    self.dissimilarity_programs = [self._dissimilarity_program(g.model, dissimilarity_cut) for g in self.groups
-                           if track_dissimilarity]
     self._extract = [jax.jit(lambda v, offset, m=self.federations[f].maps[i]: extract(v, m, offset))
                      for f, i in zip(self.federation_of, self.member_of)]
     # One jitted server program per federation (public so that benchmarks can time it).
@@ -192,11 +178,13 @@ class Simulation:
       return state.models[f]
     return self._extract[group](state.models[f], state.round)
 
-  def group_share(self, state: ServerState, group: int) -> dict[str, Any]:
-    """What the group's clients get from the server steps besides the model, by step name."""
+  def group_share(self, state: ServerState, group: int) -> tuple[Any, ...]:
+    """What the group's clients get from the server steps besides the model: per client term, the broadcast of
+    the step that reads it (empty for a term that takes none)."""
     f, member = self.federation_of[group], self.member_of[group]
-    return {s.name: s.broadcast(st, self.federations[f], member, state.round)
-            for s, st in zip(self.method.server, state.steps[f]) if s.broadcast}
+    steps, states = self.method.server, state.steps[f]
+    return tuple(() if i is None else steps[i].broadcast(states[i], self.federations[f], member, state.round)
+                 for i in self.method.share_writers)
 
   def cohorts_of_round(self, sampler_state: Any, round_index: int) -> tuple[Participants, list[np.ndarray],
                                                                           list[np.ndarray]]:
@@ -251,11 +239,6 @@ class Simulation:
     Without it the memory is copied first, a cost that grows with the total number of clients
     (SCAFFOLD's control variates, MOON's previous models), not with the round's work."""
     return self.host_loop.run_round(state, consume)
-
-  def _dissimilarity_program(self, model: nn.Module, cut: str | None):
-    low, high = parameter_split(model, self._sample_input, resolve_cut(model, cut))
-    return jax.jit(lambda delta_sum, weight_sum, norms: dissimilarity.gradient_dissimilarity(
-        delta_sum, weight_sum, norms, {"low": low, "high": high}))
 
   def aggregate(self, federation: int, state: ServerState, starts: Sequence[Variables], shares: Sequence[Any],
                 results: Sequence[Any], cohorts: Sequence[np.ndarray]) -> tuple[Variables, tuple[Any, ...], dict]:

@@ -17,9 +17,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import jax
 import numpy as np
 
-from fedjax_hetero import dissimilarity
 from fedjax_hetero.backends import copy_tree, empty_group_result
-from fedjax_hetero.client import backdoor
 from fedjax_hetero.compilation import mapping_headroom
 from fedjax_hetero.hetero.maps import Variables
 from fedjax_hetero.round_rows import group_loss, host_metrics, merge, round_row
@@ -61,8 +59,7 @@ class HostLoop:
         group_memory = copy_tree(group_memory)
       return sim.backend.train(sim.trainers[gi], starts[gi], sim.store, cohort, group_weights, key,
                                 memory=group_memory, rows=sim.row_of_client[cohort], server=shares[gi],
-                                per_client_start=sim.method.sharing.stacked, capacity=sim.stack_size(gi),
-                                attack=None if sim.attack_table is None else backdoor.cohort_inputs(sim.attack_table, cohort))
+                                per_client_start=sim.method.sharing.stacked, capacity=sim.stack_size(gi))
 
     # In the first round the groups compile side by side (XLA compiles on one core), except in a multi-process
     # run: there every process must launch the programs, whose collectives pair up across processes, in one order.
@@ -77,20 +74,15 @@ class HostLoop:
       self._compile_every_federation(state, starts, shares, cohorts)
     memory, results = list(state.memory), []
     losses: dict[str, float] = {}
-    dissimilarities: dict[str, dict[str, float]] = {}
     examples = 0.0
     for gi, (group, result) in enumerate(zip(sim.groups, trained)):
-      if sim.dissimilarity_programs and result is not None:  # (a first round's dropped result compiles it too)
-        spread = sim.dissimilarity_programs[gi](result.delta_sum, result.weight_sum, result.uploads[dissimilarity.NAME])
       if len(cohorts[gi]) == 0:
         results.append(None)
         continue
       memory[gi] = result.memory
       losses[group.name] = group_loss(r, group.name, result.loss_sum, result.num_examples)
-      if sim.dissimilarity_programs:
-        dissimilarities[group.name] = host_metrics(spread)
       examples += float(result.num_examples)
-      results.append(result._replace(memory={}))
+      results.append(result._replace(memory=()))
     models, steps = list(state.models), list(state.steps)
     metrics: dict[str, Any] = {}
     for f in sim.federations:
@@ -98,14 +90,14 @@ class HostLoop:
         models[f.index], steps[f.index], federation_metrics = self.aggregate(f.index, state, starts, shares,
                                                                             results, cohorts)
         merge(metrics, federation_metrics)
-    sampler_state = state.sampler
-    if sim.method.sampler.observe:
+    sampler_state, sampler = state.sampler, sim.method.sampler
+    if sampler.observe:
+      read = sim.method.term_index(sampler.reads)
       for gi, result in enumerate(results):
         if result is not None:
-          sampler_state = sim.method.sampler.observe(sampler_state, cohorts[gi],
-                                                      result.uploads[sim.method.sampler.name], sim.sampling)
+          sampler_state = sampler.observe(sampler_state, cohorts[gi], result.uploads[read], sim.sampling)
     jax.block_until_ready((models, steps, sampler_state))
-    metrics = round_row(r, losses, chosen.draws, examples, time.perf_counter() - t0, metrics, dissimilarities)
+    metrics = round_row(r, losses, chosen.draws, examples, time.perf_counter() - t0, metrics)
     return ServerState(r + 1, tuple(models), tuple(steps), sampler_state, tuple(memory)), metrics
 
   def _compile_every_federation(self, state: ServerState, starts: Sequence[Variables], shares: Sequence[Any],
@@ -149,7 +141,7 @@ class HostLoop:
     if group not in self._empty_results:
       # Shapes only: the round that calls this may have consumed the state's memory.
       row = (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.memory[group])
-             if state.memory and state.memory[group] else {})
+             if state.memory and state.memory[group] else ())
       # Placed as the backend places real results, so the server program sees one input placement every round.
       self._empty_results[group] = sim.backend.place(empty_group_result(sim.trainers[group], start, row, share,
                                                                          sim.stack_size(group)))

@@ -33,8 +33,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_hetero.client import cohort
-from fedjax_hetero.client.backdoor import cohort_inputs, padded_inputs
-from fedjax_hetero.dissimilarity import NAME as DISSIMILARITY
 from fedjax_hetero.evaluation import EVAL_BATCH, count_correct
 from fedjax_hetero.round_rows import accuracies, group_loss, host_metrics, merge, round_row
 from fedjax_hetero.server.steps import Plan, run_server_steps
@@ -56,7 +54,7 @@ class GroupRounds(NamedTuple):
   server_ids: np.ndarray  # int32 [K, C]: the ids the server steps see (padding: the number of clients)
   count: np.ndarray  # int32 [K]: sampled clients
   steps: np.ndarray  # int32 [K]: local steps of the group's longest client
-  attack: Any  # the cohort's backdoor inputs [K, C] (an empty tuple without the attack)
+  inputs: Any  # the cohort's per-client trainer inputs [K, C] (`LocalTrainer.client_inputs`; often none)
 
 
 class CallInputs(NamedTuple):
@@ -73,7 +71,6 @@ class RoundOutputs(NamedTuple):
   loss_sum: jax.Array  # float32 [G]
   num_examples: jax.Array  # float32 [G]
   server_metrics: tuple[Any, ...]  # per federation
-  dissimilarity: tuple[Any, ...]  # per group, when tracked
   correct: jax.Array  # int32 [G]: correct test predictions after the round (0 outside evaluation rounds)
 
 
@@ -143,14 +140,13 @@ class RoundProgram:
       fields["server_ids"].append(np.concatenate([clients, np.full(pad, sim.store.num_clients)]))
       fields["count"].append(len(clients))
       fields["steps"].append(max([sim.local.num_steps(int(n)) for n in sim.store.sizes[clients]] or [0]))
-      if sim.attack_table is not None:
-        fields["attack"].append(padded_inputs(cohort_inputs(sim.attack_table, clients), capacity))
+      fields["inputs"].append(cohort.padded_inputs(sim.trainers[group].client_inputs(clients), capacity))
     stack = lambda name, dtype: np.stack(fields[name]).astype(dtype)
-    attack = jax.tree.map(lambda *rows: np.stack(rows), *fields["attack"]) if fields["attack"] else ()
+    inputs = jax.tree.map(lambda *rows: np.stack(rows), *fields["inputs"])
     return GroupRounds(stack("clients", np.int32), stack("sizes", np.int32), stack("weights", np.float32),
                        stack("real", np.float32), stack("rows", np.int32), stack("slots", np.int32),
                        stack("server_ids", np.int32), np.asarray(fields["count"], np.int32),
-                       np.asarray(fields["steps"], np.int32), attack)
+                       np.asarray(fields["steps"], np.int32), inputs)
 
   def call_inputs(self, state: ServerState, count: int, evaluate: Collection[int]):
     """The inputs of a call of ``count`` rounds from ``state`` (rounds in ``evaluate``, 1-based, are evaluated),
@@ -180,8 +176,6 @@ class RoundProgram:
     starts = [sim.start_variables(before, g) for g in range(len(sim.groups))]
     shares = [sim.group_share(before, g) for g in range(len(sim.groups))]
     results, memory = self._train(x, starts, shares, memory, images, labels, index_table)
-    spreads = [program(res.delta_sum, res.weight_sum, res.uploads[DISSIMILARITY])
-               for program, res in zip(sim.dissimilarity_programs, results)]
     server_metrics = []
     for f in sim.federations:
       trains = functools.reduce(jnp.logical_or, [x.groups[g].count > 0 for g in f.members])
@@ -197,8 +191,7 @@ class RoundProgram:
     correct = jax.lax.cond(x.evaluate, lambda: self._correct(after, test_images, test_labels),
                            lambda: jnp.zeros(len(sim.groups), jnp.int32))
     outputs = RoundOutputs(jnp.stack([res.loss_sum for res in results]),
-                           jnp.stack([res.num_examples for res in results]), tuple(server_metrics), tuple(spreads),
-                           correct)
+                           jnp.stack([res.num_examples for res in results]), tuple(server_metrics), correct)
     return (tuple(models), tuple(step_states), tuple(memory)), outputs
 
   def _train(self, x: CallInputs, starts, shares, memory, images, labels, index_table):
@@ -211,7 +204,7 @@ class RoundProgram:
       client_starts.append(jax.tree.map(lambda m: m[gx.slots], starts[g]) if stacked else starts[g])
       memory_rows.append(jax.tree.map(lambda m: jnp.take(m, gx.rows, axis=0, mode="clip"), memory[g]))
       begun.append(cohort.start(trainer, self.schedule_length, client_starts[g], index_table[gx.clients], gx.sizes,
-                                key, gx.clients, memory_rows[g], shares[g], gx.attack, per_client_start=stacked,
+                                key, gx.clients, memory_rows[g], shares[g], gx.inputs, per_client_start=stacked,
                                 mapping=self.mapping))
 
     def step(i, states):
@@ -228,7 +221,7 @@ class RoundProgram:
                                                         mapping=self.mapping)
       if memory[g]:
         memory[g] = jax.tree.map(lambda m, new: m.at[gx.rows].set(new, mode="drop"), memory[g], new_rows)
-      results.append(result._replace(uploads={**result.uploads, **_stacked_rows(stacked_uploads, gx.count)}))
+      results.append(cohort.with_stacked(result, _stacked_rows(stacked_uploads, gx.count), trainer.reductions))
     return results, memory
 
   def _correct(self, state: ServerState, test_images: jax.Array, test_labels: jax.Array) -> jax.Array:
@@ -288,10 +281,8 @@ class RoundProgram:
       if any(len(cohorts[g]) for g in f.members):
         merge(server, {**host_metrics(jax.tree.map(lambda a: a[i], outputs.server_metrics[f.index])),
                        **{k: v for p in plans for k, v in p.log.items()}})
-    spreads = {sim.groups[g].name: host_metrics(jax.tree.map(lambda a: a[i], outputs.dissimilarity[g]))
-               for g in trained if outputs.dissimilarity}
     examples = sum(float(outputs.num_examples[i, g]) for g in trained)
-    row = round_row(r, losses, chosen.draws, examples, seconds, server, spreads)
+    row = round_row(r, losses, chosen.draws, examples, seconds, server)
     row["test_accuracy"] = (accuracies(outputs.correct[i], [g.name for g in sim.groups], len(sim.test_labels))
                             if r + 1 in evaluate else None)
     return row

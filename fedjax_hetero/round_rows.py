@@ -13,7 +13,6 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
-from fedjax_hetero.dissimilarity import NAME as DISSIMILARITY
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -46,13 +45,11 @@ def group_loss(round_index: int, group: str, loss_sum: float, num_examples: floa
 
 
 def round_row(round_index: int, losses: Mapping[str, float], draws: np.ndarray, examples: float, seconds: float,
-              server_metrics: Mapping[str, Any], dissimilarities: Mapping[str, Any]) -> dict[str, Any]:
+              server_metrics: Mapping[str, Any]) -> dict[str, Any]:
   """The metrics row of round ``round_index`` (0-based) from its groups' losses (groups that trained only)."""
   row = {"round": round_index + 1, "train_loss": sum(losses.values()) / max(len(losses), 1),
          "train_loss_per_group": dict(losses), "clients": [int(c) for c in draws], "examples": int(examples),
          "round_seconds": seconds, "samples_per_s": examples / seconds, **server_metrics}
-  if dissimilarities:
-    row[DISSIMILARITY] = dict(dissimilarities)
   return row
 
 

@@ -335,6 +335,6 @@ class _Run:
         "rollbacks": list(self.history.rollbacks),
         "stopped_by_divergence": stopped,
         "config": as_dict(self.config),
-        # The backdoor attack's malicious client ids (`fedjax_hetero.client.backdoor`), only when it is on.
+        # The backdoor attack's malicious client ids (`fedjax_hetero.client.attack`), only when it is on.
         **({"malicious_clients": [int(c) for c in sim.malicious_clients]} if len(sim.malicious_clients) else {}),
     }

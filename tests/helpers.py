@@ -18,6 +18,7 @@ from fedjax_hetero.client.local import LocalConfig
 from fedjax_hetero.data import ArrayDataset, partition, synthetic_dataset
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.config import MethodConfig, RunConfig
+from fedjax_hetero import dissimilarity
 from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation, assign_groups
 from fedjax_hetero.methods import build_method
 from fedjax_hetero.models import ResNet, build_model
@@ -119,9 +120,11 @@ def simulation(method, models, data=None, local: LocalConfig = TINY_LOCAL, backe
             for (name, model), clients in zip(models, assign_groups(store.num_clients, len(models)))]
   if isinstance(method, str):
     method = build_method(method, method_options(**(options or {})), local)
+  if track_dissimilarity:
+    method = dissimilarity.tracked(method)
   config = FederationConfig(**{"clients_per_round": 3, "seed": 0, **federation})
   return Simulation(groups, store, local, method, config, make_backend(backend), jnp.asarray(ds.test_images),
-                    jnp.asarray(ds.test_labels), track_dissimilarity=track_dissimilarity, round_program=round_program)
+                    jnp.asarray(ds.test_labels), round_program=round_program)
 
 
 def tiny_simulation(method, backend: str = "sequential", widths=(1.0,), clients_per_round: int = 3,

@@ -17,7 +17,7 @@ import pytest
 
 from fedjax_hetero.cli import compare
 from fedjax_hetero.backends import make_backend
-from fedjax_hetero.client.backdoor import (Backdoor, attack_table, cohort_inputs, malicious_clients, num_malicious,
+from fedjax_hetero.client.backdoor import (AttackedTrainer, Backdoor, attack_table, malicious_clients, num_malicious,
                                            shuffled_row)
 from fedjax_hetero.client.local import LocalConfig, LocalTrainer
 from fedjax_hetero.compilation import CompileLog
@@ -114,25 +114,26 @@ def test_malicious_upload_is_its_update_plus_lambda_times_the_backdoor_delta(met
   scale, key, backend = 3.0, round_key(0, 2), make_backend("sequential")
   bad, good = 1, 4
   table = attack_table(store.num_clients, np.array([bad]), seed=0)
-  attacked_trainer = LocalTrainer(model, LOCAL, store.mean, store.std, terms, backdoor=Backdoor(scale, reading))
+  attacked_trainer = AttackedTrainer(LocalTrainer(model, LOCAL, store.mean, store.std, terms),
+                                     Backdoor(scale, reading), table)
 
-  def train(trainer, client, data=store, **kw):
+  def train(trainer, client, data=store):
     clients = np.array([client])
-    return backend.train(trainer, start, data, clients, np.ones(1), key, **kw)
+    return backend.train(trainer, start, data, clients, np.ones(1), key)
 
   # Two separate clean trainings of the malicious client: on its data, and on its data relabelled.
   clean = train(clean_trainer, bad).delta_sum["params"]
   copy = train(clean_trainer, bad, relabelled(store, bad, table.label_seed[bad])).delta_sum["params"]
   backdoor = copy if reading == "update" else jax.tree.map(jnp.subtract, copy, clean)
   expected = jax.tree.map(lambda c, b: c + scale * b, clean, backdoor)
-  attacked = train(attacked_trainer, bad, attack=cohort_inputs(table, np.array([bad])))
+  attacked = train(attacked_trainer, bad)
   chex.assert_trees_all_equal_shapes(attacked.delta_sum["params"], expected)
   chex.assert_trees_all_close(attacked.delta_sum["params"], expected, rtol=1e-5, atol=1e-6)
   assert not np.allclose(jax.tree.leaves(copy)[0], jax.tree.leaves(clean)[0], atol=1e-3)
   # The training loss it reports is its clean training's.
   np.testing.assert_allclose(attacked.loss_sum, train(clean_trainer, bad).loss_sum, rtol=1e-6)
   # An honest client of the same trainer uploads its plain update.
-  honest = train(attacked_trainer, good, attack=cohort_inputs(table, np.array([good]))).delta_sum["params"]
+  honest = train(attacked_trainer, good).delta_sum["params"]
   chex.assert_trees_all_close(honest, train(clean_trainer, good).delta_sum["params"], rtol=1e-6, atol=1e-7)
 
 
@@ -167,7 +168,7 @@ def test_backends_agree_under_attack(attacked_runs):
 def test_fraction_zero_is_the_clean_run_bit_for_bit_and_the_attack_changes_it():
   clean = simulation(widths=(1.0,))
   zero = simulation(widths=(1.0,), malicious_fraction=0.0, backdoor_scale=7.0, backdoor_delta="difference")
-  assert all(t.backdoor is None for t in zero.trainers) and zero.attack_table is None
+  assert all(type(t) is LocalTrainer for t in zero.trainers)
   chex.assert_shape(zero.malicious_clients, (0,))
   (clean_state, clean_rows, _), (zero_state, zero_rows, _) = run(clean, 2), run(zero, 2)
   chex.assert_trees_all_equal(zero_state.models, clean_state.models)
@@ -214,11 +215,8 @@ def test_library_users_get_the_same_errors(no_compute):
     FederationConfig(backdoor_scale=-0.5)
   with pytest.raises(ValueError, match="rounds to no malicious client"):
     simulation(malicious_fraction=0.05)
-  with pytest.raises(ValueError, match="attack inputs"):
-    ds, store = tiny_federation()
-    model = build_model("mlp", ds.num_classes, 1.0, hidden=(16,))
-    trainer = LocalTrainer(model, LOCAL, store.mean, store.std, backdoor=Backdoor(1.0))
-    make_backend("sequential").train(trainer, {}, store, np.array([0]), np.ones(1), round_key(0, 0))
+  with pytest.raises(ValueError, match="--backdoor-delta"):
+    Backdoor(1.0, "sum")
 
 
 # ---------------------------------------------------------------------------------------- results and compare

@@ -53,9 +53,9 @@ def test_scaffold_with_zero_control_variates_equals_fedavg_for_one_step(cnn):
   scaffold = LocalTrainer(model, sgd(), MEAN, STD, terms=(scaffold_correction(0.5),))
   memory = scaffold.init_memory(variables)
   zeros = jax.tree.map(jnp.zeros_like, variables["params"])
-  chex.assert_trees_all_equal(memory["scaffold"], zeros)
+  chex.assert_trees_all_equal(memory[0], zeros)
   args = (*batch(0, 8), jnp.ones(8, bool))
-  got = jax.jit(scaffold.train_step)(scaffold.init_state(variables, memory, {"scaffold": zeros}), *args)
+  got = jax.jit(scaffold.train_step)(scaffold.init_state(variables, memory, (zeros,)), *args)
   want = jax.jit(plain.train_step)(plain.init_state(variables), *args)
   chex.assert_trees_all_close(got.variables, want.variables, rtol=1e-6, atol=1e-7)
 
@@ -68,7 +68,7 @@ def test_scaffold_step_adds_the_correction_to_the_gradient(cnn):
   noise = lambda: jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), variables["params"])
   c_i, c = noise(), noise()
   args = (*batch(0, 8), jnp.ones(8, bool))
-  got = jax.jit(scaffold.train_step)(scaffold.init_state(variables, {"scaffold": c_i}, {"scaffold": c}), *args)
+  got = jax.jit(scaffold.train_step)(scaffold.init_state(variables, (c_i,), (c,)), *args)
   want = jax.jit(plain.train_step)(plain.init_state(variables), *args)
   # SGD: y <- y - lr (g + c - c_i)
   expected = jax.tree.map(lambda w, a, b: w - 0.5 * (a - b), want.variables["params"], c, c_i)
@@ -192,10 +192,10 @@ def test_scaffold_keeps_per_client_control_variates_for_sampled_clients_only():
   state1, row = sim.run_round(state0)
   sampled = set(row["clients"])
   for gi, group in enumerate(sim.groups):
-    chex.assert_shape(jax.tree.leaves(state1.memory[gi]["scaffold"])[0], (len(group.clients),) + jax.tree.leaves(
-        state0.memory[gi]["scaffold"])[0].shape[1:])
+    chex.assert_shape(jax.tree.leaves(state1.memory[gi][0])[0], (len(group.clients),) + jax.tree.leaves(
+        state0.memory[gi][0])[0].shape[1:])
     for row, client in enumerate(group.clients):
-      moved = any(float(jnp.abs(x[row]).max()) > 0 for x in jax.tree.leaves(state1.memory[gi]["scaffold"]))
+      moved = any(float(jnp.abs(x[row]).max()) > 0 for x in jax.tree.leaves(state1.memory[gi][0]))
       assert moved == (int(client) in sampled), (group.name, client)
   control = state1.steps[0][[s.name for s in sim.method.server].index("scaffold")]
   assert any(float(jnp.abs(x).max()) > 0 for x in jax.tree.leaves(control))
@@ -207,8 +207,8 @@ def test_moon_keeps_each_clients_previous_model():
   assert "projection_out" in state0.models[0]["params"]
   state1, metrics = sim.run_round(state0)
   for row, client in enumerate(sim.groups[0].clients):
-    prev0 = jax.tree.map(lambda x: x[row], state0.memory[0]["moon"])
-    prev1 = jax.tree.map(lambda x: x[row], state1.memory[0]["moon"])
+    prev0 = jax.tree.map(lambda x: x[row], state0.memory[0][0])
+    prev1 = jax.tree.map(lambda x: x[row], state1.memory[0][0])
     changed = any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(prev0), jax.tree.leaves(prev1)))
     assert changed == (int(client) in metrics["clients"])
 
@@ -281,3 +281,28 @@ def test_methods_run_from_the_runner(tmp_path, method):
                                 progress=False, max_train_samples=128, max_test_samples=64)
   summary = run_experiment(config, log=lambda m: None)
   assert np.isfinite(summary["final_accuracy"]["mean"])
+
+
+def test_a_scaffold_checkpoint_of_the_memory_by_term_name_is_refused_saying_why(tmp_path):
+  """Before issue 36 a client's memory was a dict by term name ({"scaffold": c_i}); it is one entry per term now.
+  Such a checkpoint (no layout recorded) does not restore, and the error says an earlier version wrote it; one
+  written now restores."""
+  import orbax.checkpoint as ocp
+  from fedjax_hetero import checkpoints
+
+  sim = tiny_simulation("Scaffold", widths=(1.0,))
+  state = sim.init_state()
+  old = checkpoints.state_tree(state)
+  old["memory"] = {"0": {"scaffold": old["memory"]["0"]["0"]}}
+  manager = checkpoints.manager(str(tmp_path / "old"))
+  manager.save(1, args=ocp.args.StandardSave(old), force=True, custom_metadata={checkpoints.ROUND_KEY: 1})
+  manager.wait_until_finished()
+  with pytest.raises(ValueError, match="written by an earlier version of fedjax_hetero.*start the run again"):
+    checkpoints.restore_latest(checkpoints.manager(str(tmp_path / "old")), sim.state_shapes)
+  with pytest.raises(ValueError, match="written by an earlier version"):
+    checkpoints.restore_latest_intact(str(tmp_path / "old"), sim.state_shapes, warn=lambda _: None)
+  new = checkpoints.manager(str(tmp_path / "new"))
+  checkpoints.save(new, state._replace(round=1), force=True)
+  new.wait_until_finished()
+  restored = checkpoints.restore_latest(checkpoints.manager(str(tmp_path / "new")), sim.state_shapes)
+  chex.assert_trees_all_equal(restored.memory, state.memory)

@@ -1,12 +1,19 @@
-"""The method API's proof: FedAvgM (Hsu et al. 2019, server momentum), declared here with no library edit."""
+"""The method API's proof: FedAvgM (Hsu et al. 2019, server momentum) and FedDyn (Acar et al. 2021: an upload,
+client memory and a server step with typed state), declared here with no library edit; and the construction
+check of the links between a method's client and server halves."""
+
+from typing import Any, NamedTuple
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
+from fedjax_hetero.client.terms import ClientTerm, proximal_term, tree_sub, upload_variables, with_memory, with_upload
 from fedjax_hetero.methods import PER_GROUP, Method
-from fedjax_hetero.server import apply_delta, mean_delta
+from fedjax_hetero.server import ServerStep, apply_delta, mean_delta
 from tests.helpers import tiny_simulation
 
 
@@ -51,3 +58,64 @@ def test_fedavgm_runs_on_the_round_program():
   chex.assert_trees_all_close(state.steps, host_state.steps, rtol=1e-5, atol=1e-7)  # the momentum buffer
   np.testing.assert_allclose([r["train_loss"] for r in rows], [r["train_loss"] for r in host_rows], rtol=1e-5)
   assert rows[-1]["test_accuracy"] == host_rows[-1]["test_accuracy"]
+
+
+# FedDyn (Acar et al. 2021), a method with an upload, client memory and a server step of its own -------------
+
+class DynClient(NamedTuple):
+  start: Any  # the round's start params, theta^{t-1}
+  gradient: Any  # the client's linear term, grad L_k(theta_k^{t-1}) (its memory)
+
+
+class DynServer(NamedTuple):
+  h: Any  # the server's running correction
+
+
+def feddyn(alpha: float = 0.1) -> Method:
+  """Clients: loss - <g_k, theta> + alpha/2 ||theta - theta^{t-1}||^2, then g_k -= alpha * their change, which
+  they upload; server: h -= alpha * mean change, and the mean change less h / alpha is applied."""
+
+  def loss(variables, state, _, outputs, ctx):
+    params = variables["params"]
+    linear = sum(jnp.vdot(g, p) for g, p in zip(jax.tree.leaves(state.gradient), jax.tree.leaves(params)))
+    return proximal_term(params, state.start, alpha) - linear
+
+  def finish(state, final, gradient, share):
+    change = tree_sub(final.variables["params"], final.start["params"])
+    return with_memory(with_upload(final, change), jax.tree.map(lambda g, c: g - alpha * c, gradient, change))
+
+  dynamic = ClientTerm("dynamic", init=lambda r: DynClient(r.start["params"], r.memory), loss=loss, finish=finish,
+                       init_memory=lambda v: jax.tree.map(jnp.zeros_like, v["params"]), upload="weighted")
+
+  def update(carry, state, inputs, plan):
+    mean = jax.tree.map(lambda u: u / inputs.weights[0], inputs.uploads(dynamic)[0])
+    h = jax.tree.map(lambda h, m: h - alpha * m, state.h, mean)
+    params = jax.tree.map(lambda d, h: d - h / alpha, carry.delta["params"], h)
+    return carry._replace(delta={**carry.delta, "params": params}), DynServer(h)
+
+  correction = ServerStep("dynamic", update, init=lambda model, f: DynServer(jax.tree.map(jnp.zeros_like,
+                                                                                          model["params"])),
+                          reads=(dynamic,))
+  return Method("FedDyn", "Acar et al. 2021", "dynamic regularization", terms=(dynamic,),
+                server=(mean_delta(), correction, apply_delta()), sharing=PER_GROUP)
+
+
+def test_feddyn_declared_here_trains_with_its_upload_memory_and_server_state():
+  sim, states, rows = run(feddyn(), rounds=3)
+  assert all(np.isfinite(r["train_loss"]) for r in rows)
+  h = jax.tree.leaves(states[-1].steps[0][1].h)
+  assert h and all(np.abs(np.asarray(x)).max() > 0 for x in h)
+  gradients = jax.tree.leaves(states[-1].memory[0][0])  # the group's clients' g_k, one row each
+  assert any(np.abs(np.asarray(g)).max() > 0 for g in gradients)
+
+
+def test_a_method_whose_upload_nobody_reads_is_refused_at_construction():
+  orphan = upload_variables("orphan")
+  with pytest.raises(ValueError, match="Broken: client term 'orphan' uploads .*no server step or sampler reads it"):
+    Method("Broken", "", "", terms=(orphan,))
+  with pytest.raises(ValueError, match="Broken: client term 'wants' takes a share, but no server step"):
+    Method("Broken", "", "", terms=(ClientTerm("wants", share=True),))
+  reader = ServerStep("reader", lambda carry, state, inputs, plan: (carry, state), reads=(orphan,))
+  with pytest.raises(ValueError, match="Broken: the server step 'reader' reads client term 'orphan', which is not"):
+    Method("Broken", "", "", server=(mean_delta(), reader, apply_delta()))
+  Method("Fine", "", "", terms=(orphan,), server=(mean_delta(), reader, apply_delta()))

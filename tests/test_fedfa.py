@@ -19,7 +19,7 @@ from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation, assign_groups
 from fedjax_hetero.hetero import build_group_map, coverage, embed, extract, graft, identity_map
 from fedjax_hetero.methods import METHODS, build_method
-from fedjax_hetero.methods.fedfa import graft_pairs, grafted_maps
+from fedjax_hetero.methods.fedfa import ScaledKernels, graft_pairs, grafted_maps
 from fedjax_hetero.models import ResNet, build_model
 from fedjax_hetero.server.steps import server_program
 from tests.helpers import (method_options, numpy_variables, run_rounds, simulation, tiny_federation, tiny_resnet,
@@ -278,13 +278,14 @@ def test_fedfa_grafting_feeds_the_shallow_clients_into_deeper_blocks(resnet_fedf
   # row is 0, so alpha = 1 and the kernels come through the fallback part, unscaled.
   results = []
   for g, (start, value, weight) in enumerate(zip(starts, (1.0, 15.0), (1.0, 3.0))):
-    empty = sim.host_loop.empty_result(g, start, {}, state)
+    empty = sim.host_loop.empty_result(g, start, (), state)
     sums = jax.tree.map(lambda x, v=value: jnp.full_like(x, v), start)
     uploaded = jax.tree.map(lambda d, x, w=weight: d + w * x, sums, start)
-    uploads = {**empty.uploads, "fedfa": {"scaled": aggregators.fedfa.kernels(jax.tree.map(jnp.zeros_like, start)),
-                                          "fallback": aggregators.fedfa.kernels(uploaded)}}
+    scaled = ScaledKernels(aggregators.fedfa.kernels(uploaded), aggregators.fedfa.kernels(
+        jax.tree.map(jnp.zeros_like, start)))
+    uploads = (scaled,) + empty.uploads[1:]  # the terms: scaled_upload's two
     results.append(empty._replace(delta_sum=sums, weight_sum=jnp.float32(weight), uploads=uploads))
-  new, _, metrics = sim.aggregate(0, state, starts, [{}, {}], results, [np.array([0]), np.array([2, 3])])
+  new, _, metrics = sim.aggregate(0, state, starts, [(), ()], results, [np.array([0]), np.array([2, 3])])
   assert metrics["fedfa"]["fallbacks"] > 0
   kernel = lambda tree, block: np.asarray(tree["params"][block]["conv2"]["kernel"])
   # stage1_block1 = (1 * (1 + shallow block 0) + 3 * (5 + block 1)) / 4: the graft's copy of block 0.

@@ -103,7 +103,7 @@ def test_fedgen_regularizer_changes_local_training_only_when_switched_on(fedgen_
   want = jax.jit(plain.train_step)(plain.init_state(start), *args)
   for state, changes in ((states[0], False), (states[1], True)):  # coefficients (0, 0) in round 0 (FedGen code)
     server = sim.group_share(state, 0)
-    got = jax.jit(trainer.train_step)(trainer.init_state(start, {}, server, key), *args)
+    got = jax.jit(trainer.train_step)(trainer.init_state(start, (), server, key), *args)
     if changes:
       assert max_difference(got.variables["params"], want.variables["params"]) > 1e-4
     else:

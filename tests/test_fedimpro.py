@@ -213,13 +213,13 @@ def test_a_client_with_non_finite_statistics_is_dropped_and_counted():
   assert float(fine.dropped) == 0.0 and np.all(np.isfinite(np.asarray(fine.mean_sum)))
 
   sim = tiny_simulation("FedImpro")
-  step = feature_statistics()
+  step = feature_statistics(fi.FedImproConfig(), sim.method.terms[0])
   federation = sim.federations[0]
   state = step.init(None, federation)
   num_classes, size = state[0].mean.shape
   good = upload(np.ones((num_classes, size)), np.full((num_classes, size), .1), np.ones(num_classes))
   broken = upload(np.full((num_classes, size), np.nan), np.ones((num_classes, size)), np.ones(num_classes))
-  result = empty_result({}, None)._replace(uploads={"fedimpro": jax.tree.map(jnp.add, good, broken)})
+  result = empty_result({})._replace(uploads=(jax.tree.map(jnp.add, good, broken),))
   inputs = RoundInputs(None, ({},), (result,), (), (), 0, jax.random.key(0), federation)
   carry, new = step.update(Carry(None), state, inputs, None)
   assert carry.metrics["fedimpro"][federation.name]["dropped_clients"] == 1.0
@@ -276,7 +276,8 @@ def test_resume_restores_the_statistics_bit_for_bit(tmp_path):
 
   sim, _ = build_simulation(resumed, dataset, log=quiet)
   after_one = checkpoints.restore_latest(checkpoints.manager(resumed.output.dir), sim.state_shapes)
-  assert after_one.round == 1 and float(after_one.steps[0][-1][0].seen.sum()) > 0
+  statistics = [s.name for s in sim.method.server].index("fedimpro")  # (the dissimilarity metric's step is last)
+  assert after_one.round == 1 and float(after_one.steps[0][statistics][0].seen.sum()) > 0
   run_experiment(resumed.replace(resume=True), dataset, log=quiet)
 
   def final(config):

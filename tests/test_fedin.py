@@ -174,7 +174,7 @@ def depth_simulation(method, groups=((1, 1), (1, 2)), **options):
 def test_pairs_with_a_non_finite_value_are_dropped_and_counted():
   sim = depth_simulation("FedIN", fedin=fi.FedINConfig(num_pairs=2))
   federation = sim.federations[0]
-  step = feature_bank(fi.FedINConfig(num_pairs=2))
+  step = feature_bank(fi.FedINConfig(num_pairs=2), sim.method.terms[-1])
   bank = step.init(None, federation)
   in_shape, out_shape = bank.pairs.s_in.shape[1:], bank.pairs.s_out.shape[1:]
   good = fi.FeaturePairs(jnp.ones((1, 2) + in_shape), jnp.ones((1, 2) + out_shape), jnp.ones((1, 2), bool))
@@ -251,7 +251,7 @@ def test_groups_of_different_feature_shapes_cannot_share_pairs():
   federation = depth_simulation("FedIN").federations[0]
   wider = federation._replace(models=(federation.models[0], federation.models[1].clone(width=2.0)))
   with pytest.raises(ValueError, match="need one shape"):
-    feature_bank().init(None, wider)
+    feature_bank(fi.FedINConfig(), intermediate_training()).init(None, wider)
 
 
 def test_a_checkpoint_restores_the_bank_and_the_run_goes_on_bit_for_bit(tmp_path):

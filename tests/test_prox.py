@@ -291,8 +291,8 @@ def test_cli_prox_mu_flag_reaches_the_simulation():
     logs = []
     sim, _ = build_simulation(config, dataset, log=logs.append)
     assert prox_mu(sim.method) == pytest.approx(effective)
-    # The method's terms, and the engine's dissimilarity metric (on in every CLI run) after them.
-    assert all(t.terms[:-1] == sim.method.terms and t.terms[-1].name == "dissimilarity" for t in sim.trainers)
+    # The method's terms, and the dissimilarity metric's (on in every CLI run, added by the build step) after them.
+    assert sim.method.terms[-1].name == "dissimilarity" and all(t.terms == sim.method.terms for t in sim.trainers)
     assert ("client terms: prox" in logs[-1]) == bool(effective), logs
   with pytest.raises(ValueError, match="--prox-mu must be a finite number >= 0, got -1.0"):
     RunConfig.from_flags(dataset="synthetic", prox_mu=-1.0)

@@ -34,7 +34,7 @@ def fused(sim: Simulation, rounds_per_call: int = 3, **changes) -> Simulation:
   """``sim``'s setting on the round program."""
   kwargs = dict(groups=sim.groups, store=sim.store, local=sim.local, method=sim.method, config=sim.config,
                 backend=sim.backend, test_images=sim.test_images, test_labels=sim.test_labels,
-                track_dissimilarity=bool(sim.dissimilarity_programs), round_program="fused",
+                round_program="fused",
                 rounds_per_call=rounds_per_call)
   return type(sim)(**{**kwargs, **changes})
 
@@ -111,7 +111,10 @@ def test_round_program_with_the_backdoor_attack_and_the_dissimilarity_metric():
   assert len(program.malicious_clients) == 2
   assert_same_run(host, program, rounds=3)
   _, (row,) = program.run_rounds(program.init_state(), 1)
-  assert set(row["dissimilarity"]) == set(row["train_loss_per_group"])  # the groups that trained
+  # Every group of the shared federation, with no values for a group none of whose clients trained.
+  assert set(row["dissimilarity"]) == {g.name for g in program.groups}
+  for group, values in row["dissimilarity"].items():
+    assert (group in row["train_loss_per_group"]) == any(v is not None for v in values.values()), (group, values)
 
 
 @pytest.mark.parametrize("method", ["HeteroScaffold", "FedCross"])

@@ -1,6 +1,7 @@
-"""Baseline algorithms' server- and client-side pieces as pure functions (engine-independent)."""
+"""The old home of the baselines' pure pieces, kept as an import path: each now lives in its method's module
+(`fedjax_hetero.methods.fedgen_generator`, `methods.fedimpro`, `methods.fedin`)."""
 
-from fedjax_hetero.algorithms.fedgen import (
+from fedjax_hetero.methods.fedgen_generator import (
     PRESETS,
     FeatureHead,
     FedGenConfig,

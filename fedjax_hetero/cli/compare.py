@@ -30,7 +30,7 @@ beside the mean). Where runs log the gradient dissimilarity
 
     python -m experiments.compare runs/repro/inco/*_s* --baseline HeteroAvg --window 20 --per-group
 
-Runs under the backdoor attack (``malicious_fraction`` > 0, `fedjax_hetero.client.backdoor`) are shown as
+Runs under the backdoor attack (``malicious_fraction`` > 0, `fedjax_hetero.client.attack`) are shown as
 their own variant of the method, e.g. ``HeteroFL [backdoor 20% x20]``, in all tables (so ``--baseline
 HeteroFL`` pairs them with the clean runs, and the difference is the attack's cost per round). When the runs
 hold an attacked run and a clean run of the same method and seed, a last table gives the accuracy drop

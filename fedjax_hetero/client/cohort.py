@@ -17,6 +17,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fedjax_hetero.client.local import LocalState, LocalTrainer
 from fedjax_hetero.hetero.maps import Variables
@@ -29,10 +30,11 @@ class GroupResult(NamedTuple):
   weight_sum: jax.Array  # sum_c w_c
   loss_sum: jax.Array  # summed per-example training loss
   num_examples: jax.Array  # real examples processed
-  # Every client term's upload by name, reduced over the cohort as the term says (`LocalTrainer.reductions`):
-  # sum_c w_c * u_c ("weighted"), sum_c u_c ("sum"), or the clients' uploads stacked in cohort order ("stack").
-  uploads: dict[str, Any] = {}
-  memory: dict[str, Any] = {}  # the group's client memory with the cohort's rows updated
+  # Every client term's upload in the terms' order, reduced over the cohort as the term says
+  # (`LocalTrainer.reductions`): sum_c w_c * u_c ("weighted"), sum_c u_c ("sum"), or the clients' uploads
+  # stacked in cohort order ("stack"); empty for a term that uploads nothing.
+  uploads: tuple[Any, ...] = ()
+  memory: Any = ()  # the group's client memory (one entry per term) with the cohort's rows updated
 
 
 def over_clients(fn: Callable, in_axes: tuple[int | None, ...], mapping: str = "vmap") -> Callable:
@@ -55,16 +57,28 @@ def over_clients(fn: Callable, in_axes: tuple[int | None, ...], mapping: str = "
   return mapped
 
 
-def split_uploads(uploads: dict[str, Any], reductions: dict[str, str], kind: str) -> dict[str, Any]:
-  """The uploads whose terms reduce as ``kind`` ("weighted", "sum" or "stack")."""
-  return {name: value for name, value in uploads.items() if reductions[name] == kind}
+def split_uploads(uploads: tuple[Any, ...], reductions: tuple[str | None, ...], kind: str) -> tuple[Any, ...]:
+  """The uploads whose terms reduce as ``kind`` ("weighted", "sum" or "stack"), the others left empty."""
+  return tuple(value if reduction == kind else () for value, reduction in zip(uploads, reductions))
+
+
+def join_uploads(parts: dict[str, tuple[Any, ...]], reductions: tuple[str | None, ...]) -> tuple[Any, ...]:
+  """One tuple of uploads from its parts by reduction (`split_uploads`'s inverse)."""
+  return tuple(parts[reduction][i] if reduction in parts else () for i, reduction in enumerate(reductions))
+
+
+def with_stacked(result: GroupResult, stacked: tuple[Any, ...], reductions: tuple[str | None, ...]) -> GroupResult:
+  """``result`` whose uploads hold ``stacked``'s where the terms stack."""
+  return result._replace(uploads=join_uploads({"weighted": result.uploads, "sum": result.uploads, "stack": stacked},
+                                              reductions))
 
 
 def start(trainer: LocalTrainer, schedule_length: int, start_variables: Variables, index_rows: jax.Array,
           num_examples: jax.Array, round_key: jax.Array, client_ids: jax.Array, memory_rows: Any, share: Any,
-          attack: Any, *, per_client_start: bool, mapping: str = "vmap") -> tuple[LocalState, jax.Array, jax.Array]:
-  """Every client's round start: its state (`LocalTrainer.init_state`) and schedule ``(ids [C, S, B], mask)``.
-  ``start_variables`` is stacked per client when ``per_client_start``."""
+          inputs: Any, *, per_client_start: bool, mapping: str = "vmap") -> tuple[LocalState, jax.Array, jax.Array]:
+  """Every client's round start: its state (`LocalTrainer.init_state`, then the trainer's ``begin`` with the
+  clients' ``inputs`` if it has one) and schedule ``(ids [C, S, B], mask)``. ``start_variables`` is stacked
+  per client when ``per_client_start``."""
   keys = jax.vmap(lambda c: jax.random.fold_in(round_key, c))(client_ids)
   ids, mask = jax.vmap(lambda r, n, k: trainer.schedule(r, n, k, schedule_length))(index_rows, num_examples, keys)
   start_axis = 0 if per_client_start else None
@@ -73,9 +87,9 @@ def start(trainer: LocalTrainer, schedule_length: int, start_variables: Variable
     states = jax.vmap(init, in_axes=(start_axis, 0, 0), axis_size=len(keys))(start_variables, memory_rows, keys)
   else:
     states = over_clients(init, (start_axis, 0, 0), mapping)(start_variables, memory_rows, keys)
-  if trainer.backdoor is not None:
-    states, ids = over_clients(trainer.start_backdoor, (0,) * 6, mapping)(states, ids, index_rows, num_examples,
-                                                                          keys, attack)
+  if trainer.begin is not None:
+    states, ids = over_clients(trainer.begin, (0,) * 6, mapping)(states, ids, index_rows, num_examples, keys,
+                                                                 inputs)
   return states, ids, mask
 
 
@@ -97,30 +111,32 @@ def reduce(trainer: LocalTrainer, states: LocalState, start_variables: Variables
                                                                                      memory_rows)
   sum_with = lambda w: lambda tree: jax.tree.map(lambda d: total(jnp.tensordot(w, d, axes=1)), tree)
   weighted_sum = sum_with(weights)
-  uploads = {**weighted_sum(split_uploads(outputs.uploads, trainer.reductions, "weighted")),
-             **sum_with(real)(split_uploads(outputs.uploads, trainer.reductions, "sum"))}
+  reductions = trainer.reductions
+  uploads = join_uploads({"weighted": weighted_sum(split_uploads(outputs.uploads, reductions, "weighted")),
+                          "sum": sum_with(real)(split_uploads(outputs.uploads, reductions, "sum"))}, reductions)
   result = GroupResult(weighted_sum(outputs.delta), total(weights.sum()), total(states.loss_sum.sum()),
                        total(states.num_examples.sum()), uploads)
-  return result, outputs.memory, split_uploads(outputs.uploads, trainer.reductions, "stack")
+  return result, outputs.memory, split_uploads(outputs.uploads, reductions, "stack")
 
 
-def empty_result(start: Variables, uploads: dict[str, Any] | None = None) -> GroupResult:
+def empty_result(start: Variables, uploads: tuple[Any, ...] = ()) -> GroupResult:
   """Zero sums shaped like ``start`` (and like ``uploads``, if given)."""
   zero = lambda: jnp.zeros((), jnp.float32)  # distinct buffers: the result is donated
-  upload_sums = jax.tree.map(jnp.zeros_like, uploads) if uploads else {}
+  upload_sums = jax.tree.map(jnp.zeros_like, uploads)
   return GroupResult(jax.tree.map(jnp.zeros_like, start), zero(), zero(), zero(), upload_sums)
 
 
-def uploads_like(trainer: LocalTrainer, start, memory_row, server) -> dict[str, Any]:
+def uploads_like(trainer: LocalTrainer, start, memory_row, server) -> tuple[Any, ...]:
   """Shapes of one client's uploads, without running anything."""
   state = jax.eval_shape(trainer.init_state, start, memory_row, server)
   return jax.eval_shape(trainer.finish, state, start, memory_row, server).uploads
 
 
-def by_reduction(uploads: dict[str, Any], reductions: dict[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
-  """``uploads`` split into the ones a cohort sums and the ones it stacks."""
-  stacked = split_uploads(uploads, reductions, "stack")
-  return {n: v for n, v in uploads.items() if n not in stacked}, stacked
+def by_reduction(uploads: tuple[Any, ...], reductions: tuple[str | None, ...]) -> tuple[tuple[Any, ...],
+                                                                                         tuple[Any, ...]]:
+  """``uploads`` split into the ones a cohort sums and the ones it stacks (each with the others left empty)."""
+  summed = join_uploads({"weighted": uploads, "sum": uploads}, reductions)
+  return summed, split_uploads(uploads, reductions, "stack")
 
 
 def empty_group_result(trainer: LocalTrainer, start, memory_row, server, stack_size: int) -> GroupResult:
@@ -128,8 +144,13 @@ def empty_group_result(trainer: LocalTrainer, start, memory_row, server, stack_s
   every stacked upload, shaped as a real (padded) result."""
   summed, stacked = by_reduction(uploads_like(trainer, start, memory_row, server), trainer.reductions)
   result = empty_result(start, summed)
-  rows = {n: jax.tree.map(lambda x: jnp.zeros((stack_size,) + x.shape, x.dtype), v) for n, v in stacked.items()}
-  return result._replace(uploads={**result.uploads, **rows})
+  rows = jax.tree.map(lambda x: jnp.zeros((stack_size,) + x.shape, x.dtype), stacked)
+  return with_stacked(result, rows, trainer.reductions)
+
+
+def padded_inputs(inputs: Any, size: int) -> Any:
+  """Per-client inputs (numpy rows) padded with zero rows to ``size`` rows (a padded cohort's)."""
+  return jax.tree.map(lambda x: np.concatenate([x, np.zeros((size - len(x),) + x.shape[1:], x.dtype)]), inputs)
 
 
 def pad_rows(tree, num_rows):

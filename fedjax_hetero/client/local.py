@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, ClassVar, NamedTuple, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_hetero.client.backdoor import AttackInput, Backdoor, BackdoorState, poisoned_params, shuffled_row
-from fedjax_hetero.client.terms import (Batch, ClientFinal, ClientTerm, Outputs, RoundInput, StepContext,
-                                        term_cuts, tree_sub)
+from fedjax_hetero.client.terms import (REDUCTIONS, Batch, ClientFinal, ClientTerm, Outputs, RoundInput,
+                                        StepContext, term_cuts, tree_sub)
 from fedjax_hetero.config.client import OPTIMIZERS, LocalConfig  # re-exported
 from fedjax_hetero.hetero.maps import Variables
 
@@ -51,15 +50,15 @@ class LocalState(NamedTuple):
   num_examples: jax.Array
   num_steps: jax.Array  # steps that saw at least one real example (FedNova's tau_i)
   terms: tuple[Any, ...] = ()  # each client term's state for the round, in the terms' order
-  backdoor: Any = ()  # a `BackdoorState` when the trainer has a `Backdoor` (after `start_backdoor`)
+  wrapper: Any = ()  # what a trainer wrapper adds to the state (`client.attack`); empty otherwise
 
 
 class ClientOutput(NamedTuple):
   """What one client hands back after a round."""
 
   delta: Variables  # local - start (after the terms' finish, e.g. FedNova's normalization)
-  uploads: dict[str, Any]  # further uploads by term name, reduced over the cohort as the term says
-  memory: dict[str, Any]  # the client's state kept across rounds, by term name
+  uploads: tuple[Any, ...]  # every term's upload in the terms' order (empty if it uploads nothing)
+  memory: tuple[Any, ...]  # the client's state kept across rounds, per term (empty if no term keeps any)
 
 
 def normalize(images: jax.Array, mean: tuple[float, ...], std: tuple[float, ...]) -> jax.Array:
@@ -111,9 +110,12 @@ class LocalTrainer:
   """The pieces of local training for one architecture group (pure; jitted by backends).
 
   ``terms`` are the method's client terms; with terms in more than one ``gradient``, ``combine``
-  turns the gradients by name into the one the optimizer applies. With a ``backdoor``
-  (`fedjax_hetero.client.backdoor`) every client also trains a copy on shuffled labels, and a
-  malicious one uploads the attack; without it nothing of the attack is traced.
+  turns the gradients by name into the one the optimizer applies.
+
+  The protocol the backends and the round program use is ``schedule``, ``init_state``, ``run_steps`` and
+  ``finish``, plus ``client_inputs`` (per-client traced inputs, none here) and ``begin`` (a change of every
+  client's state and schedule at its round start, none here). A wrapper with the same protocol changes
+  how clients train without the engine knowing (`fedjax_hetero.client.attack.AttackedTrainer`).
   """
 
   model: nn.Module
@@ -122,7 +124,7 @@ class LocalTrainer:
   std: tuple[float, ...]
   terms: tuple[ClientTerm, ...] = ()
   combine: GradientRule | None = None
-  backdoor: Backdoor | None = None
+  begin: ClassVar[Callable | None] = None  # (state, ids, index_row, num_examples, key, inputs) -> (state, ids)
 
   def __post_init__(self):
     names = [t.name for t in self.terms]
@@ -152,22 +154,38 @@ class LocalTrainer:
     return tuple(dict.fromkeys(["local"] + [t.gradient for t in self.terms if t.loss]))
 
   @property
-  def reductions(self) -> dict[str, str]:
-    """How each term's upload is summed over a cohort."""
-    return {t.name: t.reduce for t in self.terms}
+  def reductions(self) -> tuple[str | None, ...]:
+    """How each term's upload is summed over a cohort, in the terms' order (None: no upload)."""
+    return tuple(t.upload for t in self.terms)
 
-  def init_memory(self, variables: Variables) -> dict[str, Any]:
-    """A client's persistent state before its first round (empty for stateless methods)."""
-    return {t.name: t.init_memory(variables) for t in self.terms if t.init_memory}
+  @property
+  def keeps_memory(self) -> bool:
+    return any(t.init_memory for t in self.terms)
 
-  def init_state(self, start: Variables, memory: dict[str, Any] | None = None,
-                 server: dict[str, Any] | None = None, key: jax.Array | None = None) -> LocalState:
+  def client_inputs(self, clients) -> Any:
+    """The per-client inputs ``begin`` reads, rows in ``clients``' order (numpy; none here)."""
+    return ()
+
+  def init_memory(self, variables: Variables) -> tuple[Any, ...]:
+    """A client's persistent state before its first round, per term (empty when no term keeps any)."""
+    if not self.keeps_memory:
+      return ()
+    return tuple(t.init_memory(variables) if t.init_memory else () for t in self.terms)
+
+  def _per_term(self, values: Any) -> tuple[Any, ...]:
+    """Memory rows or shares, one per term (``()``, ``{}`` or None: none for any)."""
+    if isinstance(values, dict) and values:
+      raise TypeError(f"client memory and shares are tuples in the terms' order, not dicts by name (got keys "
+                      f"{sorted(values)})")
+    return tuple(values) if values else ((),) * len(self.terms)
+
+  def init_state(self, start: Variables, memory: tuple[Any, ...] | None = None,
+                 share: tuple[Any, ...] | None = None, key: jax.Array | None = None) -> LocalState:
     """A client's state at the start of a round, from the server's ``start`` variables, the
-    client's ``memory`` (`init_memory`), its group's share of server state (by term name) and the
+    client's ``memory`` (`init_memory`), its group's share of server state (one entry per term) and the
     client's round ``key`` (shape-only uses may leave it out)."""
-    memory, server = memory or {}, server or {}
-    terms = tuple(t.init(RoundInput(start, memory.get(t.name), server.get(t.name), key)) if t.init else ()
-                  for t in self.terms)
+    rounds = (RoundInput(start, m, s, key) for m, s in zip(self._per_term(memory), self._per_term(share)))
+    terms = tuple(t.init(r) if t.init else () for t, r in zip(self.terms, rounds))
     zero = jnp.zeros((), jnp.float32)
     return LocalState(start, self.tx.init(start["params"]), zero, zero, zero, terms)
 
@@ -245,57 +263,37 @@ class LocalTrainer:
   def _updates_terms(self) -> bool:
     return any(t.update for t in self.terms)
 
-  def finish(self, state: LocalState, start: Variables, memory: dict[str, Any] | None = None,
-             server: dict[str, Any] | None = None) -> ClientOutput:
+  def finish(self, state: LocalState, start: Variables, memory: tuple[Any, ...] | None = None,
+             share: tuple[Any, ...] | None = None) -> ClientOutput:
     """The client's upload and its memory for the next round it is sampled in."""
-    memory, server = memory or {}, server or {}
-    if isinstance(state.backdoor, BackdoorState):  # (shape-only uses may finish a state without the copy)
-      params = poisoned_params(start["params"], state.variables["params"], state.backdoor.copy.variables["params"],
-                               state.backdoor.malicious, self.backdoor.scale, self.backdoor.reading)
-      state = state._replace(variables={**state.variables, "params": params})
-    final = ClientFinal(start, state.variables, tree_sub(state.variables, start), state.num_steps, {}, {})
-    for term, term_state in zip(self.terms, state.terms):
+    final = ClientFinal(start, state.variables, tree_sub(state.variables, start), state.num_steps)
+    uploads, memories = [], []
+    for term, term_state, row, term_share in zip(self.terms, state.terms, self._per_term(memory),
+                                                 self._per_term(share)):
       if term.finish:
-        final = term.finish(term_state, final, memory.get(term.name), server.get(term.name))
-    return ClientOutput(final.delta, final.uploads, final.memory)
+        final = term.finish(term_state, final._replace(upload=(), memory=()), row, term_share)
+      uploads.append(final.upload if term.finish else ())
+      memories.append(final.memory if term.finish else ())
+      if (term.upload is None) != (isinstance(uploads[-1], tuple) and not uploads[-1]):
+        raise ValueError(f"client term {term.name!r} declares upload={term.upload!r} but "
+                         f"{'uploads nothing' if term.upload else 'uploads'} (set upload to one of {REDUCTIONS})")
+    return ClientOutput(final.delta, tuple(uploads), tuple(memories) if self.keeps_memory else ())
 
   def run_steps(self, state: LocalState, images: jax.Array, labels: jax.Array, ids: jax.Array, mask: jax.Array,
                 offset: jax.Array, count: int) -> LocalState:
     """Runs schedule steps ``[offset, offset + count)``, unrolled (``count`` is static)."""
-    client_labels = None
-    if any(t.logits for t in self.terms):  # the labels of the whole schedule, for the terms' ``logits``
-      rows = ids[:, 0] if self.backdoor is not None else ids
-      client_labels = jnp.where(mask, labels[rows], -1).reshape(-1)
+    client_labels = self.schedule_labels(labels, ids, mask)
     ids = jax.lax.dynamic_slice_in_dim(ids, offset, count)
     mask = jax.lax.dynamic_slice_in_dim(mask, offset, count)
-    if self.backdoor is not None:
-      for i in range(count):
-        state = self._backdoor_step(state, images, labels, ids[i], mask[i], client_labels)
-      return state
     for i in range(count):
       state = self.train_step(state, images[ids[i]], labels[ids[i]], mask[i], client_labels)
     return state
 
-  def start_backdoor(self, state: LocalState, ids: jax.Array, index_row: jax.Array, num_examples: jax.Array,
-                     key: jax.Array, attack: AttackInput) -> tuple[LocalState, jax.Array]:
-    """A client's round start with the attack: ``state`` (from `init_state`) with its copy, and the
-    schedule's ``ids [S, B]`` as ``[S, 2, B]``: the samples, and the samples whose labels the copy
-    trains them with (the same schedule over the client's label-shuffled row)."""
-    label_ids, _ = self.schedule(shuffled_row(index_row, num_examples, attack.label_seed), num_examples, key,
-                                 ids.shape[0])
-    copy = jax.tree.map(jnp.copy, state)
-    malicious = jnp.asarray(attack.malicious, bool)
-    return state._replace(backdoor=BackdoorState(copy, malicious)), jnp.stack([ids, label_ids], axis=1)
-
-  def _backdoor_step(self, state: LocalState, images: jax.Array, labels: jax.Array, ids: jax.Array,
-                     mask: jax.Array, client_labels: jax.Array | None = None) -> LocalState:
-    """One step of the clean training and one of the copy on the same batch with shuffled labels (an
-    honest client's copy is masked: it stays at the start)."""
-    bd = state.backdoor
-    batch = images[ids[0]]
-    clean = self.train_step(state._replace(backdoor=()), batch, labels[ids[0]], mask, client_labels)
-    copy = self.train_step(bd.copy, batch, labels[ids[1]], mask & bd.malicious, client_labels)
-    return clean._replace(backdoor=bd._replace(copy=copy))
+  def schedule_labels(self, labels: jax.Array, ids: jax.Array, mask: jax.Array) -> jax.Array | None:
+    """The labels of the client's whole schedule, for the terms' ``logits`` (None when no term has one)."""
+    if not any(t.logits for t in self.terms):
+      return None
+    return jnp.where(mask, labels[ids], -1).reshape(-1)
 
   def schedule(self, index_row: jax.Array, num_examples: jax.Array, key: jax.Array, num_steps: int):
     c = self.config

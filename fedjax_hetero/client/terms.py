@@ -16,17 +16,20 @@ each term of a method may add to that, in the style of an optax chain:
   giving them (a split point that depends on the architecture);
 * ``update``: a change of its own state after each step, from that step's
   training outputs (e.g. running per-class feature statistics);
-* ``finish``: what it adds to the client's upload or memory after the round
-  (SCAFFOLD's control delta, FedNova's normalization, a stacked copy of the
-  final model for FedCross and FedGen).
+* ``finish``: its upload and its memory after the round, and a change of the
+  client's delta (SCAFFOLD's control delta, FedNova's normalization, a stacked
+  copy of the final model for FedCross and FedGen).
 
 A term's state lives for one round (``init`` builds it from the client's
 `RoundInput`); ``init_memory`` makes state that persists across the rounds a
-client takes part in (SCAFFOLD's c_i, MOON's previous model). A term reads the
-share of server state that the server step *of the same name* broadcasts, and
-its upload goes to the server step or sampler of that name, summed over the
-cohort as ``reduce`` says: "weighted" (sum of w_c x_c), "sum" or "stack" (one
-row per client). Terms never look at another term's data.
+client takes part in (SCAFFOLD's c_i, MOON's previous model). A term with
+``upload`` set uploads (`with_upload`), summed over the cohort as it says:
+"weighted" (sum of w_c x_c), "sum" or "stack" (one row per client). The link to
+the server is structural, never by name: a server step (or the sampler) lists
+the terms whose uploads it reads in its ``reads``, and its ``broadcast`` goes to
+those of them that take a ``share``; `methods.Method` refuses an upload nobody
+reads and a share nobody writes. Uploads, memory and shares travel as tuples in
+the terms' order. Terms never look at another term's data.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
 Variables = Any
-REDUCTIONS = ("weighted", "sum", "stack")
+REDUCTIONS = ("weighted", "sum", "stack")  # how an upload is summed over a cohort
 
 
 class RoundInput(NamedTuple):
@@ -47,7 +50,7 @@ class RoundInput(NamedTuple):
 
   start: Variables  # the variables the client starts from
   memory: Any  # the term's persistent state for this client (None if it keeps none)
-  share: Any  # what the server step of the term's name sends the client's group (None if nothing)
+  share: Any  # what the server step reading the term sends the client's group (if the term takes a ``share``)
   key: jax.Array | None  # the client's round key (shape-only uses may leave it out)
 
 
@@ -78,14 +81,15 @@ class StepContext(NamedTuple):
 
 
 class ClientFinal(NamedTuple):
-  """A client at the end of its round; terms' ``finish`` update ``delta``, ``uploads`` and ``memory``."""
+  """A client at the end of its round; a term's ``finish`` may change ``delta`` and sets its own ``upload``
+  and ``memory`` (`with_upload`, `with_memory`; each empty when the term's finish starts)."""
 
   start: Variables
   variables: Variables
   delta: Variables
   num_steps: jax.Array
-  uploads: dict[str, Any]
-  memory: dict[str, Any]
+  upload: Any = ()
+  memory: Any = ()
 
 
 class ClientTerm(NamedTuple):
@@ -100,7 +104,8 @@ class ClientTerm(NamedTuple):
   logits: Callable[[jax.Array, StepContext], jax.Array] | None = None  # data-loss logits -> logits
   update: Callable[[Any, Outputs, StepContext], Any] | None = None  # per step, after the gradient step
   finish: Callable[[Any, ClientFinal, Any, Any], ClientFinal] | None = None  # (state, final, memory, share)
-  reduce: str = "weighted"
+  upload: str | None = None  # how its upload is summed over a cohort (`REDUCTIONS`); None: it uploads nothing
+  share: bool = False  # it reads the share its server step broadcasts (`RoundInput.share`)
   cuts: tuple[str, ...] | Callable[[nn.Module], tuple[str, ...]] = ()
   gradient: str = "local"
   wrap_model: Callable[[nn.Module], nn.Module] | None = None  # e.g. MOON's projection head
@@ -115,124 +120,14 @@ def tree_sub(a: Variables, b: Variables) -> Variables:
   return jax.tree.map(jnp.subtract, a, b)
 
 
-def with_upload(final: ClientFinal, name: str, value: Any) -> ClientFinal:
-  return final._replace(uploads={**final.uploads, name: value})
+def with_upload(final: ClientFinal, value: Any) -> ClientFinal:
+  """``final`` with the finishing term's upload."""
+  return final._replace(upload=value)
 
 
-def with_memory(final: ClientFinal, name: str, value: Any) -> ClientFinal:
-  return final._replace(memory={**final.memory, name: value})
-
-
-# ------------------------------------------------------------------------------------------------ FedProx
-
-
-def proximal_term(params: Variables, anchor: Variables, mu: float) -> jax.Array:
-  """FedProx's proximal term (Li et al. 2020, Eq. 2): ``mu/2 ||w - w^t||^2`` over all leaves of ``params``."""
-  squares = jax.tree.map(lambda p, a: jnp.sum(jnp.square(p - a)), params, anchor)
-  return 0.5 * mu * sum(jax.tree.leaves(squares))
-
-
-def proximal(mu: float) -> ClientTerm:
-  """FedProx: ``+ mu/2 ||w - w^t||^2`` with ``w^t`` the parameters the client started the round from."""
-  return ClientTerm("prox", init=lambda r: r.start["params"],
-                    loss=lambda v, anchor, _, out, ctx: proximal_term(v["params"], anchor, mu))
-
-
-# --------------------------------------------------------------------------------------------------- MOON
-
-
-def _cosine(u: jax.Array, v: jax.Array, eps: float = 1e-8) -> jax.Array:
-  return jnp.sum(u * v, -1) / jnp.maximum(jnp.linalg.norm(u, axis=-1) * jnp.linalg.norm(v, axis=-1), eps)
-
-
-def model_contrastive_loss(z: jax.Array, z_global: jax.Array, z_previous: jax.Array, temperature: float,
-                           mask: jax.Array) -> jax.Array:
-  """MOON's model-contrastive loss (Li, He, Song 2021, Eq. 3), mean over real rows.
-
-  ``-log(e^{sim(z, z_glob)/tau} / (e^{sim(z, z_glob)/tau} + e^{sim(z, z_prev)/tau}))`` with cosine
-  similarity, i.e. ``softplus((sim(z, z_prev) - sim(z, z_glob)) / tau)``.
-  """
-  positive = _cosine(z, z_global) / temperature
-  negative = _cosine(z, z_previous) / temperature
-  return jnp.sum(jax.nn.softplus(negative - positive) * mask) / jnp.maximum(mask.sum(), 1.0)
-
-
-def model_contrastive(mu: float, temperature: float) -> ClientTerm:
-  """MOON: ``+ mu * l_con`` on the projection ``z`` of the "features" cut point, against the round's
-  global model (positive) and the client's previous local model (negative), both frozen, eval mode."""
-  from fedjax_hetero.models.projection import with_projection_head
-
-  def project(ctx, variables, features):
-    return ctx.model.apply(variables, features, method="project")
-
-  def frozen_projection(ctx, variables):
-    outputs, _ = ctx.forward(variables, ctx.batch.x, False, None, ("features",))
-    return jax.lax.stop_gradient(project(ctx, variables, outputs.activations["features"]))
-
-  def prepare(state, ctx):
-    global_vars, previous = state
-    return frozen_projection(ctx, global_vars), frozen_projection(ctx, previous)
-
-  def loss(variables, state, frozen, outputs, ctx):
-    z = project(ctx, variables, outputs.activations["features"])
-    return mu * model_contrastive_loss(z, *frozen, temperature, ctx.batch.weights)
-
-  return ClientTerm("moon", init=lambda r: (r.start, r.memory), init_memory=lambda v: v, prepare=prepare, loss=loss,
-                    finish=lambda state, final, memory, share: with_memory(final, "moon", final.variables),
-                    cuts=("features",), wrap_model=with_projection_head)
-
-
-# ----------------------------------------------------------------------------------------------- SCAFFOLD
-
-
-def scaffold_control_update(control: Variables, server_control: Variables, delta_params: Variables,
-                            num_steps: jax.Array, learning_rate: float) -> Variables:
-  """SCAFFOLD's option II (Karimireddy et al. 2020, Alg. 1 line 12):
-  ``c_i+ = c_i - c + (x - y_i) / (K eta)`` with ``x - y_i = -delta``, K the client's local steps."""
-  scale = 1.0 / (jnp.maximum(jnp.asarray(num_steps, jnp.float32), 1.0) * learning_rate)
-  return jax.tree.map(lambda ci, c, d: ci - c - scale * d, control, server_control, delta_params)
-
-
-def scaffold_correction(learning_rate: float) -> ClientTerm:
-  """SCAFFOLD's client side: every gradient plus ``c - c_i`` (Alg. 1 line 10); after the round the
-  option II update of ``c_i`` (kept in the client's memory, zero at first) and the upload of its change.
-  Reads the server's ``c`` (params-shaped) from the "scaffold" server step."""
-
-  def finish(_, final, control, server_control):
-    new = scaffold_control_update(control, server_control, final.delta["params"], final.num_steps, learning_rate)
-    return with_memory(with_upload(final, "scaffold", tree_sub(new, control)), "scaffold", new)
-
-  return ClientTerm("scaffold", init=lambda r: tree_sub(r.share, r.memory),
-                    init_memory=lambda v: jax.tree.map(jnp.zeros_like, v["params"]),
-                    grad=lambda grads, correction: jax.tree.map(jnp.add, grads, correction), finish=finish)
-
-
-# ------------------------------------------------------------------------------------------------ FedNova
-
-
-def nova_normalizer(num_steps: jax.Array, optimizer: str, momentum: float) -> jax.Array:
-  """FedNova's a_i (Wang et al. 2020, Sec. 4 and App. for momentum): the norm of the local
-  aggregation vector. Plain SGD: ``tau``; SGD with momentum rho: ``[tau - rho(1 - rho^tau)/(1 - rho)]/(1 - rho)``.
-
-  Adam has no such closed form; we use ``tau`` for it (each Adam step moves a weight by about
-  the learning rate whatever the gradient scale, so the update grows linearly in ``tau``).
-  """
-  tau = jnp.asarray(num_steps, jnp.float32)
-  if optimizer == "sgd" and momentum:
-    rho = momentum
-    return (tau - rho * (1.0 - rho ** tau) / (1.0 - rho)) / (1.0 - rho)
-  return tau
-
-
-def nova_normalization(optimizer: str, momentum: float) -> ClientTerm:
-  """FedNova's client side: upload ``delta / a_i`` and ``a_i`` (for the "nova" server step)."""
-
-  def finish(_, final, memory, share):
-    a = nova_normalizer(final.num_steps, optimizer, momentum)
-    safe = jnp.where(a > 0, a, 1.0)  # a client without steps (vmap padding) has a zero delta
-    return with_upload(final._replace(delta=jax.tree.map(lambda d: d / safe, final.delta)), "nova", a)
-
-  return ClientTerm("nova", finish=finish)
+def with_memory(final: ClientFinal, value: Any) -> ClientFinal:
+  """``final`` with the finishing term's memory for the client's next round."""
+  return final._replace(memory=value)
 
 
 # ---------------------------------------------------------------------------------------- per-client uploads
@@ -240,8 +135,8 @@ def nova_normalization(optimizer: str, momentum: float) -> ClientTerm:
 
 def upload_variables(name: str) -> ClientTerm:
   """Uploads each client's final variables, stacked over the cohort (FedCross's and FedGen's servers)."""
-  return ClientTerm(name, finish=lambda _, final, memory, share: with_upload(final, name, final.variables),
-                    reduce="stack")
+  return ClientTerm(name, finish=lambda _, final, memory, share: with_upload(final, final.variables),
+                    upload="stack")
 
 
 def upload_flat_delta(name: str) -> ClientTerm:
@@ -250,6 +145,28 @@ def upload_flat_delta(name: str) -> ClientTerm:
 
   def finish(_, final, memory, share):
     flat = ravel_pytree(final.variables["params"])[0] - ravel_pytree(final.start["params"])[0]
-    return with_upload(final, name, flat)
+    return with_upload(final, flat)
 
-  return ClientTerm(name, finish=finish, reduce="stack")
+  return ClientTerm(name, finish=finish, upload="stack")
+
+
+# The client terms of single methods live in their method's module now (`fedjax_hetero.methods`); their old import
+# paths keep working.
+_MOVED = {
+    "proximal_term": "fedjax_hetero.methods.fedprox",
+    "proximal": "fedjax_hetero.methods.fedprox",
+    "model_contrastive_loss": "fedjax_hetero.methods.moon",
+    "ContrastiveAnchors": "fedjax_hetero.methods.moon",
+    "model_contrastive": "fedjax_hetero.methods.moon",
+    "scaffold_control_update": "fedjax_hetero.methods.scaffold",
+    "scaffold_correction": "fedjax_hetero.methods.scaffold",
+    "nova_normalizer": "fedjax_hetero.methods.fednova",
+    "nova_normalization": "fedjax_hetero.methods.fednova",
+}
+
+
+def __getattr__(name: str):
+  if name in _MOVED:
+    import importlib
+    return getattr(importlib.import_module(_MOVED[name]), name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

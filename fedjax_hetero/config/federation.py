@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fedjax_hetero.client.backdoor import READINGS, num_malicious
+from fedjax_hetero.client.attack import READINGS, num_malicious
 from fedjax_hetero.config.declare import Custom, Integer, Number, OneOf, Settings, cli_name, setting, validate
 from fedjax_hetero.sampling.samplers import WEIGHTINGS
 from fedjax_hetero.validation import SEED_MAX
@@ -35,7 +35,7 @@ def parse_probabilities(text: str) -> tuple[float, ...]:
 @dataclasses.dataclass(frozen=True)
 class FederationConfig(Settings):
   """How rounds are drawn: participants per round, the seed, and the clients' aggregation weights; and
-  which clients attack (`fedjax_hetero.client.backdoor`: a fraction of all clients, each uploading its update
+  which clients attack (`fedjax_hetero.client.attack`: a fraction of all clients, each uploading its update
   plus ``backdoor_scale`` times its update on shuffled labels). A fraction of 0 changes nothing."""
 
   TITLE = "federation: cohorts, seeds, aggregation weights, and FedFA's backdoor attack (every method)"

@@ -1,7 +1,7 @@
 """The option families of the methods with many settings: FedCross, FedGen, FedImpro, FedIN.
 
 Each is the plain data its method's factory takes (`fedjax_hetero.methods.catalog`); the algorithms
-(`fedjax_hetero.algorithms`, `fedjax_hetero.server.cross`) read them. Where a default follows the paper or
+(`fedjax_hetero.methods`) read them. Where a default follows the paper or
 the authors' code is said in each method's module docstring and in docs/methods.md.
 """
 
@@ -77,7 +77,7 @@ class FedCrossConfig(Settings):
 
 @dataclasses.dataclass(frozen=True)
 class FedGenConfig(Settings):
-  """FedGen's hyperparameters (defaults: the spec's CIFAR-10 values; `fedjax_hetero.algorithms.fedgen`)."""
+  """FedGen's hyperparameters (defaults: the spec's CIFAR-10 values; `fedjax_hetero.methods.fedgen_generator`)."""
 
   FLAG_PREFIX = "fedgen"
 
@@ -124,7 +124,7 @@ class FedGenConfig(Settings):
 
 @dataclasses.dataclass(frozen=True)
 class FedImproConfig(Settings):
-  """FedImpro's settings (`fedjax_hetero.algorithms.fedimpro` says where each default comes from)."""
+  """FedImpro's settings (`fedjax_hetero.methods.fedimpro` says where each default comes from)."""
 
   FLAG_PREFIX = "fedimpro"
 
@@ -156,7 +156,7 @@ class FedImproConfig(Settings):
 
 @dataclasses.dataclass(frozen=True)
 class FedINConfig(Settings):
-  """FedIN's settings (`fedjax_hetero.algorithms.fedin` says where each default comes from)."""
+  """FedIN's settings (`fedjax_hetero.methods.fedin` says where each default comes from)."""
 
   FLAG_PREFIX = "fedin"
 

@@ -16,9 +16,11 @@ without knowing any method:
   its own, averaged over that group's clients only (`hetero.maps.separate`;
   NeFL's inconsistent parameters).
 
-Client terms, server steps and the sampler are linked by name only: a step's
-broadcast goes to the client term of its name, and a term's upload to the step
-or sampler of its name.
+A piece with a client half and a server half is linked by value, not by name:
+a server step (or the sampler) holds its client terms in ``reads``, reads their
+uploads (``inputs.uploads(term)``) and broadcasts to those that take a
+``share``. A `Method` checks at construction that every upload is read, every
+share written, and every term a step reads is among its terms.
 """
 
 from __future__ import annotations
@@ -79,6 +81,34 @@ class Method:
     for kind, names in (("client term", [t.name for t in self.terms]), ("server step", [s.name for s in self.server])):
       if len(set(names)) != len(names):
         raise ValueError(f"{self.name}: {kind} names must be unique, got {names}")
+    readers = [(f"server step {s.name!r}", s.reads, s.broadcast) for s in self.server]
+    readers.append((f"sampler {self.sampler.name!r}", (self.sampler.reads,) if self.sampler.reads else (), None))
+    for reader, reads, broadcast in readers:
+      for term in reads:
+        if not any(term is t for t in self.terms):
+          raise ValueError(f"{self.name}: the {reader} reads client term {term.name!r}, which is not among the "
+                           f"method's terms ({', '.join(t.name for t in self.terms) or 'none'})")
+      if broadcast is not None and not any(t.share for t in reads):
+        raise ValueError(f"{self.name}: the {reader} broadcasts a share, but none of the client terms it reads "
+                         "takes one (share=True)")
+    for term in self.terms:
+      read_by = [(reader, broadcast) for reader, reads, broadcast in readers if any(term is t for t in reads)]
+      if term.upload is not None and not read_by:
+        raise ValueError(f"{self.name}: client term {term.name!r} uploads ({term.upload}), but no server step or "
+                         "sampler reads it (list the term in a step's reads)")
+      if term.share and not any(broadcast is not None for _, broadcast in read_by):
+        raise ValueError(f"{self.name}: client term {term.name!r} takes a share, but no server step that reads "
+                         "it broadcasts one")
+
+  def term_index(self, term: ClientTerm) -> int:
+    """The position of ``term`` (by identity) in ``terms``: where its upload is in a result's uploads."""
+    return next(i for i, t in enumerate(self.terms) if t is term)
+
+  @property
+  def share_writers(self) -> tuple[int | None, ...]:
+    """Per client term, the index of the server step whose broadcast it takes (None: it takes none)."""
+    return tuple(next((i for i, s in enumerate(self.server) if s.broadcast and any(term is t for t in s.reads)),
+                      None) if term.share else None for term in self.terms)
 
   def wrap_model(self, model: nn.Module) -> nn.Module:
     """The model the clients train: ``model`` with what the terms add (e.g. MOON's projection head)."""

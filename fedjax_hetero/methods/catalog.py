@@ -21,7 +21,9 @@ from fedjax_hetero.config.methods import (Averaging, ClusteredSampling, Contrast
                                           HeteroFLOptions, MethodConfig, MomentumDistillation, NeFLOptions, Proximal)
 from fedjax_hetero.config.options import FedCrossConfig, FedGenConfig, FedImproConfig, FedINConfig
 from fedjax_hetero.hetero.maps import SubmodelMap, Variables, build_group_map
+from fedjax_hetero.methods import fednova, fedprox, moon, scaffold
 from fedjax_hetero.methods.api import PER_GROUP, SHARED, STACKED, Method, Sharing
+from fedjax_hetero.methods.fedcross import cross_aggregation
 from fedjax_hetero.methods.fedfa import fedfa_aggregation, scaled_upload
 from fedjax_hetero.methods.fedgen import generative_regularizer, generator_training
 from fedjax_hetero.methods.fedimpro import feature_sharing, feature_statistics
@@ -29,8 +31,8 @@ from fedjax_hetero.methods.fedin import feature_bank, gradient_rule, intermediat
 from fedjax_hetero.methods.heterofl import absent_class_logits, scaler, static_batch_norm, static_batch_norm_evaluation
 from fedjax_hetero.methods.nefl import inconsistent_leaves, nested_model
 from fedjax_hetero.sampling.samplers import clustered, shuffled
+from fedjax_hetero.methods.inco import inco as inco_step
 from fedjax_hetero.server import steps
-from fedjax_hetero.server.cross import cross_aggregation
 
 INCO_PAPER = "InCo Aggregation (Chan et al., ICLR 2024) and its baselines"
 FEDCROSS_PAPER = "FedCross (Hu et al., ICDE 2024) and its baselines"
@@ -59,16 +61,17 @@ def _averaging(o: Averaging) -> steps.ServerStep:
 
 
 def _proximal(o: Proximal) -> Terms:
-  return (terms.proximal(o.mu),) if o.mu else ()
+  return (fedprox.proximal(o.mu),) if o.mu else ()
 
 
 def _scaffold(local: LocalConfig) -> tuple[Terms, Steps]:
-  return (terms.scaffold_correction(local.learning_rate),), (steps.mean_delta(), steps.apply_delta(),
-                                                             steps.scaffold_control())
+  correction = scaffold.scaffold_correction(local.learning_rate)
+  return (correction,), (steps.mean_delta(), steps.apply_delta(), scaffold.scaffold_control(correction))
 
 
 def _nova(local: LocalConfig) -> tuple[Terms, Steps]:
-  return (terms.nova_normalization(local.optimizer, local.momentum),), (steps.nova_mean(), steps.apply_delta())
+  normalization = fednova.nova_normalization(local.optimizer, local.momentum)
+  return (normalization,), (fednova.nova_mean(normalization), steps.apply_delta())
 
 
 BASES = (
@@ -80,8 +83,8 @@ BASES = (
     Base("FedNova", "Nova", "FedNova's normalized averaging by each client's local step count", _nova,
          (LocalConfig,)),
     Base("MOON", "MOON", "CE + mu * model-contrastive loss on a projection head (MOON; --moon-mu)",
-         lambda avg, moon: ((terms.model_contrastive(moon.mu, moon.temperature),) if moon.mu else (),
-                            (_averaging(avg), steps.apply_delta())), (Averaging, Contrastive)),
+         lambda avg, o: ((moon.model_contrastive(o.mu, o.temperature),) if o.mu else (),
+                         (_averaging(avg), steps.apply_delta())), (Averaging, Contrastive)),
 )
 
 
@@ -91,37 +94,41 @@ def _layered(name: str, base: Base, sharing: Sharing, inco: bool) -> Callable[..
     method = Method(name, INCO_PAPER, "", client, server, sharing)
     if inco:
       cross_layer: CrossLayer = options[-1]
-      method = method.with_step_before("apply", steps.inco(cross_layer.variant, cross_layer.granularity))
+      method = method.with_step_before("apply", inco_step(cross_layer.variant, cross_layer.granularity))
     return method
 
   return build
 
 
 def fedcross(o: FedCrossConfig) -> Method:
-  return Method("FedCross", FEDCROSS_PAPER, "", terms=(terms.upload_variables("cross"),),
-                server=(cross_aggregation(o),), sharing=STACKED, sampler=shuffled(),
+  models = terms.upload_variables("cross")
+  return Method("FedCross", FEDCROSS_PAPER, "", terms=(models,),
+                server=(cross_aggregation(o, models),), sharing=STACKED, sampler=shuffled(),
                 one_group="(its K middleware models share one shape)")
 
 
 def fedgen(avg: Averaging, o: FedGenConfig) -> Method:
-  return Method("FedGen", FEDCROSS_PAPER, "", terms=(generative_regularizer(o),),
-                server=(_averaging(avg), steps.apply_delta(), generator_training(o)), sharing=PER_GROUP)
+  regularizer = generative_regularizer(o)
+  return Method("FedGen", FEDCROSS_PAPER, "", terms=(regularizer,),
+                server=(_averaging(avg), steps.apply_delta(), generator_training(o, regularizer)), sharing=PER_GROUP)
 
 
 def clusamp(avg: Averaging, o: ClusteredSampling) -> Method:
-  return Method("CluSamp", FEDCROSS_PAPER, "", terms=(terms.upload_flat_delta("clustered"),),
-                server=(_averaging(avg), steps.apply_delta()), sharing=PER_GROUP, sampler=clustered(o.similarity),
+  sampler = clustered(o.similarity)
+  return Method("CluSamp", FEDCROSS_PAPER, "", terms=(sampler.reads,),
+                server=(_averaging(avg), steps.apply_delta()), sharing=PER_GROUP, sampler=sampler,
                 one_group="(clustering compares all clients' representative gradients, so they need one shape)")
 
 
 def fedimpro(avg: Averaging, o: FedImproConfig) -> Method:
-  return Method("FedImpro", FEDIMPRO_PAPER, "", terms=(feature_sharing(o),),
-                server=(_averaging(avg), steps.apply_delta(), feature_statistics(o)), sharing=SHARED)
+  sharing = feature_sharing(o)
+  return Method("FedImpro", FEDIMPRO_PAPER, "", terms=(sharing,),
+                server=(_averaging(avg), steps.apply_delta(), feature_statistics(o, sharing)), sharing=SHARED)
 
 
 def fedfa(o: FedFAOptions) -> Method:
   upload = scaled_upload(o.percentile, o.norm) if o.scale else ()
-  return Method("FedFA", FEDFA_PAPER, "", terms=upload, server=(fedfa_aggregation(o.graft, o.scale),
+  return Method("FedFA", FEDFA_PAPER, "", terms=upload, server=(fedfa_aggregation(o.graft, upload or None),
                                                                 steps.apply_delta()), sharing=SHARED)
 
 
@@ -175,8 +182,9 @@ def fedrolex(avg: Averaging) -> Method:
 def fedin(avg: Averaging, prox: Proximal, o: FedINConfig) -> Method:
   """FedIN: HeteroProx (layer-wise mean, the proximal term with mu = --prox-mu) plus the IN loss on the
   server's feature pairs, its gradient combined with the local one by --fedin-rule."""
-  return Method("FedIN", FEDIN_PAPER, "", terms=_proximal(prox) + (intermediate_training(o),),
-                server=(_averaging(avg), steps.apply_delta(), feature_bank(o)), sharing=SHARED,
+  training = intermediate_training(o)
+  return Method("FedIN", FEDIN_PAPER, "", terms=_proximal(prox) + (training,),
+                server=(_averaging(avg), steps.apply_delta(), feature_bank(o, training)), sharing=SHARED,
                 combine=gradient_rule(o))
 
 

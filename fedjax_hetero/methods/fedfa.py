@@ -35,7 +35,7 @@ declaration, which the federation (`server.steps.Federation.models`) carries.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import flax.linen as nn
 import jax
@@ -43,7 +43,7 @@ import jax
 from fedjax_hetero import aggregators
 from fedjax_hetero.aggregators.fedfa import NORMS, PERCENTILE, client_parts
 from fedjax_hetero.client.terms import ClientTerm, with_upload
-from fedjax_hetero.hetero.maps import Path, SubmodelMap, graft
+from fedjax_hetero.hetero.maps import Path, SubmodelMap, Variables, graft
 from fedjax_hetero.server.steps import Federation, ServerStep
 
 NAME = "fedfa"
@@ -118,19 +118,27 @@ def scaled_upload(percentile: float = PERCENTILE, norm: str = "l2") -> tuple[Cli
 
   def finish_sums(_, final, memory, share):
     p = parts(final)
-    return with_upload(final, NAME, {"scaled": p.scaled, "fallback": p.fallback})
+    return with_upload(final, ScaledKernels(p.fallback, p.scaled))
 
   def finish_norms(_, final, memory, share):
-    return with_upload(final, NORMS_NAME, parts(final).norms)
+    return with_upload(final, parts(final).norms)
 
-  return (ClientTerm(NAME, finish=finish_sums, reduce="weighted"),
-          ClientTerm(NORMS_NAME, finish=finish_norms, reduce="stack"))
+  return (ClientTerm(NAME, finish=finish_sums, upload="weighted"),
+          ClientTerm(NORMS_NAME, finish=finish_norms, upload="stack"))
 
 
-def fedfa_aggregation(graft_layers: bool = True, scale: bool = True) -> ServerStep:
+class ScaledKernels(NamedTuple):
+  """FedFA's weighted upload: the zero-norm kernels unscaled, and the others divided by their trimmed norms."""
+
+  fallback: Variables
+  scaled: Variables
+
+
+def fedfa_aggregation(graft_layers: bool = True, scaled: tuple[ClientTerm, ClientTerm] | None = None) -> ServerStep:
   """FedFA's server step: the mean of the clients' (grafted, scaled) weights over the holders of every
   element, as an update of the federation's model (old values where nobody held an element); logs
-  alpha's range and the zero-norm fallbacks under "fedfa" when scaling. Reads the `scaled_upload` terms."""
+  alpha's range and the zero-norm fallbacks under "fedfa" when scaling, i.e. given the `scaled_upload`
+  terms ``scaled``, whose uploads it reads."""
 
   def maps_of(federation: Federation) -> Sequence[SubmodelMap]:
     return grafted_maps(federation) if graft_layers else federation.maps
@@ -144,11 +152,11 @@ def fedfa_aggregation(graft_layers: bool = True, scale: bool = True) -> ServerSt
     weight_sums = [jax.tree.map(lambda d, s, w=r.weight_sum: d + w * s, r.delta_sum, start)
                    for r, start in zip(inputs.results, inputs.starts)]
     metrics = carry.metrics
-    if scale:
-      sums = inputs.uploads(NAME)
+    if scaled:
+      sums = inputs.uploads(scaled[0])
       num, den, stats = aggregators.fedfa_scalable_sums(
-          carry.model, maps, weight_sums, inputs.weights, [u["scaled"] for u in sums],
-          [u["fallback"] for u in sums], inputs.uploads(NORMS_NAME), inputs.valid, inputs.offset)
+          carry.model, maps, weight_sums, inputs.weights, [u.scaled for u in sums],
+          [u.fallback for u in sums], inputs.uploads(scaled[1]), inputs.valid, inputs.offset)
       metrics = {**metrics, NAME: stats}
     else:
       num, den = aggregators.heterogeneous_sums(weight_sums, inputs.weights, maps, carry.model, inputs.offset)
@@ -156,7 +164,7 @@ def fedfa_aggregation(graft_layers: bool = True, scale: bool = True) -> ServerSt
     delta = jax.tree.map(lambda a, b: a - b, new, carry.model)
     return carry._replace(delta=delta, coverage=den, metrics=metrics), state
 
-  return ServerStep(NAME, update, init)
+  return ServerStep(NAME, update, init, reads=tuple(scaled or ()))
 
 
 __all__ = ["NAME", "NORMS", "NORMS_NAME", "PERCENTILE", "declared_stages", "fedfa_aggregation", "graft_pairs",

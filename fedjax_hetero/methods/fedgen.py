@@ -1,4 +1,5 @@
-"""FedGen as a client term and a server step (Zhu, Hong and Zhou 2021; pure pieces in `algorithms.fedgen`).
+"""FedGen as a client term and a server step (Zhu, Hong and Zhou 2021; its generator and losses, pure, in
+`methods.fedgen_generator`).
 
 Every architecture group is its own federation with its own feature generator.
 After aggregation the "fedgen" server step trains the generator on the round's
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_hetero.algorithms import fedgen
+from fedjax_hetero.methods import fedgen_generator as gen
 from fedjax_hetero.client.terms import ClientTerm, with_upload
 from fedjax_hetero.hetero.maps import Variables
 from fedjax_hetero.server.steps import Plan, ServerStep
@@ -31,44 +32,52 @@ class FedGenShare(NamedTuple):
 
 
 @functools.cache
-def generator_for(config: fedgen.FedGenConfig, model: nn.Module, num_classes: int,
-                  input_shape: tuple[int, ...]) -> fedgen.Generator:
+def generator_for(config: gen.FedGenConfig, model: nn.Module, num_classes: int,
+                  input_shape: tuple[int, ...]) -> gen.Generator:
   """The generator of a group's model: features of its "features" cut point, one per (model, config)."""
   if "features" not in tuple(getattr(model, "cut_points", ())):
     raise ValueError(f"FedGen generates the features its clients' heads classify, but {type(model).__name__} "
                      "has no 'features' cut point")
-  width = fedgen.feature_width(model, jnp.zeros((1,) + tuple(input_shape), jnp.float32))
-  return fedgen.make_generator(config, num_classes, width)
+  width = gen.feature_width(model, jnp.zeros((1,) + tuple(input_shape), jnp.float32))
+  return gen.make_generator(config, num_classes, width)
 
 
-def generative_regularizer(config: fedgen.FedGenConfig) -> ClientTerm:
-  """FedGen's client side: ``+ fedgen.client_regularizer`` with the server's frozen generator, and
+class RegularizerState(NamedTuple):
+  """A FedGen client's round state."""
+
+  key: jax.Array  # the client's round key; each real step folds in its count
+  share: FedGenShare
+
+
+def generative_regularizer(config: gen.FedGenConfig) -> ClientTerm:
+  """FedGen's client side: ``+ gen.client_regularizer`` with the server's frozen generator, and
   the upload of the final model (stacked) for the server's ensemble."""
 
   def init(r):
-    return r.key, r.share
+    return RegularizerState(r.key, r.share)
 
   def prepare(state, ctx):
     # Counting real steps only, so padded steps (vmap cohorts) do not shift the key sequence.
-    return jax.random.fold_in(state[0], ctx.num_steps.astype(jnp.uint32))
+    return jax.random.fold_in(state.key, ctx.num_steps.astype(jnp.uint32))
 
   def loss(variables, state, step_key, outputs, ctx):
-    share = state[1]
+    share = state.share
     generator = generator_for(config, ctx.model, share.label_probs.shape[0], ctx.batch.x.shape[1:])
     alpha, beta = share.coefficients[0], share.coefficients[1]
-    return fedgen.client_regularizer(
-        fedgen.feature_head(ctx.model), variables, generator, share.generator, outputs.logits, ctx.batch.labels,
+    return gen.client_regularizer(
+        gen.feature_head(ctx.model), variables, generator, share.generator, outputs.logits, ctx.batch.labels,
         share.label_probs, step_key, alpha=alpha, beta=beta, gen_batch_size=config.gen_batch_size,
         mask=ctx.batch.weights, gen_ratio=config.gen_batch_size / ctx.batch.labels.shape[0])[0]
 
   return ClientTerm("fedgen", init=init, prepare=prepare, loss=loss,
-                    finish=lambda _, final, memory, share: with_upload(final, "fedgen", final.variables),
-                    reduce="stack")
+                    finish=lambda _, final, memory, share: with_upload(final, final.variables),
+                    upload="stack", share=True)
 
 
-def generator_training(config: fedgen.FedGenConfig) -> ServerStep:
-  """FedGen's server step (Alg. 1): the federation's generator learns from the round's uploaded models
-  and their clients' label counts; its state carries the Adam moments across rounds."""
+def generator_training(config: gen.FedGenConfig, regularizer: ClientTerm) -> ServerStep:
+  """FedGen's server step (Alg. 1): the federation's generator learns from the round's models uploaded by
+  the ``regularizer`` term (`generative_regularizer`) and their clients' label counts, and is broadcast to
+  it; its state carries the Adam moments across rounds."""
 
   def generator(federation):
     return generator_for(config, federation.models[0], federation.store.num_classes,
@@ -77,7 +86,7 @@ def generator_training(config: fedgen.FedGenConfig) -> ServerStep:
   def init(model, federation):
     if len(federation.models) != 1:
       raise ValueError("FedGen's generator needs one federation per architecture group")
-    init_fn = jax.jit(fedgen.init_generator, static_argnums=(0, 2))
+    init_fn = jax.jit(gen.init_generator, static_argnums=(0, 2))
     return init_fn(generator(federation), federation.init_key, config.weight_decay)
 
   def update(carry, state, inputs, plan):
@@ -85,8 +94,8 @@ def generator_training(config: fedgen.FedGenConfig) -> ServerStep:
     valid, cohort = inputs.valid[0], inputs.cohorts[0]
     table = jnp.asarray(federation.store.label_counts, jnp.float32)
     counts = jnp.where(valid[:, None], table[jnp.clip(cohort, 0, table.shape[0] - 1)], 0.0)
-    state, parts = fedgen.train_generator_round(
-        state, config, generator(federation), fedgen.feature_head(federation.models[0]), inputs.uploads("fedgen")[0],
+    state, parts = gen.train_generator_round(
+        state, config, generator(federation), gen.feature_head(federation.models[0]), inputs.uploads(regularizer)[0],
         counts, plan.inputs, inputs.key, valid)
     stats = {federation.name: {k: v.mean() for k, v in parts.items()}}
     return carry._replace(metrics={**carry.metrics, "fedgen_generator": stats}), state
@@ -94,10 +103,10 @@ def generator_training(config: fedgen.FedGenConfig) -> ServerStep:
   def broadcast(state, federation, member, round_index):
     counts = federation.store.label_counts[federation.clients[member]]
     return FedGenShare({"params": state.params, "batch_stats": state.batch_stats},
-                       jnp.asarray(fedgen.client_coefficients(config, round_index), jnp.float32),
-                       fedgen.present_label_probs(counts))
+                       jnp.asarray(gen.client_coefficients(config, round_index), jnp.float32),
+                       gen.present_label_probs(counts))
 
   def plan(round_index):
     return Plan(inputs=np.float32(config.generator_learning_rate(round_index)))
 
-  return ServerStep("fedgen", update, init, broadcast, plan)
+  return ServerStep("fedgen", update, init, broadcast, plan, reads=(regularizer,))

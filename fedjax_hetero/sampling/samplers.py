@@ -3,7 +3,7 @@
 ``sample(state, round, info)`` runs on the host and returns the round's
 `Participants`; a sampler with state (CluSamp's representative gradients)
 keeps it in the run's checkpointed server state and updates it in
-``observe`` from the uploads of the client term of its own name.
+``observe`` from the uploads of its client term, ``reads``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_hetero.client.terms import upload_flat_delta
 from fedjax_hetero.data.store import sample_clients
 from fedjax_hetero.sampling.clustered import ClusteredSampler
 
@@ -46,6 +47,7 @@ class Sampler(NamedTuple):
   sample: Callable[[Any, int, SamplingInfo], Participants]
   init: Callable[[SamplingInfo], Any] | None = None
   observe: Callable[[Any, np.ndarray, Any, SamplingInfo], Any] | None = None  # (state, cohort, uploads, info)
+  reads: Any = None  # the `ClientTerm` whose uploads ``observe`` reads
 
 
 def uniform() -> Sampler:
@@ -85,8 +87,8 @@ def _store_rows(state: ClusteredState, clients: jax.Array, rows: jax.Array) -> C
 def clustered(similarity: str = "L1") -> Sampler:
   """CluSamp: clustered sampling by representative-gradient similarity (Fraboni et al. 2021, Alg. 2).
 
-  The representative gradients (zero before a client's first round) are the uploads of the
-  "clustered" client term (`client.terms.upload_flat_delta`). Draws may repeat a client: it trains
+  The representative gradients (zero before a client's first round) are the uploads of its client
+  term (``reads``, `client.terms.upload_flat_delta`). Draws may repeat a client: it trains
   once and its update counts once per draw, weighted ``1/m`` per draw (Fraboni's unbiased scheme)
   under uniform weighting, ``n_i / sum of the drawn n_j`` (the FedCross framework's) by sample count.
   """
@@ -124,4 +126,4 @@ def clustered(similarity: str = "L1") -> Sampler:
     mirror.update(gradients=stored.gradients, sampler=sampler)
     return stored
 
-  return Sampler("clustered", sample, init, observe)
+  return Sampler("clustered", sample, init, observe, reads=upload_flat_delta("clustered"))

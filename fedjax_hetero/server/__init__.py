@@ -1,9 +1,20 @@
-"""A method's server side: pipelines of pure steps over typed state (see `steps`)."""
+"""A method's server side: pipelines of pure steps over typed state (see `steps`); the steps of single methods
+live in their method's module (`fedjax_hetero.methods`) and are re-exported here by their old names."""
 
-from fedjax_hetero.server.cross import CrossState, FedCrossConfig, cross_aggregation
-from fedjax_hetero.server.steps import (Carry, Federation, Plan, RoundInputs, ServerStep, apply_delta, inco,
-                                        insert_before, mean_delta, mean_of_weights, nova_mean, scaffold_control)
+from fedjax_hetero.server.steps import (Carry, Federation, Plan, RoundInputs, ServerStep, apply_delta, insert_before,
+                                        mean_delta, mean_of_weights)
 
-__all__ = ["Carry", "CrossState", "FedCrossConfig", "Federation", "Plan", "RoundInputs", "ServerStep", "apply_delta",
-           "cross_aggregation", "inco", "insert_before", "mean_delta", "mean_of_weights", "nova_mean",
+_MOVED = {"ControlState": "scaffold", "scaffold_control": "scaffold", "nova_mean": "fednova", "inco": "inco",
+          "CrossState": "fedcross", "FedCrossConfig": "fedcross", "cross_aggregation": "fedcross"}
+
+
+def __getattr__(name: str):
+  if name in _MOVED:
+    import importlib
+    return getattr(importlib.import_module(f"fedjax_hetero.methods.{_MOVED[name]}"), name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["Carry", "ControlState", "CrossState", "FedCrossConfig", "Federation", "Plan", "RoundInputs", "ServerStep",
+           "apply_delta", "cross_aggregation", "inco", "insert_before", "mean_delta", "mean_of_weights", "nova_mean",
            "scaffold_control"]

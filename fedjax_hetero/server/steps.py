@@ -7,9 +7,10 @@ in order, each reading the round's uploads (`RoundInputs`) and threading a
 in the manner of optax's ``update``: an averaging step fills ``delta``,
 transforms (InCo's cross-layer step) change it, and `apply_delta` adds it to
 the model. Each step owns its state (SCAFFOLD's ``c``, FedCross's global
-model, FedGen's generator), may ``broadcast`` a share of it to its group's
-clients (the client term of the same name reads it), and reads the uploads of
-the client term of its own name.
+model, FedGen's generator, each a typed pytree). A step with a client half owns
+it: ``reads`` holds the client terms whose uploads it reads
+(``inputs.uploads(term)``), and its ``broadcast`` goes to those of them that take
+a ``share``. No step and no term is linked by name.
 
 A step's ``plan(round)`` gives host-side, per-round settings: ``static``
 values the program is specialized on (FedCross's stage), traced ``inputs``
@@ -28,9 +29,8 @@ import numpy as np
 import optax
 
 from fedjax_hetero import aggregators
-from fedjax_hetero.compilation import program_cache
 from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.hetero.maps import SubmodelMap, Variables, extract
+from fedjax_hetero.hetero.maps import SubmodelMap, Variables
 
 
 class Federation(NamedTuple):
@@ -48,6 +48,7 @@ class Federation(NamedTuple):
   store: FederatedStore
   seed: int
   init_key: jax.Array  # server randomness for the steps' init
+  terms: tuple = ()  # the method's client terms, in the order of every result's uploads
 
 
 class RoundInputs(NamedTuple):
@@ -62,8 +63,12 @@ class RoundInputs(NamedTuple):
   key: jax.Array  # this federation's server key of the round
   federation: Federation
 
-  def uploads(self, name: str) -> list[Any]:
-    return [r.uploads[name] for r in self.results]
+  def uploads(self, term) -> list[Any]:
+    """Every member group's upload of client ``term`` (a term in the reading step's ``reads``)."""
+    index = next((i for i, t in enumerate(self.federation.terms) if t is term), None)
+    if index is None:
+      raise ValueError(f"client term {getattr(term, 'name', term)!r} is not among the method's terms")
+    return [r.uploads[index] for r in self.results]
 
   @property
   def weights(self) -> list[jax.Array]:
@@ -97,6 +102,7 @@ class ServerStep(NamedTuple):
   broadcast: Callable[[Any, Federation, int, int], Any] | None = None  # (state, federation, member, round)
   plan: Callable[[int], Plan] | None = None
   evaluate: Callable[[Any], Variables] | None = None  # the variables to evaluate, if not the federation's
+  reads: tuple = ()  # its client half: the `ClientTerm`s whose uploads it reads and that take its broadcast
 
 
 def run_server_steps(steps: Sequence[ServerStep], federation: Federation, model, states, starts, results, valid,
@@ -155,20 +161,6 @@ def mean_of_weights() -> ServerStep:
   return ServerStep("mean", update)
 
 
-def nova_mean() -> ServerStep:
-  """FedNova's server update (Wang et al. 2020, Eq. 7) per element over its holders, from the
-  normalized deltas and the ``a_i`` the "nova" client term uploads (`aggregators.fednova_delta`)."""
-
-  def update(carry, state, inputs, plan):
-    maps = inputs.federation.maps
-    delta = aggregators.fednova_delta([r.delta_sum for r in inputs.results], inputs.weights, inputs.uploads("nova"),
-                                      maps, carry.model, inputs.offset)
-    coverage = aggregators.weighted_coverage(inputs.weights, maps, carry.model, inputs.offset)
-    return carry._replace(delta=delta, coverage=coverage), state
-
-  return ServerStep("nova", update)
-
-
 def apply_delta(optimizer: optax.GradientTransformation | None = None) -> ServerStep:
   """``w <- w + delta``; with a server ``optimizer`` (e.g. FedAvgM's ``optax.sgd(1.0, momentum)``)
   the negated delta is its pseudo-gradient (Reddi et al. 2021, Alg. 2), its state the step's."""
@@ -183,54 +175,6 @@ def apply_delta(optimizer: optax.GradientTransformation | None = None) -> Server
   return ServerStep("apply", update, init)
 
 
-def inco(variant: str = "code", granularity: str = "kernel") -> ServerStep:
-  """InCo Aggregation's cross-layer step on the aggregated delta (Chan et al. 2024, Alg. 1 lines 6-11;
-  `aggregators.inco`), on the (target, source) pairs of the federation's largest model. Logs θ and
-  the fraction of b > 0 per target layer."""
-
-  def pairs(federation: Federation) -> tuple:
-    pairs_of = getattr(federation.largest, "cross_layer_pairs", None)
-    if pairs_of is None:
-      raise ValueError(f"InCo's cross-layer step needs cross-layer pairs, but the largest model "
-                       f"({type(federation.largest).__name__}) has no cross_layer_pairs(); use a ResNet or ViT")
-    return tuple(pairs_of())
-
-  def init(model, federation):
-    aggregators.check_pairs(pairs(federation), model)
-    return ()
-
-  def update(carry, state, inputs, plan):
-    delta, stats = aggregators.inco(carry.delta, pairs(inputs.federation), variant, granularity,
-                                    coverage=carry.coverage)
-    return carry._replace(delta=delta, metrics={**carry.metrics, "inco": stats}), state
-
-  return ServerStep("inco", update, init)
-
-
-@program_cache
-def _extractor(group_map: SubmodelMap):
-  return jax.jit(lambda tree: extract(tree, group_map))
-
-
-def scaffold_control() -> ServerStep:
-  """SCAFFOLD's server control variate ``c`` (Karimireddy et al. 2020, Alg. 1 line 17, as NIID-Bench:
-  ``c <- c + mean_i delta_c_i`` over the sampled holders of each element; `aggregators.
-  scaffold_server_control`). Starts at zero; each group's clients get their slice of it."""
-
-  def init(model, federation):
-    return {"params": _zeros_like(model["params"])}
-
-  def update(carry, control, inputs, plan):
-    deltas = [{"params": d} for d in inputs.uploads("scaffold")]
-    return carry, aggregators.scaffold_server_control(control, deltas, inputs.weights, inputs.federation.maps,
-                                                      inputs.offset)
-
-  def broadcast(control, federation, member, round_index):
-    return _extractor(federation.maps[member])(control)["params"]
-
-  return ServerStep("scaffold", update, init, broadcast)
-
-
 def insert_before(steps: Sequence[ServerStep], name: str, step: ServerStep) -> tuple[ServerStep, ...]:
   """``steps`` with ``step`` inserted before the step called ``name``."""
   names = [s.name for s in steps]
@@ -238,3 +182,20 @@ def insert_before(steps: Sequence[ServerStep], name: str, step: ServerStep) -> t
     raise ValueError(f"no server step {name!r} in {names}")
   at = names.index(name)
   return tuple(steps[:at]) + (step,) + tuple(steps[at:])
+
+
+# The server steps of single methods live in their method's module now (`fedjax_hetero.methods`); their old import
+# paths keep working.
+_MOVED = {
+    "nova_mean": "fedjax_hetero.methods.fednova",
+    "inco": "fedjax_hetero.methods.inco",
+    "ControlState": "fedjax_hetero.methods.scaffold",
+    "scaffold_control": "fedjax_hetero.methods.scaffold",
+}
+
+
+def __getattr__(name: str):
+  if name in _MOVED:
+    import importlib
+    return getattr(importlib.import_module(_MOVED[name]), name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

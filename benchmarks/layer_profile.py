@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import emit_json_lines
-from benchmarks.peer_torch import TORCH_RESNETS, _torch_resnet_class
+from benchmarks.torch_resnet import TORCH_RESNETS, torch_resnet_class
 from benchmarks.step_modes import step_inputs
 from fedjax_hetero.models import build_model
 from fedjax_hetero.models.common import convolution
@@ -128,7 +128,7 @@ def torch_step_ms(name: str, width: float, batch: int, repeats: int) -> float:
   import torch
   import torch.nn.functional as F
   torch.manual_seed(0)
-  model = _torch_resnet_class()(TORCH_RESNETS[name], 10, width, 1)
+  model = torch_resnet_class()(TORCH_RESNETS[name], 10, width, 1)
   model.train()
   opt = torch.optim.Adam(model.parameters(), lr=1e-3)
   images = torch.rand(4096, 1, 28, 28)

@@ -22,6 +22,7 @@ import pytest
 
 from fedjax_hetero import engine
 from fedjax_hetero.compilation import CACHE_ENV, release_programs
+from fedjax_hetero.methods import METHODS
 
 _SESSION_CACHE_ENV = "FEDJAX_HETERO_TEST_SESSION_CACHE"  # set by the controller, read by the xdist workers
 
@@ -47,6 +48,16 @@ def pytest_unconfigure(config):
 def _release_compiled_programs():
   yield
   release_programs()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _methods_registered_by_a_module_stay_in_it():
+  """A registered method (the README's FedAvgM, run by tests/test_docs.py) would otherwise show in the --help
+  of every later module of the same worker (docs/cli.md's test)."""
+  before = dict(METHODS)
+  yield
+  METHODS.clear()
+  METHODS.update(before)
 
 
 @pytest.fixture

@@ -1,0 +1,328 @@
+"""Many runs in one program: R runs of one method and architectures advanced together on the round program.
+
+Each run is a `Simulation` of its own, built from its own settings: its seed's partition, sampling, attack and
+initialization, so every host-side input of a call (`round_program.CallInputs`) is that run's, computed as it
+would be alone and stacked over a leading runs axis. The device side is one program: the round program's call
+``vmap``-ped over the runs, with each run's server state, client memory and its data rows (index tables
+padded to the widest: a client's schedule draws its permutation from a prefix of the same random stream, so
+the padding changes nothing).
+
+What differs between the runs inside the program is traced, per run:
+  * the seed of the rounds' randomness (`state.round_key`, `state.server_key`);
+  * the swept settings (`SWEEPABLE`): the local optimizer's learning rate, momentum and weight decay, and
+    every numeric option of a catalog method (μ, λ, β, ...). The program is traced with a copy of the first
+    run's `Simulation` whose local config and method are rebuilt from configs holding the traced values, so a
+    method reads its μ as it always does. A setting whose use needs a concrete value (a Python ``if`` on it,
+    a shape) stops the trace: it is refused, named, with the sweepable settings listed.
+
+Anything else that differs (shapes, architectures, the method, the rounds, the sampler's state) is refused
+(`check_batchable`). Memory grows linearly in R: the program is compiled before any compute and, when XLA's
+estimate of its memory does not fit the device, the runs go in chunks that do (or fail naming the estimate
+when one run alone does not fit).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import os
+import time
+from typing import Any, Callable, Collection, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_hetero.config.declare import Number, leaves
+from fedjax_hetero.engine import Simulation
+from fedjax_hetero.round_program import CallInputs
+from fedjax_hetero.state import ServerState
+
+# The local training settings a program can take per run (the optimizer's scalars).
+CLIENT_SWEEPABLE = ("learning_rate", "momentum", "weight_decay")
+# Host-side settings that may differ freely: each run's own `Simulation` computes what they change.
+HOST_ONLY = ("federation.seed", "federation.sample_seed", "data.alpha")
+# What tracing raises where a traced value is used as a concrete one (an ``if``, a shape, ``float()``).
+CONCRETE_VALUE_ERRORS = (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError,
+                         jax.errors.TracerArrayConversionError)
+# Of XLA's memory estimate, the share of the device's memory a program may take.
+MEMORY_SHARE = 0.8
+
+
+def method_sweepable(method_config: Any) -> tuple[str, ...]:
+  """The numeric options of a method config (``method.prox.mu``, ...): the method's sweepable settings."""
+  return tuple(f"method.{leaf.path}" for leaf in leaves(method_config)
+               if isinstance(leaf.setting.check, Number) and isinstance(leaf.default, float))
+
+
+def sweepable(method_config: Any) -> tuple[str, ...]:
+  return tuple(f"client.{name}" for name in CLIENT_SWEEPABLE) + method_sweepable(method_config) + HOST_ONLY
+
+
+def _differing(trees: Sequence[Any], prefix: str) -> list[str]:
+  """The leaf paths (``prefix`` + path) whose values differ between the config trees ``trees``."""
+  flat = [{leaf.path: leaf.default for leaf in leaves(t)} for t in trees]
+  return [prefix + path for path in flat[0] if any(f[path] != flat[0][path] for f in flat[1:])]
+
+
+def _substituted(config: Any, values: dict[str, Any]) -> Any:
+  """A copy of the frozen config tree ``config`` with ``values`` (by dotted path) set, unchecked: a traced
+  value cannot be validated, and each run's concrete value was validated when its config was built."""
+  for path, value in values.items():
+    config = _set(config, path.split("."), value)
+  return config
+
+
+def _set(node: Any, parts: list[str], value: Any) -> Any:
+  new = copy.copy(node)
+  object.__setattr__(new, parts[0], value if len(parts) == 1 else _set(getattr(node, parts[0]), parts[1:], value))
+  return new
+
+
+class NotBatchable(ValueError):
+  """Runs that cannot share one program; the message names what differs and what may."""
+
+
+def check_batchable(sims: Sequence[Simulation], method_configs: Sequence[Any] | None) -> tuple[str, ...]:
+  """The settings traced per run (the swept ones: client and method paths), or `NotBatchable`."""
+  first = sims[0]
+  allowed = sweepable(method_configs[0]) if method_configs else tuple(f"client.{n}" for n in CLIENT_SWEEPABLE)
+  problems = []
+  for sim in sims:
+    why = None if sim.round_program else "it runs on the host loop (pass --round-program fused)"
+    if sim.method.name != first.method.name:
+      why = f"its method is {sim.method.name}, not {first.method.name}"
+    elif [g.name for g in sim.groups] != [g.name for g in first.groups]:
+      why = "its architecture groups differ"
+    elif _shapes(sim.state_shapes) != _shapes(first.state_shapes):
+      why = "its server state or client memory has other shapes"
+    elif (sim.store.mean, sim.store.std, sim.store.num_clients) != (first.store.mean, first.store.std,
+                                                                    first.store.num_clients):
+      why = "its data's normalization or number of clients differs"
+    elif sim.round_program.rounds_per_call != first.round_program.rounds_per_call:
+      why = "its rounds per call differ"
+    if why:
+      problems.append(f"run {len(problems)}: {why}")
+  if problems:
+    raise NotBatchable("these runs cannot share one program: " + "; ".join(problems))
+  differing = _differing([s.local for s in sims], "client.") + _differing([s.config for s in sims], "federation.")
+  if method_configs:
+    differing += _differing(method_configs, "method.")
+  refused = [d for d in differing if d not in allowed]
+  if refused:
+    raise NotBatchable(f"{', '.join(refused)} cannot differ between runs of one program (it changes shapes, the "
+                       f"method or what runs); sweepable settings: {', '.join(allowed)}")
+  return tuple(d for d in differing if d not in HOST_ONLY)
+
+
+def _shapes(tree: Any) -> Any:
+  return jax.tree.structure(tree), [(x.shape, x.dtype) for x in jax.tree.leaves(tree)]
+
+
+def catalog_method(name: str, method_config: Any, local: Any):
+  """The catalog's method ``name`` from option families that may hold traced values (`methods.build_method`
+  without its checks, which compare values: each run's concrete config passed them)."""
+  from fedjax_hetero.config import LocalConfig
+  from fedjax_hetero.methods import get_entry
+  entry = get_entry(name)
+  return entry.build(*[local if kind is LocalConfig else method_config.family(kind) for kind in entry.options])
+
+
+def _stack(trees: Sequence[Any]) -> Any:
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def _row_of(tree: Any, r: int) -> Any:
+  return jax.tree.map(lambda x: x[r], tree)
+
+
+def _device_memory() -> int:
+  stats = jax.devices()[0].memory_stats() or {}
+  if "bytes_limit" in stats:
+    return int(stats["bytes_limit"])
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def memory_estimate(compiled: Any) -> int:
+  """XLA's estimate of a compiled program's memory: arguments, outputs and temporaries (less what aliases)."""
+  m = compiled.memory_analysis()
+  return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+class ManyRuns:
+  """R `Simulation`s (one per run, each with its round program) advanced together, one program per call.
+
+  ``method_configs``: each run's `MethodConfig` when the method is the catalog's: the method is then rebuilt
+  in the program with the run's traced settings (needed to sweep a method's options, or a learning rate a
+  method reads). ``rebuild``: ``(method config, local config) -> Method`` (default: `methods.build_method`).
+  ``memory_budget`` (bytes; default: the device's memory × `MEMORY_SHARE`) and ``max_runs_per_program`` bound
+  the runs of one program; more go in chunks."""
+
+  def __init__(self, sims: Sequence[Simulation], method_configs: Sequence[Any] | None = None,
+               rebuild: Callable[[Any, Any], Any] | None = None, memory_budget: int | None = None,
+               max_runs_per_program: int | None = None, log: Callable[[str], None] = print):
+    self.sims, self.method_configs, self.log = list(sims), method_configs, log
+    self.swept = check_batchable(self.sims, method_configs)
+    self.rebuild = (rebuild or functools.partial(catalog_method, self.sims[0].method.name)) if method_configs else None
+    self.memory_budget = memory_budget if memory_budget is not None else int(_device_memory() * MEMORY_SHARE)
+    self.max_runs_per_program = max_runs_per_program or len(self.sims)
+    self.chunk_size: int | None = None  # runs per program, known after the first compile
+    template = self.sims[0].round_program
+    self.schedule_length = max(s.round_program.schedule_length for s in self.sims)
+    self.rounds_per_call = template.rounds_per_call
+    self._data = self._stacked_data()
+    self._programs: dict[tuple, Any] = {}
+
+  # ------------------------------------------------------------------------------------------- host side
+
+  def _stacked_data(self) -> tuple[tuple, tuple]:
+    """The runs' data, and per part whether it is per run (axis 0) or shared (None); index tables padded."""
+    stores = [s.store for s in self.sims]
+    width = max(s.max_size for s in stores)
+    tables = [np.pad(np.asarray(s.index_table), ((0, 0), (0, width - s.max_size))) for s in stores]
+    parts = [[s.images for s in stores], [s.labels for s in stores], tables,
+             [s.test_images for s in self.sims], [s.test_labels for s in self.sims]]
+    data, axes = [], []
+    for arrays in parts:
+      same = all(a is arrays[0] or (a.shape == arrays[0].shape and np.array_equal(np.asarray(a),
+                                                                                 np.asarray(arrays[0])))
+                 for a in arrays[1:])
+      data.append(jnp.asarray(arrays[0]) if same else jnp.stack([jnp.asarray(a) for a in arrays]))
+      axes.append(None if same else 0)
+    return tuple(data), tuple(axes)
+
+  def run_values(self, runs: Sequence[int]) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The traced values of ``runs``: their seeds, and their swept settings by path."""
+    seeds = jnp.asarray([self.sims[r].config.seed for r in runs], jnp.uint32)
+    configs = {"client": [self.sims[r].local for r in runs],
+               "method": [self.method_configs[r] for r in runs] if self.method_configs else None}
+    values = {}
+    for path in self.swept:
+      section, rest = path.split(".", 1)
+      values[path] = jnp.asarray([float(_get(c, rest)) for c in configs[section]], jnp.float32)
+    return seeds, values
+
+  # ------------------------------------------------------------------------------------------- the program
+
+  def _view(self, seed: jax.Array, values: dict[str, jax.Array]):
+    """The first run's round program seen with one run's traced seed and settings."""
+    template = self.sims[0]
+    local = _substituted(template.local, {p.split(".", 1)[1]: v for p, v in values.items()
+                                          if p.startswith("client.")})
+    sim = copy.copy(template)
+    if self.rebuild is not None and values:
+      method_config = _substituted(self.method_configs[0], {p.split(".", 1)[1]: v for p, v in values.items()
+                                                            if p.startswith("method.")})
+      method = self.rebuild(method_config, local)
+      sim.method = dataclasses.replace(template.method, terms=method.terms, server=method.server,
+                                       combine=method.combine)
+    sim.local = local
+    extra = template.trainers[0].terms[len(template.method.terms):]  # (the dissimilarity metric's upload)
+    sim.trainers = [dataclasses.replace(t, config=local, terms=sim.method.terms + extra, combine=sim.method.combine)
+                    for t in template.trainers]
+    program = copy.copy(template.round_program)
+    program.sim, program.seed, program.schedule_length = sim, seed, self.schedule_length
+    return program
+
+  def _one_run_round(self, statics, carry, x, data, run):
+    return self._view(*run)._round(statics, carry, x, data)
+
+  def _build(self, statics: tuple, data_axes: tuple):
+    one_round = jax.jit(functools.partial(self._one_run_round, statics))
+
+    def call(server, memory, inputs, count, data, run):
+      carry = (*server, memory)
+      shapes = jax.eval_shape(one_round, carry, jax.tree.map(lambda a: a[0], inputs), data, run)[1]
+      buffers = jax.tree.map(lambda s: jnp.zeros((self.rounds_per_call,) + s.shape, s.dtype), shapes)
+
+      def body(i, loop):
+        carry, buffers = loop
+        carry, out = one_round(carry, jax.tree.map(lambda a: a[i], inputs), data, run)
+        return carry, jax.tree.map(lambda b, o: b.at[i].set(o), buffers, out)
+
+      return jax.lax.fori_loop(0, count, body, (carry, buffers))
+
+    input_axes = CallInputs(None, 0, None, 0, 0)  # rounds and evaluation rounds are every run's
+    batched = jax.vmap(call, in_axes=(0, 0, input_axes, None, data_axes, 0))
+    return jax.jit(batched, donate_argnums=1)
+
+  def _compiled(self, statics: tuple, args: tuple):
+    """The program for ``statics`` and the runs' count of ``args``, compiled (once per count)."""
+    key = (statics, len(args[-1][0]))
+    if key not in self._programs:
+      try:
+        self._programs[key] = self._build(statics, self._data[1]).lower(*args).compile()
+      except CONCRETE_VALUE_ERRORS as e:
+        raise NotBatchable(self._concrete_message(e)) from None
+    return self._programs[key]
+
+  def _concrete_message(self, error: Exception) -> str:
+    allowed = sweepable(self.method_configs[0]) if self.method_configs else CLIENT_SWEEPABLE
+    return (f"{self.sims[0].method.name} needs a concrete value of a swept setting ({', '.join(self.swept)}) to "
+            f"build its program (it changes the program's structure), so it cannot be swept in one program; "
+            f"sweepable settings: {', '.join(allowed)}; run them one after another instead. ({type(error).__name__})")
+
+  def chunks(self, runs: Sequence[int], statics: tuple, args_of: Callable) -> list[list[int]]:
+    """``runs`` in chunks whose program fits the memory budget (compiled before any compute)."""
+    size = min(self.chunk_size or self.max_runs_per_program, len(runs))
+    while True:
+      program = self._compiled(statics, args_of(runs[:size]))
+      estimate = memory_estimate(program)
+      if estimate <= self.memory_budget or size == 1 and self.chunk_size:
+        break
+      if size == 1:
+        raise MemoryError(f"one run's program needs about {estimate / 2**20:.0f} MiB (XLA's estimate), more than "
+                          f"the budget of {self.memory_budget / 2**20:.0f} MiB")
+      fit = max(1, int(size * self.memory_budget / estimate))
+      self.log(f"{size} runs in one program need about {estimate / 2**20:.0f} MiB (XLA's estimate), over the "
+               f"budget of {self.memory_budget / 2**20:.0f} MiB: running chunks of {min(fit, size - 1)} runs")
+      size = min(fit, size - 1)
+    self.chunk_size = size
+    return [list(runs[i:i + size]) for i in range(0, len(runs), size)]
+
+  def run(self, runs: Sequence[int], states: Sequence[ServerState], count: int, evaluate: Collection[int]
+          ) -> list[tuple[ServerState, list[dict] | Exception]]:
+    """``count`` rounds of each run in ``runs`` (indices into the simulations) from its state in ``states``
+    (all at one round; their client memory is consumed): per run its new state and rows, or the error its rows
+    raised (`round_rows.NonFiniteLossError`)."""
+    prepared = [self.sims[r].round_program.call_inputs(s, count, evaluate) for r, s in zip(runs, states)]
+    statics = prepared[0][3]
+    if any(p[3] != statics for p in prepared):
+      raise NotBatchable("the runs' server steps plan differently in the same round")
+
+    def args_of(chunk: Sequence[int]) -> tuple:
+      at = [runs.index(r) for r in chunk]
+      inputs = [prepared[i][0] for i in at]
+      batched = CallInputs(inputs[0].rounds, np.stack([x.steps for x in inputs]), inputs[0].evaluate,
+                           jax.tree.map(lambda *xs: np.stack(xs), *[x.groups for x in inputs]),
+                           jax.tree.map(lambda *xs: np.stack(xs), *[x.plans for x in inputs]))
+      server = _stack([(states[i].models, states[i].steps) for i in at])
+      memory = _stack([states[i].memory for i in at])
+      data = tuple(d if a is None else d[jnp.asarray(chunk)] for d, a in zip(*self._data))
+      return server, memory, batched, np.int32(count), data, self.run_values(chunk)
+
+    results = []
+    for chunk in self.chunks(list(runs), statics, args_of):
+      t0 = time.perf_counter()
+      carry, outputs = self._compiled(statics, args := args_of(chunk))(*args)
+      outputs = jax.device_get(outputs)
+      seconds = (time.perf_counter() - t0) / count
+      for j, r in enumerate(chunk):
+        i = runs.index(r)
+        program, state, (_, drawn, plans, _) = self.sims[r].round_program, states[i], prepared[i]
+        new = ServerState(state.round + count, *_row_of(carry[:2], j), state.sampler, _row_of(carry[2], j))
+        mine = _row_of(outputs, j)
+        try:
+          rows = [program._row(state.round + k, mine, k, drawn[k], plans[k], seconds, evaluate)
+                  for k in range(count)]
+        except ArithmeticError as e:  # (NonFiniteLossError)
+          rows = e
+        results.append((new, rows))
+    return results
+
+
+def _get(config: Any, path: str) -> Any:
+  for part in path.split("."):
+    config = getattr(config, part)
+  return config

@@ -66,6 +66,38 @@ def _differing(trees: Sequence[Any], prefix: str) -> list[str]:
   return [prefix + path for path in flat[0] if any(f[path] != flat[0][path] for f in flat[1:])]
 
 
+class SweptValue(float):
+  """A swept setting as a method's build reads it: arithmetic gives the run's traced value; truth is the runs'
+  common truth (``if mu:`` keeps a term on every run or none, `check_batchable`). Anything else that would need
+  the concrete value (a comparison, ``float()``) is refused, naming the setting; as a float it is NaN, so a
+  conversion this class does not see (``jnp.asarray``) makes the run fail loudly rather than train wrongly."""
+
+  def __new__(cls, path: str, traced: jax.Array, truth: bool):
+    self = super().__new__(cls, float("nan"))
+    self.path, self.traced, self.truth = path, traced, truth
+    return self
+
+  def __bool__(self) -> bool:
+    return self.truth
+
+  def _concrete(self, *_):
+    raise NotBatchable(f"{self.path} is read as a concrete number when the method is built (a comparison or a "
+                       "conversion), so it cannot be swept in one program; sweep it in runs one after another")
+
+  __float__ = __int__ = __index__ = __lt__ = __le__ = __gt__ = __ge__ = __eq__ = __ne__ = _concrete
+  __hash__ = float.__hash__
+
+
+def _arithmetic(name: str):
+  return lambda self, *others: getattr(self.traced, name)(*[o.traced if isinstance(o, SweptValue) else o
+                                                            for o in others])
+
+
+for _name in ("add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "pow", "rpow", "neg", "pos",
+              "abs"):
+  setattr(SweptValue, f"__{_name}__", _arithmetic(f"__{_name}__"))
+
+
 def _substituted(config: Any, values: dict[str, Any]) -> Any:
   """A copy of the frozen config tree ``config`` with ``values`` (by dotted path) set, unchecked: a traced
   value cannot be validated, and each run's concrete value was validated when its config was built."""
@@ -89,9 +121,11 @@ def check_batchable(sims: Sequence[Simulation], method_configs: Sequence[Any] | 
   first = sims[0]
   allowed = sweepable(method_configs[0]) if method_configs else tuple(f"client.{n}" for n in CLIENT_SWEEPABLE)
   problems = []
-  for sim in sims:
-    why = None if sim.round_program else "it runs on the host loop (pass --round-program fused)"
-    if sim.method.name != first.method.name:
+  for index, sim in enumerate(sims):
+    why = None
+    if not sim.round_program or not first.round_program:
+      why = "it runs on the host loop (pass --round-program fused)"
+    elif sim.method.name != first.method.name:
       why = f"its method is {sim.method.name}, not {first.method.name}"
     elif [g.name for g in sim.groups] != [g.name for g in first.groups]:
       why = "its architecture groups differ"
@@ -103,7 +137,7 @@ def check_batchable(sims: Sequence[Simulation], method_configs: Sequence[Any] | 
     elif sim.round_program.rounds_per_call != first.round_program.rounds_per_call:
       why = "its rounds per call differ"
     if why:
-      problems.append(f"run {len(problems)}: {why}")
+      problems.append(f"run {index}: {why}")
   if problems:
     raise NotBatchable("these runs cannot share one program: " + "; ".join(problems))
   differing = _differing([s.local for s in sims], "client.") + _differing([s.config for s in sims], "federation.")
@@ -113,7 +147,14 @@ def check_batchable(sims: Sequence[Simulation], method_configs: Sequence[Any] | 
   if refused:
     raise NotBatchable(f"{', '.join(refused)} cannot differ between runs of one program (it changes shapes, the "
                        f"method or what runs); sweepable settings: {', '.join(allowed)}")
-  return tuple(d for d in differing if d not in HOST_ONLY)
+  swept = tuple(d for d in differing if d not in HOST_ONLY)
+  for path in swept:
+    section, rest = path.split(".", 1)
+    trees = [s.local for s in sims] if section == "client" else method_configs
+    if len({bool(_get(t, rest)) for t in trees}) > 1:
+      raise NotBatchable(f"{path}: zero and non-zero values build different programs (a zero turns its part off); "
+                         "sweep the zero in a job of its own")
+  return swept
 
 
 def _shapes(tree: Any) -> Any:
@@ -162,7 +203,8 @@ class ManyRuns:
   def __init__(self, sims: Sequence[Simulation], method_configs: Sequence[Any] | None = None,
                rebuild: Callable[[Any, Any], Any] | None = None, memory_budget: int | None = None,
                max_runs_per_program: int | None = None, log: Callable[[str], None] = print):
-    self.sims, self.method_configs, self.log = list(sims), method_configs, log
+    self.sims, self.log = list(sims), log
+    self.method_configs = list(method_configs) if method_configs else None
     self.swept = check_batchable(self.sims, method_configs)
     self.rebuild = (rebuild or functools.partial(catalog_method, self.sims[0].method.name)) if method_configs else None
     self.memory_budget = memory_budget if memory_budget is not None else int(_device_memory() * MEMORY_SHARE)
@@ -173,6 +215,15 @@ class ManyRuns:
     self.rounds_per_call = template.rounds_per_call
     self._data = self._stacked_data()
     self._programs: dict[tuple, Any] = {}
+
+  def replace(self, run: int, sim: Simulation, method_config: Any = None) -> None:
+    """Run ``run`` goes on with ``sim`` (rebuilt by a rollback with a lower learning rate, now traced)."""
+    self.sims[run] = sim
+    if self.method_configs:
+      self.method_configs[run] = method_config
+    swept = check_batchable(self.sims, self.method_configs)
+    if swept != self.swept:
+      self.swept, self._programs = swept, {}
 
   # ------------------------------------------------------------------------------------------- host side
 
@@ -208,6 +259,8 @@ class ManyRuns:
   def _view(self, seed: jax.Array, values: dict[str, jax.Array]):
     """The first run's round program seen with one run's traced seed and settings."""
     template = self.sims[0]
+    values = {p: SweptValue(p, v, bool(_get(template.local if p.startswith("client.") else self.method_configs[0],
+                                            p.split(".", 1)[1]))) for p, v in values.items()}
     local = _substituted(template.local, {p.split(".", 1)[1]: v for p, v in values.items()
                                           if p.startswith("client.")})
     sim = copy.copy(template)
@@ -253,7 +306,7 @@ class ManyRuns:
     if key not in self._programs:
       try:
         self._programs[key] = self._build(statics, self._data[1]).lower(*args).compile()
-      except CONCRETE_VALUE_ERRORS as e:
+      except CONCRETE_VALUE_ERRORS as e:  # (a traced setting reached past `SweptValue`)
         raise NotBatchable(self._concrete_message(e)) from None
     return self._programs[key]
 

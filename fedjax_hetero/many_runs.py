@@ -119,7 +119,8 @@ class NotBatchable(ValueError):
 def check_batchable(sims: Sequence[Simulation], method_configs: Sequence[Any] | None) -> tuple[str, ...]:
   """The settings traced per run (the swept ones: client and method paths), or `NotBatchable`."""
   first = sims[0]
-  allowed = sweepable(method_configs[0]) if method_configs else tuple(f"client.{n}" for n in CLIENT_SWEEPABLE)
+  allowed = (sweepable(method_configs[0]) if method_configs
+             else tuple(f"client.{n}" for n in CLIENT_SWEEPABLE) + HOST_ONLY)
   problems = []
   for index, sim in enumerate(sims):
     why = None
@@ -170,8 +171,15 @@ def catalog_method(name: str, method_config: Any, local: Any):
   return entry.build(*[local if kind is LocalConfig else method_config.family(kind) for kind in entry.options])
 
 
+@jax.jit
 def _stack(trees: Sequence[Any]) -> Any:
   return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _unstack(tree: Any, count: int) -> list[Any]:
+  """Every run's part of ``tree`` (one program, not one slice per leaf and run)."""
+  return [jax.tree.map(lambda x: x[r], tree) for r in range(count)]
 
 
 def _row_of(tree: Any, r: int) -> Any:
@@ -311,26 +319,27 @@ class ManyRuns:
     return self._programs[key]
 
   def _concrete_message(self, error: Exception) -> str:
-    allowed = sweepable(self.method_configs[0]) if self.method_configs else CLIENT_SWEEPABLE
+    allowed = sweepable(self.method_configs[0]) if self.method_configs else CLIENT_SWEEPABLE + HOST_ONLY
     return (f"{self.sims[0].method.name} needs a concrete value of a swept setting ({', '.join(self.swept)}) to "
             f"build its program (it changes the program's structure), so it cannot be swept in one program; "
             f"sweepable settings: {', '.join(allowed)}; run them one after another instead. ({type(error).__name__})")
 
   def chunks(self, runs: Sequence[int], statics: tuple, args_of: Callable) -> list[list[int]]:
-    """``runs`` in chunks whose program fits the memory budget (compiled before any compute)."""
+    """``runs`` in chunks whose program fits the memory budget (each size compiled, and checked, before any
+    compute)."""
     size = min(self.chunk_size or self.max_runs_per_program, len(runs))
-    while True:
-      program = self._compiled(statics, args_of(runs[:size]))
-      estimate = memory_estimate(program)
-      if estimate <= self.memory_budget or size == 1 and self.chunk_size:
+    while (statics, size) not in self._programs:
+      estimate = memory_estimate(self._compiled(statics, args_of(runs[:size])))
+      if estimate <= self.memory_budget:
         break
+      del self._programs[(statics, size)]
       if size == 1:
         raise MemoryError(f"one run's program needs about {estimate / 2**20:.0f} MiB (XLA's estimate), more than "
                           f"the budget of {self.memory_budget / 2**20:.0f} MiB")
-      fit = max(1, int(size * self.memory_budget / estimate))
+      fit = min(size - 1, max(1, int(size * self.memory_budget / estimate)))
       self.log(f"{size} runs in one program need about {estimate / 2**20:.0f} MiB (XLA's estimate), over the "
-               f"budget of {self.memory_budget / 2**20:.0f} MiB: running chunks of {min(fit, size - 1)} runs")
-      size = min(fit, size - 1)
+               f"budget of {self.memory_budget / 2**20:.0f} MiB: running chunks of {fit} runs")
+      size = fit
     self.chunk_size = size
     return [list(runs[i:i + size]) for i in range(0, len(runs), size)]
 
@@ -361,10 +370,12 @@ class ManyRuns:
       carry, outputs = self._compiled(statics, args := args_of(chunk))(*args)
       outputs = jax.device_get(outputs)
       seconds = (time.perf_counter() - t0) / count
+      per_run = _unstack(carry, len(chunk))
       for j, r in enumerate(chunk):
         i = runs.index(r)
         program, state, (_, drawn, plans, _) = self.sims[r].round_program, states[i], prepared[i]
-        new = ServerState(state.round + count, *_row_of(carry[:2], j), state.sampler, _row_of(carry[2], j))
+        models, steps, memory = per_run[j]
+        new = ServerState(state.round + count, models, steps, state.sampler, memory)
         mine = _row_of(outputs, j)
         try:
           rows = [program._row(state.round + k, mine, k, drawn[k], plans[k], seconds, evaluate)

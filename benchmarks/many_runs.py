@@ -98,13 +98,14 @@ def measure(args: argparse.Namespace, dataset: Any, runs: int, alone: bool = Fal
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
-  one = next((r["samples_per_s"] for r in rows if r["runs"] == 1 and not r["alone"]), None)
-  lines = ["| R | samples/s (whole job) | x R=1 | timed call (s) | first call (s) | memory estimate (MiB) |",
-           "|---|---|---|---|---|---|"]
+  base = lambda alone: next((r["samples_per_s"] for r in rows if r["runs"] == 1 and r["alone"] == alone), None)
+  ratio = lambda value, of: f"{value / of:.2f}" if of else "—"
+  lines = ["| R | samples/s (whole job) | x one run alone | x R=1 in the program | timed call (s) | first call (s) | "
+           "memory estimate (MiB) |", "|---|---|---|---|---|---|---|"]
   for r in rows:
-    ratio = f"{r['samples_per_s'] / one:.2f}" if one else "—"
     memory = "—" if r["memory_estimate_mib"] is None else f"{r['memory_estimate_mib']:.0f}"
-    lines.append(f"| {'1 alone' if r['alone'] else r['runs']} | {r['samples_per_s']:,.0f} | {ratio} | "
+    lines.append(f"| {'1 alone' if r['alone'] else r['runs']} | {r['samples_per_s']:,.0f} | "
+                 f"{ratio(r['samples_per_s'], base(True))} | {ratio(r['samples_per_s'], base(False))} | "
                  f"{r['timed_s']:.2f} | {r['first_call_s']:.1f} | {memory} |")
   return "\n".join(lines)
 

@@ -34,86 +34,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_hetero.config.declare import Number, leaves
 from fedjax_hetero.engine import Simulation
 from fedjax_hetero.round_program import CallInputs
 from fedjax_hetero.state import ServerState
+from fedjax_hetero.sweeps import (CLIENT_SWEEPABLE, HOST_ONLY, NotBatchable, SweptValue, catalog_method, differing,
+                                  get, substituted, sweepable)
 
-# The local training settings a program can take per run (the optimizer's scalars).
-CLIENT_SWEEPABLE = ("learning_rate", "momentum", "weight_decay")
-# Host-side settings that may differ freely: each run's own `Simulation` computes what they change.
-HOST_ONLY = ("federation.seed", "federation.sample_seed", "data.alpha")
 # What tracing raises where a traced value is used as a concrete one (an ``if``, a shape, ``float()``).
 CONCRETE_VALUE_ERRORS = (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError,
                          jax.errors.TracerArrayConversionError)
 # Of XLA's memory estimate, the share of the device's memory a program may take.
 MEMORY_SHARE = 0.8
-
-
-def method_sweepable(method_config: Any) -> tuple[str, ...]:
-  """The numeric options of a method config (``method.prox.mu``, ...): the method's sweepable settings."""
-  return tuple(f"method.{leaf.path}" for leaf in leaves(method_config)
-               if isinstance(leaf.setting.check, Number) and isinstance(leaf.default, float))
-
-
-def sweepable(method_config: Any) -> tuple[str, ...]:
-  return tuple(f"client.{name}" for name in CLIENT_SWEEPABLE) + method_sweepable(method_config) + HOST_ONLY
-
-
-def _differing(trees: Sequence[Any], prefix: str) -> list[str]:
-  """The leaf paths (``prefix`` + path) whose values differ between the config trees ``trees``."""
-  flat = [{leaf.path: leaf.default for leaf in leaves(t)} for t in trees]
-  return [prefix + path for path in flat[0] if any(f[path] != flat[0][path] for f in flat[1:])]
-
-
-class SweptValue(float):
-  """A swept setting as a method's build reads it: arithmetic gives the run's traced value; truth is the runs'
-  common truth (``if mu:`` keeps a term on every run or none, `check_batchable`). Anything else that would need
-  the concrete value (a comparison, ``float()``) is refused, naming the setting; as a float it is NaN, so a
-  conversion this class does not see (``jnp.asarray``) makes the run fail loudly rather than train wrongly."""
-
-  def __new__(cls, path: str, traced: jax.Array, truth: bool):
-    self = super().__new__(cls, float("nan"))
-    self.path, self.traced, self.truth = path, traced, truth
-    return self
-
-  def __bool__(self) -> bool:
-    return self.truth
-
-  def _concrete(self, *_):
-    raise NotBatchable(f"{self.path} is read as a concrete number when the method is built (a comparison or a "
-                       "conversion), so it cannot be swept in one program; sweep it in runs one after another")
-
-  __float__ = __int__ = __index__ = __lt__ = __le__ = __gt__ = __ge__ = __eq__ = __ne__ = _concrete
-  __hash__ = float.__hash__
-
-
-def _arithmetic(name: str):
-  return lambda self, *others: getattr(self.traced, name)(*[o.traced if isinstance(o, SweptValue) else o
-                                                            for o in others])
-
-
-for _name in ("add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "pow", "rpow", "neg", "pos",
-              "abs"):
-  setattr(SweptValue, f"__{_name}__", _arithmetic(f"__{_name}__"))
-
-
-def _substituted(config: Any, values: dict[str, Any]) -> Any:
-  """A copy of the frozen config tree ``config`` with ``values`` (by dotted path) set, unchecked: a traced
-  value cannot be validated, and each run's concrete value was validated when its config was built."""
-  for path, value in values.items():
-    config = _set(config, path.split("."), value)
-  return config
-
-
-def _set(node: Any, parts: list[str], value: Any) -> Any:
-  new = copy.copy(node)
-  object.__setattr__(new, parts[0], value if len(parts) == 1 else _set(getattr(node, parts[0]), parts[1:], value))
-  return new
-
-
-class NotBatchable(ValueError):
-  """Runs that cannot share one program; the message names what differs and what may."""
 
 
 def check_batchable(sims: Sequence[Simulation], method_configs: Sequence[Any] | None) -> tuple[str, ...]:
@@ -141,18 +72,18 @@ def check_batchable(sims: Sequence[Simulation], method_configs: Sequence[Any] | 
       problems.append(f"run {index}: {why}")
   if problems:
     raise NotBatchable("these runs cannot share one program: " + "; ".join(problems))
-  differing = _differing([s.local for s in sims], "client.") + _differing([s.config for s in sims], "federation.")
+  changed = differing([s.local for s in sims], "client.") + differing([s.config for s in sims], "federation.")
   if method_configs:
-    differing += _differing(method_configs, "method.")
-  refused = [d for d in differing if d not in allowed]
+    changed += differing(method_configs, "method.")
+  refused = [d for d in changed if d not in allowed]
   if refused:
     raise NotBatchable(f"{', '.join(refused)} cannot differ between runs of one program (it changes shapes, the "
                        f"method or what runs); sweepable settings: {', '.join(allowed)}")
-  swept = tuple(d for d in differing if d not in HOST_ONLY)
+  swept = tuple(d for d in changed if d not in HOST_ONLY)
   for path in swept:
     section, rest = path.split(".", 1)
     trees = [s.local for s in sims] if section == "client" else method_configs
-    if len({bool(_get(t, rest)) for t in trees}) > 1:
+    if len({bool(get(t, rest)) for t in trees}) > 1:
       raise NotBatchable(f"{path}: zero and non-zero values build different programs (a zero turns its part off); "
                          "sweep the zero in a job of its own")
   return swept
@@ -162,16 +93,6 @@ def _shapes(tree: Any) -> Any:
   return jax.tree.structure(tree), [(x.shape, x.dtype) for x in jax.tree.leaves(tree)]
 
 
-def catalog_method(name: str, method_config: Any, local: Any):
-  """The catalog's method ``name`` from option families that may hold traced values (`methods.build_method`
-  without its checks, which compare values: each run's concrete config passed them)."""
-  from fedjax_hetero.config import LocalConfig
-  from fedjax_hetero.methods import get_entry
-  entry = get_entry(name)
-  return entry.build(*[local if kind is LocalConfig else method_config.family(kind) for kind in entry.options])
-
-
-@jax.jit
 def _stack(trees: Sequence[Any]) -> Any:
   return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
@@ -222,6 +143,13 @@ class ManyRuns:
     self.schedule_length = max(s.round_program.schedule_length for s in self.sims)
     self.rounds_per_call = template.rounds_per_call
     self._data = self._stacked_data()
+    if self._data[1][0] is not None and self.sims[0].method.evaluation_variables:
+      raise NotBatchable(f"{self.sims[0].method.name} evaluates with statistics of the training images, which differ "
+                         "between these runs (a subset drawn per seed): run them one after another")
+    if self._data[1][:2] == (None, None):  # one copy of the training data on the device, not one per run
+      first = self.sims[0].store
+      for sim in self.sims[1:]:
+        sim.store = dataclasses.replace(sim.store, images=first.images, labels=first.labels)
     self._programs: dict[tuple, Any] = {}
 
   def replace(self, run: int, sim: Simulation, method_config: Any = None) -> None:
@@ -259,7 +187,7 @@ class ManyRuns:
     values = {}
     for path in self.swept:
       section, rest = path.split(".", 1)
-      values[path] = jnp.asarray([float(_get(c, rest)) for c in configs[section]], jnp.float32)
+      values[path] = jnp.asarray([float(get(c, rest)) for c in configs[section]], jnp.float32)
     return seeds, values
 
   # ------------------------------------------------------------------------------------------- the program
@@ -267,13 +195,13 @@ class ManyRuns:
   def _view(self, seed: jax.Array, values: dict[str, jax.Array]):
     """The first run's round program seen with one run's traced seed and settings."""
     template = self.sims[0]
-    values = {p: SweptValue(p, v, bool(_get(template.local if p.startswith("client.") else self.method_configs[0],
+    values = {p: SweptValue(p, v, bool(get(template.local if p.startswith("client.") else self.method_configs[0],
                                             p.split(".", 1)[1]))) for p, v in values.items()}
-    local = _substituted(template.local, {p.split(".", 1)[1]: v for p, v in values.items()
+    local = substituted(template.local, {p.split(".", 1)[1]: v for p, v in values.items()
                                           if p.startswith("client.")})
     sim = copy.copy(template)
     if self.rebuild is not None and values:
-      method_config = _substituted(self.method_configs[0], {p.split(".", 1)[1]: v for p, v in values.items()
+      method_config = substituted(self.method_configs[0], {p.split(".", 1)[1]: v for p, v in values.items()
                                                             if p.startswith("method.")})
       method = self.rebuild(method_config, local)
       sim.method = dataclasses.replace(template.method, terms=method.terms, server=method.server,
@@ -384,9 +312,3 @@ class ManyRuns:
           rows = e
         results.append((new, rows))
     return results
-
-
-def _get(config: Any, path: str) -> Any:
-  for part in path.split("."):
-    config = getattr(config, part)
-  return config

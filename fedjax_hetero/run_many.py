@@ -27,7 +27,8 @@ from fedjax_hetero.build import check_downloadable
 from fedjax_hetero.config import RunConfig, declare
 from fedjax_hetero.guard import DivergenceError
 from fedjax_hetero.interruption import Interrupted, StopRequests
-from fedjax_hetero.many_runs import ManyRuns, NotBatchable, sweepable
+from fedjax_hetero.many_runs import ManyRuns
+from fedjax_hetero.sweeps import NotBatchable, sweepable
 from fedjax_hetero.methods import Method
 
 Log = Callable[[str], None]

@@ -12,7 +12,8 @@ import pytest
 
 from fedjax_hetero.config import MethodConfig, RunConfig
 from fedjax_hetero.data import synthetic_dataset
-from fedjax_hetero.many_runs import ManyRuns, NotBatchable, _substituted
+from fedjax_hetero.many_runs import ManyRuns, NotBatchable
+from fedjax_hetero.sweeps import substituted
 from fedjax_hetero.methods import build_method
 from fedjax_hetero.run_many import parse_sweep, run_together, runs_of
 from fedjax_hetero.runner import run_experiment
@@ -32,7 +33,7 @@ def golden_runs(method: str, swept: str, value: float, backend: str = "vmap", fa
     if seed == 2 and swept.startswith("client."):
       local = dataclasses.replace(local, **{swept.split(".")[1]: value})
     elif seed == 2:
-      options = dataclasses.replace(_substituted(options, {swept.split(".", 1)[1]: value}))  # (validated)
+      options = dataclasses.replace(substituted(options, {swept.split(".", 1)[1]: value}))  # (validated)
     sims.append(fused(base, rounds_per_call=ROUNDS, local=local, method=build_method(method, options, local),
                       config=dataclasses.replace(base.config, seed=seed)))
     configs.append(options)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from typing import Any, Callable, Sequence
 
 import jax
@@ -118,6 +119,8 @@ class _Together:
     self.alone: list[int] = []  # runs that left the program after a rollback, trained alone after the others
 
   def train(self) -> list[dict[str, Any]]:
+    for run in self.runs:
+      run.wall_start = time.perf_counter()
     try:
       with StopRequests(jax.process_count() == 1, self.log) as stop:
         while stop.requested is None and self._step():

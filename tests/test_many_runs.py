@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 
 import pytest
 
@@ -102,6 +103,27 @@ def test_runs_that_differ_in_what_cannot_be_swept_are_refused_before_compute(req
     ManyRuns([base, base])
   with pytest.raises(NotBatchable, match=r"method.prox.mu: zero and non-zero values build different programs"):
     ManyRuns([program, zero], [MethodConfig(), no_mu])
+
+
+def test_the_cli_refuses_a_sweep_of_a_shape_before_compute(tmp_path, capsys, no_compute):
+  from fedjax_hetero.cli import run as cli
+  with pytest.raises(SystemExit) as exit_:
+    cli.main("synthetic", ["--output-dir", str(tmp_path / "o"), "--seeds", "0,1", "--sweep", "client.batch_size=8,16"])
+  assert exit_.value.code == 2
+  assert "--sweep 'client.batch_size': only settings that change no shape" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("changes, why", [
+    (dict(round_program="host"), r"the rounds run as a host loop \(--round-program host"),
+    (dict(method="CluSamp", groups=("mlp",)), r"CluSamp's sampler keeps host-side state"),
+    (dict(backend="sharded"), r"a sharded or multi-process run"),
+])
+def test_runs_that_cannot_share_a_program_are_named_and_go_one_after_another(changes, why, tmp_path):
+  from fedjax_hetero.build import run_method
+  from fedjax_hetero.run_many import batchable
+  config = tiny_config(tmp_path, **changes)
+  assert re.match(why, batchable(config, run_method(config)))
+  assert batchable(tiny_config(tmp_path), run_method(tiny_config(tmp_path))) is None
 
 
 def test_runs_of_a_sweep_are_the_product_in_folders_named_after_what_they_set(tmp_path):

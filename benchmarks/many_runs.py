@@ -118,11 +118,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   from fedjax_hetero import data as fdata
   dataset = (fdata.synthetic_dataset(num_train=160, num_test=32, seed=0) if args.smoke
              else fdata.load_dataset("fashion_mnist", args.data_dir))
-  points = [int(r) for r in args.runs.split(",")]
-  rows = [] if args.no_alone else [measure(args, dataset, 1, alone=True)]
-  rows += [measure(args, dataset, r) for r in points]
-  for row in rows:
-    print(json.dumps(row), flush=True)
+  points = [(1, True)] * (not args.no_alone) + [(int(r), False) for r in args.runs.split(",")]
+  rows = []
+  for runs, alone in points:  # each row as soon as it is measured
+    rows.append(measure(args, dataset, runs, alone))
+    print(json.dumps(rows[-1]), flush=True)
   if args.output:
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:

@@ -19,8 +19,8 @@ from fedjax_hetero.methods import build_method
 from fedjax_hetero.run_many import parse_sweep, run_together, runs_of
 from fedjax_hetero.runner import run_experiment
 from tests import golden
-from tests.golden_setting import golden_simulation
-from tests.test_round_program import fused
+from tests.golden_setting import TINY_FEDGEN, golden_simulation
+from tests.test_round_program import FUSED_GOLDEN, fused
 
 ROUNDS = golden.ROUNDS
 
@@ -30,7 +30,7 @@ def golden_runs(method: str, swept: str, value: float, backend: str = "vmap", fa
   base = golden_simulation(method, backend, family)
   sims, configs = [], []
   for seed in range(3):
-    local, options = base.local, MethodConfig()
+    local, options = base.local, MethodConfig(fedgen=TINY_FEDGEN) if method == "FedGen" else MethodConfig()
     if seed == 2 and swept.startswith("client."):
       local = dataclasses.replace(local, **{swept.split(".")[1]: value})
     elif seed == 2:
@@ -45,15 +45,22 @@ def group_sums(sim, state) -> list[float]:
   return [golden.fingerprint(sim.group_variables(state, g))["sum"] for g in range(len(sim.groups))]
 
 
-# A representative set: a method-option sweep through the method rebuilt in the program (FedProx's mu), a
-# learning-rate sweep of a method that reads it (SCAFFOLD's correction) with InCo's server step and client memory.
-EQUIVALENCE = [("FedProx", "method.prox.mu", 0.3), ("InCoScaffold", "client.learning_rate", 3e-3)]
+# In CI one method: a method option swept through the method rebuilt in the program (FedProx's mu); the job test
+# below sweeps a learning rate. FEDJAX_HETERO_ALL_MANY_RUNS=1 checks every method of the round program's golden
+# entries (about 25 minutes on 2 cores), each with its own option or, without one, the learning rate.
+OPTION = {"Prox": ("method.prox.mu", 0.3), "MOON": ("method.moon.mu", 2.0), "FedCross": ("method.fedcross.alpha", 0.9),
+          "FedImpro": ("method.fedimpro.weight", 0.3), "FedIN": ("method.fedin.lam", 0.3),
+          "InclusiveFL": ("method.inclusivefl.beta", 0.5)}
+ALL = [(m, b, f) for m, b, f in FUSED_GOLDEN if b == "vmap" or f == "resnet" or m in dict(golden.LATER_METHODS)]
+EQUIVALENCE = ([(m, *next((v for k, v in OPTION.items() if k in m), ("client.learning_rate", 3e-3)), b, f)
+                for m, b, f in ALL] if os.environ.get("FEDJAX_HETERO_ALL_MANY_RUNS") else
+               [("FedProx", "method.prox.mu", 0.3, "vmap", "mlp")])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method, swept, value", EQUIVALENCE, ids=[e[0] for e in EQUIVALENCE])
-def test_run_r_of_a_batched_job_equals_the_run_alone(method, swept, value):
-  sims, configs = golden_runs(method, swept, value)
+@pytest.mark.parametrize("method, swept, value, backend, family", EQUIVALENCE, ids=[e[0] for e in EQUIVALENCE])
+def test_run_r_of_a_batched_job_equals_the_run_alone(method, swept, value, backend, family):
+  sims, configs = golden_runs(method, swept, value, backend, family)
   batch = ManyRuns(sims, configs)
   assert batch.swept == (swept,)
   evaluate = set(range(1, ROUNDS + 1))
@@ -61,10 +68,14 @@ def test_run_r_of_a_batched_job_equals_the_run_alone(method, swept, value):
   for r, (sim, (state, rows)) in enumerate(zip(sims, together)):
     alone_state, alone_rows = sim.run_rounds(sim.init_state(), ROUNDS, evaluate=evaluate)
     for want, have in zip(alone_rows, rows, strict=True):
-      assert (have["clients"], have["examples"], have["test_accuracy"]) == (
-          want["clients"], want["examples"], want["test_accuracy"]), f"run {r}"
+      assert (have["clients"], have["examples"]) == (want["clients"], want["examples"]), f"run {r}"
+      if method in golden.CPU_SENSITIVE:  # (last bits amplified: held to the first round, see tests/golden.py)
+        break
+      assert have["test_accuracy"] == want["test_accuracy"], f"run {r}"
       assert have["train_loss"] == pytest.approx(want["train_loss"], rel=golden.TOLERANCE["loss"]), f"run {r}"
-    assert group_sums(sim, state) == pytest.approx(group_sums(sim, alone_state), rel=golden.TOLERANCE["parameter_sum"])
+    else:
+      assert group_sums(sim, state) == pytest.approx(group_sums(sim, alone_state),
+                                                     rel=golden.TOLERANCE["parameter_sum"])
   assert together[0][1][-1]["train_loss"] != together[1][1][-1]["train_loss"], "the seeds differ"
 
 
@@ -126,6 +137,13 @@ def test_runs_that_cannot_share_a_program_are_named_and_go_one_after_another(cha
   assert batchable(tiny_config(tmp_path), run_method(tiny_config(tmp_path))) is None
 
 
+def test_a_run_over_the_memory_budget_fails_naming_the_estimate():
+  sims, configs = golden_runs("FedAvg", "client.learning_rate", 3e-3)
+  batch = ManyRuns(sims[:1], configs[:1], memory_budget=1)
+  with pytest.raises(MemoryError, match=r"one run's program needs about \d+ MiB \(XLA's estimate\), more than the budget"):
+    batch.run([0], [sims[0].init_state()], ROUNDS, set())
+
+
 def test_runs_of_a_sweep_are_the_product_in_folders_named_after_what_they_set(tmp_path):
   config = tiny_config(tmp_path / "o")
   runs = runs_of(config, [0, 1], [parse_sweep("client.learning_rate=1e-3,3e-3", config)])
@@ -149,7 +167,7 @@ def test_a_batched_job_writes_resumes_and_compares_as_its_runs_alone(tmp_path):
   dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
   config = tiny_config(tmp_path / "job", rounds=2)
   runs = runs_of(config, [0, 1], [("client.learning_rate", (1e-3, 3e-3))])
-  run_together(runs, dataset, log=lambda _: None, max_runs_per_program=3)  # chunks of 3 and 1
+  run_together(runs, dataset, log=lambda _: None, max_runs_per_program=2)  # two chunks of 2
   logs = []
   resumed = [r.replace(rounds=4, resume=True) for r in runs]
   summaries = run_together(resumed, dataset, log=logs.append)

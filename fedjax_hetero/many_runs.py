@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_hetero.engine import Simulation
-from fedjax_hetero.round_program import CallInputs
+from fedjax_hetero.round_program import CallInputs, GroupRounds
 from fedjax_hetero.state import ServerState
 from fedjax_hetero.sweeps import (CLIENT_SWEEPABLE, HOST_ONLY, NotBatchable, SweptValue, catalog_method, differing,
                                   get, substituted, sweepable)
@@ -232,7 +232,11 @@ class ManyRuns:
 
       return jax.lax.fori_loop(0, count, body, (carry, buffers))
 
-    input_axes = CallInputs(None, 0, None, 0, 0)  # rounds and evaluation rounds are every run's
+    # Rounds, evaluation rounds and step counts are every run's (steps: the most of any run; a client's steps
+    # past its own count are masked, so a run is unchanged): the device loops and a done group's skip stay
+    # loops and branches, not selects computing every group's every step.
+    group_axes = GroupRounds(*[None if name == "steps" else 0 for name in GroupRounds._fields])
+    input_axes = CallInputs(None, None, None, tuple(group_axes for _ in self.sims[0].groups), 0)
     batched = jax.vmap(call, in_axes=(0, 0, input_axes, None, data_axes, 0))
     return jax.jit(batched, donate_argnums=1)
 
@@ -284,8 +288,9 @@ class ManyRuns:
     def args_of(chunk: Sequence[int]) -> tuple:
       at = [runs.index(r) for r in chunk]
       inputs = [prepared[i][0] for i in at]
-      batched = CallInputs(inputs[0].rounds, np.stack([x.steps for x in inputs]), inputs[0].evaluate,
-                           jax.tree.map(lambda *xs: np.stack(xs), *[x.groups for x in inputs]),
+      groups = tuple(g._replace(steps=np.max([x.groups[i].steps for x in inputs], axis=0))
+                     for i, g in enumerate(jax.tree.map(lambda *xs: np.stack(xs), *[x.groups for x in inputs])))
+      batched = CallInputs(inputs[0].rounds, np.max([x.steps for x in inputs], axis=0), inputs[0].evaluate, groups,
                            jax.tree.map(lambda *xs: np.stack(xs), *[x.plans for x in inputs]))
       server = _stack([(states[i].models, states[i].steps) for i in at])
       memory = _stack([states[i].memory for i in at])

@@ -170,7 +170,7 @@ def test_a_batched_job_writes_resumes_and_compares_as_its_runs_alone(tmp_path):
   run_together(runs, dataset, log=lambda _: None, max_runs_per_program=2)  # two chunks of 2
   logs = []
   resumed = [r.replace(rounds=4, resume=True) for r in runs]
-  summaries = run_together(resumed, dataset, log=logs.append)
+  summaries = run_together(resumed, dataset, log=logs.append, max_runs_per_program=2)  # (the same program)
   assert any("4 runs in one program, swept per run: client.learning_rate" in line for line in logs), logs
   assert [s["final_round"] for s in summaries] == [4] * 4
   alone = resumed[3].replace(output_dir=str(tmp_path / "alone"), resume=False)  # lr 3e-3, seed 1

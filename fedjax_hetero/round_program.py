@@ -103,6 +103,7 @@ class RoundProgram:
 
   def __init__(self, sim: "Simulation", rounds_per_call: int, mapping: str = "vmap", eval_batch: int = EVAL_BATCH):
     self.sim, self.rounds_per_call, self.mapping, self.eval_batch = sim, rounds_per_call, mapping, eval_batch
+    self.seed = sim.config.seed  # the rounds' randomness (`many_runs` traces it, one per run)
     self.schedule_length = max(1, sim.local.num_steps(sim.store.max_size))
     self._programs: dict[tuple, Any] = {}
 
@@ -183,7 +184,7 @@ class RoundProgram:
           sim.method.server, f, models[f.index], step_states[f.index], tuple(starts[g] for g in f.members),
           tuple(results[g] for g in f.members), tuple(x.groups[g].real > 0 for g in f.members),
           tuple(x.groups[g].server_ids for g in f.members), x.rounds,
-          server_key(sim.config.seed, x.rounds, sim.store.num_clients, f.index), x.plans, statics)
+          server_key(self.seed, x.rounds, sim.store.num_clients, f.index), x.plans, statics)
       models[f.index] = _select(trains, model, models[f.index])
       step_states[f.index] = _select(trains, new_states, step_states[f.index])
       server_metrics.append(metrics)
@@ -198,7 +199,7 @@ class RoundProgram:
     """Every group's cohort trained (all groups in one device loop over the round's steps): the groups'
     results, and their client memory with the cohort's rows written."""
     sim, stacked = self.sim, self.sim.method.sharing.stacked
-    key = round_key(sim.config.seed, x.rounds)
+    key = round_key(self.seed, x.rounds)
     begun, client_starts, memory_rows = [], [], []
     for g, (trainer, gx) in enumerate(zip(sim.trainers, x.groups)):
       client_starts.append(jax.tree.map(lambda m: m[gx.slots], starts[g]) if stacked else starts[g])

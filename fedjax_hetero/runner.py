@@ -144,6 +144,12 @@ def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
 
 def _run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None, log: Log,
                     method: Method | None) -> dict[str, Any]:
+  return prepare(config, dataset, log, method).train()
+
+
+def prepare(config: RunConfig, dataset: fdata.ArrayDataset | None, log: Log, method: Method | None) -> "_Run":
+  """A run ready to train (its folder prepared, its state restored on --resume); the caller holds the folder's
+  lock and has run the preflight checks (`run_experiment`)."""
   main = distributed.is_main_process()
   log = log if main else _quiet
   config.data.check_paths()
@@ -158,7 +164,7 @@ def _run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None, log: 
   state = _initial_state(sim, parts, config.output.dir, main)
   run = _Run(config, dataset, log, given, sim, history, main)
   run.begin(state, changed)
-  return run.train()
+  return run
 
 
 class _Run:
@@ -244,9 +250,17 @@ class _Run:
     try:
       state, rows = advance(self.sim, self.state, self.config)
     except NonFiniteLossError as e:
-      if self.config.divergence.action == "off":
-        raise
-      return DivergenceError(str(e), self.state.round + 1, None)
+      return self.diverged(e)
+    return self.accept(state, rows)
+
+  def diverged(self, error: NonFiniteLossError) -> DivergenceError:
+    """A non-finite loss of the next call as the divergence it shows (raised when the guard is off)."""
+    if self.config.divergence.action == "off":
+      raise error
+    return DivergenceError(str(error), self.state.round + 1, None)
+
+  def accept(self, state: ServerState, rows: list[dict[str, Any]]) -> DivergenceError | None:
+    """A call's new state and rows logged and checkpointed (see `_round`)."""
     best_before = self.best
     for row in rows:
       self.rows.append(row)

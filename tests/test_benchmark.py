@@ -113,3 +113,14 @@ def test_scaling_rejects_a_cohort_larger_than_the_federation():
   from benchmarks import scaling
   with pytest.raises(SystemExit, match="500 clients per round of 100 clients"):
     scaling.main(["--sweeps", "cohort", "--clients", "100", "--cohorts", "10,500"])
+
+
+def test_many_runs_prints_a_row_per_number_of_runs_and_a_table(capsys):
+  from benchmarks import many_runs
+  rows = many_runs.main(["--smoke", "--runs", "2"])
+  out = capsys.readouterr().out
+  assert [json.loads(line) for line in out.splitlines() if line.startswith("{")] == rows
+  assert [(r["runs"], r["alone"]) for r in rows] == [(1, True), (2, False)]
+  assert all(r["samples_per_s"] > 0 and r["timed_s"] > 0 for r in rows)
+  assert rows[1]["memory_estimate_mib"] > 0
+  assert "| 1 alone |" in out and "| 2 |" in out

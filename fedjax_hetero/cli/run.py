@@ -28,12 +28,13 @@ from fedjax_hetero.config import FedGenConfig, RunConfig, as_dict
 from fedjax_hetero.config.options import FEDGEN_PRESETS
 from fedjax_hetero.distributed import DistributedConfig
 from fedjax_hetero.methods import Method
+from fedjax_hetero.run_many import batchable, parse_sweep, run_together, runs_of
 from fedjax_hetero.runner import Interrupted, run_experiment
 
 # Flags of earlier versions that were renamed, and what to pass instead (README, "Upgrading").
 RENAMED = {"--fedprox-mu": "--prox-mu (one proximal mu, read by FedProx, HeteroProx, InCoProx and FedIN)"}
 # This command's own flags, which choose defaults or set up the process rather than the run.
-OWN_FLAGS = ("preset", "compile_cache", "coarse", "fedgen_preset", "config", "seeds")
+OWN_FLAGS = ("preset", "compile_cache", "coarse", "fedgen_preset", "config", "seeds", "sweep", "runs_per_program")
 DISTRIBUTED_FLAGS = tuple(leaf.flag for leaf in flags.declare.leaves(DistributedConfig()))
 
 
@@ -82,8 +83,16 @@ def build_parser(defaults: RunConfig, description: str, coarse_labels: bool = Fa
                    help="start from the run in a JSON or YAML file (e.g. a results folder's config.json); the "
                    "flags given as well win")
   own.add_argument("--seeds", default=None, type=_seed_list, metavar="S,S,...",
-                   help="one run per seed, one after another, into sibling folders --output-dir_sS (which "
-                   "`compare --baseline` pairs by seed); replaces --seed")
+                   help="one run per seed into sibling folders --output-dir_sS (which `compare --baseline` pairs by "
+                   "seed); replaces --seed. On the fused round program the runs advance together in one device "
+                   "program, else one after another (docs/many-runs.md)")
+  own.add_argument("--sweep", default=[], action="append", metavar="SETTING=V,V,...",
+                   help="one run per value of a config-tree setting (e.g. client.learning_rate=1e-3,3e-3 or "
+                   "method.prox.mu=0.01,0.1; repeat for the product, times --seeds), into folders "
+                   "--output-dir_SETTING=V[_sS]; only settings that change no shape or program structure")
+  own.add_argument("--runs-per-program", default=None, type=int, metavar="N",
+                   help="at most N runs of --seeds/--sweep in one device program (default: as many as XLA's "
+                   "memory estimate fits on the device; more go in chunks)")
   own.add_argument("--preset", default=None, choices=tuple(PRESETS), help="start from a named setting: " + "; ".join(
       f"{p.name}: {p.description}" + (f" (reduced: {p.reduced})" if p.reduced else "") for p in PRESETS.values()))
   own.add_argument("--fedgen-preset", default=None, choices=tuple(FEDGEN_PRESETS),
@@ -173,13 +182,36 @@ def _run(config: RunConfig, method: Method, main_process: bool) -> dict[str, Any
   return summary
 
 
+def _run_together(runs: Sequence[RunConfig], runs_per_program: int | None, main_process: bool
+                  ) -> list[dict[str, Any]]:
+  """The runs of --seeds/--sweep in one program (`run_many`), their summaries printed."""
+  try:
+    summaries = run_together(runs, max_runs_per_program=runs_per_program)
+  except Interrupted as e:
+    raise SystemExit(e.exit_status) from None
+  except (ValueError, fdata.DataNotFoundError, FloatingPointError, MemoryError) as e:
+    fail(str(e))
+  except OSError as e:
+    fail(os_errors.describe(e, f"(writing in --output-dir {runs[0].output.dir!r} and its siblings)"), 1)
+  if main_process:
+    for run, summary in zip(runs, summaries):
+      print(json.dumps({"final_accuracy": summary["final_accuracy"] or {},
+                        "best_mean_accuracy": summary["best_mean_accuracy"],
+                        "train_seconds": round(summary["train_seconds_all_rounds"], 1),
+                        "output_dir": run.output.dir}, indent=1), flush=True)
+  return summaries
+
+
 def main(dataset: str = "fashion_mnist", argv: Sequence[str] | None = None, description: str | None = None,
          coarse_labels: bool = False) -> dict[str, Any] | list[dict[str, Any]]:
   """Parses flags and runs (one run per seed with ``--seeds``: a list of summaries); ``coarse_labels`` adds
   ``--coarse`` (CIFAR-100's 20 superclasses)."""
   config, processes, args, chosen = parse(argv, dataset, description, coarse_labels)
-  runs = seed_runs(config, args.seeds)
   try:  # the build step: every run's method made and checked against its groups and cohort, before any data
+    sweeps = [parse_sweep(text, config) for text in args.sweep]
+    if args.runs_per_program is not None and args.runs_per_program < 1:
+      raise ValueError(f"--runs-per-program must be at least 1, got {args.runs_per_program}")
+    runs = runs_of(config, args.seeds, sweeps) if sweeps else seed_runs(config, args.seeds)
     methods = [run_method(run) for run in runs]
     for run in runs:
       run.output.check_paths()
@@ -198,11 +230,17 @@ def main(dataset: str = "fashion_mnist", argv: Sequence[str] | None = None, desc
     main_process = distributed.is_main_process() if processes.enabled else True
     if chosen is not None and main_process:
       print(_describe_preset(chosen, config), flush=True)
-    summaries = [_run(run, method, main_process) for run, method in zip(runs, methods)]
+    why_apart = batchable(config, methods[0]) if len(runs) > 1 else "one run"
+    if why_apart is None:
+      summaries = _run_together(runs, args.runs_per_program, main_process)
+    else:
+      if len(runs) > 1 and main_process:
+        print(f"{len(runs)} runs one after another: {why_apart}", flush=True)
+      summaries = [_run(run, method, main_process) for run, method in zip(runs, methods)]
   if args.seeds and main_process:
     print(f"paired by seed: python -m experiments.compare {' '.join(r.output.dir for r in runs)} "
           "RUNS_OF_ANOTHER_METHOD --baseline " + config.method.name)
-  return summaries if args.seeds else summaries[0]
+  return summaries if len(runs) > 1 or args.seeds else summaries[0]
 
 
 __all__ = ["DATASETS", "build_parser", "main", "methods_help", "parse", "run_defaults"]

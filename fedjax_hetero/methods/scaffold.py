@@ -22,7 +22,7 @@ def scaffold_control_update(control: Variables, server_control: Variables, delta
                             num_steps: jax.Array, learning_rate: float) -> Variables:
   """SCAFFOLD's option II (Karimireddy et al. 2020, Alg. 1 line 12):
   ``c_i+ = c_i - c + (x - y_i) / (K eta)`` with ``x - y_i = -delta``, K the client's local steps."""
-  scale = 1.0 / (jnp.maximum(jnp.asarray(num_steps, jnp.float32), 1.0) * learning_rate)
+  scale = 1.0 / (learning_rate * jnp.maximum(jnp.asarray(num_steps, jnp.float32), 1.0))  # (rate first: many_runs)
   return jax.tree.map(lambda ci, c, d: ci - c - scale * d, control, server_control, delta_params)
 
 

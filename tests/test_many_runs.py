@@ -1,0 +1,183 @@
+"""Many runs in one program (`fedjax_hetero.many_runs`, `fedjax_hetero.run_many`): run r of a batched job equals
+the same run alone on the golden setting, the runs' folders are the folders they would write alone (and resume
+and compare), and what cannot be swept is refused before any compute."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+
+import pytest
+
+from fedjax_hetero.config import MethodConfig, RunConfig
+from fedjax_hetero.data import synthetic_dataset
+from fedjax_hetero.many_runs import ManyRuns, NotBatchable
+from fedjax_hetero.sweeps import substituted
+from fedjax_hetero.methods import build_method
+from fedjax_hetero.run_many import parse_sweep, run_together, runs_of
+from fedjax_hetero.runner import run_experiment
+from tests import golden
+from tests.golden_setting import TINY_FEDGEN, golden_simulation
+from tests.test_round_program import FUSED_GOLDEN, fused
+
+ROUNDS = golden.ROUNDS
+
+
+def golden_runs(method: str, swept: str, value: float, backend: str = "vmap", family: str = "mlp"):
+  """The golden setting's runs of seeds 0, 1, 2 on the round program, the last with ``swept`` set to ``value``."""
+  base = golden_simulation(method, backend, family)
+  sims, configs = [], []
+  for seed in range(3):
+    local, options = base.local, MethodConfig(fedgen=TINY_FEDGEN) if method == "FedGen" else MethodConfig()
+    if seed == 2 and swept.startswith("client."):
+      local = dataclasses.replace(local, **{swept.split(".")[1]: value})
+    elif seed == 2:
+      options = dataclasses.replace(substituted(options, {swept.split(".", 1)[1]: value}))  # (validated)
+    sims.append(fused(base, rounds_per_call=ROUNDS, local=local, method=build_method(method, options, local),
+                      config=dataclasses.replace(base.config, seed=seed)))
+    configs.append(options)
+  return sims, configs
+
+
+def group_sums(sim, state) -> list[float]:
+  return [golden.fingerprint(sim.group_variables(state, g))["sum"] for g in range(len(sim.groups))]
+
+
+# In CI one method: a method option swept through the method rebuilt in the program (FedProx's mu); the job test
+# below sweeps a learning rate. FEDJAX_HETERO_ALL_MANY_RUNS=1 checks every method of the round program's golden
+# entries (about 25 minutes on 2 cores), each with its own option or, without one, the learning rate.
+OPTION = {"Prox": ("method.prox.mu", 0.3), "MOON": ("method.moon.mu", 2.0), "FedCross": ("method.fedcross.alpha", 0.9),
+          "FedImpro": ("method.fedimpro.weight", 0.3), "FedIN": ("method.fedin.lam", 0.3),
+          "InclusiveFL": ("method.inclusivefl.beta", 0.5)}
+ALL = [(m, b, f) for m, b, f in FUSED_GOLDEN if b == "vmap" or f == "resnet" or m in dict(golden.LATER_METHODS)]
+EQUIVALENCE = ([(m, *next((v for k, v in OPTION.items() if k in m), ("client.learning_rate", 3e-3)), b, f)
+                for m, b, f in ALL] if os.environ.get("FEDJAX_HETERO_ALL_MANY_RUNS") else
+               [("FedProx", "method.prox.mu", 0.3, "vmap", "mlp")])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, swept, value, backend, family", EQUIVALENCE, ids=[e[0] for e in EQUIVALENCE])
+def test_run_r_of_a_batched_job_equals_the_run_alone(method, swept, value, backend, family):
+  sims, configs = golden_runs(method, swept, value, backend, family)
+  batch = ManyRuns(sims, configs)
+  assert batch.swept == (swept,)
+  evaluate = set(range(1, ROUNDS + 1))
+  together = batch.run([0, 1, 2], [s.init_state() for s in sims], ROUNDS, evaluate)
+  for r, (sim, (state, rows)) in enumerate(zip(sims, together)):
+    alone_state, alone_rows = sim.run_rounds(sim.init_state(), ROUNDS, evaluate=evaluate)
+    for want, have in zip(alone_rows, rows, strict=True):
+      assert (have["clients"], have["examples"]) == (want["clients"], want["examples"]), f"run {r}"
+      if method in golden.CPU_SENSITIVE:  # (last bits amplified: held to the first round, see tests/golden.py)
+        break
+      assert have["test_accuracy"] == want["test_accuracy"], f"run {r}"
+      assert have["train_loss"] == pytest.approx(want["train_loss"], rel=golden.TOLERANCE["loss"]), f"run {r}"
+    else:
+      assert group_sums(sim, state) == pytest.approx(group_sums(sim, alone_state),
+                                                     rel=golden.TOLERANCE["parameter_sum"])
+  assert together[0][1][-1]["train_loss"] != together[1][1][-1]["train_loss"], "the seeds differ"
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+
+
+def tiny_config(output_dir, **changes) -> RunConfig:
+  flags = dict(dataset="synthetic", groups=("mlp@1", "mlp@0.5"), num_clients=6, clients_per_round=3, rounds=4,
+               checkpoint_every=2, eval_every=2, progress=False, output_dir=str(output_dir), batch_size=16,
+               dissimilarity=False, round_program="fused", rounds_per_call=4, method="FedProx")
+  return RunConfig.from_flags(**{**flags, **changes})
+
+
+@pytest.mark.parametrize("text, message", [
+    ("federation.clients_per_round=2,3", r"only settings that change no shape.*sweepable: client.learning_rate"),
+    ("client.batch_size=8,16", r"--sweep 'client.batch_size'"),
+    ("method.name=FedAvg,FedProx", r"--sweep 'method.name'"),
+    ("groups=mlp,cnn", r"--sweep 'groups'"),
+    ("client.learning_rate=1e-3,x", r"expected client.learning_rate=V1,V2,... with numbers"),
+])
+def test_what_changes_shapes_or_the_method_cannot_be_swept(text, message, tmp_path):
+  with pytest.raises(ValueError, match=message):
+    parse_sweep(text, tiny_config(tmp_path))
+
+
+def test_runs_that_differ_in_what_cannot_be_swept_are_refused_before_compute(request):
+  base = golden_simulation("FedProx", "vmap", "mlp")
+  program = fused(base, rounds_per_call=ROUNDS)
+  other = fused(base, rounds_per_call=ROUNDS, config=dataclasses.replace(base.config, clients_per_round=2))
+  no_mu = MethodConfig(prox=dataclasses.replace(MethodConfig().prox, mu=0.0))
+  zero = fused(base, rounds_per_call=ROUNDS, method=build_method("FedProx", no_mu, base.local))
+  request.getfixturevalue("no_compute")  # (the simulations above computed their shapes)
+  with pytest.raises(NotBatchable, match=r"federation.clients_per_round cannot differ between runs"):
+    ManyRuns([program, other])
+  with pytest.raises(NotBatchable, match=r"run 0: it runs on the host loop"):
+    ManyRuns([base, base])
+  with pytest.raises(NotBatchable, match=r"method.prox.mu: zero and non-zero values build different programs"):
+    ManyRuns([program, zero], [MethodConfig(), no_mu])
+
+
+def test_the_cli_refuses_a_sweep_of_a_shape_before_compute(tmp_path, capsys, no_compute):
+  from fedjax_hetero.cli import run as cli
+  with pytest.raises(SystemExit) as exit_:
+    cli.main("synthetic", ["--output-dir", str(tmp_path / "o"), "--seeds", "0,1", "--sweep", "client.batch_size=8,16"])
+  assert exit_.value.code == 2
+  assert "--sweep 'client.batch_size': only settings that change no shape" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("changes, why", [
+    (dict(round_program="host"), r"the rounds run as a host loop \(--round-program host"),
+    (dict(method="CluSamp", groups=("mlp",)), r"CluSamp's sampler keeps host-side state"),
+    (dict(backend="sharded"), r"a sharded or multi-process run"),
+])
+def test_runs_that_cannot_share_a_program_are_named_and_go_one_after_another(changes, why, tmp_path):
+  from fedjax_hetero.build import run_method
+  from fedjax_hetero.run_many import batchable
+  config = tiny_config(tmp_path, **changes)
+  assert re.match(why, batchable(config, run_method(config)))
+  assert batchable(tiny_config(tmp_path), run_method(tiny_config(tmp_path))) is None
+
+
+def test_a_run_over_the_memory_budget_fails_naming_the_estimate():
+  sims, configs = golden_runs("FedAvg", "client.learning_rate", 3e-3)
+  batch = ManyRuns(sims[:1], configs[:1], memory_budget=1)
+  with pytest.raises(MemoryError, match=r"one run's program needs about \d+ MiB \(XLA's estimate\), more than the budget"):
+    batch.run([0], [sims[0].init_state()], ROUNDS, set())
+
+
+def test_runs_of_a_sweep_are_the_product_in_folders_named_after_what_they_set(tmp_path):
+  config = tiny_config(tmp_path / "o")
+  runs = runs_of(config, [0, 1], [parse_sweep("client.learning_rate=1e-3,3e-3", config)])
+  assert [os.path.basename(r.output.dir) for r in runs] == [
+      "o_client.learning_rate=0.001_s0", "o_client.learning_rate=0.001_s1", "o_client.learning_rate=0.003_s0",
+      "o_client.learning_rate=0.003_s1"]
+  assert [(r.client.learning_rate, r.federation.seed) for r in runs] == [(1e-3, 0), (1e-3, 1), (3e-3, 0), (3e-3, 1)]
+
+
+# ---------------------------------------------------------------------------------------------- the job
+
+
+def rows_of(folder) -> list[dict]:
+  with open(os.path.join(folder, "metrics.jsonl")) as f:
+    return [{k: v for k, v in json.loads(line).items() if k not in ("round_seconds", "samples_per_s")} for line in f]
+
+
+@pytest.mark.slow
+def test_a_batched_job_writes_resumes_and_compares_as_its_runs_alone(tmp_path):
+  from fedjax_hetero.cli import compare
+  dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
+  config = tiny_config(tmp_path / "job", rounds=2)
+  runs = runs_of(config, [0, 1], [("client.learning_rate", (1e-3, 3e-3))])
+  run_together(runs, dataset, log=lambda _: None, max_runs_per_program=2)  # two chunks of 2
+  logs = []
+  resumed = [r.replace(rounds=4, resume=True) for r in runs]
+  summaries = run_together(resumed, dataset, log=logs.append, max_runs_per_program=2)  # (the same program)
+  assert any("4 runs in one program, swept per run: client.learning_rate" in line for line in logs), logs
+  assert [s["final_round"] for s in summaries] == [4] * 4
+  alone = resumed[3].replace(output_dir=str(tmp_path / "alone"), resume=False)  # lr 3e-3, seed 1
+  run_experiment(alone, dataset, log=lambda _: None)
+  for have, want in zip(rows_of(resumed[3].output.dir), rows_of(alone.output.dir), strict=True):
+    assert (have["round"], have["clients"], have["test_accuracy"]) == (want["round"], want["clients"],
+                                                                       want["test_accuracy"])
+    assert have["train_loss"] == pytest.approx(want["train_loss"], rel=1e-4)
+  table = compare.main([r.output.dir for r in resumed])  # reads the folders as they are
+  assert all(os.path.basename(r.output.dir) in table for r in resumed), table

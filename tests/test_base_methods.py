@@ -275,7 +275,7 @@ def test_methods_run_from_the_runner(tmp_path, method):
   built = build_method(method)
   groups = ("mlp",) if built.one_group else ("mlp@0.5", "mlp")
   if any(step.name == "inco" for step in built.server):
-    groups = ("resnet14@0.125",)  # InCo's pairs need a ResNet with two blocks in a stage; one group compiles once
+    groups = ("vit_d1@0.125",)  # InCo's pairs need same-shaped layers (a ViT block's two LayerNorms); one group
   config = RunConfig.from_flags(dataset="synthetic", method=method, groups=groups, num_clients=4, clients_per_round=2,
                                 rounds=1, epochs=1, batch_size=16, steps_per_call=1, output_dir=str(tmp_path), dissimilarity=False,
                                 progress=False, max_train_samples=128, max_test_samples=64)

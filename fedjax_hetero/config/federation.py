@@ -11,8 +11,9 @@ import numpy as np
 
 from fedjax_hetero.client.attack import READINGS, num_malicious
 from fedjax_hetero.config.declare import Custom, Integer, Number, OneOf, Settings, cli_name, setting, validate
-from fedjax_hetero.sampling.samplers import WEIGHTINGS
 from fedjax_hetero.validation import SEED_MAX
+
+WEIGHTINGS = ("uniform", "num_samples")  # of a client's delta in the server's mean
 
 
 def _check_probabilities(name: str, draw: Any) -> None:

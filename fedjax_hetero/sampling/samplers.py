@@ -18,8 +18,6 @@ from fedjax_hetero.client.terms import upload_flat_delta
 from fedjax_hetero.data.store import sample_clients
 from fedjax_hetero.sampling.clustered import ClusteredSampler
 
-WEIGHTINGS = ("uniform", "num_samples")
-
 
 class SamplingInfo(NamedTuple):
   sizes: np.ndarray  # every client's sample count

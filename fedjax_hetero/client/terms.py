@@ -41,6 +41,8 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
+from fedjax_hetero.moved import forward_moved
+
 Variables = Any
 REDUCTIONS = ("weighted", "sum", "stack")  # how an upload is summed over a cohort
 
@@ -165,8 +167,4 @@ _MOVED = {
 }
 
 
-def __getattr__(name: str):
-  if name in _MOVED:
-    import importlib
-    return getattr(importlib.import_module(_MOVED[name]), name)
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = forward_moved(__name__, _MOVED)

@@ -3,16 +3,12 @@ live in their method's module (`fedjax_hetero.methods`) and are re-exported here
 
 from fedjax_hetero.server.steps import (Carry, Federation, Plan, RoundInputs, ServerStep, apply_delta, insert_before,
                                         mean_delta, mean_of_weights)
+from fedjax_hetero.moved import forward_moved
 
-_MOVED = {"ControlState": "scaffold", "scaffold_control": "scaffold", "nova_mean": "fednova", "inco": "inco",
-          "CrossState": "fedcross", "FedCrossConfig": "fedcross", "cross_aggregation": "fedcross"}
-
-
-def __getattr__(name: str):
-  if name in _MOVED:
-    import importlib
-    return getattr(importlib.import_module(f"fedjax_hetero.methods.{_MOVED[name]}"), name)
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+_MOVED = {name: f"fedjax_hetero.methods.{module}" for name, module in {
+    "ControlState": "scaffold", "scaffold_control": "scaffold", "nova_mean": "fednova", "inco": "inco",
+    "CrossState": "fedcross", "FedCrossConfig": "fedcross", "cross_aggregation": "fedcross"}.items()}
+__getattr__ = forward_moved(__name__, _MOVED)
 
 
 __all__ = ["Carry", "ControlState", "CrossState", "FedCrossConfig", "Federation", "Plan", "RoundInputs", "ServerStep",

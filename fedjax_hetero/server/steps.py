@@ -31,6 +31,7 @@ import optax
 from fedjax_hetero import aggregators
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.hetero.maps import SubmodelMap, Variables
+from fedjax_hetero.moved import forward_moved
 
 
 class Federation(NamedTuple):
@@ -194,8 +195,4 @@ _MOVED = {
 }
 
 
-def __getattr__(name: str):
-  if name in _MOVED:
-    import importlib
-    return getattr(importlib.import_module(_MOVED[name]), name)
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = forward_moved(__name__, _MOVED)

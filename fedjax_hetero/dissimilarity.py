@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fedjax_hetero.client.terms import ClientTerm, with_upload
+from fedjax_hetero.client.terms import ClientTerm, Upload
 from fedjax_hetero.methods.api import Method
 from fedjax_hetero.models import parameter_split, resolve_cut
 from fedjax_hetero.server.steps import ServerStep
@@ -39,10 +39,10 @@ NO_SPREAD = 1e-6
 def update_norms() -> ClientTerm:
   """Uploads the squared norm of each ``params`` leaf of the client's update, weighted-summed over the cohort."""
 
-  def finish(_, final, memory, share):
-    return with_upload(final, jax.tree.map(lambda d: jnp.sum(jnp.square(d)), final.delta["params"]))
+  def norms(_, final, memory, share):
+    return jax.tree.map(lambda d: jnp.sum(jnp.square(d)), final.delta["params"])
 
-  return ClientTerm(NAME, finish=finish, upload="weighted")
+  return ClientTerm(NAME, upload=Upload(norms, "weighted"))
 
 
 def gradient_dissimilarity(delta_sum: Any, weight_sum: jax.Array, norm_sums: Any,

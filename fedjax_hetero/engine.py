@@ -106,7 +106,7 @@ class Simulation:
       self.row_of_client[g.clients] = np.arange(len(g.clients))
     if (self.group_of_client < 0).any():
       raise ValueError("every client must belong to an architecture group")
-    if config.group_draw and any(t.init_memory for t in method.terms):
+    if config.group_draw and any(t.memory for t in method.terms):
       raise ValueError(f"{method.name} keeps per-client memory in its group's shape; it cannot redraw groups")
     self.federations = _federations(self.groups, shapes, self.maps, self.global_index, method, config, store)
     self.federation_of = [next(f.index for f in self.federations if g in f.members) for g in range(len(self.groups))]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fedjax_hetero.client.local import LocalConfig, LocalTrainer, normalize
-from fedjax_hetero.client.terms import ClientTerm
+from fedjax_hetero.client.terms import ClientTerm, Loss
 from fedjax_hetero.models import build_model
 from tests.helpers import model_variables, random_batch
 
@@ -25,8 +25,8 @@ def resnet():
 
 def feature_penalty(weight: float, gradient: str = "local", cut: str = "stage2") -> ClientTerm:
   """``weight * mean(h^2)`` of the activation at ``cut``: reads the training forward's activations."""
-  return ClientTerm(f"penalty_{gradient}", loss=lambda v, s, p, out, ctx: weight * jnp.mean(out.activations[cut] ** 2),
-                    cuts=(cut,), gradient=gradient)
+  penalty = Loss(lambda v, s, p, out, ctx: weight * jnp.mean(out.activations[cut] ** 2), gradient=gradient)
+  return ClientTerm(f"penalty_{gradient}", loss=penalty, cuts=(cut,))
 
 
 def test_a_term_reads_the_activations_of_the_training_forward(resnet):

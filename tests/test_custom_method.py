@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from fedjax_hetero.client.terms import ClientTerm, proximal_term, tree_sub, upload_variables, with_memory, with_upload
+from fedjax_hetero.client.terms import ClientTerm, Loss, Memory, Upload, proximal_term, tree_sub, upload_variables
 from fedjax_hetero.methods import PER_GROUP, Method
 from fedjax_hetero.server import ServerStep, apply_delta, mean_delta
 from tests.helpers import tiny_simulation
@@ -80,12 +80,15 @@ def feddyn(alpha: float = 0.1) -> Method:
     linear = sum(jnp.vdot(g, p) for g, p in zip(jax.tree.leaves(state.gradient), jax.tree.leaves(params)))
     return proximal_term(params, state.start, alpha) - linear
 
-  def finish(state, final, gradient, share):
-    change = tree_sub(final.variables["params"], final.start["params"])
-    return with_memory(with_upload(final, change), jax.tree.map(lambda g, c: g - alpha * c, gradient, change))
+  def change(state, final, gradient, share):
+    return tree_sub(final.variables["params"], final.start["params"])
 
-  dynamic = ClientTerm("dynamic", init=lambda r: DynClient(r.start["params"], r.memory), loss=loss, finish=finish,
-                       init_memory=lambda v: jax.tree.map(jnp.zeros_like, v["params"]), upload="weighted")
+  def next_gradient(state, final, gradient, share):
+    return jax.tree.map(lambda g, c: g - alpha * c, gradient, change(state, final, gradient, share))
+
+  dynamic = ClientTerm("dynamic", init=lambda r: DynClient(r.start["params"], r.memory), loss=Loss(loss),
+                       upload=Upload(change, "weighted"),
+                       memory=Memory(lambda v: jax.tree.map(jnp.zeros_like, v["params"]), next_gradient))
 
   def update(carry, state, inputs, plan):
     mean = jax.tree.map(lambda u: u / inputs.weights[0], inputs.uploads(dynamic)[0])
@@ -119,3 +122,12 @@ def test_a_method_whose_upload_nobody_reads_is_refused_at_construction():
   with pytest.raises(ValueError, match="Broken: the server step 'reader' reads client term 'orphan', which is not"):
     Method("Broken", "", "", server=(mean_delta(), reader, apply_delta()))
   Method("Fine", "", "", terms=(orphan,), server=(mean_delta(), reader, apply_delta()))
+
+
+def test_a_piece_in_the_old_shape_is_refused_naming_the_term_and_the_piece():
+  with pytest.raises(TypeError, match=r"client term 'old': upload must be Upload\(\.\.\.\) with a callable value"):
+    Method("Old", "", "", terms=(ClientTerm("old", upload="weighted"),))
+  with pytest.raises(TypeError, match=r"client term 'old': loss must be Loss\(\.\.\.\)"):
+    Method("Old", "", "", terms=(ClientTerm("old", loss=lambda v, s, p, out, ctx: 0.0),))
+  with pytest.raises(ValueError, match="client term 'odd': upload reduce='mean'"):
+    Method("Odd", "", "", terms=(ClientTerm("odd", upload=Upload(lambda s, f, m, sh: f.delta, "mean")),))

@@ -130,13 +130,13 @@ def test_the_synthetic_term_reaches_only_the_high_part(name, width, kwargs, loss
   mask = jnp.ones(8, bool)
   ctx = StepContext(model, Batch(x, labels, mask, mask.astype(jnp.float32)), jnp.float32(0), None)
   state = term.init(RoundInput(variables, None, stats, jax.random.key(1)))
-  synthetic = term.prepare(state, ctx)
+  synthetic = term.loss.prepare(state, ctx)
   # The real logits as constants: the term's own gradient, not the data loss's.
   outputs = Outputs(jax.lax.stop_gradient(model.apply(variables, x)), {cut: h})
 
   # The real logits enter as constants: the gradient checked is the synthetic rows' alone (in "concat" mode the
   # term also reweights the real rows' loss, whose gradient reaches every part, as it should).
-  grads = jax.grad(lambda p: term.loss({**variables, "params": p}, state, synthetic, outputs, ctx))(variables["params"])
+  grads = jax.grad(lambda p: term.loss.value({**variables, "params": p}, state, synthetic, outputs, ctx))(variables["params"])
   flat, low, high = (traverse_util.flatten_dict(t) for t in (grads, low, high))
   assert any(low.values()) and any(high.values())
   for path, g in flat.items():
@@ -163,10 +163,10 @@ def cnn_step(config, real_rows=8):
 
 def test_concat_mode_makes_the_loss_the_mean_over_real_and_synthetic_rows():
   model, variables, ctx, h, term, state = cnn_step(fi.FedImproConfig(loss="concat"), real_rows=6)
-  synthetic = term.prepare(state, ctx)
+  synthetic = term.loss.prepare(state, ctx)
   assert float(synthetic.mask.sum()) == 6  # as many synthetic rows as real ones
   logits = model.apply(variables, ctx.batch.x)
-  total = masked_cross_entropy(logits, ctx.batch.labels, ctx.batch.weights)[0] + term.loss(
+  total = masked_cross_entropy(logits, ctx.batch.labels, ctx.batch.weights)[0] + term.loss.value(
       variables, state, synthetic, Outputs(logits, {"conv2": h}), ctx)
   fake_logits = model.apply(variables, synthetic.features.reshape((-1,) + h.shape[1:]), start="conv2")
   per_row = np.concatenate([np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits, ctx.batch.labels))[:6],
@@ -178,7 +178,7 @@ def test_concat_mode_makes_the_loss_the_mean_over_real_and_synthetic_rows():
 def test_local_sampling_draws_from_the_running_estimate_and_noise_keeps_deviations_non_negative():
   _, _, ctx, _, term, state = cnn_step(fi.FedImproConfig(sample_from="local", num_synthetic=40))
   state = state._replace(local=state.local._replace(mean=state.local.mean + 100.0))
-  synthetic = term.prepare(state, ctx)
+  synthetic = term.loss.prepare(state, ctx)
   chex.assert_shape(synthetic.labels, (40,))
   assert float(synthetic.mask.sum()) == 40 and abs(float(synthetic.features.mean()) - 100.0) < 1.0
   noisy = fi.noisy_upload(state.local, jax.random.key(0), 0.5)

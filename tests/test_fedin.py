@@ -93,7 +93,7 @@ def test_the_in_loss_reaches_only_the_intermediate_layers():
   ctx = StepContext(model, None, jnp.float32(0), None)
 
   def loss(params):
-    return term.loss({**variables, "params": params}, state, None, None, ctx)
+    return term.loss.value({**variables, "params": params}, state, None, None, ctx)
 
   value, grads = jax.value_and_grad(loss)(variables["params"])
   assert float(value) > 0
@@ -114,9 +114,9 @@ def test_the_in_loss_is_the_mse_over_the_valid_pairs():
   state = term.init(RoundInput(variables, None, pairs(s_in, target, valid), None))
   out, _ = model.apply(variables, s_in, train=True, mask=valid, start="stem", stop="stage2", mutable=["batch_stats"])
   expected = float(jnp.mean(jnp.square(out[:2])))
-  assert float(term.loss(variables, state, None, None, ctx)) == pytest.approx(expected, rel=1e-5)
+  assert float(term.loss.value(variables, state, None, None, ctx)) == pytest.approx(expected, rel=1e-5)
   empty = term.init(RoundInput(variables, None, pairs(s_in, target, [False] * 3), None))
-  assert float(term.loss(variables, empty, None, None, ctx)) == 0.0  # the first round: local loss only
+  assert float(term.loss.value(variables, empty, None, None, ctx)) == 0.0  # the first round: local loss only
 
 
 def test_the_upload_is_the_last_real_batch_of_pairs_detached():

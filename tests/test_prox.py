@@ -51,7 +51,7 @@ def prox_mu(method) -> float:
   if not terms:
     return 0.0
   anchor = terms[0].init(RoundInput({"params": {"w": jnp.zeros(1)}}, None, None, None))
-  return 2 * float(terms[0].loss({"params": {"w": jnp.ones(1)}}, anchor, None, None, None))
+  return 2 * float(terms[0].loss.value({"params": {"w": jnp.ones(1)}}, anchor, None, None, None))
 
 
 # ------------------------------------------------------------------------------------------ the local step

@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_hetero.client.terms import (REDUCTIONS, Batch, ClientFinal, ClientTerm, Outputs, RoundInput,
-                                        StepContext, term_cuts, tree_sub)
+from fedjax_hetero.client.terms import (Batch, ClientFinal, ClientTerm, Outputs, RoundInput, StepContext,
+                                        check_term, term_cuts, tree_sub)
 from fedjax_hetero.config.client import OPTIMIZERS, LocalConfig  # re-exported
 from fedjax_hetero.hetero.maps import Variables
 
@@ -74,6 +74,39 @@ def masked_cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.Array) 
 
 
 GradientRule = Callable[[dict[str, Variables]], Variables]  # gradients by name -> the step's gradient
+
+
+class TermPlan(NamedTuple):
+  """What the trainer needs to know of its terms, read in one pass when it is built (`plan_terms`)."""
+
+  cuts: tuple[str, ...]  # the cut points the terms read, in the model's order
+  gradient_names: tuple[str, ...]  # "local" first, then the other gradients the terms' losses belong to
+  reductions: tuple[str | None, ...]  # how each term's upload is summed over a cohort (None: no upload)
+  keeps_memory: bool  # some term keeps client memory
+  transforms_logits: bool  # some term transforms the data loss's logits (the schedule's labels are needed)
+  updates: bool  # some term updates its state after each step (the step's outputs are kept)
+
+
+def plan_terms(terms: Sequence[ClientTerm], model: nn.Module) -> TermPlan:
+  """The `TermPlan` of ``terms`` on ``model``; raises naming the term whose pieces are malformed or repeated,
+  or whose cut point ``model`` lacks."""
+  known = tuple(getattr(model, "cut_points", ()))
+  names, cuts, gradients = set(), set(), {"local": None}
+  for term in terms:
+    check_term(term)
+    if term.name in names:
+      raise ValueError(f"client term names must be unique, got {[t.name for t in terms]}")
+    names.add(term.name)
+    for cut in term_cuts(term, model):
+      if cut not in known:
+        raise ValueError(f"a client term reads cut point {cut!r}, which {type(model).__name__} does not have; its "
+                         f"cut points: {', '.join(known)}")
+      cuts.add(cut)
+    if term.loss:
+      gradients[term.loss.gradient] = None
+  return TermPlan(tuple(c for c in known if c in cuts), tuple(gradients),
+                  tuple(t.upload.reduce if t.upload else None for t in terms),
+                  any(t.memory for t in terms), any(t.logits for t in terms), any(t.update for t in terms))
 
 
 def draw_schedule(index_row: jax.Array, num_examples: jax.Array, key: jax.Array, *, epochs: int,
@@ -127,40 +160,25 @@ class LocalTrainer:
   begin: ClassVar[Callable | None] = None  # (state, ids, index_row, num_examples, key, inputs) -> (state, ids)
 
   def __post_init__(self):
-    names = [t.name for t in self.terms]
-    if len(set(names)) != len(names):
-      raise ValueError(f"client term names must be unique, got {names}")
-    if len(self.gradient_names) > 1 and self.combine is None:
-      raise ValueError(f"terms take gradients {self.gradient_names}; a rule to combine them is needed")
-    known = tuple(getattr(self.model, "cut_points", ()))
-    for cut in self.cuts:
-      if cut not in known:
-        raise ValueError(f"a client term reads cut point {cut!r}, which {type(self.model).__name__} does not "
-                         f"have; its cut points: {', '.join(known)}")
+    if len(self.plan.gradient_names) > 1 and self.combine is None:
+      raise ValueError(f"terms take gradients {self.plan.gradient_names}; a rule to combine them is needed")
+
+  @functools.cached_property
+  def plan(self) -> TermPlan:
+    return plan_terms(self.terms, self.model)
 
   @property
   def tx(self) -> optax.GradientTransformation:
     return make_optimizer(self.config)
 
-  @functools.cached_property
-  def cuts(self) -> tuple[str, ...]:
-    """The cut points the terms read, in the model's order."""
-    wanted = {c for t in self.terms for c in term_cuts(t, self.model)}
-    order = tuple(getattr(self.model, "cut_points", ()))
-    return tuple(sorted(wanted, key=lambda c: order.index(c) if c in order else len(order)))
-
-  @functools.cached_property
-  def gradient_names(self) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(["local"] + [t.gradient for t in self.terms if t.loss]))
-
   @property
   def reductions(self) -> tuple[str | None, ...]:
     """How each term's upload is summed over a cohort, in the terms' order (None: no upload)."""
-    return tuple(t.upload for t in self.terms)
+    return self.plan.reductions
 
   @property
   def keeps_memory(self) -> bool:
-    return any(t.init_memory for t in self.terms)
+    return self.plan.keeps_memory
 
   def client_inputs(self, clients) -> Any:
     """The per-client inputs ``begin`` reads, rows in ``clients``' order (numpy; none here)."""
@@ -170,7 +188,7 @@ class LocalTrainer:
     """A client's persistent state before its first round, per term (empty when no term keeps any)."""
     if not self.keeps_memory:
       return ()
-    return tuple(t.init_memory(variables) if t.init_memory else () for t in self.terms)
+    return tuple(t.memory.init(variables) if t.memory else () for t in self.terms)
 
   def _per_term(self, values: Any) -> tuple[Any, ...]:
     """Memory rows or shares, one per term (``()``, ``{}`` or None: none for any)."""
@@ -213,7 +231,8 @@ class LocalTrainer:
     x = normalize(images, self.mean, self.std)
     maskf = mask.astype(jnp.float32)
     ctx = StepContext(self.model, Batch(x, labels, mask, maskf), state.num_steps, self.forward, client_labels)
-    prepared = [t.prepare(s, ctx) if t.prepare else None for t, s in zip(self.terms, state.terms)]
+    prepared = [t.loss.prepare(s, ctx) if t.loss and t.loss.prepare else None
+                for t, s in zip(self.terms, state.terms)]
 
     # A step with no real row (a padding client's, or one past a client's schedule in a vmapped cohort) is
     # discarded below; its forward treats every row as real, because BatchNorm's statistics over no row are
@@ -222,7 +241,7 @@ class LocalTrainer:
 
     def losses(params):
       variables = {**state.variables, "params": params}
-      outputs, updates = self.forward(variables, x, True, forward_mask, self.cuts)
+      outputs, updates = self.forward(variables, x, True, forward_mask, self.plan.cuts)
       logits = outputs.logits
       for term in self.terms:
         if term.logits:
@@ -231,16 +250,16 @@ class LocalTrainer:
       by_gradient = {"local": loss}
       for term, term_state, aux in zip(self.terms, state.terms, prepared):
         if term.loss:
-          value = term.loss(variables, term_state, aux, outputs, ctx)
-          by_gradient[term.gradient] = by_gradient[term.gradient] + value if term.gradient in by_gradient else value
-      return by_gradient, (updates, total, outputs if self._updates_terms else None)
+          value, name = term.loss.value(variables, term_state, aux, outputs, ctx), term.loss.gradient
+          by_gradient[name] = by_gradient[name] + value if name in by_gradient else value
+      return by_gradient, (updates, total, outputs if self.plan.updates else None)
 
     def local_loss(params):
       parts, aux = losses(params)
       return parts["local"], aux
 
     params = state.variables["params"]
-    if len(self.gradient_names) == 1:
+    if len(self.plan.gradient_names) == 1:
       (_, (model_updates, total, outputs)), grads = jax.value_and_grad(local_loss, has_aux=True)(params)
     else:
       parts, pullback, (model_updates, total, outputs) = jax.vjp(losses, params, has_aux=True)
@@ -251,17 +270,13 @@ class LocalTrainer:
     updates, opt_state = self.tx.update(grads, state.opt_state, params)
     variables = {**state.variables, **model_updates, "params": optax.apply_updates(params, updates)}
     terms = state.terms
-    if self._updates_terms:
+    if self.plan.updates:
       outputs = jax.lax.stop_gradient(outputs)
       terms = tuple(t.update(s, outputs, ctx) if t.update else s for t, s in zip(self.terms, state.terms))
     active = maskf.sum() > 0
     stepped = LocalState(variables, opt_state, state.loss_sum + total, state.num_examples + maskf.sum(),
                          state.num_steps + 1.0, terms)
     return jax.tree.map(lambda new, old: jnp.where(active, new, old), stepped, state)
-
-  @property
-  def _updates_terms(self) -> bool:
-    return any(t.update for t in self.terms)
 
   def finish(self, state: LocalState, start: Variables, memory: tuple[Any, ...] | None = None,
              share: tuple[Any, ...] | None = None) -> ClientOutput:
@@ -270,13 +285,10 @@ class LocalTrainer:
     uploads, memories = [], []
     for term, term_state, row, term_share in zip(self.terms, state.terms, self._per_term(memory),
                                                  self._per_term(share)):
-      if term.finish:
-        final = term.finish(term_state, final._replace(upload=(), memory=()), row, term_share)
-      uploads.append(final.upload if term.finish else ())
-      memories.append(final.memory if term.finish else ())
-      if (term.upload is None) != (isinstance(uploads[-1], tuple) and not uploads[-1]):
-        raise ValueError(f"client term {term.name!r} declares upload={term.upload!r} but "
-                         f"{'uploads nothing' if term.upload else 'uploads'} (set upload to one of {REDUCTIONS})")
+      if term.delta:
+        final = final._replace(delta=term.delta(term_state, final, row, term_share))
+      uploads.append(term.upload.value(term_state, final, row, term_share) if term.upload else ())
+      memories.append(term.memory.next(term_state, final, row, term_share) if term.memory else ())
     return ClientOutput(final.delta, tuple(uploads), tuple(memories) if self.keeps_memory else ())
 
   def run_steps(self, state: LocalState, images: jax.Array, labels: jax.Array, ids: jax.Array, mask: jax.Array,
@@ -291,7 +303,7 @@ class LocalTrainer:
 
   def schedule_labels(self, labels: jax.Array, ids: jax.Array, mask: jax.Array) -> jax.Array | None:
     """The labels of the client's whole schedule, for the terms' ``logits`` (None when no term has one)."""
-    if not any(t.logits for t in self.terms):
+    if not self.plan.transforms_logits:
       return None
     return jnp.where(mask, labels[ids], -1).reshape(-1)
 

@@ -1,35 +1,45 @@
 """A client's objective and upload as a chain of small pure pieces, `ClientTerm`s.
 
 Every client minimizes the data loss (masked cross-entropy) on its batches;
-each term of a method may add to that, in the style of an optax chain:
+each term of a method may add to that, in the style of an optax chain. A term
+holds its state for the round (``init``, from the client's `RoundInput`) and
+any of these pieces, each with the data it needs:
 
-* ``loss``: a scalar added to the data loss (FedProx's proximal term, MOON's
-  model-contrastive loss, FedGen's generative regularizer);
+* ``loss``: a `Loss`, a scalar added to the objective (FedProx's proximal
+  term, MOON's model-contrastive loss, FedGen's generative regularizer), with
+  its per-step ``prepare`` (outside differentiation) and the ``gradient`` it
+  belongs to; with more than one gradient name the trainer takes one gradient
+  per name and combines them with the method's rule (`LocalTrainer.combine`);
 * ``logits``: a transform of the logits the data loss is taken on (HeteroFL's
   masking of the classes absent from the client's data);
 * ``grad``: a transform of the gradient (SCAFFOLD's control-variate correction);
-* ``gradient``: the name of the gradient its loss belongs to; with more than
-  one name the trainer takes one gradient per name and combines them with the
-  method's rule (`LocalTrainer.combine`);
-* ``cuts``: cut points of the model whose activations its loss or its
+* ``update``: a change of its state after each step, from that step's training
+  outputs (e.g. running per-class feature statistics);
+* ``cuts``: the cut points of the model whose activations its loss or its
   ``update`` read (`Outputs.activations`), or a function of the group's model
   giving them (a split point that depends on the architecture);
-* ``update``: a change of its own state after each step, from that step's
-  training outputs (e.g. running per-class feature statistics);
-* ``finish``: its upload and its memory after the round, and a change of the
-  client's delta (SCAFFOLD's control delta, FedNova's normalization, a stacked
-  copy of the final model for FedCross and FedGen).
+* ``delta``: a change of the client's update after the round (FedNova's
+  normalization, static BatchNorm's dropped statistics);
+* ``upload``: an `Upload`, what the client sends after the round and how the
+  cohort sums it: "weighted" (sum of w_c x_c), "sum" or "stack" (one row per
+  client);
+* ``memory``: a `Memory`, state kept across the rounds a client takes part in
+  (SCAFFOLD's c_i, MOON's previous model): its first value and its next;
+* ``share``: whether it reads what its server step broadcasts (`RoundInput.share`);
+* ``wrap_model``: what it adds to the model the clients train (MOON's
+  projection head).
 
-A term's state lives for one round (``init`` builds it from the client's
-`RoundInput`); ``init_memory`` makes state that persists across the rounds a
-client takes part in (SCAFFOLD's c_i, MOON's previous model). A term with
-``upload`` set uploads (`with_upload`), summed over the cohort as it says:
-"weighted" (sum of w_c x_c), "sum" or "stack" (one row per client). The link to
-the server is structural, never by name: a server step (or the sampler) lists
-the terms whose uploads it reads in its ``reads``, and its ``broadcast`` goes to
-those of them that take a ``share``; `methods.Method` refuses an upload nobody
-reads and a share nobody writes. Uploads, memory and shares travel as tuples in
-the terms' order. Terms never look at another term's data.
+The pieces after the round (``delta``, then ``upload`` and ``memory``) take
+``(state, final, memory, share)``: the term's round state, the client's
+`ClientFinal` (with the deltas of the terms before it applied), the client's
+memory for the term and the term's share.
+
+The link to the server is structural, never by name: a server step (or the
+sampler) lists the terms whose uploads it reads in its ``reads``, and its
+``broadcast`` goes to those of them that take a ``share``; `methods.Method`
+refuses an upload nobody reads and a share nobody writes. Uploads, memory and
+shares travel as tuples in the terms' order. Terms never look at another
+term's data.
 """
 
 from __future__ import annotations
@@ -83,34 +93,54 @@ class StepContext(NamedTuple):
 
 
 class ClientFinal(NamedTuple):
-  """A client at the end of its round; a term's ``finish`` may change ``delta`` and sets its own ``upload``
-  and ``memory`` (`with_upload`, `with_memory`; each empty when the term's finish starts)."""
+  """A client at the end of its round."""
 
   start: Variables
   variables: Variables
-  delta: Variables
+  delta: Variables  # variables - start, after the ``delta`` of the terms before the one reading it
   num_steps: jax.Array
-  upload: Any = ()
-  memory: Any = ()
+
+
+AfterRound = Callable[[Any, ClientFinal, Any, Any], Any]  # (state, final, memory, share) -> value
+
+
+class Loss(NamedTuple):
+  """A scalar a term adds to the objective of one gradient, and what it needs computed before each step."""
+
+  value: Callable[[Variables, Any, Any, Outputs, StepContext], jax.Array]  # (variables, state, prepared, outputs, ctx)
+  prepare: Callable[[Any, StepContext], Any] | None = None  # (state, ctx) -> prepared; per step, not differentiated
+  gradient: str = "local"  # the gradient it belongs to (`LocalTrainer.combine`)
+
+
+class Upload(NamedTuple):
+  """What a client sends its server step after the round, and how its cohort sums it (`REDUCTIONS`)."""
+
+  value: AfterRound
+  reduce: str = "weighted"
+
+
+class Memory(NamedTuple):
+  """State a client keeps across the rounds it takes part in."""
+
+  init: Callable[[Variables], Any]  # before the client's first round, from its model's variables
+  next: AfterRound  # its value for the client's next round
 
 
 class ClientTerm(NamedTuple):
   """One piece of a client's objective and upload (see the module docstring); all functions pure."""
 
   name: str
-  init: Callable[[RoundInput], Any] | None = None
-  init_memory: Callable[[Variables], Any] | None = None
-  prepare: Callable[[Any, StepContext], Any] | None = None  # per step, before (and outside) differentiation
-  loss: Callable[[Variables, Any, Any, Outputs, StepContext], jax.Array] | None = None  # (vars, state, prepared,..)
-  grad: Callable[[Variables, Any], Variables] | None = None
+  init: Callable[[RoundInput], Any] | None = None  # its state for the round
+  loss: Loss | None = None
   logits: Callable[[jax.Array, StepContext], jax.Array] | None = None  # data-loss logits -> logits
+  grad: Callable[[Variables, Any], Variables] | None = None  # (gradient, state) -> gradient
   update: Callable[[Any, Outputs, StepContext], Any] | None = None  # per step, after the gradient step
-  finish: Callable[[Any, ClientFinal, Any, Any], ClientFinal] | None = None  # (state, final, memory, share)
-  upload: str | None = None  # how its upload is summed over a cohort (`REDUCTIONS`); None: it uploads nothing
-  share: bool = False  # it reads the share its server step broadcasts (`RoundInput.share`)
   cuts: tuple[str, ...] | Callable[[nn.Module], tuple[str, ...]] = ()
-  gradient: str = "local"
-  wrap_model: Callable[[nn.Module], nn.Module] | None = None  # e.g. MOON's projection head
+  delta: AfterRound | None = None  # -> the client's delta
+  upload: Upload | None = None
+  memory: Memory | None = None
+  share: bool = False
+  wrap_model: Callable[[nn.Module], nn.Module] | None = None
 
 
 def term_cuts(term: ClientTerm, model: nn.Module) -> tuple[str, ...]:
@@ -118,18 +148,20 @@ def term_cuts(term: ClientTerm, model: nn.Module) -> tuple[str, ...]:
   return tuple(term.cuts(model) if callable(term.cuts) else term.cuts)
 
 
+def check_term(term: ClientTerm) -> None:
+  """Raises a TypeError naming the term and the piece when a piece is not of its type (e.g. an upload given as
+  the old ``upload="weighted"``)."""
+  for field, kind, function in (("loss", Loss, "value"), ("upload", Upload, "value"), ("memory", Memory, "next")):
+    piece = getattr(term, field)
+    if piece is not None and not (isinstance(piece, kind) and callable(getattr(piece, function))):
+      raise TypeError(f"client term {term.name!r}: {field} must be {kind.__name__}(...) with a callable "
+                      f"{function} (`fedjax_hetero.client.terms.{kind.__name__}`), got {piece!r}")
+  if term.upload is not None and term.upload.reduce not in REDUCTIONS:
+    raise ValueError(f"client term {term.name!r}: upload reduce={term.upload.reduce!r}; one of {REDUCTIONS}")
+
+
 def tree_sub(a: Variables, b: Variables) -> Variables:
   return jax.tree.map(jnp.subtract, a, b)
-
-
-def with_upload(final: ClientFinal, value: Any) -> ClientFinal:
-  """``final`` with the finishing term's upload."""
-  return final._replace(upload=value)
-
-
-def with_memory(final: ClientFinal, value: Any) -> ClientFinal:
-  """``final`` with the finishing term's memory for the client's next round."""
-  return final._replace(memory=value)
 
 
 # ---------------------------------------------------------------------------------------- per-client uploads
@@ -137,19 +169,17 @@ def with_memory(final: ClientFinal, value: Any) -> ClientFinal:
 
 def upload_variables(name: str) -> ClientTerm:
   """Uploads each client's final variables, stacked over the cohort (FedCross's and FedGen's servers)."""
-  return ClientTerm(name, finish=lambda _, final, memory, share: with_upload(final, final.variables),
-                    upload="stack")
+  return ClientTerm(name, upload=Upload(lambda _, final, memory, share: final.variables, "stack"))
 
 
 def upload_flat_delta(name: str) -> ClientTerm:
   """Uploads each client's parameter change flattened to one vector, stacked over the cohort
   (CluSamp's representative gradients: ``theta_i^local - theta^sent``)."""
 
-  def finish(_, final, memory, share):
-    flat = ravel_pytree(final.variables["params"])[0] - ravel_pytree(final.start["params"])[0]
-    return with_upload(final, flat)
+  def flat_delta(_, final, memory, share):
+    return ravel_pytree(final.variables["params"])[0] - ravel_pytree(final.start["params"])[0]
 
-  return ClientTerm(name, finish=finish, upload="stack")
+  return ClientTerm(name, upload=Upload(flat_delta, "stack"))
 
 
 # The client terms of single methods live in their method's module now (`fedjax_hetero.methods`); their old import

@@ -32,7 +32,7 @@ import flax.linen as nn
 import jax
 
 from fedjax_hetero.client.local import GradientRule
-from fedjax_hetero.client.terms import ClientTerm
+from fedjax_hetero.client.terms import ClientTerm, check_term
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.hetero.maps import Path, SubmodelMap, Variables, build_group_map
 from fedjax_hetero.sampling.samplers import Sampler, uniform
@@ -78,6 +78,8 @@ class Method:
   local_settings: tuple[tuple[str, Any], ...] = ()
 
   def __post_init__(self):
+    for term in self.terms:
+      check_term(term)
     for kind, names in (("client term", [t.name for t in self.terms]), ("server step", [s.name for s in self.server])):
       if len(set(names)) != len(names):
         raise ValueError(f"{self.name}: {kind} names must be unique, got {names}")
@@ -94,7 +96,7 @@ class Method:
     for term in self.terms:
       read_by = [(reader, broadcast) for reader, reads, broadcast in readers if any(term is t for t in reads)]
       if term.upload is not None and not read_by:
-        raise ValueError(f"{self.name}: client term {term.name!r} uploads ({term.upload}), but no server step or "
+        raise ValueError(f"{self.name}: client term {term.name!r} uploads ({term.upload.reduce}), but no server step or "
                          "sampler reads it (list the term in a step's reads)")
       if term.share and not any(broadcast is not None for _, broadcast in read_by):
         raise ValueError(f"{self.name}: client term {term.name!r} takes a share, but no server step that reads "

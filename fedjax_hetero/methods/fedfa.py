@@ -42,7 +42,7 @@ import jax
 
 from fedjax_hetero import aggregators
 from fedjax_hetero.aggregators.fedfa import NORMS, PERCENTILE, client_parts
-from fedjax_hetero.client.terms import ClientTerm, with_upload
+from fedjax_hetero.client.terms import ClientTerm, Upload
 from fedjax_hetero.hetero.maps import Path, SubmodelMap, Variables, graft
 from fedjax_hetero.server.steps import Federation, ServerStep
 
@@ -116,15 +116,14 @@ def scaled_upload(percentile: float = PERCENTILE, norm: str = "l2") -> tuple[Cli
   def parts(final):
     return client_parts(final.variables, percentile, norm)
 
-  def finish_sums(_, final, memory, share):
+  def kernels(_, final, memory, share):
     p = parts(final)
-    return with_upload(final, ScaledKernels(p.fallback, p.scaled))
+    return ScaledKernels(p.fallback, p.scaled)
 
-  def finish_norms(_, final, memory, share):
-    return with_upload(final, parts(final).norms)
+  def norms(_, final, memory, share):
+    return parts(final).norms
 
-  return (ClientTerm(NAME, finish=finish_sums, upload="weighted"),
-          ClientTerm(NORMS_NAME, finish=finish_norms, upload="stack"))
+  return (ClientTerm(NAME, upload=Upload(kernels, "weighted")), ClientTerm(NORMS_NAME, upload=Upload(norms, "stack")))
 
 
 class ScaledKernels(NamedTuple):

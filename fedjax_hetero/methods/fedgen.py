@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_hetero.methods import fedgen_generator as gen
-from fedjax_hetero.client.terms import ClientTerm, with_upload
+from fedjax_hetero.client.terms import ClientTerm, Loss, Upload
 from fedjax_hetero.hetero.maps import Variables
 from fedjax_hetero.server.steps import Plan, ServerStep
 
@@ -69,9 +69,8 @@ def generative_regularizer(config: gen.FedGenConfig) -> ClientTerm:
         share.label_probs, step_key, alpha=alpha, beta=beta, gen_batch_size=config.gen_batch_size,
         mask=ctx.batch.weights, gen_ratio=config.gen_batch_size / ctx.batch.labels.shape[0])[0]
 
-  return ClientTerm("fedgen", init=init, prepare=prepare, loss=loss,
-                    finish=lambda _, final, memory, share: with_upload(final, final.variables),
-                    upload="stack", share=True)
+  return ClientTerm("fedgen", init=init, loss=Loss(loss, prepare),
+                    upload=Upload(lambda _, final, memory, share: final.variables, "stack"), share=True)
 
 
 def generator_training(config: gen.FedGenConfig, regularizer: ClientTerm) -> ServerStep:

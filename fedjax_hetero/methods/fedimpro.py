@@ -60,7 +60,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_hetero.client.local import masked_cross_entropy
-from fedjax_hetero.client.terms import ClientTerm, with_upload
+from fedjax_hetero.client.terms import ClientTerm, Loss, Upload
 from fedjax_hetero.config.options import LOSS_MODES, SAMPLE_SOURCES, FedImproConfig  # re-exported
 from fedjax_hetero.models import cut_shape, resolve_cut
 from fedjax_hetero.server.steps import ServerStep
@@ -226,12 +226,12 @@ def feature_sharing(config: FedImproConfig = FedImproConfig()) -> ClientTerm:
                                ctx.batch.weights, config.beta, config.std_max)
     return state._replace(local=local)
 
-  def finish(state, final, memory, share):
+  def estimate(state, final, memory, share):
     noise_key = jax.random.fold_in(state.key, jnp.uint32(2**31))  # apart from the steps' keys (< 2**31)
-    return with_upload(final, client_upload(noisy_upload(state.local, noise_key, config.noise)))
+    return client_upload(noisy_upload(state.local, noise_key, config.noise))
 
-  return ClientTerm(NAME, init=init, prepare=prepare, loss=loss, update=update, finish=finish, upload="sum",
-                    share=True, cuts=cuts)
+  return ClientTerm(NAME, init=init, loss=Loss(loss, prepare), update=update, cuts=cuts,
+                    upload=Upload(estimate, "sum"), share=True)
 
 
 @functools.cache

@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
-from fedjax_hetero.client.terms import ClientTerm, with_upload
+from fedjax_hetero.client.terms import ClientTerm, Loss, Upload
 from fedjax_hetero.config.methods import INCLUSIVE_BETA, INCLUSIVE_MOMENTUM
 from fedjax_hetero.config.options import (BANK_CAPACITY, BANK_MODES, NUM_PAIRS, PROJECTIONS,  # re-exported
                                           RULES, FedINConfig)
@@ -207,11 +207,8 @@ def intermediate_training(config: FedINConfig = FedINConfig()) -> ClientTerm:
                             take(ctx.batch.mask))
     return state._replace(pairs=pairs)
 
-  def finish(state, final, memory, share):
-    return with_upload(final, state.pairs)
-
-  return ClientTerm(NAME, init=init, loss=loss, update=update, finish=finish, upload="stack", share=True,
-                    cuts=intermediate_split, gradient="in")
+  return ClientTerm(NAME, init=init, loss=Loss(loss, gradient="in"), update=update, cuts=intermediate_split,
+                    upload=Upload(lambda state, final, memory, share: state.pairs, "stack"), share=True)
 
 
 def gradient_rule(config: FedINConfig = FedINConfig()):

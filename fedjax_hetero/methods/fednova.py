@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_hetero import aggregators
-from fedjax_hetero.client.terms import ClientTerm, with_upload
+from fedjax_hetero.client.terms import ClientTerm, Upload
 from fedjax_hetero.server.steps import ServerStep
 
 
@@ -30,12 +30,15 @@ def nova_normalizer(num_steps: jax.Array, optimizer: str, momentum: float) -> ja
 def nova_normalization(optimizer: str, momentum: float) -> ClientTerm:
   """FedNova's client side: upload ``delta / a_i`` and ``a_i`` (for `nova_mean`)."""
 
-  def finish(_, final, memory, share):
-    a = nova_normalizer(final.num_steps, optimizer, momentum)
-    safe = jnp.where(a > 0, a, 1.0)  # a client without steps (vmap padding) has a zero delta
-    return with_upload(final._replace(delta=jax.tree.map(lambda d: d / safe, final.delta)), a)
+  def normalizer(_, final, memory, share):
+    return nova_normalizer(final.num_steps, optimizer, momentum)
 
-  return ClientTerm("nova", finish=finish, upload="weighted")
+  def normalized(_, final, memory, share):
+    a = normalizer(_, final, memory, share)
+    safe = jnp.where(a > 0, a, 1.0)  # a client without steps (vmap padding) has a zero delta
+    return jax.tree.map(lambda d: d / safe, final.delta)
+
+  return ClientTerm("nova", delta=normalized, upload=Upload(normalizer, "weighted"))
 
 
 def nova_mean(normalization) -> ServerStep:

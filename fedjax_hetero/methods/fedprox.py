@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fedjax_hetero.client.terms import ClientTerm, Variables
+from fedjax_hetero.client.terms import ClientTerm, Loss, Variables
 
 
 def proximal_term(params: Variables, anchor: Variables, mu: float) -> jax.Array:
@@ -17,4 +17,4 @@ def proximal_term(params: Variables, anchor: Variables, mu: float) -> jax.Array:
 def proximal(mu: float) -> ClientTerm:
   """FedProx: ``+ mu/2 ||w - w^t||^2`` with ``w^t`` the parameters the client started the round from."""
   return ClientTerm("prox", init=lambda r: r.start["params"],
-                    loss=lambda v, anchor, _, out, ctx: proximal_term(v["params"], anchor, mu))
+                    loss=Loss(lambda v, anchor, _, out, ctx: proximal_term(v["params"], anchor, mu)))

@@ -46,17 +46,16 @@ def scaler() -> ClientTerm:
   return ClientTerm("scaler", wrap_model=_with_scaler)
 
 
-def _without_batch_stats(state, final: ClientFinal, memory, share) -> ClientFinal:
+def _without_batch_stats(state, final: ClientFinal, memory, share) -> Variables:
   if "batch_stats" not in final.delta:
-    return final
-  delta = {**final.delta, "batch_stats": jax.tree.map(jnp.zeros_like, final.delta["batch_stats"])}
-  return final._replace(delta=delta)
+    return final.delta
+  return {**final.delta, "batch_stats": jax.tree.map(jnp.zeros_like, final.delta["batch_stats"])}
 
 
 def static_batch_norm() -> ClientTerm:
   """sBN's client side (Sec. 3): training uses batch statistics only, and the running statistics a
   client's BatchNorm layers track are dropped from its update, so the server never averages them."""
-  return ClientTerm("static_bn", finish=_without_batch_stats)
+  return ClientTerm("static_bn", delta=_without_batch_stats)
 
 
 def static_batch_norm_evaluation(num_samples: int = BN_SAMPLES, seed: int = 0,

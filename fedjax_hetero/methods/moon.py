@@ -7,7 +7,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fedjax_hetero.client.terms import ClientTerm, Variables, with_memory
+from fedjax_hetero.client.terms import ClientTerm, Loss, Memory, Variables
 
 
 def _cosine(u: jax.Array, v: jax.Array, eps: float = 1e-8) -> jax.Array:
@@ -52,7 +52,7 @@ def model_contrastive(mu: float, temperature: float) -> ClientTerm:
     z = project(ctx, variables, outputs.activations["features"])
     return mu * model_contrastive_loss(z, *frozen, temperature, ctx.batch.weights)
 
-  return ClientTerm("moon", init=lambda r: ContrastiveAnchors(r.start, r.memory), init_memory=lambda v: v,
-                    prepare=prepare, loss=loss,
-                    finish=lambda state, final, memory, share: with_memory(final, final.variables),
-                    cuts=("features",), wrap_model=with_projection_head)
+  return ClientTerm("moon", init=lambda r: ContrastiveAnchors(r.start, r.memory), loss=Loss(loss, prepare),
+                    cuts=("features",),
+                    memory=Memory(init=lambda v: v, next=lambda state, final, memory, share: final.variables),
+                    wrap_model=with_projection_head)

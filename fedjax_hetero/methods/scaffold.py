@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_hetero import aggregators
-from fedjax_hetero.client.terms import ClientTerm, Variables, tree_sub, with_memory, with_upload
+from fedjax_hetero.client.terms import ClientTerm, Memory, Upload, Variables, tree_sub
 from fedjax_hetero.compilation import program_cache
 from fedjax_hetero.hetero.maps import SubmodelMap, extract
 from fedjax_hetero.server.steps import ServerStep
@@ -31,14 +31,17 @@ def scaffold_correction(learning_rate: float) -> ClientTerm:
   option II update of ``c_i`` (kept in the client's memory, zero at first) and the upload of its change.
   Reads the server's ``c`` (params-shaped) from its server step (`scaffold_control`)."""
 
-  def finish(_, final, control, server_control):
-    new = scaffold_control_update(control, server_control, final.delta["params"], final.num_steps, learning_rate)
-    return with_memory(with_upload(final, tree_sub(new, control)), new)
+  def next_control(_, final, control, server_control):
+    return scaffold_control_update(control, server_control, final.delta["params"], final.num_steps, learning_rate)
+
+  def control_change(_, final, control, server_control):
+    return tree_sub(next_control(_, final, control, server_control), control)
 
   return ClientTerm("scaffold", init=lambda r: tree_sub(r.share, r.memory),
-                    init_memory=lambda v: jax.tree.map(jnp.zeros_like, v["params"]),
-                    grad=lambda grads, correction: jax.tree.map(jnp.add, grads, correction), finish=finish,
-                    upload="weighted", share=True)
+                    grad=lambda grads, correction: jax.tree.map(jnp.add, grads, correction),
+                    upload=Upload(control_change, "weighted"),
+                    memory=Memory(init=lambda v: jax.tree.map(jnp.zeros_like, v["params"]), next=next_control),
+                    share=True)
 
 
 @program_cache

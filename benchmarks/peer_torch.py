@@ -204,8 +204,9 @@ def run_torch(args: argparse.Namespace) -> dict[str, Any]:
     delta = {k: v.detach() - start[k] for k, v in model.state_dict().items() if v.is_floating_point()}
     return delta, seen
 
-  round_s, examples, drawn = [], [], []
+  round_s, examples, drawn, skipped_per_round = [], [], [], []
   for r in range(args.rounds):
+    skipped_before = skipped
     t0 = time.perf_counter()
     clients = round_clients(args.num_clients, args.clients_per_round, args.seed, r)
     total = {k: torch.zeros_like(v) for k, v in global_state.items() if v.is_floating_point()}
@@ -224,6 +225,7 @@ def run_torch(args: argparse.Namespace) -> dict[str, Any]:
     sync()
     round_s.append(time.perf_counter() - t0)
     examples.append(seen_round)
+    skipped_per_round.append(skipped - skipped_before)
     drawn.append([int(c) for c in clients])
     _log(f"torch round {r + 1}: {round_s[-1]:.2f} s, {seen_round} examples")
 
@@ -240,6 +242,8 @@ def run_torch(args: argparse.Namespace) -> dict[str, Any]:
       accuracy[spec] = correct / n_eval
   trained = [sorted({groups[group_of[c]][0] for c in clients}) for clients in drawn]
   return {"side": "torch", **_timing(round_s, examples, trained), "run_s": time.perf_counter() - t_start,
+          # what the clients drew, the skipped one-example batches included (our side trains on those)
+          "examples_drawn_per_round": [e + s for e, s in zip(examples, skipped_per_round)],
           "test_accuracy": accuracy, "eval_samples": n_eval,
           "param_counts": {spec: n for (spec, _, _), n in zip(groups, sizes)},
           "singleton_batches_skipped": skipped, "clients": drawn, "partition_digest": partition_digest(parts),
@@ -329,12 +333,14 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
   def same(key: str) -> bool:
     return all(r[key] == rows[0][key] for r in rows)
 
+  drawn = [r.get("examples_drawn_per_round", r["examples_per_round"]) for r in rows]
+
   return {"summary": True, "ratio_samples_per_s_after_first_jax_over_torch": ratio("samples_per_s_after_first"),
           "ratio_wall_s_jax_over_torch": ratio("wall_s"), "repeats": len(by_side["jax"]),
           **{f"median_{k}_{s}": statistics.median(r[k] for r in by_side[s]) if all(r[k] for r in by_side[s]) else None
              for s in SIDES for k in ("samples_per_s_after_first", "wall_s")},
           "same_partition": same("partition_digest"), "same_clients": same("clients"),
-          "same_examples": same("examples_per_round"), "same_param_counts": same("param_counts"),
+          "same_examples": all(d == drawn[0] for d in drawn), "same_param_counts": same("param_counts"),
           "first_round_of_group": rows[0]["first_round_of_group"],
           "torch_num_threads": by_side["torch"][0]["torch_num_threads"]}
 

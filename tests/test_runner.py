@@ -26,7 +26,9 @@ from fedjax_hetero.guard import DivergenceError
 from fedjax_hetero.methods import METHODS
 from fedjax_hetero.runner import build_simulation, run_experiment
 
-pytestmark = pytest.mark.slow  # end to end (`pytest -m "not slow"` leaves it out)
+# End to end (`pytest -m "not slow"` leaves it out). One worker runs the module, so its module-scoped runs train
+# once (scripts/test.sh: --dist loadgroup).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("runner")]
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GROUPS = ("mlp@1", "mlp@0.5")

@@ -44,8 +44,10 @@ def dataset():
 
 
 def base_config(output_dir, **changes):
+  # steps_per_call=1: one step program per group to compile (chunks of steps through the runner:
+  # test_fedgen_clusamp_engine's resume).
   flags = dict(dataset="synthetic", groups=GROUPS, num_clients=6, clients_per_round=3, rounds=4, checkpoint_every=2,
-               eval_every=2, progress=False, output_dir=str(output_dir), batch_size=16, steps_per_call=2,
+               eval_every=2, progress=False, output_dir=str(output_dir), batch_size=16, steps_per_call=1,
                dissimilarity=False)  # (its own tests are in test_dissimilarity.py)
   return RunConfig.from_flags(**{**flags, **changes})
 

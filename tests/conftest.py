@@ -19,6 +19,7 @@ import tempfile
 
 import jax
 import pytest
+from _pytest.nodeid import NodeId
 
 from fedjax_hetero import engine
 from fedjax_hetero.compilation import CACHE_ENV, release_programs
@@ -37,6 +38,23 @@ def pytest_configure(config):
   jax.config.update("jax_compilation_cache_dir", directory)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+  """Keeps a module marked `xdist_group` on one worker under ``--dist loadgroup`` (scripts/test.sh).
+
+  pytest-xdist 3.8 tags such a test by appending ``@group`` to ``item._nodeid``, which pytest 9.2 no longer reads
+  (a node's id is ``item._id``): every group was spread over both workers, and each worker set up the module's
+  fixtures again (test_distributed.py's launches ran twice). This applies the tag xdist meant, once."""
+  if not getattr(config.option, "loadgroup", False):  # set in the xdist workers under --dist loadgroup
+    return
+  for item in items:
+    names = sorted({str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                    for mark in item.iter_markers("xdist_group")})
+    suffix = "@" + "_".join(names)
+    if names and not item.nodeid.endswith(suffix):
+      item._id = NodeId.parse(item.nodeid + suffix)
 
 
 def pytest_unconfigure(config):

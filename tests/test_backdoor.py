@@ -30,6 +30,9 @@ from fedjax_hetero.runner import run_experiment
 from tests import helpers
 from tests.helpers import method_options, mlp_groups, model_variables, tiny_federation
 
+# One worker runs the module, so its module-scoped runs train once (scripts/test.sh: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("backdoor")
+
 LOCAL = LocalConfig(epochs=2, batch_size=8, optimizer="adam", learning_rate=1e-2, steps_per_call=2)
 ROUNDS = 3
 RTOL, ATOL = 1e-4, 1e-5  # the backends' tolerance (tests/test_backends.py)

@@ -25,6 +25,9 @@ from fedjax_hetero.server.steps import server_program
 from tests.helpers import (method_options, numpy_variables, run_rounds, simulation, tiny_federation, tiny_resnet,
                            tiny_simulation)
 
+# One worker runs the module, so its module-scoped run trains once (scripts/test.sh: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("fedfa")
+
 
 def params(**leaves):
   return {"params": {name: {k: jnp.asarray(v, jnp.float32) for k, v in leaf.items()} for name, leaf in leaves.items()}}

@@ -23,6 +23,9 @@ from fedjax_hetero.runner import build_simulation, run_experiment
 from fedjax_hetero.sampling import ClusteredSampler
 from tests.helpers import tiny_federation, tiny_simulation
 
+# One worker runs the module, so its module-scoped runs train once (scripts/test.sh: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("fedgen_clusamp_engine")
+
 NUM_CLIENTS = 6
 # A generator small enough for the tests: 2 server steps of batch 16 per round, 8 generated labels per local step.
 TINY_FEDGEN = FedGenConfig(noise_dim=4, hidden_dim=16, batch_size=16, ensemble_epochs=2, n_teacher_iters=1,

@@ -287,7 +287,10 @@ def test_incoavg_aggregate_applies_inco_to_the_mean_delta(variant, granularity):
   rng = np.random.default_rng(11)
   as_arrays = lambda tree: jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape) * 0.05, jnp.float32), tree)
   model = as_arrays(shapes[1])
-  state = sim.init_state()._replace(models=(model,))
+  # The state's other parts are empty for InCoAvg: built from its shapes, not `init_state` (whose jitted init of
+  # the ResNet compiles for ~10 s, for a model replaced here anyway).
+  assert not jax.tree.leaves((sim.state_shapes.steps, sim.state_shapes.sampler, sim.state_shapes.memory))
+  state = sim.place(sim.state_shapes._replace(round=0, models=(model,)))
   starts = [sim.group_variables(state, i) for i in range(2)]
   sums, weights = [as_arrays(s) for s in shapes], [jnp.float32(1.0), jnp.float32(2.0)]
   results = [empty_result(st)._replace(delta_sum=s, weight_sum=w) for st, s, w in zip(starts, sums, weights)]

@@ -14,7 +14,9 @@ import pytest
 
 from tests.helpers import REPO
 
-pytestmark = pytest.mark.slow  # end to end (`pytest -m "not slow"` leaves it out)
+# End to end (`pytest -m "not slow"` leaves it out). One worker runs the module, so its module-scoped wheel builds
+# once (scripts/test.sh: --dist loadgroup).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("packaging")]
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,9 @@ from fedjax_hetero.data import synthetic_dataset
 from fedjax_hetero.runner import run_experiment
 from tests.test_runner import base_config, read_rows, restore
 
+# One worker runs the module, so its module-scoped runs train once (scripts/test.sh: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("readback")
+
 
 @pytest.fixture(scope="module")
 def dataset():

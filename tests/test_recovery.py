@@ -19,7 +19,9 @@ from fedjax_hetero.guard import DivergenceConfig, DivergenceError, DivergenceWat
 from fedjax_hetero.runner import run_experiment
 from tests.test_runner import base_config, read_rows, restore
 
-pytestmark = pytest.mark.slow  # end to end (`pytest -m "not slow"` leaves it out)
+# End to end (`pytest -m "not slow"` leaves it out). One worker runs the module, so its module-scoped runs train
+# once (scripts/test.sh: --dist loadgroup).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("recovery")]
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,9 @@ from fedjax_hetero.guard import DivergenceError
 from fedjax_hetero.methods import METHODS
 from fedjax_hetero.runner import build_simulation, run_experiment
 
-pytestmark = pytest.mark.slow  # end to end (`pytest -m "not slow"` leaves it out)
+# End to end (`pytest -m "not slow"` leaves it out). One worker runs the module, so its module-scoped runs train
+# once (scripts/test.sh: --dist loadgroup).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("runner")]
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GROUPS = ("mlp@1", "mlp@0.5")
@@ -42,8 +44,10 @@ def dataset():
 
 
 def base_config(output_dir, **changes):
+  # steps_per_call=1: one step program per group to compile (chunks of steps through the runner:
+  # test_fedgen_clusamp_engine's resume).
   flags = dict(dataset="synthetic", groups=GROUPS, num_clients=6, clients_per_round=3, rounds=4, checkpoint_every=2,
-               eval_every=2, progress=False, output_dir=str(output_dir), batch_size=16, steps_per_call=2,
+               eval_every=2, progress=False, output_dir=str(output_dir), batch_size=16, steps_per_call=1,
                dissimilarity=False)  # (its own tests are in test_dissimilarity.py)
   return RunConfig.from_flags(**{**flags, **changes})
 

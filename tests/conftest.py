@@ -21,8 +21,8 @@ import jax
 import pytest
 
 try:
-  from _pytest.nodeid import NodeId  # pytest >= 9.2, where a node's id is no longer its _nodeid
-except ImportError:  # an earlier pytest reads the tag xdist appends to _nodeid itself
+  from _pytest.nodeid import NodeId  # the pytest installed here (9.2), whose node ids are not _nodeid
+except ImportError:  # a pytest without it reads the tag xdist appends to _nodeid itself
   NodeId = None
 
 from fedjax_hetero import engine

@@ -19,7 +19,11 @@ import tempfile
 
 import jax
 import pytest
-from _pytest.nodeid import NodeId
+
+try:
+  from _pytest.nodeid import NodeId  # pytest >= 9.2: what a node's id is
+except ImportError:  # an older pytest reads item._nodeid, where pytest-xdist puts its group tag itself
+  NodeId = None
 
 from fedjax_hetero import engine
 from fedjax_hetero.compilation import CACHE_ENV, release_programs
@@ -47,7 +51,7 @@ def pytest_collection_modifyitems(config, items):
   pytest-xdist 3.8 tags such a test by appending ``@group`` to ``item._nodeid``, which pytest 9.2 no longer reads
   (a node's id is ``item._id``): every group was spread over both workers, and each worker set up the module's
   fixtures again (test_distributed.py's launches ran twice). This applies the tag xdist meant, once."""
-  if not getattr(config.option, "loadgroup", False):  # set in the xdist workers under --dist loadgroup
+  if NodeId is None or not getattr(config.option, "loadgroup", False):  # set in xdist's workers under loadgroup
     return
   for item in items:
     names = sorted({str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))

@@ -14,7 +14,7 @@ from flax import traverse_util
 from fedjax_hetero import analysis
 from fedjax_hetero.client.local import normalize
 from fedjax_hetero.models import build_model
-from tests.helpers import model_variables
+from tests.helpers import model_variables, tiny_resnet
 
 MEAN, STD = (0.5,), (0.25,)
 
@@ -126,8 +126,8 @@ def test_cka_matrix_cnn_widths_and_layer_similarity(tmp_path):
 
 @pytest.fixture(scope="module")
 def resnet_and_directions():
-  """A tiny ResNet10 with non-trivial BN statistics and two directions over all its variables."""
-  model = small_preset()
+  """A two-stage tiny ResNet with non-trivial BN statistics and two directions over all its variables."""
+  model = tiny_resnet((1, 1), num_classes=10)
   variables = model_variables(model, tiny_images(2, 16).astype(jnp.float32), seed=3)
   direction = jax.jit(analysis.filter_normalized_direction)
   return model, variables, direction(variables, jax.random.key(1)), direction(variables, jax.random.key(2))
@@ -148,7 +148,7 @@ def test_filter_normalized_direction(resnet_and_directions):
     axes = tuple(range(w.ndim - 1))
     np.testing.assert_allclose(np.sqrt(np.sum(d**2, axis=axes)), np.sqrt(np.sum(w**2, axis=axes)), rtol=1e-5)
     assert not np.allclose(d, w)  # random, not the weights
-  assert kernels == 1 + 4 * 2 + 3 + 1  # stem, 2 convs per block, 3 downsamples, head
+  assert kernels == 1 + 2 * 2 + 1 + 1  # stem, 2 convs per block, stage 2's downsample, head
   assert not np.allclose(np.asarray(other["params"]["head"]["kernel"]), flat_d[("params", "head", "kernel")])
 
 
@@ -250,7 +250,7 @@ def test_recalibrate_batch_stats_matches_numpy(momentum):
 
 def test_recalibrate_batch_stats_restores_training_statistics():
   """Statistics estimated on the data a ResNet is evaluated on reproduce its training-mode outputs."""
-  model = small_preset()
+  model = tiny_resnet((1, 1), num_classes=10)
   images = normalize(tiny_images(32, 16), MEAN, STD)
   variables = model_variables(model, images[:1], seed=0)
   variables = {**variables, "batch_stats": jax.tree.map(lambda s: s + 3.0, variables["batch_stats"])}

@@ -33,7 +33,7 @@ from tests.helpers import method_options, mlp_groups, model_variables, tiny_fede
 # One worker runs the module, so its module-scoped runs train once (scripts/test.sh: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("backdoor")
 
-LOCAL = LocalConfig(epochs=2, batch_size=8, optimizer="adam", learning_rate=1e-2, steps_per_call=2)
+LOCAL = LocalConfig(epochs=2, batch_size=8, optimizer="adam", learning_rate=1e-2, steps_per_call=1)  # as TINY_LOCAL
 ROUNDS = 3
 RTOL, ATOL = 1e-4, 1e-5  # the backends' tolerance (tests/test_backends.py)
 

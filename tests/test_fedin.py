@@ -255,8 +255,8 @@ def test_groups_of_different_feature_shapes_cannot_share_pairs():
 
 
 def test_a_checkpoint_restores_the_bank_and_the_run_goes_on_bit_for_bit(tmp_path):
-  """Also FedIN's two-round run on synthetic data."""
-  sim = depth_simulation("FedIN")
+  """Also FedIN's two-round run on synthetic data (one-stage depth groups: one and two blocks)."""
+  sim = depth_simulation("FedIN", groups=((1,), (2,)))
   state, _ = run_rounds(sim, 1)
   manager = checkpoints.manager(str(tmp_path))
   checkpoints.save(manager, state, force=True)

@@ -14,7 +14,7 @@ import pytest
 
 from fedjax_hetero.client.local import LocalConfig, LocalTrainer, draw_schedule, masked_cross_entropy, normalize
 from fedjax_hetero.models import build_model
-from tests.helpers import model_variables, random_batch
+from tests.helpers import model_variables, random_batch, tiny_resnet
 
 NUM_CLASSES = 4
 MEAN, STD = (0.45,), (0.25,)
@@ -111,7 +111,7 @@ def assert_trees_differ(a, b):
 
 @pytest.fixture(scope="module")
 def resnet_trainer():
-  model = build_model("resnet10", NUM_CLASSES, 1.0, base_channels=4)
+  model = tiny_resnet((1,), num_classes=NUM_CLASSES)  # BatchNorm in the stem and the block: enough here
   variables = model_variables(model, jnp.zeros((1, 8, 8, 1)), seed=0)
   trainer = LocalTrainer(model, LocalConfig(batch_size=8, optimizer="adam", learning_rate=0.1), MEAN, STD)
   return trainer, variables, jax.jit(trainer.train_step)

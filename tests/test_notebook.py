@@ -25,7 +25,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(REPO, "notebooks", "quickstart.ipynb")
 TPU_NOTEBOOK = os.path.join(REPO, "notebooks", "tpu_colab.ipynb")
 
-# Tiny run: 2 rounds of 4 of 10 clients on 2000 train / 1000 test images.
+# Tiny run: 2 rounds of 4 of 10 clients on 2000 train / 1000 test images, two CNN width groups instead of the
+# notebook's three (each group compiles its own programs).
 OVERRIDES = {
     "ROUNDS": 2,
     "EVAL_EVERY": 1,
@@ -33,6 +34,7 @@ OVERRIDES = {
     "CLIENTS_PER_ROUND": 4,
     "MAX_TRAIN_SAMPLES": 2000,
     "MAX_TEST_SAMPLES": 1000,
+    "GROUPS": ("cnn@0.5", "cnn@0.25"),
     "STEPS_PER_CALL": 1,  # compiles a one-step program instead of eight unrolled steps
     "PROGRESS": False,
 }

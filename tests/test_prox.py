@@ -26,7 +26,7 @@ from fedjax_hetero.hetero.maps import flatten
 from fedjax_hetero.methods import FEDPROX_MU, METHODS, PER_GROUP, build_method, get_entry
 from fedjax_hetero.models import build_model
 from fedjax_hetero.runner import build_simulation
-from tests.helpers import TINY_LOCAL, method_options, numpy_variables, random_batch, tiny_simulation
+from tests.helpers import TINY_LOCAL, method_options, numpy_variables, random_batch, tiny_resnet, tiny_simulation
 
 NUM_CLASSES = 4
 MEAN, STD = (0.45,), (0.25,)
@@ -118,7 +118,7 @@ def test_zero_mu_keeps_the_plain_state_and_program(sgd_trainers):
 
 
 def test_all_masked_step_is_a_no_op_with_prox_and_batch_norm():
-  model = build_model("resnet10", NUM_CLASSES, 1.0, base_channels=4)
+  model = tiny_resnet((1,), num_classes=NUM_CLASSES)  # BatchNorm in the stem and the block
   variables = model_variables(model, 0)
   trainer = LocalTrainer(model, LocalConfig(batch_size=8, optimizer="adam", learning_rate=0.1), MEAN, STD,
                          terms=(proximal(0.1),))
@@ -259,8 +259,8 @@ def test_incoprox_runs_a_round_on_resnets():
   ds = synthetic_dataset(num_train=48, num_test=8, seed=0)
   parts = partition(ds.train_labels, "iid", 6, 0)
   store = FederatedStore.build(ds.train_images, ds.train_labels, parts, ds.num_classes, ds.mean, ds.std)
-  groups = [ArchGroup(n, build_model(n, ds.num_classes, base_channels=4), c)
-            for n, c in zip(("resnet10", "resnet14"), assign_groups(6, 2))]
+  groups = [ArchGroup(f"resnet{sizes}", tiny_resnet(sizes, num_classes=ds.num_classes), c)  # (1, 2): InCo pairs
+            for sizes, c in zip(((1, 1), (1, 2)), assign_groups(6, 2))]
   local = LocalConfig(batch_size=8, steps_per_call=1)
   sim = Simulation(groups, store, local, build_method("incoprox"), FederationConfig(clients_per_round=3),
                    make_backend("sequential"), jnp.asarray(ds.test_images), jnp.asarray(ds.test_labels))

@@ -70,8 +70,8 @@ def test_round_program_reproduces_the_golden_record(entry):
 
 
 def width_resnet_simulation(method: str) -> Simulation:
-  """Two tiny ResNets of widths 1 and 0.5 (BatchNorm, HeteroFL's width groups) on `tiny_federation`."""
-  models = [(f"resnet@{w}", tiny_resnet(width=w)) for w in (1.0, 0.5)]
+  """Two one-stage tiny ResNets of widths 1 and 0.5 (BatchNorm, HeteroFL's width groups) on `tiny_federation`."""
+  models = [(f"resnet@{w}", tiny_resnet((1,), width=w)) for w in (1.0, 0.5)]
   return simulation(method, models, local=LocalConfig(epochs=1, batch_size=8, learning_rate=1e-2), backend="vmap")
 
 

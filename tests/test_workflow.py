@@ -29,9 +29,10 @@ from tests.test_docs import blocks_of
 
 pytestmark = pytest.mark.slow  # end to end (`pytest -m "not slow"` leaves it out)
 
-# A tiny synthetic run through the command line.
+# A tiny synthetic run through the command line. Its subprocesses use the session's compilation cache
+# ($FEDJAX_HETERO_CACHE_DIR, tests/conftest.py), so they load the programs the same runs compiled before.
 TINY = ["--dataset", "synthetic", "--groups", "mlp@0.5,mlp", "--num-clients", "4", "--clients-per-round", "2",
-        "--batch-size", "16", "--eval-every", "1", "--compile-cache", "off", "--no-progress"]
+        "--batch-size", "16", "--eval-every", "1", "--no-progress"]
 
 
 def rows_of(out) -> list[dict]:

@@ -284,11 +284,22 @@ class ManyRuns:
     self.chunk_size = size
     return [list(runs[i:i + size]) for i in range(0, len(runs), size)]
 
+  def call_length(self, runs: Sequence[int], first: int, count: int) -> int:
+    """The rounds of one call of ``runs`` from round ``first``, at most ``count``: as the round program cuts a
+    run alone, at most ``rounds_per_call`` rounds and none past a change of a server step's static plan (a
+    stage of FedCross)."""
+    return min(self.sims[r].round_program.call_lengths(first, count)[0] for r in runs)
+
   def run(self, runs: Sequence[int], states: Sequence[ServerState], count: int, evaluate: Collection[int]
           ) -> list[tuple[ServerState, list[dict] | Exception]]:
     """``count`` rounds of each run in ``runs`` (indices into the simulations) from its state in ``states``
-    (all at one round; their client memory is consumed): per run its new state and rows, or the error its rows
-    raised (`round_rows.NonFiniteLossError`)."""
+    (all at one round; their client memory is consumed), one call (`call_length`): per run its new state and
+    rows, or the error its rows raised (`round_rows.NonFiniteLossError`)."""
+    one_call = self.call_length(runs, states[0].round, count)
+    if count > one_call:
+      raise ValueError(f"{count} rounds from round {states[0].round} are more than one call of the program: at "
+                       f"most {one_call} (rounds per call {self.rounds_per_call}, or a server step's static plan "
+                       "changes); see ManyRuns.call_length")
     prepared = [self.sims[r].round_program.call_inputs(s, count, evaluate) for r, s in zip(runs, states)]
     statics = prepared[0][3]
     if any(p[3] != statics for p in prepared):

@@ -146,7 +146,8 @@ class _Together:
       return False
     done = min(self.runs[i].state.round for i in active)
     chosen = [i for i in active if self.runs[i].state.round == done]
-    count = min(runner.call_length(self.runs[i].config, self.runs[i].sim, done) for i in chosen)
+    count = self.batch.call_length(chosen, done, min(runner.call_length(self.runs[i].config, self.runs[i].sim, done)
+                                                     for i in chosen))
     config = self.runs[chosen[0]].config
     evaluate = {r for r in range(done + 1, done + count + 1) if r % config.eval_every == 0 or r == config.rounds}
     results = self.batch.run(chosen, [self.runs[i].state for i in chosen], count, evaluate)

@@ -8,11 +8,14 @@ import dataclasses
 import json
 import os
 import re
+import shutil
+import signal
 
 import pytest
 
 from fedjax_hetero.config import MethodConfig, RunConfig
 from fedjax_hetero.data import synthetic_dataset
+from fedjax_hetero.interruption import Interrupted
 from fedjax_hetero.many_runs import ManyRuns, NotBatchable
 from fedjax_hetero.sweeps import substituted
 from fedjax_hetero.methods import build_method
@@ -181,3 +184,85 @@ def test_a_batched_job_writes_resumes_and_compares_as_its_runs_alone(tmp_path):
     assert have["train_loss"] == pytest.approx(want["train_loss"], rel=1e-4)
   table = compare.main([r.output.dir for r in resumed])  # reads the folders as they are
   assert all(os.path.basename(r.output.dir) in table for r in resumed), table
+
+
+# ------------------------------------------------------------------------------- a run of the job goes wrong
+
+
+def same_rows(have: list[dict], want: list[dict]) -> None:
+  for a, b in zip(have, want, strict=True):
+    assert (a["round"], a["clients"], a["test_accuracy"]) == (b["round"], b["clients"], b["test_accuracy"])
+    assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4)
+
+
+def summary_of(folder) -> dict:
+  with open(os.path.join(folder, "summary.json")) as f:
+    return json.load(f)
+
+
+@pytest.mark.slow
+def test_a_run_that_diverges_in_a_job_rolls_back_as_it_would_alone_and_the_others_go_on(tmp_path):
+  dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
+  config = tiny_config(tmp_path / "job", rounds=2, eval_every=1, checkpoint_every=1)
+  runs = runs_of(config, None, [("client.learning_rate", (1e-3, 2e-3))])
+  run_together(runs, dataset, log=lambda _: None)
+  shutil.copytree(runs[1].output.dir, tmp_path / "alone")
+  guard = dict(rounds=4, resume=True, on_divergence="rollback", divergence_rollback_lr_factor=1e-9)
+  resumed = [runs[0].replace(**guard), runs[1].replace(**guard, learning_rate=1e6)]  # run 1 diverges in round 3
+  logs = []
+  summaries = run_together(resumed, dataset, log=logs.append)
+  assert [s["final_round"] for s in summaries] == [4, 4]
+  assert summaries[0]["rollbacks"] == [], "the healthy run goes on"
+  [rollback] = summaries[1]["rollbacks"]
+  assert rollback["diverged_round"] == 3 and rollback["learning_rate"] == [1e6, pytest.approx(1e-3)]
+  assert not any("continues alone" in line for line in logs), "the rolled-back run stays in the program"
+  alone = resumed[1].replace(output_dir=str(tmp_path / "alone"))
+  summary = run_experiment(alone, dataset, log=lambda _: None)
+  assert [(r["diverged_round"], r["to_round"]) for r in summary["rollbacks"]] == [(3, rollback["to_round"])]
+  same_rows(rows_of(resumed[1].output.dir), rows_of(alone.output.dir))
+  straight = runs[0].replace(rounds=4, output_dir=str(tmp_path / "straight"))
+  run_experiment(straight, dataset, log=lambda _: None)
+  same_rows(rows_of(resumed[0].output.dir), rows_of(straight.output.dir))
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_job_stops_every_run_after_the_call_and_resume_reaches_the_uninterrupted_rows(tmp_path,
+                                                                                                  monkeypatch):
+  dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
+  runs = runs_of(tiny_config(tmp_path / "job", rounds=3, rounds_per_call=1, eval_every=1), [0, 1])
+  train_one_call = ManyRuns.run
+
+  def ctrl_c_after_the_first_call(self, *args, **kwargs):
+    results = train_one_call(self, *args, **kwargs)
+    signal.raise_signal(signal.SIGINT)  # what the terminal sends the process on Ctrl-C
+    return results
+
+  monkeypatch.setattr(ManyRuns, "run", ctrl_c_after_the_first_call)
+  logs = []
+  with pytest.raises(Interrupted) as info:
+    run_together(runs, dataset, log=logs.append)
+  monkeypatch.undo()
+  assert info.value.completed_round == 1 and info.value.exit_status == 130
+  assert any(line.startswith("SIGINT: stopping after the round in progress") for line in logs), logs
+  for run in runs:
+    assert summary_of(run.output.dir)["interrupted"] == {"signal": "SIGINT", "completed_round": 1}
+    assert [r["round"] for r in rows_of(run.output.dir)] == [1]
+  summaries = run_together([r.replace(resume=True) for r in runs], dataset, log=lambda _: None)
+  assert [s["final_round"] for s in summaries] == [3, 3]
+  straight = [r.replace(output_dir=r.output.dir + "_straight") for r in runs]
+  run_together(straight, dataset, log=lambda _: None)
+  for run, want in zip(runs, straight):
+    same_rows(rows_of(run.output.dir), rows_of(want.output.dir))
+
+
+@pytest.mark.slow
+def test_a_job_cuts_its_calls_where_a_server_step_changes_stage_as_a_run_alone_does(tmp_path):
+  """FedCross's warmup ends after round 1: one call of three rounds would train rounds 2 and 3 as warmup."""
+  dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
+  config = tiny_config(tmp_path / "job", method="FedCross", groups=("mlp",), rounds=3, eval_every=1,
+                       checkpoint_every=3, fedcross_warmup_rounds=1)
+  runs = runs_of(config, [0, 1])
+  run_together(runs, dataset, log=lambda _: None)
+  alone = runs[1].replace(output_dir=str(tmp_path / "alone"))
+  run_experiment(alone, dataset, log=lambda _: None)
+  same_rows(rows_of(runs[1].output.dir), rows_of(alone.output.dir))

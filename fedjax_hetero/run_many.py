@@ -90,6 +90,7 @@ def run_together(configs: Sequence[RunConfig], dataset: Any = None, log: Log = p
   for config in configs:
     preflight.check_settings(config)
     config.output.check_paths()
+  check_shared(configs)
   main = distributed.is_main_process()
   with contextlib.ExitStack() as locks:
     for config in configs:
@@ -104,6 +105,19 @@ def run_together(configs: Sequence[RunConfig], dataset: Any = None, log: Log = p
                      memory_budget=memory_budget, max_runs_per_program=max_runs_per_program, log=log)
     log(f"{len(runs)} runs in one program" + (f", swept per run: {', '.join(batch.swept)}" if batch.swept else ""))
     return _Together(runs, batch, log).train()
+
+
+# What every run of a job has in common: one dataset is loaded, and a call evaluates the same rounds of each.
+SHARED = {"--dataset": lambda c: c.data.dataset, "--data-dir": lambda c: c.data.data_dir,
+          "--rounds": lambda c: c.rounds, "--eval-every": lambda c: c.eval_every}
+
+
+def check_shared(configs: Sequence[RunConfig]) -> None:
+  """ValueError naming the settings in `SHARED` that differ between ``configs``."""
+  differ = [f"{flag} ({', '.join(sorted({str(get(c)) for c in configs}))})" for flag, get in SHARED.items()
+            if len({get(c) for c in configs}) > 1]
+  if differ:
+    raise ValueError(f"the runs of one job must share {', '.join(differ)}: run them as separate jobs")
 
 
 def _quiet(_: str) -> None:

@@ -147,6 +147,12 @@ def test_a_run_over_the_memory_budget_fails_naming_the_estimate():
     batch.run([0], [sims[0].init_state()], ROUNDS, set())
 
 
+def test_runs_that_differ_in_rounds_or_evaluation_are_refused_naming_the_flags(tmp_path, no_compute):
+  runs = runs_of(tiny_config(tmp_path / "o"), [0, 1])
+  with pytest.raises(ValueError, match=r"must share --rounds \(4, 6\), --eval-every \(1, 2\): run them as separate"):
+    run_together([runs[0], runs[1].replace(rounds=6, eval_every=1)])
+
+
 def test_runs_of_a_sweep_are_the_product_in_folders_named_after_what_they_set(tmp_path):
   config = tiny_config(tmp_path / "o")
   runs = runs_of(config, [0, 1], [parse_sweep("client.learning_rate=1e-3,3e-3", config)])

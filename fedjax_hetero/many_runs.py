@@ -187,21 +187,23 @@ class ManyRuns:
       axes.append(None if same else 0)
     return tuple(data), tuple(axes)
 
-  def run_values(self, runs: Sequence[int]) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The traced values of ``runs``: their seeds, and their swept settings by path."""
+  def run_values(self, runs: Sequence[int]) -> tuple[jax.Array, dict[str, jax.Array], jax.Array]:
+    """The traced values of ``runs``: their seeds, their swept settings by path and their partitions' label
+    counts (which a server step may read: FedGen's)."""
     seeds = jnp.asarray([self.sims[r].config.seed for r in runs], jnp.uint32)
+    label_counts = jnp.asarray(np.stack([self.sims[r].store.label_counts for r in runs]), jnp.int32)
     configs = {"client": [self.sims[r].local for r in runs],
                "method": [self.method_configs[r] for r in runs] if self.method_configs else None}
     values = {}
     for path in self.swept:
       section, rest = path.split(".", 1)
       values[path] = jnp.asarray([float(get(c, rest)) for c in configs[section]], jnp.float32)
-    return seeds, values
+    return seeds, values, label_counts
 
   # ------------------------------------------------------------------------------------------- the program
 
-  def _view(self, seed: jax.Array, values: dict[str, jax.Array]):
-    """The first run's round program seen with one run's traced seed and settings."""
+  def _view(self, seed: jax.Array, values: dict[str, jax.Array], label_counts: jax.Array):
+    """The first run's round program seen with one run's traced seed, settings and label counts."""
     template = self.sims[0]
     values = {p: SweptValue(p, v, bool(get(template.local if p.startswith("client.") else self.method_configs[0],
                                             p.split(".", 1)[1]))) for p, v in values.items()}
@@ -218,7 +220,9 @@ class ManyRuns:
                                        combine=method.combine)
     sim.local = local
     sim.trainers = [_with_settings(t, local, sim.method) for t in template.trainers]
-    sim.federations = [f._replace(terms=sim.method.terms) for f in template.federations]  # (steps read by term)
+    store = template.store.with_label_counts(label_counts)
+    sim.federations = [f._replace(terms=sim.method.terms, store=store)  # (steps read uploads by term)
+                       for f in template.federations]
     program = copy.copy(template.round_program)
     program.sim, program.seed, program.schedule_length = sim, seed, self.schedule_length
     return program

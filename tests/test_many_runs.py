@@ -272,3 +272,20 @@ def test_a_job_cuts_its_calls_where_a_server_step_changes_stage_as_a_run_alone_d
   alone = runs[1].replace(output_dir=str(tmp_path / "alone"))
   run_experiment(alone, dataset, log=lambda _: None)
   same_rows(rows_of(runs[1].output.dir), rows_of(alone.output.dir))
+
+
+@pytest.mark.slow
+def test_fedgen_runs_of_a_job_read_their_own_partitions_label_counts(tmp_path):
+  """FedGen's generator and its clients' label priors come from the run's partition (seeds split differently)."""
+  dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
+  runs = runs_of(tiny_config(tmp_path / "job", method="FedGen", groups=("mlp",), rounds=2, eval_every=1,
+                             fedgen_noise_dim=4, fedgen_hidden_dim=16, fedgen_ensemble_epochs=2,
+                             fedgen_n_teacher_iters=1, fedgen_gen_batch_size=8), [0, 1])
+  run_together(runs, dataset, log=lambda _: None)
+  alone = runs[1].replace(output_dir=str(tmp_path / "alone"))
+  run_experiment(alone, dataset, log=lambda _: None)
+  have, want = rows_of(runs[1].output.dir), rows_of(alone.output.dir)
+  same_rows(have, want)
+  for a, b in zip(have, want):
+    for name, losses in b["fedgen_generator"].items():  # (per federation: the generator's losses)
+      assert a["fedgen_generator"][name] == pytest.approx(losses, rel=1e-5), (a["round"], name)

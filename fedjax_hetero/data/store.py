@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +69,13 @@ class FederatedStore:
     table = np.asarray(self.index_table)
     parts = [table[c, :n] for c, n in enumerate(self.sizes)]
     return class_counts(np.asarray(self.labels), parts, self.num_classes)
+
+  def with_label_counts(self, counts: Any) -> "FederatedStore":
+    """The same store with ``counts`` as its `label_counts` (one run's, traced in a program of many runs:
+    `many_runs`)."""
+    store = dataclasses.replace(self)
+    vars(store)["label_counts"] = counts  # where the cached property keeps its value
+    return store
 
   def placed(self, sharding: jax.sharding.Sharding) -> "FederatedStore":
     """The same store with its arrays placed by ``sharding`` (e.g. replicated on a mesh); in a multi-process run

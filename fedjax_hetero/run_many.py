@@ -60,8 +60,13 @@ def parse_sweep(text: str, config: RunConfig) -> tuple[str, tuple[float, ...]]:
 
 def runs_of(config: RunConfig, seeds: Sequence[int] | None, sweeps: Sequence[tuple[str, Sequence[float]]] = ()
             ) -> list[RunConfig]:
-  """Every combination of the swept values and seeds, each run's folder named after what it sets."""
+  """Every combination of the swept values and seeds, each run's folder named after what it sets; ValueError
+  for a setting swept twice or two runs that would share a folder."""
   leaves = {leaf.path: leaf for leaf in declare.leaves(config)}
+  names = [name for name, _ in sweeps]
+  if len(set(names)) != len(names):
+    raise ValueError(f"--sweep {sorted({n for n in names if names.count(n) > 1})[0]} is given twice: give its "
+                     "values once, comma-separated")
   runs = []
   for values in itertools.product(*[[(name, v) for v in vs] for name, vs in sweeps]):
     for seed in (seeds or [None]):
@@ -70,6 +75,10 @@ def runs_of(config: RunConfig, seeds: Sequence[int] | None, sweeps: Sequence[tup
       if seed is not None:
         flags["seed"] = seed
       runs.append(config.replace(**flags, output_dir=config.output.dir.rstrip("/") + suffix))
+  folders = [r.output.dir for r in runs]
+  if len(set(folders)) != len(folders):
+    raise ValueError(f"two runs of the job would share the folder {next(f for f in folders if folders.count(f) > 1)!r} "
+                     "(its name keeps 6 significant digits of a swept value): sweep values that differ there")
   return runs
 
 
@@ -103,7 +112,9 @@ def run_together(configs: Sequence[RunConfig], dataset: Any = None, log: Log = p
       runs.append(runner.prepare(config, dataset, log if i == 0 else _quiet, method))
     batch = ManyRuns([r.sim for r in runs], None if method else [r.config.method for r in runs],
                      memory_budget=memory_budget, max_runs_per_program=max_runs_per_program, log=log)
-    log(f"{len(runs)} runs in one program" + (f", swept per run: {', '.join(batch.swept)}" if batch.swept else ""))
+    per_program = (f"{len(runs)} runs in one program" if batch.max_runs_per_program >= len(runs) else
+                   f"{len(runs)} runs, at most {batch.max_runs_per_program} per program")
+    log(per_program + (f", swept per run: {', '.join(batch.swept)}" if batch.swept else ""))
     return _Together(runs, batch, log).train()
 
 

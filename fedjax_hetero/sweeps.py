@@ -2,8 +2,9 @@
 
 A swept setting is traced per run. The method is built inside the trace from a config holding a `SweptValue`
 in the setting's place: arithmetic on it gives the run's traced value; its truth is the runs' common truth (so
-``if mu:`` keeps a term on every run or none); a comparison or a conversion to a number, which would need the
-concrete value, is refused, naming the setting.
+``if mu:`` keeps a term on every run or none, and ``== 0`` asks the same); another comparison or a conversion to
+a number, which would need the concrete value, is refused, naming the setting. Options a build reads that way are
+declared ``traced=False`` and are not offered.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ class NotBatchable(ValueError):
 
 
 def method_sweepable(method_config: Any) -> tuple[str, ...]:
-  """The numeric options of a method config (``method.prox.mu``, ...): the method's sweepable settings."""
+  """The numeric options of a method config (``method.prox.mu``, ...) a build reads as traced values: the
+  method's sweepable settings."""
   return tuple(f"method.{leaf.path}" for leaf in leaves(method_config)
-               if isinstance(leaf.setting.check, Number) and isinstance(leaf.default, float))
+               if isinstance(leaf.setting.check, Number) and isinstance(leaf.default, float) and leaf.setting.traced)
 
 
 def sweepable(method_config: Any) -> tuple[str, ...]:
@@ -43,9 +45,10 @@ def differing(trees: Sequence[Any], prefix: str) -> list[str]:
 
 class SweptValue(float):
   """A swept setting as a method's build reads it: arithmetic gives the run's traced value; truth is the runs'
-  common truth (``if mu:`` keeps a term on every run or none, `check_batchable`). Anything else that would need
-  the concrete value (a comparison, ``float()``) is refused, naming the setting; as a float it is NaN, so a
-  conversion this class does not see (``jnp.asarray``) makes the run fail loudly rather than train wrongly."""
+  common truth (``if mu:`` keeps a term on every run or none, `check_batchable`), and so is ``== 0``. Anything
+  else that would need the concrete value (another comparison, ``float()``) is refused, naming the setting; as a
+  float it is NaN, so a conversion this class does not see (``jnp.asarray``) makes the run fail loudly rather
+  than train wrongly."""
 
   def __new__(cls, path: str, traced: jax.Array, truth: bool):
     self = super().__new__(cls, float("nan"))
@@ -59,7 +62,15 @@ class SweptValue(float):
     raise NotBatchable(f"{self.path} is read as a concrete number when the method is built (a comparison or a "
                        "conversion), so it cannot be swept in one program; sweep it in runs one after another")
 
-  __float__ = __int__ = __index__ = __lt__ = __le__ = __gt__ = __ge__ = __eq__ = __ne__ = _concrete
+  def __eq__(self, other):
+    if isinstance(other, (int, float)) and not isinstance(other, SweptValue) and other == 0:
+      return not self.truth  # (is it off? every run agrees: `check_batchable`; optax asks for weight decay)
+    return self._concrete()
+
+  def __ne__(self, other):
+    return not self.__eq__(other)
+
+  __float__ = __int__ = __index__ = __lt__ = __le__ = __gt__ = __ge__ = _concrete
   __hash__ = float.__hash__
 
 

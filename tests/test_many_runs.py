@@ -98,6 +98,7 @@ def tiny_config(output_dir, **changes) -> RunConfig:
     ("method.name=FedAvg,FedProx", r"--sweep 'method.name'"),
     ("groups=mlp,cnn", r"--sweep 'groups'"),
     ("client.learning_rate=1e-3,x", r"expected client.learning_rate=V1,V2,... with numbers"),
+    ("method.moon.temperature=0.3,0.7", r"--sweep 'method.moon.temperature'"),  # (a build reads it: traced=False)
 ])
 def test_what_changes_shapes_or_the_method_cannot_be_swept(text, message, tmp_path):
   with pytest.raises(ValueError, match=message):
@@ -153,6 +154,14 @@ def test_runs_that_differ_in_rounds_or_evaluation_are_refused_naming_the_flags(t
     run_together([runs[0], runs[1].replace(rounds=6, eval_every=1)])
 
 
+def test_a_setting_swept_twice_or_values_that_name_one_folder_are_refused(tmp_path):
+  config = tiny_config(tmp_path / "o")
+  with pytest.raises(ValueError, match=r"--sweep client.learning_rate is given twice"):
+    runs_of(config, [0], [("client.learning_rate", (0.01, 0.02)), ("client.learning_rate", (0.03,))])
+  with pytest.raises(ValueError, match=r"two runs of the job would share the folder .*o_client.learning_rate=0.1_s0"):
+    runs_of(config, [0], [("client.learning_rate", (0.1000001, 0.1000002))])
+
+
 def test_runs_of_a_sweep_are_the_product_in_folders_named_after_what_they_set(tmp_path):
   config = tiny_config(tmp_path / "o")
   runs = runs_of(config, [0, 1], [parse_sweep("client.learning_rate=1e-3,3e-3", config)])
@@ -180,7 +189,7 @@ def test_a_batched_job_writes_resumes_and_compares_as_its_runs_alone(tmp_path):
   logs = []
   resumed = [r.replace(rounds=4, resume=True) for r in runs]
   summaries = run_together(resumed, dataset, log=logs.append, max_runs_per_program=2)  # (the same program)
-  assert any("4 runs in one program, swept per run: client.learning_rate" in line for line in logs), logs
+  assert any("4 runs, at most 2 per program, swept per run: client.learning_rate" in line for line in logs), logs
   assert [s["final_round"] for s in summaries] == [4] * 4
   alone = resumed[3].replace(output_dir=str(tmp_path / "alone"), resume=False)  # lr 3e-3, seed 1
   run_experiment(alone, dataset, log=lambda _: None)
@@ -289,3 +298,17 @@ def test_fedgen_runs_of_a_job_read_their_own_partitions_label_counts(tmp_path):
   for a, b in zip(have, want):
     for name, losses in b["fedgen_generator"].items():  # (per federation: the generator's losses)
       assert a["fedgen_generator"][name] == pytest.approx(losses, rel=1e-5), (a["round"], name)
+
+
+@pytest.mark.slow
+def test_a_weight_decay_sweep_shares_one_program_and_each_run_equals_the_run_alone(tmp_path):
+  """optax asks whether the weight decay is zero, which every run of the job answers alike."""
+  dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
+  runs = runs_of(tiny_config(tmp_path / "job", method="FedAvg", rounds=2, eval_every=1), None,
+                 [("client.weight_decay", (1e-3, 0.3))])
+  logs = []
+  run_together(runs, dataset, log=logs.append)
+  assert any(line.endswith("swept per run: client.weight_decay") for line in logs), logs
+  alone = runs[1].replace(output_dir=str(tmp_path / "alone"))
+  run_experiment(alone, dataset, log=lambda _: None)
+  same_rows(rows_of(runs[1].output.dir), rows_of(alone.output.dir))

@@ -101,13 +101,15 @@ class Setting:
   spelling: str | None = None  # the command-line flag, if not "--" + the flag name with dashes
   metavar: str | None = None
   shared: bool = False  # read by the whole run, not only by the methods of its option family
+  traced: bool = True  # a program of many runs may take it per run (`sweeps`); False: a build reads its value
 
 
 def setting(default: Any, help: str, check: Check, *, flag: str | None = None, spelling: str | None = None,
-            metavar: str | None = None, shared: bool = False) -> Any:
+            metavar: str | None = None, shared: bool = False, traced: bool = True) -> Any:
   """A declared field: ``default``, ``help`` and ``check`` (`Integer`, `Number`, `OneOf`, `Flag`, `Text`,
   `Custom`); a default of None makes None a valid value too."""
-  return dataclasses.field(default=default, metadata={_KEY: Setting(help, check, flag, spelling, metavar, shared)})
+  return dataclasses.field(default=default,
+                           metadata={_KEY: Setting(help, check, flag, spelling, metavar, shared, traced)})
 
 
 class Settings:

@@ -58,7 +58,7 @@ class Contrastive(Settings):
   FLAG_PREFIX = "moon"
 
   mu: float = setting(MOON_MU, "MOON's weight of the model-contrastive loss", Number(minimum=0))
-  temperature: float = setting(MOON_TEMPERATURE, "MOON's temperature tau", Number(above=0))
+  temperature: float = setting(MOON_TEMPERATURE, "MOON's temperature tau", Number(above=0), traced=False)
 
   def __post_init__(self):
     validate(self)
@@ -105,7 +105,7 @@ class FedFAOptions(Settings):
   norm: str = setting("l2", "||M_95||: l2 (the paper) or rms (l2 / sqrt(kept elements), comparable across widths)",
                       OneOf(FEDFA_NORMS))
   percentile: float = setting(FEDFA_PERCENTILE, "the norm keeps the weights with |w| at most this percentile of |w|",
-                              Number(above=0, maximum=100))
+                              Number(above=0, maximum=100), traced=False)
 
   def __post_init__(self):
     validate(self)

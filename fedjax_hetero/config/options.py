@@ -93,11 +93,13 @@ class FedGenConfig(Settings):
   ensemble_alpha: float = setting(1.0, "server: teacher-loss weight", Number(minimum=0))
   ensemble_eta: float = setting(1.0, "server: diversity-loss weight", Number(minimum=0))
   label_pseudo_count: float = setting(1.0, "server: every client's label counts start at this (FedGen code)",
-                                      Number(minimum=0))
-  generative_alpha: float = setting(0.2, "clients: weight of the teacher term", Number(minimum=0))
-  generative_beta: float = setting(0.2, "clients: weight of the latent-matching term", Number(minimum=0))
+                                      Number(minimum=0), traced=False)
+  # (the floor is the smaller of it and each weight, taken when the clients' coefficients are built)
+  generative_alpha: float = setting(0.2, "clients: weight of the teacher term", Number(minimum=0), traced=False)
+  generative_beta: float = setting(0.2, "clients: weight of the latent-matching term", Number(minimum=0),
+                                   traced=False)
   coefficient_decay: float = setting(0.98, "clients: both weights' decay per round", Number(above=0, maximum=1))
-  coefficient_floor: float = setting(1e-4, "clients: both weights' floor", Number(minimum=0))
+  coefficient_floor: float = setting(1e-4, "clients: both weights' floor", Number(minimum=0), traced=False)
   gen_batch_size: int = setting(32, "clients: generated labels per local step (FedGen code)", Integer(1))
 
   def __post_init__(self):
@@ -136,7 +138,7 @@ class FedImproConfig(Settings):
       0.0, "momentum of the clients' per-class feature estimate (Eq. 7); 0 replaces it by every batch's "
       "statistics, which is what the authors' code does in effect", Number(minimum=0, below=1))
   std_max: float = setting(0.1, "upper clamp of the estimated feature standard deviation (the authors' code)",
-                           Number(above=0))
+                           Number(above=0), traced=False)
   weight: float = setting(1.0, "weight of the cross-entropy on synthetic features", Number(minimum=0))
   loss: str = setting(
       "concat", "concat: the mean cross-entropy over real and synthetic rows (the authors' code and the proof of "

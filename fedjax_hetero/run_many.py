@@ -125,8 +125,8 @@ SHARED = {"--dataset": lambda c: c.data.dataset, "--data-dir": lambda c: c.data.
 
 def check_shared(configs: Sequence[RunConfig]) -> None:
   """ValueError naming the settings in `SHARED` that differ between ``configs``."""
-  differ = [f"{flag} ({', '.join(sorted({str(get(c)) for c in configs}))})" for flag, get in SHARED.items()
-            if len({get(c) for c in configs}) > 1]
+  values = {flag: {get(c) for c in configs} for flag, get in SHARED.items()}
+  differ = [f"{flag} ({', '.join(sorted(map(str, seen)))})" for flag, seen in values.items() if len(seen) > 1]
   if differ:
     raise ValueError(f"the runs of one job must share {', '.join(differ)}: run them as separate jobs")
 

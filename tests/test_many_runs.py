@@ -183,6 +183,12 @@ def rows_of(folder) -> list[dict]:
     return [{k: v for k, v in json.loads(line).items() if k not in ("round_seconds", "samples_per_s")} for line in f]
 
 
+def same_rows(have: list[dict], want: list[dict]) -> None:
+  for a, b in zip(have, want, strict=True):
+    assert (a["round"], a["clients"], a["test_accuracy"]) == (b["round"], b["clients"], b["test_accuracy"])
+    assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4)
+
+
 @pytest.mark.slow
 def test_a_batched_job_writes_resumes_and_compares_as_its_runs_alone(tmp_path):
   from fedjax_hetero.cli import compare
@@ -197,21 +203,12 @@ def test_a_batched_job_writes_resumes_and_compares_as_its_runs_alone(tmp_path):
   assert [s["final_round"] for s in summaries] == [4] * 4
   alone = resumed[3].replace(output_dir=str(tmp_path / "alone"), resume=False)  # lr 3e-3, seed 1
   run_experiment(alone, dataset, log=lambda _: None)
-  for have, want in zip(rows_of(resumed[3].output.dir), rows_of(alone.output.dir), strict=True):
-    assert (have["round"], have["clients"], have["test_accuracy"]) == (want["round"], want["clients"],
-                                                                       want["test_accuracy"])
-    assert have["train_loss"] == pytest.approx(want["train_loss"], rel=1e-4)
+  same_rows(rows_of(resumed[3].output.dir), rows_of(alone.output.dir))
   table = compare.main([r.output.dir for r in resumed])  # reads the folders as they are
   assert all(os.path.basename(r.output.dir) in table for r in resumed), table
 
 
 # ------------------------------------------------------------------------------- a run of the job goes wrong
-
-
-def same_rows(have: list[dict], want: list[dict]) -> None:
-  for a, b in zip(have, want, strict=True):
-    assert (a["round"], a["clients"], a["test_accuracy"]) == (b["round"], b["clients"], b["test_accuracy"])
-    assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4)
 
 
 def summary_of(folder) -> dict:

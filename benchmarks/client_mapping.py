@@ -5,7 +5,7 @@
 Each variant runs ``--steps`` local steps (Adam, batch ``--batch``, 28x28x1 uint8 inputs) of C clients as one
 device loop, compiled ahead, and is timed over three runs after a first:
 
-* ``vmap``: the clients side by side (`client.cohort`'s "vmap": convolutions with per-client kernels become
+* ``vmap``: the clients side by side (`rounds.cohort`'s "vmap": convolutions with per-client kernels become
   grouped convolutions), what the round program does with the vmap backend;
 * ``map``: one client after another inside the program (`jax.lax.map`; the sequential backend's mapping);
 * ``batch``: the limit, not a federated computation: one model trained on the C clients' batches at once
@@ -25,10 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import emit_json_lines
 from fedjax_hetero import models
-from fedjax_hetero.client import cohort
-from fedjax_hetero.client.local import LocalConfig, LocalTrainer
+from fedjax_hetero.client.local import LocalTrainer
+from fedjax_hetero.config import LocalConfig
+from fedjax_hetero.rounds import cohort
+from benchmarks.common import emit_json_lines
 
 VARIANTS = ("vmap", "map", "batch")
 IMAGES = 4096

@@ -29,12 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from benchmarks.common import emit_json_lines
 from fedjax_hetero import models
-from fedjax_hetero.client import cohort
-from fedjax_hetero.client.local import LocalConfig, LocalTrainer, masked_cross_entropy, normalize
-from fedjax_hetero.models.resnet import BasicBlock, block_name
+from fedjax_hetero.client.local import LocalTrainer, masked_cross_entropy
+from fedjax_hetero.config import LocalConfig
+from fedjax_hetero.data.store import normalize
 from fedjax_hetero.models.common import scale_channels
+from fedjax_hetero.models.resnet import BasicBlock, block_name
+from fedjax_hetero.rounds import cohort
+from benchmarks.common import emit_json_lines
 
 DEPTHS = ("resnet26", "resnet22", "resnet18", "resnet14", "resnet10")  # deepest first
 MEAN, STD = (0.28,), (0.35,)
@@ -54,7 +56,7 @@ def deepest_variables(width: float):
 
 
 def groups_program(width: float, per_group: int, batch: int, steps: int):
-  """Every group's cohort vmapped on its own model (`client.cohort`), the groups side by side in one loop; each
+  """Every group's cohort vmapped on its own model (`rounds.cohort`), the groups side by side in one loop; each
   group starts from its blocks of the deepest model's variables, as the union does."""
   trainers, starts = [], []
   _, variables = deepest_variables(width)

@@ -16,10 +16,11 @@ from typing import Any, Sequence
 
 import jax
 
-from benchmarks.common import emit_json_lines
 from fedjax_hetero.compilation import LaunchCount
 from fedjax_hetero.config import RunConfig
-from fedjax_hetero.runner import build_simulation
+from fedjax_hetero.rounds import make_backend
+from fedjax_hetero.run.build import build_simulation
+from benchmarks.common import emit_json_lines
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
@@ -45,7 +46,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     with LaunchCount() as launches:
       _, done = sim.run_rounds(state, args.rounds, evaluate={args.rounds + 1}, consume=True)
     steps = sum(r["examples"] for r in done) / config.client.batch_size
-    rows.append({"round_program": program, "backend": sim.backend.name, "launches": launches.count, "rounds": args.rounds,
+    # The backend of the flags (the round program maps the clients as it would, without training through it).
+    backend = make_backend(config.backend).name if sim.cohorts.in_program else sim.cohorts.backend.name
+    rows.append({"round_program": program, "backend": backend, "launches": launches.count, "rounds": args.rounds,
                  "launches_per_round": launches.count / args.rounds, "groups": args.groups,
                  "clients_per_round": args.clients_per_round, "client_batches_per_round": round(steps / args.rounds),
                  "platform": jax.default_backend()})

@@ -1,4 +1,4 @@
-"""Many runs in one program: samples/s of the whole job against the number of runs R (`fedjax_hetero.many_runs`).
+"""Many runs in one program: samples/s of the whole job against the number of runs R (`fedjax_hetero.rounds.many`).
 
 R runs of one workload, seeds 0..R-1, advance together on the round program (one vmapped program per call).
 Per R: a first call of ``--rounds`` rounds compiles and runs; a second call of as many rounds is timed, and
@@ -64,9 +64,9 @@ def config_of(args: argparse.Namespace, seed: int):
 def measure(args: argparse.Namespace, dataset: Any, runs: int, alone: bool = False) -> dict[str, Any]:
   """One point: R runs in one program (or, with ``alone``, one run on the plain round program)."""
   import jax
-  from fedjax_hetero.build import build_simulation
   from fedjax_hetero.compilation import release_programs
-  from fedjax_hetero.many_runs import ManyRuns, memory_estimate
+  from fedjax_hetero.rounds.many import ManyRuns, memory_estimate
+  from fedjax_hetero.run.build import build_simulation
   sims = [build_simulation(config_of(args, seed), dataset, log=lambda _: None)[0] for seed in range(runs)]
   states = [s.init_state() for s in sims]
   if alone:

@@ -7,7 +7,8 @@ is the baseline) this builds the run of ``--preset`` (plus overrides), runs one
 warm-up round (compilation) and ``--rounds`` timed rounds, and times the
 server step inside each round (everything after the clients' training:
 aggregation, InCo, FedCross's similarity and cross-aggregation) by wrapping the
-simulation's jitted server programs with a device sync on both sides.
+simulation's jitted server programs with a device sync on both sides (the
+rounds run on the host loop, where each server program is its own call).
 
 Prints one JSON line per method: ``round_s`` (median timed round),
 ``server_step_s`` (median), ``round_ratio`` (round_s / baseline's round_s) and
@@ -22,6 +23,8 @@ by the method. E.g.::
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import statistics
 import sys
 import time
@@ -29,10 +32,11 @@ from typing import Any, Sequence
 
 import jax
 
+from fedjax_hetero.config import RunConfig
+from fedjax_hetero.rounds import RoundSpec, make_simulation
+from fedjax_hetero.run.build import build_simulation
 from benchmarks.common import emit_json_lines
 from experiments.presets import PRESETS, get_preset
-from fedjax_hetero.config import RunConfig
-from fedjax_hetero.runner import build_simulation
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,20 +65,32 @@ def _timed(fn, record: list[float]):
   return wrapper
 
 
+def timed_spec(spec: RoundSpec, record: list[float]) -> RoundSpec:
+  """``spec`` with its jitted server programs (`RoundSpec.server_programs`, one per federation) wrapped by
+  `_timed`, each call's time appended to ``record``; ``spec`` itself is left as it is."""
+
+  class TimedServerPrograms(type(spec)):
+    @functools.cached_property
+    def server_programs(self) -> tuple[Any, ...]:
+      return tuple(_timed(f, record) for f in RoundSpec.server_programs.func(self))
+
+  return TimedServerPrograms(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)})
+
+
 def measure(config: RunConfig, rounds: int, log) -> dict[str, Any]:
-  sim, _ = build_simulation(config, log=log)
+  built, _ = build_simulation(config, log=log)
   server_times: list[float] = []
-  sim.server_programs = [_timed(f, server_times) for f in sim.server_programs]
+  sim = make_simulation(timed_spec(built.spec, server_times), built.cohorts.backend, "host")
   state = sim.init_state()
-  state, warm = sim.run_round(state, consume=True)
+  state, (warm,) = sim.run_rounds(state, 1, consume=True)
   per_round, rows = [], []
   for _ in range(rounds):
     server_times.clear()
-    state, m = sim.run_round(state, consume=True)
+    state, (m,) = sim.run_rounds(state, 1, consume=True)
     per_round.append(sum(server_times))
     rows.append(m)
   seconds = [m["round_seconds"] for m in rows]
-  return {"method": sim.method.name, "round_s": statistics.median(seconds), "timed_round_s": seconds,
+  return {"method": sim.spec.method.name, "round_s": statistics.median(seconds), "timed_round_s": seconds,
           "server_step_s": statistics.median(per_round), "warmup_round_s": warm["round_seconds"],
           "examples_per_round": statistics.mean(m["examples"] for m in rows)}
 
@@ -95,7 +111,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   rows = []
   for method in methods:
     config = RunConfig.from_flags(**{**values, "dataset": args.dataset, "method": method, "rounds": args.rounds + 1,
-                                     "backend": args.backend, "progress": False, "dissimilarity": False})
+                                     "backend": args.backend, "round_program": "host", "progress": False,
+                                     "dissimilarity": False})
     rows.append(measure(config, args.rounds, log))
   base = rows[0]["round_s"]
   context = {"preset": preset.name, "groups": list(values["groups"]), "clients_per_round": values["clients_per_round"],

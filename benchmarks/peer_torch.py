@@ -21,7 +21,7 @@ loading, rounds, evaluation) are measured the same way:
   as our ``batch_stats``), weighted by sample count. Threads are torch's default.
 
 The torch side builds the client index lists with the library's numpy data code
-(`fedjax_hetero.data`, as `runner.partitioned_dataset` does, without importing
+(`fedjax_hetero.data`, as `run.build.partitioned_dataset` does, without importing
 JAX) and draws each round's clients with the rule of `data.store.sample_clients`
 (sorted, uniform without replacement, seeded by (seed, round)); both sides
 report a digest of the partition and the drawn clients, and the summary line
@@ -52,9 +52,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from fedjax_hetero import data as fdata
 from benchmarks.common import emit_json_lines
 from benchmarks.torch_resnet import TORCH_RESNETS, torch_resnet_class
-from fedjax_hetero import data as fdata
 
 SIDES = ("torch", "jax")
 FORWARDED = ("rounds", "num_clients", "clients_per_round", "groups", "batch_size", "epochs", "lr", "alpha", "seed",
@@ -111,7 +111,7 @@ def parse_groups(text: str) -> list[tuple[str, str, float]]:
 
 
 def federated_data(args: argparse.Namespace) -> tuple[fdata.ArrayDataset, list[np.ndarray]]:
-  """The dataset (its subset if asked) and client partition of `runner.partitioned_dataset`, without JAX."""
+  """The dataset (its subset if asked) and client partition of `run.build.partitioned_dataset`, without JAX."""
   dataset = fdata.load_dataset("fashion_mnist", args.data_dir)
   if args.max_train_samples:
     dataset = dataset.subset(args.max_train_samples, None, seed=args.seed)
@@ -256,8 +256,9 @@ def run_jax(args: argparse.Namespace) -> dict[str, Any]:
   import jax
 
   from fedjax_hetero.config import RunConfig
-  from fedjax_hetero.evaluation import accuracy
-  from fedjax_hetero.runner import build_simulation
+  from fedjax_hetero.models.evaluation import accuracy
+  from fedjax_hetero.rounds import make_backend
+  from fedjax_hetero.run.build import build_simulation
 
   groups = [spec for spec, _, _ in parse_groups(args.groups)]
   extra = {"steps_per_call": args.steps_per_call} if args.steps_per_call else {}
@@ -284,18 +285,20 @@ def run_jax(args: argparse.Namespace) -> dict[str, Any]:
     examples.append(m["examples"])
     drawn.append(m["clients"])
     _log(f"jax round {r + 1}: {round_s[-1]:.2f} s, {m['examples']} examples")
-  n_eval = min(args.eval_samples, int(sim.test_labels.shape[0]))
-  images, labels = sim.test_images[:n_eval], sim.test_labels[:n_eval]
+  n_eval = min(args.eval_samples, int(sim.spec.test_labels.shape[0]))
+  images, labels = sim.spec.test_images[:n_eval], sim.spec.test_labels[:n_eval]
   acc, counts = {}, {}
-  for gi, group in enumerate(sim.groups):
-    variables = sim.group_variables(state, gi)
-    acc[group.name] = accuracy(group.model, variables, images, labels, sim.store.mean, sim.store.std, 500)
+  for gi, group in enumerate(sim.spec.groups):
+    variables = sim.spec.group_variables(state, gi)
+    acc[group.name] = accuracy(group.model, variables, images, labels, sim.spec.store.mean, sim.spec.store.std, 500)
     counts[group.name] = int(sum(x.size for x in jax.tree.leaves(variables["params"])))
+  # The backend of the flags (a device program maps the clients as it would, without training through it).
+  backend = make_backend(config.backend).name if sim.cohorts.in_program else sim.cohorts.backend.name
   return {"side": "jax", **_timing(round_s, examples, trained), "run_s": time.perf_counter() - t_start,
           "test_accuracy": acc, "eval_samples": n_eval, "param_counts": counts, "clients": drawn,
           "partition_digest": partition_digest(parts), "framework": f"jax {jax.__version__}",
-          "device": f"{jax.default_backend()} x{jax.device_count()}", "backend": sim.backend.name,
-          "round_program": (f"fused, {sim.round_program.rounds_per_call} rounds per call" if sim.round_program
+          "device": f"{jax.default_backend()} x{jax.device_count()}", "backend": backend,
+          "round_program": (f"fused, {sim.rounds_per_call} rounds per call" if sim.cohorts.in_program
                             else "host loop"),
           "steps_per_call": config.client.steps_per_call, "cpu_count": os.cpu_count()}
 

@@ -14,7 +14,7 @@ built in this process, for every method of ``--methods`` on every backend of ``-
 The data are synthetic, since only the cost matters: ``--pool`` random 8x8 images of 4 classes, each client
 holding ``--samples`` of them drawn at random, so 100,000 clients need no large dataset; one epoch of SGD at
 batch ``--batch-size`` (one local step by default). Every point runs a warm-up round (compilation), then
-``--rounds`` timed rounds; ``round_ms`` is their median ``round_seconds``, the engine's own timing (sampling,
+``--rounds`` timed rounds; ``round_ms`` is their median ``round_seconds``, the simulation's own timing (sampling,
 training, aggregation, until the new state is ready).
 
 Memory. On CPU, ``peak_mb`` is the growth of the process's peak resident set over the timed rounds: after
@@ -47,14 +47,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import emit_json_lines
-from fedjax_hetero.backends import BACKENDS, copy_tree, make_backend
-from fedjax_hetero.client.local import LocalConfig
+from fedjax_hetero.config import FederationConfig, LocalConfig
 from fedjax_hetero.data import synthetic_dataset
 from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation
-from fedjax_hetero.methods import MethodOptions, build_method
+from fedjax_hetero.methods import MethodConfig, build_method
 from fedjax_hetero.models import build_model
+from fedjax_hetero.rounds import ArchGroup, RoundSpec, Simulation, make_simulation
+from fedjax_hetero.rounds.backends import BACKENDS, copy_tree, make_backend
+from benchmarks.common import emit_json_lines
 
 SWEEPS = ("cohort", "clients", "width")
 
@@ -132,10 +132,12 @@ def simulation(point: dict[str, Any], args: argparse.Namespace) -> Simulation:
   model = build_model("mlp", data.num_classes, point["width"], hidden=(args.hidden,))
   group = ArchGroup(f"mlp@{point['width']:g}", model, np.arange(point["clients"]))
   local = LocalConfig(epochs=args.epochs, batch_size=args.batch_size, optimizer="sgd", learning_rate=0.05)
-  method = build_method(point["method"], MethodOptions(), local)
+  method = build_method(point["method"], MethodConfig(), local)
   federation = FederationConfig(clients_per_round=point["cohort"], seed=0)
-  return Simulation([group], store, local, method, federation, make_backend(point["backend"]),
-                    jnp.asarray(data.test_images), jnp.asarray(data.test_labels))
+  spec = RoundSpec.build([group], store, local, method, federation, jnp.asarray(data.test_images),
+                         jnp.asarray(data.test_labels))
+  # The host loop, one round per call: every round's time is its own (`run_rounds` of one round).
+  return make_simulation(spec, make_backend(point["backend"]), round_program="host")
 
 
 def _proc_status_kb(*keys: str) -> dict[str, int]:
@@ -205,19 +207,20 @@ def measure(point: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
   """One warm-up and ``args.rounds`` timed rounds of the point's simulation."""
   sim = simulation(point, args)
   state = sim.init_state()
-  state, _ = sim.run_round(state, consume=True)
+  state, (_,) = sim.run_rounds(state, 1, consume=True)
   memory = PeakMemory()
   jax.block_until_ready(state)
   memory.start()
   seconds = []
   for _ in range(args.rounds):
-    state, m = sim.run_round(state, consume=True)
+    state, (m,) = sim.run_rounds(state, 1, consume=True)
     seconds.append(m["round_seconds"])
   peak = memory.growth_bytes()
   copy_s = copy_seconds(state.memory)  # after the peak: on a device, its copy would count in it
   params = sum(x.size for x in jax.tree.leaves(state.models[0]["params"]))
   round_s = statistics.median(seconds)
-  return {**point, "backend": sim.backend.name if point["backend"] != "auto" else f"auto->{sim.backend.name}",
+  backend = sim.cohorts.backend.name
+  return {**point, "backend": backend if point["backend"] != "auto" else f"auto->{backend}",
           "params": int(params), "round_ms": 1e3 * round_s, "ms_per_client": 1e3 * round_s / point["cohort"],
           "timed_round_ms": [1e3 * s for s in seconds], "state_mb": _nbytes(state.memory) / 2**20,
           "copy_ms": 1e3 * copy_s, "peak_mb": peak / 2**20, "memory_source": memory.source,

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_hetero.client.local import LocalConfig, LocalTrainer
+from fedjax_hetero.client.local import LocalTrainer
+from fedjax_hetero.config import LocalConfig
 from fedjax_hetero.models import build_model
 
 STEPS = 48

@@ -36,14 +36,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import emit_json_lines
-from fedjax_hetero import data as fdata
 from fedjax_hetero import models
-from fedjax_hetero.backends import BACKENDS, make_backend
-from fedjax_hetero.client.local import OPTIMIZERS, LocalTrainer
-from fedjax_hetero.config import RunConfig
-from fedjax_hetero.engine import Simulation
-from fedjax_hetero.runner import build_simulation
+from fedjax_hetero import data as fdata
+from fedjax_hetero.client.local import LocalTrainer
+from fedjax_hetero.config import OPTIMIZERS, RunConfig
+from fedjax_hetero.rounds import BACKENDS, Simulation, make_backend, make_simulation
+from fedjax_hetero.run.build import build_simulation
+from benchmarks.common import emit_json_lines
 
 REQUIRED_KEYS = ("backend", "round_program", "fl_samples_per_s", "centralized_samples_per_s", "ratio", "compile_s", "model",
                  "clients_per_round", "batch_size", "platform", "devices")
@@ -90,9 +89,9 @@ def measure_fl(sim: Simulation, backend_name: str, rounds: int, round_program: s
                rounds_per_call: int | None = None) -> dict[str, Any]:
   """One warm-up and ``rounds`` timed rounds of ``sim``'s groups on a fresh backend."""
   backend = make_backend(backend_name)
-  # A fresh Simulation makes fresh trainers, so every backend compiles its own programs.
-  fl = Simulation(sim.groups, sim.store, sim.local, sim.method, sim.config, backend, sim.test_images,
-                  sim.test_labels, round_program=round_program, rounds_per_call=rounds_per_call)
+  # A fresh spec (`RoundSpec.with_values`, no value changed) makes fresh trainers, so every backend compiles its
+  # own programs.
+  fl = make_simulation(sim.spec.with_values(), backend, round_program, rounds_per_call)
   state, (warm,) = fl.run_rounds(fl.init_state(), 1, consume=True)
   state, timed = fl.run_rounds(state, rounds, consume=True)
   seconds = [m["round_seconds"] for m in timed]
@@ -121,9 +120,9 @@ def measure_centralized(sim: Simulation, samples_per_round: float, rounds: int, 
   Runs at least ``rounds * samples_per_round`` samples, in whole chunks, after one warm-up chunk (the device
   loop: after one warm-up run of the same program); every batch slot is real.
   """
-  store, local = sim.store, sim.local
+  store, local = sim.spec.store, sim.spec.local
   config = dataclasses.replace(local, batch_size=batch)
-  trainer = LocalTrainer(sim.groups[0].model, config, store.mean, store.std)
+  trainer = LocalTrainer(sim.spec.groups[0].model, config, store.mean, store.std)
   k = config.steps_per_call
   chunks = max(1, math.ceil(rounds * samples_per_round / (batch * k)))
   total_steps = (chunks + 1) * k  # one warm-up chunk first
@@ -175,8 +174,8 @@ def centralized_limit(sim: Simulation, samples_per_round: float, rounds: int, se
   loop over convolutions is slow), so the limit the FL loop is measured against is the best of them; every one
   is reported.
   """
-  local = sim.local.batch_size
-  batches = sorted({local, 2 * local, sim.config.clients_per_round * local})
+  local = sim.spec.local.batch_size
+  batches = sorted({local, 2 * local, sim.spec.config.clients_per_round * local})
   tried = [measure_centralized(sim, samples_per_round, rounds, b, seed, loop) for b in batches for loop in (False, True)]
   best = max(tried, key=lambda t: t["centralized_samples_per_s"])
   # String keys, so that the row survives a JSON round trip unchanged.

@@ -1,43 +1,19 @@
-"""Checks of the settings' values, with errors that name the command-line flag.
+"""Checks of single values, with errors that name what was checked, its value and what is allowed.
 
 The config dataclasses declare each setting once (`fedjax_hetero.config.declare`) and check it with these
-functions, so a library user building one gets the message a CLI user gets: the flag as typed (``--lr``),
-the value, and what is allowed. A check is given the flag itself (``"--lr"``) or, from older callers, the
-setting's dotted path in `fedjax_hetero.config.RunConfig` (``"client.learning_rate"``), which `cli_flag`
-turns into the flag. This module imports nothing of the package at import time, so that every config
-module can use it.
+functions, given the setting's command-line flag, so a library user building one gets the message a CLI user
+gets (``--lr must be a finite number > 0, got -1.0``); the library's pure functions check their arguments
+with them under the argument's name. This module imports nothing of the package.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 from typing import Any, Iterable
 
 # jax turns a seed into a key through 32-bit integers: larger seeds would alias smaller ones.
 SEED_MAX = 2 ** 32 - 1
-
-
-@functools.cache
-def _spellings() -> dict[str, str]:
-  """Dotted path -> command-line flag, of every declared setting of a run and of a process's multi-process
-  settings (`fedjax_hetero.distributed.DistributedConfig`, under ``distributed.``)."""
-  from fedjax_hetero.config import RunConfig, declare
-  from fedjax_hetero.distributed import DistributedConfig
-
-  table = {leaf.path: leaf.cli for leaf in declare.leaves(RunConfig())}
-  table.update({f"distributed.{leaf.path}": leaf.cli for leaf in declare.leaves(DistributedConfig())})
-  return table
-
-
-def cli_flag(name: str) -> str:
-  """How a setting is named to a user: ``name`` itself if it is a flag (``--lr``) or an environment variable,
-  else the command-line flag of the setting at dotted path ``name`` (``client.learning_rate`` -> ``--lr``);
-  a name that is neither, ``--`` and its last part with dashes."""
-  if name.startswith(("-", "$")):
-    return name
-  return _spellings().get(name) or "--" + name.rsplit(".", 1)[-1].replace("_", "-")
 
 
 def first_line(error: BaseException, limit: int) -> str:
@@ -87,7 +63,7 @@ def check_integer(name: str, value: Any, minimum: int | None = None, maximum: in
   if optional and value is None:
     return
   if not (_is_integer(value) and _within(value, minimum, maximum, None, None)):
-    raise ValueError(f"{cli_flag(name)} must be an integer{_bounds(minimum, maximum, None, None)}, got {show(value)}")
+    raise ValueError(f"{name} must be an integer{_bounds(minimum, maximum, None, None)}, got {show(value)}")
 
 
 def check_number(name: str, value: Any, minimum: float | None = None, maximum: float | None = None, *,
@@ -97,7 +73,7 @@ def check_number(name: str, value: Any, minimum: float | None = None, maximum: f
   if optional and value is None:
     return
   if not (_is_number(value) and math.isfinite(value) and _within(value, minimum, maximum, above, below)):
-    raise ValueError(f"{cli_flag(name)} must be a finite number{_bounds(minimum, maximum, above, below)}, "
+    raise ValueError(f"{name} must be a finite number{_bounds(minimum, maximum, above, below)}, "
                      f"got {show(value)}")
 
 
@@ -107,7 +83,7 @@ def check_choice(name: str, value: Any, accepted: Iterable[Any], optional: bool 
   if optional and value is None:
     return
   if value not in accepted:
-    raise ValueError(f"{cli_flag(name)} must be one of {', '.join(map(str, accepted))}, got {show(value)}")
+    raise ValueError(f"{name} must be one of {', '.join(map(str, accepted))}, got {show(value)}")
 
 
 def check_bool(name: str, value: Any, optional: bool = False) -> None:
@@ -115,7 +91,7 @@ def check_bool(name: str, value: Any, optional: bool = False) -> None:
   if optional and value is None:
     return
   if not isinstance(value, bool):
-    raise ValueError(f"{cli_flag(name)} must be true or false, got {show(value)}")
+    raise ValueError(f"{name} must be true or false, got {show(value)}")
 
 
 def check_text(name: str, value: Any, optional: bool = False) -> None:
@@ -123,4 +99,4 @@ def check_text(name: str, value: Any, optional: bool = False) -> None:
   if optional and value is None:
     return
   if not (isinstance(value, str) and value.strip()):
-    raise ValueError(f"{cli_flag(name)} must be a non-empty string, got {show(value)}")
+    raise ValueError(f"{name} must be a non-empty string, got {show(value)}")

@@ -19,8 +19,8 @@ import os
 
 import numpy as np
 
+from fedjax_hetero.rounds import assign_groups
 from experiments.compare import base_method_of, evaluated, load_run, paired_points, seed_of
-from fedjax_hetero.engine import assign_groups
 
 
 def read_run(run_dir: str, group: str, skip: int) -> dict:

@@ -1,6 +1,6 @@
 """The survey's library probes: misuse of the documented entry points, in this process.
 
-`FederatedStore.build`, `Simulation`, `build_model`, `ArrayDataset` and the public aggregators, each given
+`FederatedStore.build`, `RoundSpec.build` and `make_simulation`, `build_model`, `ArrayDataset` and the public aggregators, each given
 one bad argument; the right answer is a ValueError (or TypeError) naming the argument, raised before any
 compute.
 """
@@ -15,14 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_hetero import aggregators as A
-from fedjax_hetero.backends import make_backend
-from fedjax_hetero.client.local import LocalConfig
-from fedjax_hetero.data import ArrayDataset, partition, synthetic_dataset
+from fedjax_hetero.config import FederationConfig, LocalConfig
+from fedjax_hetero.data import partition, synthetic_dataset
 from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation
 from fedjax_hetero.hetero import build_group_map
-from fedjax_hetero.methods import MethodOptions, build_method
+from fedjax_hetero.methods import MethodConfig, build_method
 from fedjax_hetero.models import build_model
+from fedjax_hetero.rounds import ArchGroup, RoundSpec, Simulation, make_simulation
+from fedjax_hetero.rounds.backends import make_backend
 from scripts.survey_common import Error, Result, call
 
 DATA = synthetic_dataset(num_train=120, num_test=40, seed=0)
@@ -52,12 +52,12 @@ def simulation(groups=None, local=LOCAL, method_local=LOCAL, method="FedAvg", te
   model = lambda w: build_model("mlp", DATA.num_classes, w, hidden=(8,))
   groups = groups if groups is not None else [ArchGroup("mlp@1", model(1.0), np.array([0, 1])),
                                               ArchGroup("mlp@0.5", model(0.5), np.array([2, 3]))]
-  method_object = method_object if method_object is not None else build_method(method, MethodOptions(), method_local)
-  sim = Simulation(groups, data_store, local, method_object, FederationConfig(clients_per_round=2),
-                   backend if backend is not None else make_backend("sequential"),
-                   jnp.asarray(DATA.test_images if test_images is None else test_images),
-                   jnp.asarray(DATA.test_labels if test_labels is None else test_labels))
-  state, _ = sim.run_round(sim.init_state())
+  method_object = method_object if method_object is not None else build_method(method, MethodConfig(), method_local)
+  spec = RoundSpec.build(groups, data_store, local, method_object, FederationConfig(clients_per_round=2),
+                         jnp.asarray(DATA.test_images if test_images is None else test_images),
+                         jnp.asarray(DATA.test_labels if test_labels is None else test_labels))
+  sim = make_simulation(spec, backend if backend is not None else make_backend("sequential"))
+  state, _ = sim.run_rounds(sim.init_state(), 1)
   sim.evaluate(state)
   return sim
 

@@ -25,9 +25,9 @@ try:
 except ImportError:  # a pytest without it reads the tag xdist appends to _nodeid itself
   NodeId = None
 
-from fedjax_hetero import engine
 from fedjax_hetero.compilation import CACHE_ENV, release_programs
 from fedjax_hetero.methods import METHODS
+from fedjax_hetero.rounds import RoundSpec, Simulation
 
 _SESSION_CACHE_ENV = "FEDJAX_HETERO_TEST_SESSION_CACHE"  # set by the controller, read by the xdist workers
 
@@ -89,8 +89,8 @@ def no_compute(monkeypatch):
   def forbidden(*args, **kwargs):
     raise AssertionError("compute started before the input was rejected")
 
-  monkeypatch.setattr(engine.Simulation, "init_state", forbidden)
-  monkeypatch.setattr(engine.Simulation, "run_round", forbidden)
+  monkeypatch.setattr(RoundSpec, "init_state", forbidden)
+  monkeypatch.setattr(Simulation, "run_call", forbidden)
 
 
 def pytest_terminal_summary(terminalreporter):

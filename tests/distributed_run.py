@@ -22,13 +22,13 @@ import time
 import jax
 
 from fedjax_hetero.cli import run as cli
-from fedjax_hetero import engine
+from fedjax_hetero.rounds import Simulation
 
 
 def _die_before(process: int, round_number: int, after: str, stamp: str) -> None:
-  train = engine.Simulation.run_round
+  train = Simulation.run_call
 
-  def run_round(self, state, **options):
+  def run_call(self, state, count, evaluate):
     if jax.process_index() == process and state.round + 1 == round_number:
       deadline = time.monotonic() + 120
       while not os.path.isdir(after) and time.monotonic() < deadline:
@@ -36,9 +36,9 @@ def _die_before(process: int, round_number: int, after: str, stamp: str) -> None
       with open(stamp, "w") as f:
         f.write(repr(time.time()))
       os.kill(os.getpid(), signal.SIGKILL)
-    return train(self, state, **options)
+    return train(self, state, count, evaluate)
 
-  engine.Simulation.run_round = run_round
+  Simulation.run_call = run_call
 
 
 def main(argv: list[str]) -> None:

@@ -121,20 +121,20 @@ def record(method: str, backend: str, family: str = "mlp",
   ``compiled``, if given, receives per round the names of the programs the round and its evaluation
   lowered (not part of the record)."""
   from fedjax_hetero.compilation import CompileLog
-  from tests.golden_setting import golden_simulation  # the API-specific part
+  from tests.golden_setting import eval_variables, golden_simulation  # the API-specific part
 
   sim = golden_simulation(method, backend, family)
   state, rows = sim.init_state(), []
   for _ in range(ROUNDS):
     with CompileLog() as log:
-      state, metrics = sim.run_round(state)
+      state, (metrics,) = sim.run_rounds(state, 1)
       sim.evaluate(state)
     if compiled is not None:
       compiled.append(log.names)
     rows.append({"train_loss": metrics["train_loss"], "train_loss_per_group": metrics["train_loss_per_group"],
                  "examples": metrics["examples"], "clients": metrics["clients"],
                  "test_accuracy": sim.evaluate(state),
-                 "models": {name: fingerprint(v) for name, v in sim.eval_variables(state).items()}})
+                 "models": {name: fingerprint(v) for name, v in eval_variables(sim, state).items()}})
   return rows
 
 

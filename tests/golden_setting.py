@@ -1,14 +1,12 @@
-"""The golden setting built with the engine's API (see `tests.golden`)."""
+"""The golden setting built with the library's API (see `tests.golden`)."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from fedjax_hetero.config import FedGenConfig, MethodConfig
-from fedjax_hetero.backends import make_backend
-from fedjax_hetero.client.local import LocalConfig
-from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation, assign_groups
+from fedjax_hetero.config import FedGenConfig, FederationConfig, LocalConfig, MethodConfig
 from fedjax_hetero.methods import build_method
+from fedjax_hetero.rounds import ArchGroup, RoundSpec, Simulation, assign_groups, make_backend, make_simulation
 from tests.golden import ONE_GROUP, group_models
 from tests.helpers import tiny_federation
 
@@ -16,12 +14,12 @@ TINY_FEDGEN = FedGenConfig(noise_dim=4, hidden_dim=16, batch_size=16, ensemble_e
                            gen_batch_size=8)
 
 
-class GoldenSimulation(Simulation):
-  def eval_variables(self, state):
-    return {g.name: self.group_variables(state, i) for i, g in enumerate(self.groups)}
+def eval_variables(sim: Simulation, state) -> dict:
+  """Every group's variables after ``state``'s round, by group name (the record's model fingerprints)."""
+  return {g.name: sim.spec.group_variables(state, i) for i, g in enumerate(sim.spec.groups)}
 
 
-def golden_simulation(method: str, backend: str, family: str) -> GoldenSimulation:
+def golden_spec(method: str, family: str) -> RoundSpec:
   ds, store = tiny_federation()
   models = group_models(ds.num_classes, family)
   if method in ONE_GROUP:
@@ -30,5 +28,12 @@ def golden_simulation(method: str, backend: str, family: str) -> GoldenSimulatio
             for (name, model), clients in zip(models, assign_groups(store.num_clients, len(models)))]
   local = LocalConfig(epochs=2, batch_size=8, optimizer="adam", learning_rate=1e-2, steps_per_call=2)
   built = build_method(method, MethodConfig(fedgen=TINY_FEDGEN) if method == "FedGen" else MethodConfig(), local)
-  return GoldenSimulation(groups, store, local, built, FederationConfig(clients_per_round=3, seed=0),
-                          make_backend(backend), jnp.asarray(ds.test_images), jnp.asarray(ds.test_labels))
+  return RoundSpec.build(groups, store, local, built, FederationConfig(clients_per_round=3, seed=0),
+                         jnp.asarray(ds.test_images), jnp.asarray(ds.test_labels))
+
+
+def golden_simulation(method: str, backend: str, family: str, round_program: str = "host",
+                      rounds_per_call: int | None = None) -> Simulation:
+  """The golden entry's simulation: on the host loop of ``backend``, or as a device program (``round_program``
+  "fused") whose cohorts are mapped as ``backend`` maps them."""
+  return make_simulation(golden_spec(method, family), make_backend(backend), round_program, rounds_per_call)

@@ -13,15 +13,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from fedjax_hetero.backends import make_backend
-from fedjax_hetero.client.local import LocalConfig
+from fedjax_hetero.config import FederationConfig, LocalConfig, MethodConfig, RunConfig
 from fedjax_hetero.data import ArrayDataset, partition, synthetic_dataset
 from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.config import MethodConfig, RunConfig
-from fedjax_hetero import dissimilarity
-from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation, assign_groups
-from fedjax_hetero.methods import build_method
+from fedjax_hetero.methods import build_method, dissimilarity
 from fedjax_hetero.models import ResNet, build_model
+from fedjax_hetero.rounds import ArchGroup, RoundSpec, Simulation, assign_groups, make_backend, make_simulation
+from fedjax_hetero.rounds.body import server_round
+from fedjax_hetero.rounds.inputs import RoundRows, cohort_rows, plans
+from fedjax_hetero.rounds.rows import host_metrics
 
 TINY_NUM_CLIENTS = 6
 FMNIST_FILE = "/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"
@@ -115,7 +115,7 @@ TINY_LOCAL = LocalConfig(epochs=2, batch_size=8, optimizer="adam", learning_rate
 
 def simulation(method, models, data=None, local: LocalConfig = TINY_LOCAL, backend: str = "sequential",
                options: dict | None = None, track_dissimilarity: bool = False, round_program: str = "auto",
-               **federation) -> Simulation:
+               rounds_per_call: int | None = None, **federation) -> Simulation:
   """The tests' simulation builder: the groups ``models`` ((name, module) pairs) over the clients of ``data``
   (`tiny_federation` by default) in contiguous blocks; ``method`` a name (with ``options``, `method_options`'s
   flags) or a `Method`; ``federation``: `FederationConfig` fields (seed 0, 3 clients per round unless given)."""
@@ -127,8 +127,8 @@ def simulation(method, models, data=None, local: LocalConfig = TINY_LOCAL, backe
   if track_dissimilarity:
     method = dissimilarity.tracked(method)
   config = FederationConfig(**{"clients_per_round": 3, "seed": 0, **federation})
-  return Simulation(groups, store, local, method, config, make_backend(backend), jnp.asarray(ds.test_images),
-                    jnp.asarray(ds.test_labels), round_program=round_program)
+  spec = RoundSpec.build(groups, store, local, method, config, jnp.asarray(ds.test_images), jnp.asarray(ds.test_labels))
+  return make_simulation(spec, make_backend(backend), round_program, rounds_per_call)
 
 
 def tiny_simulation(method, backend: str = "sequential", widths=(1.0,), clients_per_round: int = 3,
@@ -146,8 +146,16 @@ def tiny_simulation(method, backend: str = "sequential", widths=(1.0,), clients_
 
 def run_rounds(sim: Simulation, rounds: int = 2):
   """``rounds`` rounds from the simulation's initial state: (final state, the rounds' metrics)."""
-  state, metrics = sim.init_state(), []
-  for _ in range(rounds):
-    state, row = sim.run_round(state)
-    metrics.append(row)
-  return state, metrics
+  return sim.run_rounds(sim.init_state(), rounds)
+
+
+def aggregate(sim: Simulation, state, starts, results, cohorts):
+  """Federation 0's server steps in round ``state.round`` on the groups' ``results`` of ``cohorts`` (client ids
+  per group, each client of weight 1): the new model, the steps' states and their metrics (host values)."""
+  spec = sim.spec
+  rows = tuple(jax.tree.map(lambda a: a[0], cohort_rows(spec, g, [np.asarray(c)], [np.ones(len(c))],
+                                                        spec.stack_size(g))) for g, c in enumerate(cohorts))
+  step_plans = plans(spec, state.round)
+  x = RoundRows(state.round, 0, False, rows, tuple(p.inputs for p in step_plans), tuple(p.static for p in step_plans))
+  model, steps, metrics = server_round(spec, 0, state, starts, results, x)
+  return model, steps, host_metrics(metrics)

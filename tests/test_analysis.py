@@ -12,7 +12,7 @@ import pytest
 from flax import traverse_util
 
 from fedjax_hetero import analysis
-from fedjax_hetero.client.local import normalize
+from fedjax_hetero.data.store import normalize
 from fedjax_hetero.models import build_model
 from tests.helpers import model_variables, tiny_resnet
 

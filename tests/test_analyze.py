@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
+from fedjax_hetero import analysis
 from fedjax_hetero.cli import analyze
-from fedjax_hetero import analysis, evaluation
 from fedjax_hetero.config import RunConfig, as_dict
-from fedjax_hetero.runner import run_experiment
+from fedjax_hetero.models import evaluation
+from fedjax_hetero.run.runner import run_experiment
 
 # One worker runs the module, so its two module-scoped runs train once (under xdist each worker would train its own).
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("analyze")]
@@ -123,9 +124,9 @@ def test_recalibrate_bn(inco_run, capsys):
   assert record["method"] == "InCoAvg" and record["round"] == 2 and record["num_examples"] == 40
   assert list(record["groups"]) == ["resnet10@0.125", "resnet14@0.125"]
   run = analyze.load_run(run_dir)
-  stored = [evaluation.accuracy(g.model, run.sim.group_variables(run.state, i), run.sim.test_images,
-                                run.sim.test_labels, run.sim.store.mean, run.sim.store.std)
-            for i, g in enumerate(run.sim.groups)]
+  stored = [evaluation.accuracy(g.model, run.sim.spec.group_variables(run.state, i), run.sim.spec.test_images,
+                                run.sim.spec.test_labels, run.sim.spec.store.mean, run.sim.spec.store.std)
+            for i, g in enumerate(run.sim.spec.groups)]
   assert [g["stored"] for g in record["groups"].values()] == pytest.approx(stored)
   for key in ("stored", "recalibrated"):
     assert record["mean"][key] == pytest.approx(np.mean([g[key] for g in record["groups"].values()]))
@@ -171,7 +172,7 @@ def test_landscape_names_duplicate_methods_by_folder():
 
 def test_histogram_layers_are_the_inco_pairs(inco_run):
   run = analyze.load_run(inco_run[0])
-  layers = analyze.tracked_layers(run.sim, run.state)
+  layers = analyze.tracked_layers(run.sim.spec, run.state)
   # ResNet14's pairs: stage3/4 block1 conv1, conv2 <- the stage's block0 conv2.
   expected = [(("params", f"stage{s}_block{b}", c, "kernel"), role) for s in (3, 4)
               for b, c, role in ((0, "conv2", "source"), (1, "conv1", "target"), (1, "conv2", "target"))]
@@ -190,7 +191,7 @@ def test_histograms_continue_the_run_in_memory(fedcross_run, monkeypatch):
   assert snapshot(run_dir) == before  # no checkpoint or metrics row added
   assert list(seen) == [3, 4]
   run = analyze.load_run(run_dir)
-  global_model = traverse_util.flatten_dict(run.sim.server_variables(run.state))
+  global_model = traverse_util.flatten_dict(run.sim.spec.server_variables(run.state))
   kernels = [path for path, leaf in global_model.items() if leaf.ndim == 2]  # the dense kernels, not the biases
   for layers in seen.values():
     assert list(layers) == ["/".join(p) for p in kernels[:2]]

@@ -16,12 +16,11 @@ import numpy as np
 import pytest
 
 from fedjax_hetero.cli import run as cli
-from fedjax_hetero import engine
-from fedjax_hetero.client.local import normalize
 from fedjax_hetero.config import DataConfig, RunConfig
 from fedjax_hetero.data import load_partition_file, resize_images, save_partition_file, synthetic_dataset
-from fedjax_hetero.data.store import sample_clients
-from fedjax_hetero.runner import build_simulation, partitioned_dataset
+from fedjax_hetero.data.store import normalize, sample_clients
+from fedjax_hetero.rounds import body
+from fedjax_hetero.run.build import build_simulation, partitioned_dataset
 from tests.helpers import REPO
 
 NUM_CLIENTS = 6
@@ -163,7 +162,7 @@ BAD_FLAGS = [
 @pytest.mark.parametrize("args, fragment", BAD_FLAGS, ids=[a for a, _ in BAD_FLAGS])
 def test_the_cli_rejects_bad_values_before_loading_data(args, fragment, tmp_path, capsys, monkeypatch, no_compute):
   save_partition_file(str(tmp_path / "three.npz"), some_parts(3))
-  monkeypatch.setattr(cli, "run_experiment", lambda config: pytest.fail("the run started"))
+  monkeypatch.setattr(cli, "run_checked", lambda *_: pytest.fail("the run started"))
   argv = shlex.split(f"--groups cnn@0.25 --num-clients 10 --no-progress --compile-cache off "
                      f"--output-dir {tmp_path}/out {args}".format(tmp=tmp_path))
   with pytest.raises(SystemExit) as info:
@@ -180,12 +179,12 @@ def test_test_first_evaluates_exactly_the_first_n_images(monkeypatch):
   with pytest.raises(ValueError, match="--test-first 41 exceeds the 40 test samples of synthetic"):
     partitioned_dataset(config(test_first=41), DATASET)
   sim, _ = build_simulation(config(test_first=13, normalize="none"), DATASET, log=lambda _: None)
-  np.testing.assert_array_equal(np.asarray(sim.test_images), DATASET.test_images[:13])
-  np.testing.assert_array_equal(np.asarray(sim.test_labels), DATASET.test_labels[:13])
-  assert sim.store.mean == (0.0,) and sim.trainers[0].std == (1.0,)
+  np.testing.assert_array_equal(np.asarray(sim.spec.test_images), DATASET.test_images[:13])
+  np.testing.assert_array_equal(np.asarray(sim.spec.test_labels), DATASET.test_labels[:13])
+  assert sim.spec.store.mean == (0.0,) and sim.spec.trainers[0].std == (1.0,)
   seen = []
-  real = engine.correct_predictions
-  monkeypatch.setattr(engine, "correct_predictions", lambda model, variables, images, labels, *rest: seen.append(
+  real = body.correct_predictions
+  monkeypatch.setattr(body, "correct_predictions", lambda model, variables, images, labels, *rest: seen.append(
       labels.shape[0]) or real(model, variables, images, labels, *rest))
   accuracy = sim.evaluate(sim.init_state())["mlp"]
   assert seen == [13] and abs(accuracy * 13 - round(accuracy * 13)) < 1e-6
@@ -195,7 +194,7 @@ def test_test_first_evaluates_exactly_the_first_n_images(monkeypatch):
 
 
 def cohorts(sim, rounds: int = 6) -> list[list[int]]:
-  return [sim.method.sampler.sample((), r, sim.sampling).clients.tolist() for r in range(rounds)]
+  return [sim.spec.method.sampler.sample((), r, sim.spec.sampling).clients.tolist() for r in range(rounds)]
 
 
 def test_sample_seed_changes_the_cohorts_alone():
@@ -216,7 +215,7 @@ def test_sample_seed_changes_the_cohorts_alone():
 
 def test_inco_authors_cpu_preset(monkeypatch, tmp_path, capsys):
   configs = []
-  monkeypatch.setattr(cli, "run_experiment", lambda c, **_: configs.append(c) or {
+  monkeypatch.setattr(cli, "run_checked", lambda c, *_: configs.append(c) or {
       "final_accuracy": {}, "best_mean_accuracy": None, "train_seconds_all_rounds": 0.0})
   split = str(tmp_path / "split.npz")
   save_partition_file(split, some_parts(100, used=1000))

@@ -1,4 +1,4 @@
-"""The backdoor attack (`fedjax_hetero.client.backdoor`): the malicious set, the upload of Eq. 1 against two
+"""The backdoor attack (`fedjax_hetero.client.attack`): the malicious set, the upload of Eq. 1 against two
 separate trainings, backends agreeing, nothing compiled after round 1, fraction 0 changing nothing, bad
 values rejected before compute, the ids recorded, and `experiments.compare`'s drop table."""
 
@@ -16,17 +16,19 @@ import numpy as np
 import pytest
 
 from fedjax_hetero.cli import compare
-from fedjax_hetero.backends import make_backend
-from fedjax_hetero.client.backdoor import (AttackedTrainer, Backdoor, attack_table, malicious_clients, num_malicious,
-                                           shuffled_row)
-from fedjax_hetero.client.local import LocalConfig, LocalTrainer
+from fedjax_hetero.client.attack import (AttackedTrainer, Backdoor, attack_table, malicious_clients, num_malicious,
+                                         shuffled_row)
+from fedjax_hetero.client.local import LocalTrainer
 from fedjax_hetero.compilation import CompileLog
-from fedjax_hetero.config import RunConfig
+from fedjax_hetero.config import FederationConfig, LocalConfig, RunConfig
 from fedjax_hetero.data import synthetic_dataset
-from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation, assign_groups, round_key
 from fedjax_hetero.methods import build_method
 from fedjax_hetero.models import build_model
-from fedjax_hetero.runner import run_experiment
+from fedjax_hetero.rounds import Simulation
+from fedjax_hetero.rounds.backends import make_backend
+from fedjax_hetero.rounds.inputs import one_cohort
+from fedjax_hetero.rounds.state import round_key
+from fedjax_hetero.run.runner import run_experiment
 from tests import helpers
 from tests.helpers import method_options, mlp_groups, model_variables, tiny_federation
 
@@ -48,7 +50,7 @@ def run(sim: Simulation, rounds: int = ROUNDS):
   state, rows, compiled = sim.init_state(), [], []
   for _ in range(rounds):
     with CompileLog() as log:
-      state, metrics = sim.run_round(state)
+      state, (metrics,) = sim.run_rounds(state, 1)
     rows.append(metrics)
     compiled.append(log.names)
   return state, rows, compiled
@@ -69,8 +71,8 @@ def test_malicious_set_is_fixed_by_the_seed_and_has_round_f_n_clients():
   chex.assert_shape(malicious_clients(100, 0.0, seed=3), (0,))
   np.testing.assert_array_equal(malicious_clients(7, 1.0, seed=0), np.arange(7))
   sim = simulation(malicious_fraction=0.34)
-  np.testing.assert_array_equal(sim.malicious_clients, malicious_clients(6, 0.34, seed=0))
-  chex.assert_shape(sim.malicious_clients, (2,))
+  np.testing.assert_array_equal(sim.spec.malicious_clients, malicious_clients(6, 0.34, seed=0))
+  chex.assert_shape(sim.spec.malicious_clients, (2,))
 
 
 def test_label_shuffle_is_a_fixed_permutation_of_the_clients_own_samples():
@@ -121,8 +123,8 @@ def test_malicious_upload_is_its_update_plus_lambda_times_the_backdoor_delta(met
                                      Backdoor(scale, reading), table)
 
   def train(trainer, client, data=store):
-    clients = np.array([client])
-    return backend.train(trainer, start, data, clients, np.ones(1), key)
+    rows = one_cohort(data, LOCAL, trainer, np.array([client]), np.ones(1), 1)
+    return backend.train(trainer, start, data, rows, key, stack_size=1)
 
   # Two separate clean trainings of the malicious client: on its data, and on its data relabelled.
   clean = train(clean_trainer, bad).delta_sum["params"]
@@ -171,8 +173,8 @@ def test_backends_agree_under_attack(attacked_runs):
 def test_fraction_zero_is_the_clean_run_bit_for_bit_and_the_attack_changes_it():
   clean = simulation(widths=(1.0,))
   zero = simulation(widths=(1.0,), malicious_fraction=0.0, backdoor_scale=7.0, backdoor_delta="difference")
-  assert all(type(t) is LocalTrainer for t in zero.trainers)
-  chex.assert_shape(zero.malicious_clients, (0,))
+  assert all(type(t) is LocalTrainer for t in zero.spec.trainers)
+  chex.assert_shape(zero.spec.malicious_clients, (0,))
   (clean_state, clean_rows, _), (zero_state, zero_rows, _) = run(clean, 2), run(zero, 2)
   chex.assert_trees_all_equal(zero_state.models, clean_state.models)
   assert [r["train_loss"] for r in zero_rows] == [r["train_loss"] for r in clean_rows]
@@ -218,8 +220,6 @@ def test_library_users_get_the_same_errors(no_compute):
     FederationConfig(backdoor_scale=-0.5)
   with pytest.raises(ValueError, match="rounds to no malicious client"):
     simulation(malicious_fraction=0.05)
-  with pytest.raises(ValueError, match="--backdoor-delta"):
-    Backdoor(1.0, "sum")
 
 
 # ---------------------------------------------------------------------------------------- results and compare

@@ -15,13 +15,8 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from fedjax_hetero.backends import BACKENDS, make_backend
-from fedjax_hetero.client.local import LocalConfig
-from fedjax_hetero.data import partition, synthetic_dataset
-from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation, assign_groups
-from fedjax_hetero.methods import build_method
-from fedjax_hetero.models import build_model
+from fedjax_hetero.rounds.backends import BACKENDS, make_backend
+from fedjax_hetero.rounds.inputs import one_cohort
 from tests.helpers import tiny_simulation
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -37,7 +32,7 @@ def build(backend, method="HeteroAvg"):
 
 def initial_state(sim):
   """The server state, filled with numpy (model.init would compile a PRNG kernel per leaf shape)."""
-  model = sim.groups[sim.global_index].model
+  model = sim.spec.groups[sim.spec.global_index].model
   shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8, 8, 1)))
   rng = np.random.default_rng(0)
   flat = {p: jnp.asarray(rng.normal(size=s.shape) / np.sqrt(max(1, np.prod(s.shape[:-1]))), jnp.float32)
@@ -49,7 +44,7 @@ def run(sim, rounds=ROUNDS):
   state = initial_state(sim)
   rows = []
   for _ in range(rounds):
-    state, metrics = sim.run_round(state)
+    state, (metrics,) = sim.run_rounds(state, 1)
     rows.append(metrics)
   return state, rows
 
@@ -61,18 +56,18 @@ def flat_params(state):
 @pytest.fixture(scope="module")
 def sequential_run():
   sim = build("sequential")
-  assert sim.backend.name == "sequential"
+  assert sim.cohorts.backend.name == "sequential"
   return run(sim)
 
 
 def test_the_simulation_exercises_unequal_clients_and_both_groups(sequential_run):
   sim = build("sequential")
-  assert len(set(sim.store.sizes.tolist())) > 1
+  assert len(set(sim.spec.store.sizes.tolist())) > 1
   state, rows = sequential_run
   for row in rows:
     assert set(row["train_loss_per_group"]) == {"mlp@0.5", "mlp@1.0"}
     # Every sampled client trains 2 epochs over all its examples (no drop_last).
-    assert row["examples"] == 2 * int(sim.store.sizes[row["clients"]].sum())
+    assert row["examples"] == 2 * int(sim.spec.store.sizes[row["clients"]].sum())
   initial = flat_params(initial_state(sim))
   final = flat_params(state)
   assert all(not np.allclose(initial[k], final[k]) for k in initial)
@@ -80,7 +75,7 @@ def test_the_simulation_exercises_unequal_clients_and_both_groups(sequential_run
 
 def test_vmap_matches_sequential(sequential_run):
   sim = build("vmap")
-  assert sim.backend.name == "vmap"
+  assert sim.cohorts.backend.name == "vmap"
   state, rows = run(sim)
   seq_state, seq_rows = sequential_run
   chex.assert_trees_all_close(state.models, seq_state.models, rtol=RTOL, atol=ATOL)
@@ -94,22 +89,24 @@ def test_group_results_match_across_backends():
   results = {}
   for name in ("sequential", "vmap"):
     sim = build(name)
-    start = sim.group_variables(initial_state(sim), 1)
-    clients = sim.groups[1].clients
+    start = sim.spec.group_variables(initial_state(sim), 1)
+    clients = sim.spec.groups[1].clients
     weights = np.arange(1, len(clients) + 1, dtype=float)
-    results[name] = sim.backend.train(sim.trainers[1], start, sim.store, clients, weights,
-                                      jax.random.key(3))
+    backend, spec = sim.cohorts.backend, sim.spec
+    rows = one_cohort(spec.store, spec.local, spec.trainers[1], clients, weights, backend.slots(len(clients)))
+    results[name] = backend.train(spec.trainers[1], start, spec.store, rows, jax.random.key(3),
+                                  stack_size=len(clients))
   seq, vm = results["sequential"], results["vmap"]
   chex.assert_trees_all_close(vm, seq, rtol=RTOL, atol=ATOL)
   assert float(seq.weight_sum) == pytest.approx(6.0)
-  assert float(seq.num_examples) == 2 * int(sim.store.sizes[sim.groups[1].clients].sum())
+  assert float(seq.num_examples) == 2 * int(sim.spec.store.sizes[sim.spec.groups[1].clients].sum())
 
 
 def memory_rounds(sim, consume):
   """Two rounds from one state; returns the states and whether the first round consumed its input."""
   first = initial_state(sim)
-  second, _ = sim.run_round(first, consume=consume)
-  third, _ = sim.run_round(second, consume=consume)
+  second, (_,) = sim.run_rounds(first, 1, consume=consume)
+  third, (_,) = sim.run_rounds(second, 1, consume=consume)
   consumed = all(x.is_deleted() for x in jax.tree.leaves(first.memory))
   return second if not consume else None, third, consumed
 
@@ -127,7 +124,7 @@ def test_consuming_rounds_update_per_client_memory_in_place(backend, method):
   assert consumed, "the round copied the memory instead of updating it in place"
   chex.assert_trees_all_close(donated.memory, copied.memory, rtol=1e-6, atol=1e-7)
   chex.assert_trees_all_close(donated.models, copied.models, rtol=1e-6, atol=1e-7)
-  again, _ = sim.run_round(kept)  # a state a copying round left behind trains again
+  again, (_,) = sim.run_rounds(kept, 1)  # a state a copying round left behind trains again
   chex.assert_trees_all_close(again.memory, copied.memory, rtol=1e-6, atol=1e-7)
 
 
@@ -153,7 +150,7 @@ SHARDED_SCRIPT = textwrap.dedent("""
     golden_state = golden.init_state()
     for _ in range(2):
       with CompileLog() as log:
-        golden_state, _ = golden.run_round(golden_state)
+        golden_state, (_,) = golden.run_rounds(golden_state, 1)
         golden.evaluate(golden_state)
       compiled.append(log.names)
     # Per-client memory on the mesh: updated in place by a consuming round, with a copying round's result.
@@ -163,7 +160,7 @@ SHARDED_SCRIPT = textwrap.dedent("""
     memory_equal = all(np.allclose(a, b, rtol=1e-6, atol=1e-7)
                        for a, b in zip(jax.tree.leaves(donated.memory), jax.tree.leaves(copied.memory)))
     print("RESULT " + json.dumps({{
-        "devices": jax.device_count(), "backend": sim.backend.name, "mesh_size": sim.backend.mesh.size,
+        "devices": jax.device_count(), "backend": sim.cohorts.backend.name, "mesh_size": sim.cohorts.backend.mesh.size,
         "rows": rows, "compiled": compiled, "memory_consumed": consumed, "memory_equal": memory_equal}}))
 """)
 

@@ -24,13 +24,12 @@ import chex
 import numpy as np
 import pytest
 
+from fedjax_hetero import config as run_config
 from fedjax_hetero.cli import run as cli
 from fedjax_hetero.cli.datasets import defaults_for
-from fedjax_hetero import config as run_config
-from fedjax_hetero.config import OutputConfig
+from fedjax_hetero.config import OutputConfig, cli_flag
 from fedjax_hetero.data import DataNotFoundError, load_fashion_mnist
 from fedjax_hetero.data.datasets import FASHION_MNIST_FILES, FASHION_MNIST_SYSTEM_DIR, CorruptDataError
-from fedjax_hetero.validation import cli_flag
 
 # ------------------------------------------------------------------------------------------------ the CLI
 
@@ -141,7 +140,7 @@ BAD_FLAGS = [
 ]
 
 
-def _must_not_run(config, **_):
+def _must_not_run(config, *_):
   raise AssertionError("the CLI started a run with a bad input")
 
 
@@ -161,7 +160,7 @@ def fill(text: str, tmp_path) -> str:
 
 @pytest.mark.parametrize("args, fragment", BAD_FLAGS, ids=[args for args, _ in BAD_FLAGS])
 def test_the_cli_rejects_a_bad_flag_before_loading_data(args, fragment, tmp_path, capsys, monkeypatch, no_compute):
-  monkeypatch.setattr(cli, "run_experiment", _must_not_run)
+  monkeypatch.setattr(cli, "run_checked", _must_not_run)
   code = run_cli(tmp_path, args)
   captured = capsys.readouterr()
   assert code == 2
@@ -173,7 +172,7 @@ def test_the_cli_rejects_a_bad_flag_before_loading_data(args, fragment, tmp_path
 def test_every_case_is_listed_once_and_the_base_run_is_valid(tmp_path, capsys, monkeypatch):
   assert len({args for args, _ in BAD_FLAGS}) == len(BAD_FLAGS)
   configs = []
-  monkeypatch.setattr(cli, "run_experiment", lambda config, **_: configs.append(config) or {
+  monkeypatch.setattr(cli, "run_checked", lambda config, *_: configs.append(config) or {
       "final_accuracy": {}, "best_mean_accuracy": None, "train_seconds_all_rounds": 0.0})
   cli.main("fashion_mnist", shlex.split(fill(BASE_ARGS, tmp_path)))
   assert len(configs) == 1 and configs[0].data.max_test_samples == 50

@@ -17,10 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedjax_hetero import aggregators as A
-from fedjax_hetero import engine
-from fedjax_hetero.algorithms.fedgen import FedGenConfig
-from fedjax_hetero.client.local import LocalConfig
-from fedjax_hetero.config import DataConfig, OutputConfig, RunConfig
+from fedjax_hetero.config import DataConfig, FedGenConfig, FederationConfig, LocalConfig, OutputConfig, RunConfig
 from fedjax_hetero.data import class_counts, dirichlet, iid_imbalanced, partition
 from fedjax_hetero.hetero import build_group_map, coverage, embed, extract, graft, pick_global
 
@@ -60,9 +57,9 @@ MISUSE = [
     ("DataConfig: bool clients", call(DataConfig, num_clients=True), r"--num-clients must be an integer >= 1, got True"),
     ("DataConfig: text alpha", call(DataConfig, alpha="0.5"), r"--alpha must be a finite number > 0, got '0.5'"),
     ("OutputConfig: text flag", call(OutputConfig, resume="yes"), r"--resume must be true or false, got 'yes'"),
-    ("FederationConfig: seed 2^32", call(engine.FederationConfig, seed=2 ** 32), r"--seed must be an integer in"),
-    ("FederationConfig: NaN draw", call(engine.FederationConfig, group_draw=(float("nan"), 1.0)), r"--group-draw"),
-    ("FederationConfig: a draw of text", call(engine.FederationConfig, group_draw="0.5,0.5"),
+    ("FederationConfig: seed 2^32", call(FederationConfig, seed=2 ** 32), r"--seed must be an integer in"),
+    ("FederationConfig: NaN draw", call(FederationConfig, group_draw=(float("nan"), 1.0)), r"--group-draw"),
+    ("FederationConfig: a draw of text", call(FederationConfig, group_draw="0.5,0.5"),
      r"--group-draw must be a sequence of probabilities"),
     ("RunConfig: a draw per group", call(RunConfig.from_flags, group_draw=(1.0,)),
      r"--group-draw needs one probability per architecture group \(3\), got 1"),

@@ -8,18 +8,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_hetero.cli import run as cli
 from fedjax_hetero import aggregators
-from fedjax_hetero.client.local import LocalConfig, LocalTrainer
-from fedjax_hetero.client.terms import (model_contrastive_loss, nova_normalizer, scaffold_control_update,
-                                        scaffold_correction)
-from fedjax_hetero.config import RunConfig
+from fedjax_hetero.cli import run as cli
+from fedjax_hetero.client.local import LocalTrainer
+from fedjax_hetero.config import FedCrossConfig, LocalConfig, RunConfig
 from fedjax_hetero.data.store import sample_clients
 from fedjax_hetero.hetero.maps import build_group_map, identity_map
 from fedjax_hetero.methods import METHODS, build_method, get_entry
+from fedjax_hetero.methods.fednova import nova_normalizer
+from fedjax_hetero.methods.moon import model_contrastive_loss
+from fedjax_hetero.methods.scaffold import scaffold_control_update, scaffold_correction
 from fedjax_hetero.models import build_model
-from fedjax_hetero.runner import run_experiment
-from fedjax_hetero.server.cross import FedCrossConfig
+from fedjax_hetero.run.runner import run_experiment
 from tests.helpers import model_variables, random_batch, run_rounds, tiny_simulation
 
 NUM_CLASSES = 4
@@ -189,15 +189,15 @@ def test_vmap_backend_matches_sequential(method):
 def test_scaffold_keeps_per_client_control_variates_for_sampled_clients_only():
   sim = simulation("HeteroScaffold")
   state0 = sim.init_state()
-  state1, row = sim.run_round(state0)
+  state1, (row,) = sim.run_rounds(state0, 1)
   sampled = set(row["clients"])
-  for gi, group in enumerate(sim.groups):
+  for gi, group in enumerate(sim.spec.groups):
     chex.assert_shape(jax.tree.leaves(state1.memory[gi][0])[0], (len(group.clients),) + jax.tree.leaves(
         state0.memory[gi][0])[0].shape[1:])
     for row, client in enumerate(group.clients):
       moved = any(float(jnp.abs(x[row]).max()) > 0 for x in jax.tree.leaves(state1.memory[gi][0]))
       assert moved == (int(client) in sampled), (group.name, client)
-  control = state1.steps[0][[s.name for s in sim.method.server].index("scaffold")]
+  control = state1.steps[0][[s.name for s in sim.spec.method.server].index("scaffold")]
   assert any(float(jnp.abs(x).max()) > 0 for x in jax.tree.leaves(control))
 
 
@@ -205,8 +205,8 @@ def test_moon_keeps_each_clients_previous_model():
   sim = simulation("HeteroMOON", widths=(1.0,), clients_per_round=2)
   state0 = sim.init_state()
   assert "projection_out" in state0.models[0]["params"]
-  state1, metrics = sim.run_round(state0)
-  for row, client in enumerate(sim.groups[0].clients):
+  state1, (metrics,) = sim.run_rounds(state0, 1)
+  for row, client in enumerate(sim.spec.groups[0].clients):
     prev0 = jax.tree.map(lambda x: x[row], state0.memory[0][0])
     prev1 = jax.tree.map(lambda x: x[row], state1.memory[0][0])
     changed = any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(prev0), jax.tree.leaves(prev1)))
@@ -219,11 +219,11 @@ def test_fedcross_round_trains_each_middleware_model_and_cross_aggregates():
   state0 = sim.init_state()
   middleware0 = state0.models[0]
   chex.assert_tree_shape_prefix(middleware0, (4,))
-  state1, metrics = sim.run_round(state0)
-  assert sorted(metrics["clients"]) == sample_clients(sim.store.num_clients, 4, 0, 0).tolist()
+  state1, (metrics,) = sim.run_rounds(state0, 1)
+  assert sorted(metrics["clients"]) == sample_clients(sim.spec.store.num_clients, 4, 0, 0).tolist()
   assert metrics["fedcross_stage"] == "cross" and 0 <= metrics["middleware_similarity"]["mean_cosine"] <= 1
   # in-order selection mixes with weights that keep the slot mean: the global model is the uploads' mean
-  chex.assert_trees_all_close(sim.server_variables(state1), aggregators.global_model(state1.models[0]), rtol=1e-6)
+  chex.assert_trees_all_close(sim.spec.server_variables(state1), aggregators.global_model(state1.models[0]), rtol=1e-6)
   # the slots differ after one round (each trained by another client)
   first = jax.tree.leaves(state1.models[0])[0]
   assert not np.allclose(first[0], first[1])
@@ -288,7 +288,7 @@ def test_a_scaffold_checkpoint_of_the_memory_by_term_name_is_refused_saying_why(
   Such a checkpoint (no layout recorded) does not restore, and the error says an earlier version wrote it; one
   written now restores."""
   import orbax.checkpoint as ocp
-  from fedjax_hetero import checkpoints
+  from fedjax_hetero.run import checkpoints
 
   sim = tiny_simulation("Scaffold", widths=(1.0,))
   state = sim.init_state()
@@ -298,11 +298,11 @@ def test_a_scaffold_checkpoint_of_the_memory_by_term_name_is_refused_saying_why(
   manager.save(1, args=ocp.args.StandardSave(old), force=True, custom_metadata={checkpoints.ROUND_KEY: 1})
   manager.wait_until_finished()
   with pytest.raises(ValueError, match="written by an earlier version of fedjax_hetero.*start the run again"):
-    checkpoints.restore_latest(checkpoints.manager(str(tmp_path / "old")), sim.state_shapes)
+    checkpoints.restore_latest(checkpoints.manager(str(tmp_path / "old")), sim.spec.state_shapes)
   with pytest.raises(ValueError, match="written by an earlier version"):
-    checkpoints.restore_latest_intact(str(tmp_path / "old"), sim.state_shapes, warn=lambda _: None)
+    checkpoints.restore_latest_intact(str(tmp_path / "old"), sim.spec.state_shapes, warn=lambda _: None)
   new = checkpoints.manager(str(tmp_path / "new"))
   checkpoints.save(new, state._replace(round=1), force=True)
   new.wait_until_finished()
-  restored = checkpoints.restore_latest(checkpoints.manager(str(tmp_path / "new")), sim.state_shapes)
+  restored = checkpoints.restore_latest(checkpoints.manager(str(tmp_path / "new")), sim.spec.state_shapes)
   chex.assert_trees_all_equal(restored.memory, state.memory)

@@ -8,8 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_hetero.client.local import LocalConfig, LocalTrainer, normalize
+from fedjax_hetero.client.local import LocalTrainer
 from fedjax_hetero.client.terms import ClientTerm, Loss
+from fedjax_hetero.config import LocalConfig
+from fedjax_hetero.data.store import normalize
 from fedjax_hetero.models import build_model
 from tests.helpers import model_variables, random_batch
 

@@ -10,7 +10,7 @@ import pytest
 
 from fedjax_hetero.cli import compare
 from fedjax_hetero.config import RunConfig
-from fedjax_hetero.runner import run_experiment
+from fedjax_hetero.run.runner import run_experiment
 
 pytestmark = pytest.mark.slow  # end to end (`pytest -m "not slow"` leaves it out)
 

@@ -7,16 +7,16 @@ import json
 
 import pytest
 
-from fedjax_hetero import backends, history
-from fedjax_hetero.build import run_method
 from fedjax_hetero.cli import run as cli
 from fedjax_hetero.cli.datasets import defaults_for
 from fedjax_hetero.cli.presets import PRESETS, values_for
-from fedjax_hetero.config import (FLAGS, BACKEND_NAMES, FedFAOptions, MethodConfig, Proximal, RunConfig, as_dict,
-                                  declare, flatten, from_dict)
+from fedjax_hetero.config import (BACKEND_NAMES, FLAGS, FedFAOptions, MethodConfig, Proximal, RunConfig, as_dict,
+                                  cli_flag, declare, flatten, from_dict)
 from fedjax_hetero.methods import METHODS, build_method
 from fedjax_hetero.methods.catalog import readers
-from fedjax_hetero.validation import cli_flag
+from fedjax_hetero.rounds import backends
+from fedjax_hetero.run import history
+from fedjax_hetero.run.build import run_method
 
 
 def test_every_setting_has_one_flag_and_one_key():
@@ -71,7 +71,7 @@ def test_a_presets_method_options_go_to_the_methods_that_read_them():
 
 
 def test_build_method_runs_once_per_run(tmp_path, monkeypatch):
-  import fedjax_hetero.build as build
+  import fedjax_hetero.run.build as build
 
   calls = []
   real = build.build_method

@@ -11,8 +11,9 @@ import numpy as np
 import optax
 import pytest
 
-from fedjax_hetero.client.terms import ClientTerm, Loss, Memory, Upload, proximal_term, tree_sub, upload_variables
+from fedjax_hetero.client.terms import ClientTerm, Loss, Memory, Upload, tree_sub, upload_variables
 from fedjax_hetero.methods import PER_GROUP, Method
+from fedjax_hetero.methods.fedprox import proximal_term
 from fedjax_hetero.server import ServerStep, apply_delta, mean_delta
 from tests.helpers import tiny_simulation
 
@@ -27,7 +28,7 @@ def run(method, rounds=4):
   sim = tiny_simulation(method, widths=(1.0,), clients_per_round=3)
   states, rows = [sim.init_state()], []
   for _ in range(rounds):
-    state, metrics = sim.run_round(states[-1])
+    state, (metrics,) = sim.run_rounds(states[-1], 1)
     states.append(state)
     rows.append(metrics)
   return sim, states, rows

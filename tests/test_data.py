@@ -6,23 +6,9 @@ import os
 import numpy as np
 import pytest
 
-from fedjax_hetero.data import (
-    DATASETS,
-    ArrayDataset,
-    DataNotFoundError,
-    class_counts,
-    dirichlet,
-    iid,
-    iid_imbalanced,
-    load_dataset,
-    load_fashion_mnist,
-    load_tfds,
-    partition,
-    partition_report,
-    plot_partition,
-    shards,
-    synthetic_dataset,
-)
+from fedjax_hetero.data import (DATASETS, ArrayDataset, DataNotFoundError, class_counts, dirichlet, iid, iid_imbalanced,
+                                load_dataset, load_fashion_mnist, load_tfds, partition, partition_report,
+                                plot_partition, shards, synthetic_dataset)
 
 FASHION_DIR = "/usr/share/datasets/fashion-mnist"
 NUM_CLASSES = 10

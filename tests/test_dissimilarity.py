@@ -11,10 +11,10 @@ from flax import traverse_util
 from fedjax_hetero.compilation import CompileLog
 from fedjax_hetero.config import RunConfig
 from fedjax_hetero.data import synthetic_dataset
-from fedjax_hetero.dissimilarity import gradient_dissimilarity
+from fedjax_hetero.methods.dissimilarity import gradient_dissimilarity
 from fedjax_hetero.models import build_model, parameter_split
 from fedjax_hetero.models.projection import with_projection_head
-from fedjax_hetero.runner import run_experiment
+from fedjax_hetero.run.runner import run_experiment
 from tests.helpers import tiny_simulation
 
 
@@ -61,7 +61,7 @@ def test_engine_logs_it_per_group_and_compiles_it_in_the_first_round(method):
   state, logged = sim.init_state(), set()
   for r in range(6):
     with CompileLog() as log:
-      state, metrics = sim.run_round(state)
+      state, (metrics,) = sim.run_rounds(state, 1)
     if r:
       assert not log.names, f"round {r + 1} compiled {log.names}"
     # The group that trained; in a shared federation also the others, with no values (nobody trained them).
@@ -71,7 +71,7 @@ def test_engine_logs_it_per_group_and_compiles_it_in_the_first_round(method):
       assert set(values) == {"low", "high", "low_spread", "high_spread"}
       assert all(v is None for v in values.values())  # one client: no point, rather than a 0.0 on a log axis
     logged.add(trained)
-  assert logged == {g.name for g in sim.groups}
+  assert logged == {g.name for g in sim.spec.groups}
 
 
 @pytest.mark.slow

@@ -23,9 +23,10 @@ import time
 import numpy as np
 import pytest
 
+from fedjax_hetero import distributed
 from fedjax_hetero.cli import launch
 from fedjax_hetero.cli import run as cli
-from fedjax_hetero import distributed
+from fedjax_hetero.config.distributed import from_flags
 from tests.helpers import FMNIST_FILE, REPO
 
 # One xdist worker runs the whole module, so its module-scoped launches run once (scripts/test.sh: --dist loadgroup).
@@ -254,15 +255,15 @@ def test_bad_multi_process_flags_are_rejected_before_anything_starts(args, fragm
 def test_the_coordinator_settings_come_from_the_environment(monkeypatch):
   environ = {"FEDJAX_HETERO_COORDINATOR": "10.0.0.1:1234", "FEDJAX_HETERO_NUM_PROCESSES": "4",
              "FEDJAX_HETERO_PROCESS_ID": "3"}
-  config = distributed.from_flags(environ=environ)
+  config = from_flags(environ=environ)
   assert (config.coordinator, config.num_processes, config.process_id, config.multi_process) == (
       "10.0.0.1:1234", 4, 3, True)
-  assert distributed.from_flags(process_id=1, environ=environ).process_id == 1  # a flag wins
+  assert from_flags(process_id=1, environ=environ).process_id == 1  # a flag wins
   with pytest.raises(ValueError, match=r"\$FEDJAX_HETERO_NUM_PROCESSES must be an integer \(--num-processes\), "
                                        r"got 'two'"):
-    distributed.from_flags(environ={**environ, "FEDJAX_HETERO_NUM_PROCESSES": "two"})
-  assert not distributed.from_flags(environ={}).enabled
-  assert distributed.from_flags("auto", environ={}).multi_process is None  # jax's detection will tell
+    from_flags(environ={**environ, "FEDJAX_HETERO_NUM_PROCESSES": "two"})
+  assert not from_flags(environ={}).enabled
+  assert from_flags("auto", environ={}).multi_process is None  # jax's detection will tell
 
 
 @pytest.mark.parametrize("argv, fragment", [

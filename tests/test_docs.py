@@ -22,14 +22,13 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 import tomllib
 from unittest import mock
 
 import pytest
 
-from fedjax_hetero.build import run_method
 from fedjax_hetero.cli import flags, run
+from fedjax_hetero.run.build import run_method
 from tests.helpers import FMNIST_FILE, REPO
 
 DOCS = ["README.md", *sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "*.md"))),

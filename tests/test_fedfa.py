@@ -9,21 +9,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_hetero.cli import run as cli
 from fedjax_hetero import aggregators
-from fedjax_hetero.config import FedFAOptions
-from fedjax_hetero.backends import empty_result, make_backend
-from fedjax_hetero.client.local import LocalConfig
-from fedjax_hetero.data import partition, synthetic_dataset
-from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation, assign_groups
+from fedjax_hetero.cli import run as cli
+from fedjax_hetero.config import FedFAOptions, LocalConfig
 from fedjax_hetero.hetero import build_group_map, coverage, embed, extract, graft, identity_map
 from fedjax_hetero.methods import METHODS, build_method
 from fedjax_hetero.methods.fedfa import ScaledKernels, graft_pairs, grafted_maps
-from fedjax_hetero.models import ResNet, build_model
-from fedjax_hetero.server.steps import server_program
-from tests.helpers import (method_options, numpy_variables, run_rounds, simulation, tiny_federation, tiny_resnet,
-                           tiny_simulation)
+from fedjax_hetero.models import build_model
+from fedjax_hetero.rounds import Simulation
+from fedjax_hetero.rounds.cohort import empty_group_result, empty_result
+from tests.helpers import (aggregate, method_options, numpy_variables, run_rounds, simulation, tiny_federation,
+                           tiny_resnet, tiny_simulation)
 
 # One worker runs the module, so its module-scoped run trains once (scripts/test.sh: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("fedfa")
@@ -261,8 +257,8 @@ def resnet_fedfa():
 
 def test_fedfa_two_rounds_on_resnet_depth_groups(resnet_fedfa):
   sim, state, metrics = resnet_fedfa
-  maps = grafted_maps(sim.federations[0])
-  assert len(maps[0].push) > len(sim.federations[0].maps[0].push)  # the shallow group is grafted
+  maps = grafted_maps(sim.spec.federations[0])
+  assert len(maps[0].push) > len(sim.spec.federations[0].maps[0].push)  # the shallow group is grafted
   for m in metrics:
     assert 0 < m["fedfa"]["alpha_min"] <= 1 <= m["fedfa"]["alpha_max"] and m["fedfa"]["fallbacks"] == 0
     assert np.isfinite(m["train_loss"])
@@ -276,19 +272,19 @@ def test_fedfa_grafting_feeds_the_shallow_clients_into_deeper_blocks(resnet_fedf
   rng = np.random.default_rng(3)
   model = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), state.models[0])
   state = state._replace(models=(model,))
-  starts = [sim.group_variables(state, i) for i in range(2)]
+  starts = [sim.spec.group_variables(state, i) for i in range(2)]
   # The shallow group (weight 1) uploads its start + 1, the deep one (weight 3) its start + 5. Every norm
   # row is 0, so alpha = 1 and the kernels come through the fallback part, unscaled.
   results = []
   for g, (start, value, weight) in enumerate(zip(starts, (1.0, 15.0), (1.0, 3.0))):
-    empty = sim.host_loop.empty_result(g, start, (), state)
+    empty = empty_group_result(sim.spec.trainers[g], start, (), (), sim.spec.stack_size(g))
     sums = jax.tree.map(lambda x, v=value: jnp.full_like(x, v), start)
     uploaded = jax.tree.map(lambda d, x, w=weight: d + w * x, sums, start)
     scaled = ScaledKernels(aggregators.fedfa.kernels(uploaded), aggregators.fedfa.kernels(
         jax.tree.map(jnp.zeros_like, start)))
     uploads = (scaled,) + empty.uploads[1:]  # the terms: scaled_upload's two
     results.append(empty._replace(delta_sum=sums, weight_sum=jnp.float32(weight), uploads=uploads))
-  new, _, metrics = sim.aggregate(0, state, starts, [(), ()], results, [np.array([0]), np.array([2, 3])])
+  new, _, metrics = aggregate(sim, state, starts, results, [np.array([0]), np.array([2, 3])])
   assert metrics["fedfa"]["fallbacks"] > 0
   kernel = lambda tree, block: np.asarray(tree["params"][block]["conv2"]["kernel"])
   # stage1_block1 = (1 * (1 + shallow block 0) + 3 * (5 + block 1)) / 4: the graft's copy of block 0.
@@ -307,23 +303,23 @@ def test_flexifed_and_fedrolex_two_rounds_and_fedfa_without_its_parts_is_flexife
   runs = {}
   for name in ("FlexiFed", "FedRolex"):
     sim = tiny_simulation(name, widths=(1.0, 0.5))
-    assert all(m.rolling == (name == "FedRolex") for m in sim.maps[1:])
+    assert all(m.rolling == (name == "FedRolex") for m in sim.spec.maps[1:])
     state, metrics = run_rounds(sim)
     assert state.round == 2 and all(np.isfinite(m["train_loss"]) for m in metrics)
     assert 0 <= sim.evaluate(state)["mean"] <= 1
     runs[name] = sim, state
   # Random uploads aggregated by FlexiFed's server program and by FedFA's without its two parts.
   sim, state = runs["FlexiFed"]
-  starts = [sim.group_variables(state, i) for i in range(2)]
+  starts = [sim.spec.group_variables(state, i) for i in range(2)]
   rng = np.random.default_rng(5)
   results = [empty_result(st)._replace(delta_sum=jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape),
                                                                                      jnp.float32), st),
                                        weight_sum=jnp.float32(w)) for st, w in zip(starts, (2.0, 1.0))]
   cohorts = [np.array([0, 1]), np.array([3])]
-  flexifed = sim.aggregate(0, state, starts, [{}, {}], results, cohorts)[0]
+  flexifed = aggregate(sim, state, starts, results, cohorts)[0]
   off = build_method("FedFA", method_options(fedfa_graft=False, fedfa_scale=False))
-  sim.server_programs[0] = server_program(off.server, sim.federations[0])
-  chex.assert_trees_all_close(sim.aggregate(0, state, starts, [{}, {}], results, cohorts)[0], flexifed,
+  without_parts = Simulation(sim.spec.with_values(method=off), sim.cohorts)
+  chex.assert_trees_all_close(aggregate(without_parts, state, starts, results, cohorts)[0], flexifed,
                               rtol=1e-6, atol=1e-7)
 
 
@@ -364,7 +360,7 @@ def test_cli_flags_reach_the_method_and_bad_ones_stop_before_compute(tmp_path, c
   base = ["--groups", "resnet10,resnet14", "--num-clients", "10", "--rounds", "1", "--no-progress",
           "--compile-cache", "off", "--output-dir", str(tmp_path / "out")]
   configs = []
-  monkeypatch.setattr(cli, "run_experiment", lambda config, **_: configs.append(config) or {
+  monkeypatch.setattr(cli, "run_checked", lambda config, *_: configs.append(config) or {
       "final_accuracy": {}, "best_mean_accuracy": None, "train_seconds_all_rounds": 0.0})
   cli.main("fashion_mnist", base + ["--method", "fedfa", "--no-fedfa-graft", "--fedfa-norm", "rms",
                                                          "--fedfa-percentile", "90"])

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_hetero.algorithms import fedgen
+from fedjax_hetero.config import FedGenConfig
+from fedjax_hetero.methods import fedgen_generator as fedgen
 from fedjax_hetero.models import CNN
 from tests.helpers import model_variables
 
@@ -135,7 +136,7 @@ def test_client_regularizer(generator, state):
 
 
 def test_config_schedules_and_presets():
-  config = fedgen.FedGenConfig.preset("cifar100")
+  config = FedGenConfig.preset("cifar100")
   assert (config.ensemble_lr, config.generative_alpha, config.generative_beta) == (1e-4, 10.0, 1.0)
   assert (config.noise_dim, config.hidden_dim, config.batch_size, config.generator_steps) == (100, 512, 128, 50)
   assert fedgen.client_coefficients(config, 0) == (0.0, 0.0)
@@ -144,7 +145,7 @@ def test_config_schedules_and_presets():
   assert fedgen.decayed_coefficient(0.0, 3) == 0.0
   np.testing.assert_allclose(config.generator_learning_rate(2), 1e-4 * 0.98 ** 2)
   with pytest.raises(ValueError):
-    fedgen.FedGenConfig.preset("mnist")
+    FedGenConfig.preset("mnist")
 
 
 def test_round_with_cnn_heads():
@@ -154,8 +155,9 @@ def test_round_with_cnn_heads():
   heads = jax.tree.map(lambda *xs: jnp.stack(xs), *[model_variables(model, sample, seed) for seed in range(K)])
   head_apply = fedgen.feature_head(model)
   assert hash(head_apply) == hash(fedgen.feature_head(model))  # a stable jit key across rounds
-  config = fedgen.FedGenConfig(noise_dim=4, hidden_dim=16, batch_size=16, ensemble_epochs=4, n_teacher_iters=2)
-  generator = fedgen.make_generator(config, NUM_CLASSES, latent_dim=8)
+  config = FedGenConfig(noise_dim=4, hidden_dim=16, batch_size=16, ensemble_epochs=4, n_teacher_iters=2)
+  generator = fedgen.Generator(num_classes=NUM_CLASSES, latent_dim=8, noise_dim=config.noise_dim,
+                               hidden_dim=config.hidden_dim, embedding=config.embedding)
   state = fedgen.init_generator(generator, jax.random.key(0), config.weight_decay)
   counts = np.array([[4, 0, 0, 2, 0], [0, 3, 0, 0, 0], [1, 1, 0, 0, 9]])
   new_state, metrics = fedgen.train_generator_round(state, config, generator, head_apply, heads, counts,

@@ -11,15 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_hetero import checkpoints
-from fedjax_hetero.algorithms.fedgen import FedGenConfig
 from fedjax_hetero.client.local import LocalTrainer
-from fedjax_hetero.build import run_method
-from fedjax_hetero.config import RunConfig
+from fedjax_hetero.config import FedGenConfig, RunConfig
 from fedjax_hetero.data import synthetic_dataset
 from fedjax_hetero.data.store import FederatedStore, sample_clients
 from fedjax_hetero.methods import PER_GROUP, build_method
-from fedjax_hetero.runner import build_simulation, run_experiment
+from fedjax_hetero.run import checkpoints
+from fedjax_hetero.run.build import build_simulation, run_method
+from fedjax_hetero.run.runner import run_experiment
 from fedjax_hetero.sampling import ClusteredSampler
 from tests.helpers import tiny_federation, tiny_simulation
 
@@ -45,7 +44,7 @@ def simulation(data, method, backend="sequential", widths=(1.0,), clients_per_ro
 def run(sim, rounds=2):
   states, rows = [sim.init_state()], []
   for _ in range(rounds):
-    state, metrics = sim.run_round(states[-1])
+    state, (metrics,) = sim.run_rounds(states[-1], 1)
     states.append(state)
     rows.append(metrics)
   return states, rows
@@ -73,7 +72,7 @@ def fedgen_run(data):
 
 
 def generator_state(sim, state, federation=0):
-  return state.steps[federation][[s.name for s in sim.method.server].index("fedgen")]
+  return state.steps[federation][[s.name for s in sim.spec.method.server].index("fedgen")]
 
 
 def test_fedgen_trains_the_generator_and_runs(fedgen_run):
@@ -96,16 +95,16 @@ def test_fedgen_regularizer_changes_local_training_only_when_switched_on(fedgen_
   chex.assert_trees_all_close(states[1].models, fedavg_states[1].models, rtol=1e-5, atol=1e-6)
   assert max_difference(states[2].models, fedavg_states[2].models) > 1e-3
   # One local step, from the same start with the same key:
-  trainer = sim.trainers[0]
+  trainer = sim.spec.trainers[0]
   plain = LocalTrainer(trainer.model, trainer.config, trainer.mean, trainer.std)
   _, store = data
   ids = np.asarray(store.index_table[0, :8])
   args = (store.images[ids], store.labels[ids], jnp.ones(8, bool))
-  start = sim.group_variables(states[1], 0)
+  start = sim.spec.group_variables(states[1], 0)
   key = jax.random.key(3)
   want = jax.jit(plain.train_step)(plain.init_state(start), *args)
   for state, changes in ((states[0], False), (states[1], True)):  # coefficients (0, 0) in round 0 (FedGen code)
-    server = sim.group_share(state, 0)
+    server = sim.spec.group_share(state, 0)
     got = jax.jit(trainer.train_step)(trainer.init_state(start, (), server, key), *args)
     if changes:
       assert max_difference(got.variables["params"], want.variables["params"]) > 1e-4
@@ -156,7 +155,7 @@ def test_clusamp_records_representative_gradients_and_samples_from_them(clusamp_
   assert rows[1]["clients"] == expected.sample(1).tolist()
   fresh = simulation(data, "CluSamp")  # its sampler rebuilt from the stored gradients alone
   for r in range(1, 12):
-    assert fresh.method.sampler.sample(states[1].sampler, r, fresh.sampling).draws.tolist() == \
+    assert fresh.spec.method.sampler.sample(states[1].sampler, r, fresh.spec.sampling).draws.tolist() == \
         expected.sample(r).tolist()
   # With gradients present the draws are neither uniform nor the cold start's.
   cold = ClusteredSampler(store.sizes, 3, seed=0)
@@ -174,7 +173,7 @@ def test_clusamp_counts_a_client_drawn_twice_twice(data):
   state = sim.init_state()
   sampler = ClusteredSampler(store.sizes, 3, seed=0)
   r = next(r for r in range(100) if len(set(sampler.sample(r).tolist())) < 3)
-  clients, weights, draws = sim.method.sampler.sample(state.sampler, r, sim.sampling)
+  clients, weights, draws = sim.spec.method.sampler.sample(state.sampler, r, sim.spec.sampling)
   assert draws.tolist() == sampler.sample(r).tolist()
   assert clients.tolist() == sorted(set(draws.tolist()))  # each client trains once ...
   np.testing.assert_allclose(weights, [draws.tolist().count(c) / 3 for c in clients])  # ... and counts per draw
@@ -210,7 +209,7 @@ def test_clusamp_resume_equals_an_uninterrupted_run(tmp_path):
 
   def final_state(config):
     sim, _ = build_simulation(config, dataset, log=lambda _: None)
-    return checkpoints.restore_latest(checkpoints.manager(config.output.dir), sim.state_shapes)
+    return checkpoints.restore_latest(checkpoints.manager(config.output.dir), sim.spec.state_shapes)
 
   a, b = final_state(straight), final_state(resumed)
   chex.assert_trees_all_equal((a.models, a.steps, a.sampler), (b.models, b.steps, b.sampler))

@@ -13,17 +13,18 @@ import optax
 import pytest
 from flax import traverse_util
 
-from fedjax_hetero import checkpoints
-from fedjax_hetero.algorithms import fedimpro as fi
-from fedjax_hetero.backends import empty_result
 from fedjax_hetero.client.local import masked_cross_entropy
 from fedjax_hetero.client.terms import Batch, Outputs, RoundInput, StepContext
-from fedjax_hetero.build import run_method
-from fedjax_hetero.config import RunConfig
+from fedjax_hetero.config import FedImproConfig, RunConfig
+from fedjax_hetero.config.options import LOSS_MODES
 from fedjax_hetero.data import synthetic_dataset
+from fedjax_hetero.methods import fedimpro as fi
 from fedjax_hetero.methods.fedimpro import feature_sharing, feature_statistics, shape_classes
 from fedjax_hetero.models import build_model, parameter_split
-from fedjax_hetero.runner import build_simulation, run_experiment
+from fedjax_hetero.rounds.cohort import empty_result
+from fedjax_hetero.run import checkpoints
+from fedjax_hetero.run.build import build_simulation, run_method
+from fedjax_hetero.run.runner import run_experiment
 from fedjax_hetero.server.steps import Carry, RoundInputs
 from tests.helpers import model_variables, random_batch, run_fmnist_cli, tiny_simulation
 
@@ -113,14 +114,14 @@ def test_synthetic_features_follow_the_class_gaussians():
 
 @pytest.mark.parametrize("name,width,kwargs", [("cnn", 0.25, {}),
                                                ("resnet10", 1.0, dict(stage_sizes=(1, 1), base_channels=4, stem="cifar"))])
-@pytest.mark.parametrize("loss", fi.LOSS_MODES)
+@pytest.mark.parametrize("loss", LOSS_MODES)
 def test_the_synthetic_term_reaches_only_the_high_part(name, width, kwargs, loss):
   """The gradient of the synthetic loss on every low-part parameter is exactly zero (BatchNorm included)."""
   model = build_model(name, C, width, **kwargs)
   images, labels = random_batch(0, 8, C, (12, 12, 1))
   x = images.astype(jnp.float32) / 255.0
   variables = model_variables(model, x, seed=0)
-  config = fi.FedImproConfig(loss=loss)
+  config = FedImproConfig(loss=loss)
   term = feature_sharing(config)
   cut = term.cuts(model)[0]
   low, high = parameter_split(model, x, cut)
@@ -162,7 +163,7 @@ def cnn_step(config, real_rows=8):
 
 
 def test_concat_mode_makes_the_loss_the_mean_over_real_and_synthetic_rows():
-  model, variables, ctx, h, term, state = cnn_step(fi.FedImproConfig(loss="concat"), real_rows=6)
+  model, variables, ctx, h, term, state = cnn_step(FedImproConfig(loss="concat"), real_rows=6)
   synthetic = term.loss.prepare(state, ctx)
   assert float(synthetic.mask.sum()) == 6  # as many synthetic rows as real ones
   logits = model.apply(variables, ctx.batch.x)
@@ -176,7 +177,7 @@ def test_concat_mode_makes_the_loss_the_mean_over_real_and_synthetic_rows():
 
 
 def test_local_sampling_draws_from_the_running_estimate_and_noise_keeps_deviations_non_negative():
-  _, _, ctx, _, term, state = cnn_step(fi.FedImproConfig(sample_from="local", num_synthetic=40))
+  _, _, ctx, _, term, state = cnn_step(FedImproConfig(sample_from="local", num_synthetic=40))
   state = state._replace(local=state.local._replace(mean=state.local.mean + 100.0))
   synthetic = term.loss.prepare(state, ctx)
   chex.assert_shape(synthetic.labels, (40,))
@@ -213,8 +214,8 @@ def test_a_client_with_non_finite_statistics_is_dropped_and_counted():
   assert float(fine.dropped) == 0.0 and np.all(np.isfinite(np.asarray(fine.mean_sum)))
 
   sim = tiny_simulation("FedImpro")
-  step = feature_statistics(fi.FedImproConfig(), sim.method.terms[0])
-  federation = sim.federations[0]
+  step = feature_statistics(FedImproConfig(), sim.spec.method.terms[0])
+  federation = sim.spec.federations[0]
   state = step.init(None, federation)
   num_classes, size = state[0].mean.shape
   good = upload(np.ones((num_classes, size)), np.full((num_classes, size), .1), np.ones(num_classes))
@@ -241,7 +242,7 @@ def test_a_missing_cut_point_is_a_clear_error_listing_the_valid_ones():
   with pytest.raises(ValueError, match="cnn@0.5.*valid cut points: conv1, conv2, features"):
     run_method(RunConfig.from_flags(groups=("cnn@0.5",), method="FedImpro", fedimpro_cut="logits"))
   with pytest.raises(ValueError, match="--fedimpro-beta"):
-    fi.FedImproConfig(beta=1.0)
+    FedImproConfig(beta=1.0)
 
 
 def test_engine_trains_with_shared_statistics_on_both_backends():
@@ -250,7 +251,7 @@ def test_engine_trains_with_shared_statistics_on_both_backends():
     sim = tiny_simulation("FedImpro", backend, widths=(1.0, 0.5))
     state = sim.init_state()
     for _ in range(2):
-      state, metrics = sim.run_round(state)
+      state, (metrics,) = sim.run_rounds(state, 1)
     stats = state.steps[0][-1]
     assert len(stats) == 2  # two widths, two feature shapes
     for s in stats:
@@ -275,13 +276,13 @@ def test_resume_restores_the_statistics_bit_for_bit(tmp_path):
   run_experiment(resumed.replace(rounds=1), dataset, log=quiet)
 
   sim, _ = build_simulation(resumed, dataset, log=quiet)
-  after_one = checkpoints.restore_latest(checkpoints.manager(resumed.output.dir), sim.state_shapes)
-  statistics = [s.name for s in sim.method.server].index("fedimpro")  # (the dissimilarity metric's step is last)
+  after_one = checkpoints.restore_latest(checkpoints.manager(resumed.output.dir), sim.spec.state_shapes)
+  statistics = [s.name for s in sim.spec.method.server].index("fedimpro")  # (the dissimilarity metric's step is last)
   assert after_one.round == 1 and float(after_one.steps[0][statistics][0].seen.sum()) > 0
   run_experiment(resumed.replace(resume=True), dataset, log=quiet)
 
   def final(config):
-    return checkpoints.restore_latest(checkpoints.manager(config.output.dir), sim.state_shapes)
+    return checkpoints.restore_latest(checkpoints.manager(config.output.dir), sim.spec.state_shapes)
 
   a, b = final(straight), final(resumed)
   assert a.round == b.round == 2

@@ -14,21 +14,15 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from fedjax_hetero import checkpoints
-from fedjax_hetero.algorithms import fedin as fi
-from fedjax_hetero.backends import make_backend
-from fedjax_hetero.client.local import LocalConfig
 from fedjax_hetero.client.terms import Batch, RoundInput, StepContext
-from fedjax_hetero.build import run_method
-from fedjax_hetero.config import RunConfig
-from fedjax_hetero.data import partition, synthetic_dataset
-from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation, assign_groups
-from fedjax_hetero.methods import build_method
+from fedjax_hetero.config import FedINConfig, LocalConfig, RunConfig
+from fedjax_hetero.data import synthetic_dataset
+from fedjax_hetero.methods import fedin as fi
 from fedjax_hetero.methods.fedin import (NAME, distillation_targets, feature_bank, intermediate_training,
                                          momentum_distillation)
-from fedjax_hetero.models import ResNet
-from fedjax_hetero.runner import run_experiment
+from fedjax_hetero.run import checkpoints
+from fedjax_hetero.run.build import run_method
+from fedjax_hetero.run.runner import run_experiment
 from fedjax_hetero.server.steps import Carry
 from tests.helpers import model_variables, run_rounds, simulation, tiny_federation, tiny_resnet
 
@@ -45,17 +39,17 @@ G_LOCAL = {"stem": jnp.array([1.0, 1.0]), "stage": jnp.array([-1.0, 1.0]), "othe
 
 
 def test_eq14_and_the_plain_sum():
-  z = fi.combine(G_IN, G_LOCAL, fi.FedINConfig())
+  z = fi.combine(G_IN, G_LOCAL, FedINConfig())
   chex.assert_trees_all_close(z, {"stem": jnp.array([.5, .5]), "stage": jnp.array([.5, .5]),
                                   "other": jnp.array([1.5, 2.0])})
-  z = fi.combine(G_IN, G_LOCAL, fi.FedINConfig(lam=4.0))
+  z = fi.combine(G_IN, G_LOCAL, FedINConfig(lam=4.0))
   chex.assert_trees_all_close(z["stage"], jnp.array([-1.0, 2.0]))
-  z = fi.combine(G_IN, G_LOCAL, fi.FedINConfig(rule="sum"))
+  z = fi.combine(G_IN, G_LOCAL, FedINConfig(rule="sum"))
   chex.assert_trees_all_close(z, jax.tree.map(jnp.add, G_IN, G_LOCAL))
 
 
 def test_eq13_projects_per_tensor_onto_the_half_space():
-  z = fi.combine(G_IN, G_LOCAL, fi.FedINConfig(rule="project"))
+  z = fi.combine(G_IN, G_LOCAL, FedINConfig(rule="project"))
   # stage: b = <g, i> = -1 < 0, a = 2: Z = i + g / 2, orthogonal to g; other: b = 0, Z = G_IN untouched.
   chex.assert_trees_all_close(z["stage"], jnp.array([0.5, 0.5]))
   assert float(jnp.vdot(z["stage"], G_LOCAL["stage"])) == pytest.approx(0.0)
@@ -64,7 +58,7 @@ def test_eq13_projects_per_tensor_onto_the_half_space():
 
 
 def test_eq13_projects_globally_over_the_tensors_g_in_reaches():
-  z = fi.combine(G_IN, G_LOCAL, fi.FedINConfig(rule="project", projection="global"))
+  z = fi.combine(G_IN, G_LOCAL, FedINConfig(rule="project", projection="global"))
   # over stage and other: a = 2 + 9 = 11, b = -1 + 0 = -1: Z = i + g / 11 on both.
   chex.assert_trees_all_close(z["stage"], jnp.array([1 - 1 / 11, 1 / 11]))
   chex.assert_trees_all_close(z["other"], jnp.array([3 / 11, 2.0]))
@@ -75,8 +69,8 @@ def test_eq13_projects_globally_over_the_tensors_g_in_reaches():
 
 def test_with_an_empty_bank_every_rule_follows_the_local_gradient_alone():
   zero = jax.tree.map(jnp.zeros_like, G_IN)
-  chex.assert_trees_all_close(fi.combine(zero, G_LOCAL, fi.FedINConfig(rule="project")), G_LOCAL)
-  chex.assert_trees_all_close(fi.combine(zero, G_LOCAL, fi.FedINConfig(rule="sum")), G_LOCAL)
+  chex.assert_trees_all_close(fi.combine(zero, G_LOCAL, FedINConfig(rule="project")), G_LOCAL)
+  chex.assert_trees_all_close(fi.combine(zero, G_LOCAL, FedINConfig(rule="sum")), G_LOCAL)
 
 
 # --------------------------------------------------------------------------------------------- the IN loss
@@ -121,7 +115,7 @@ def test_the_in_loss_is_the_mse_over_the_valid_pairs():
 
 def test_the_upload_is_the_last_real_batch_of_pairs_detached():
   model = tiny_resnet()
-  term = intermediate_training(fi.FedINConfig(num_pairs=3))
+  term = intermediate_training(FedINConfig(num_pairs=3))
   state = term.init(RoundInput(None, None, fi.empty_pairs(3, (8, 8, 4), (4, 4, 8)), None))
   acts = {"stem": jnp.ones((2, 8, 8, 4)), "stage2": 2 * jnp.ones((2, 4, 4, 8))}
   batch = Batch(None, None, jnp.array([True, True]), None)
@@ -172,9 +166,9 @@ def depth_simulation(method, groups=((1, 1), (1, 2)), **options):
 
 
 def test_pairs_with_a_non_finite_value_are_dropped_and_counted():
-  sim = depth_simulation("FedIN", fedin=fi.FedINConfig(num_pairs=2))
-  federation = sim.federations[0]
-  step = feature_bank(fi.FedINConfig(num_pairs=2), sim.method.terms[-1])
+  sim = depth_simulation("FedIN", fedin=FedINConfig(num_pairs=2))
+  federation = sim.spec.federations[0]
+  step = feature_bank(FedINConfig(num_pairs=2), sim.spec.method.terms[-1])
   bank = step.init(None, federation)
   in_shape, out_shape = bank.pairs.s_in.shape[1:], bank.pairs.s_out.shape[1:]
   good = fi.FeaturePairs(jnp.ones((1, 2) + in_shape), jnp.ones((1, 2) + out_shape), jnp.ones((1, 2), bool))
@@ -198,7 +192,7 @@ def inclusive_sim():
 
 def test_inclusivefl_distills_the_deeper_blocks_update_into_a_shallow_stage_top(inclusive_sim):
   sim = inclusive_sim
-  federation = sim.federations[0]
+  federation = sim.spec.federations[0]
   targets = distillation_targets(federation.models, federation.group_names, federation.largest,
                                  federation.maps[0].global_shapes)
   assert len(targets) == 1  # stage 2 at depth 1 (stage 1 has one block everywhere)
@@ -238,9 +232,9 @@ def test_bad_input_is_refused_before_compute():
   with pytest.raises(ValueError, match="--groups, group cnn: FedIN needs .* CNN declares none"):
     run_method(RunConfig.from_flags(groups=("cnn",), method="FedIN"))
   with pytest.raises(ValueError, match="--fedin-rule"):
-    fi.FedINConfig(rule="projection")
+    FedINConfig(rule="projection")
   with pytest.raises(ValueError, match="--fedin-bank-capacity"):
-    fi.FedINConfig(bank_capacity=0)
+    FedINConfig(bank_capacity=0)
   with pytest.raises(ValueError, match="^--fedin-bank applies to FedIN, not HeteroAvg$"):
     run_method(RunConfig.from_flags(method="HeteroAvg", fedin_bank="history"))
   with pytest.raises(ValueError, match="--inclusivefl-momentum"):
@@ -248,10 +242,10 @@ def test_bad_input_is_refused_before_compute():
 
 
 def test_groups_of_different_feature_shapes_cannot_share_pairs():
-  federation = depth_simulation("FedIN").federations[0]
+  federation = depth_simulation("FedIN").spec.federations[0]
   wider = federation._replace(models=(federation.models[0], federation.models[1].clone(width=2.0)))
   with pytest.raises(ValueError, match="need one shape"):
-    feature_bank(fi.FedINConfig(), intermediate_training()).init(None, wider)
+    feature_bank(FedINConfig(), intermediate_training()).init(None, wider)
 
 
 def test_a_checkpoint_restores_the_bank_and_the_run_goes_on_bit_for_bit(tmp_path):
@@ -264,8 +258,8 @@ def test_a_checkpoint_restores_the_bank_and_the_run_goes_on_bit_for_bit(tmp_path
   restored = checkpoints.restore_latest(checkpoints.manager(str(tmp_path)), sim.init_state())
   assert restored.round == 1 and bool(restored.steps[0][-1].ready)
   chex.assert_trees_all_equal(restored.steps, state.steps)
-  straight, metrics = sim.run_round(state)
-  resumed, _ = sim.run_round(restored)
+  straight, (metrics,) = sim.run_rounds(state, 1)
+  resumed, (_,) = sim.run_rounds(restored, 1)
   assert np.isfinite(metrics["train_loss"]) and metrics[NAME]["global"]["dropped_clients"] == 0
   assert int(straight.steps[0][-1].pairs.valid.sum()) > 0
   chex.assert_trees_all_equal(resumed.steps, straight.steps)  # round 2's bank and S grew from the restored one

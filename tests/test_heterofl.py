@@ -10,16 +10,14 @@ import numpy as np
 import optax
 import pytest
 
-from fedjax_hetero.backends import make_backend
-from fedjax_hetero.client.local import LocalConfig, LocalTrainer
+from fedjax_hetero.client.local import LocalTrainer
 from fedjax_hetero.client.terms import StepContext
 from fedjax_hetero.compilation import CompileLog
-from fedjax_hetero.data import partition, synthetic_dataset
-from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation, assign_groups
+from fedjax_hetero.config import LocalConfig
 from fedjax_hetero.methods import build_method
 from fedjax_hetero.methods.heterofl import absent_class_logits, static_batch_norm_evaluation
-from fedjax_hetero.models import ResNet, build_model
+from fedjax_hetero.models import build_model
+from fedjax_hetero.rounds import Simulation
 from tests.helpers import (method_options, model_variables, random_batch, run_rounds, simulation, tiny_federation,
                            tiny_resnet, tiny_simulation)
 
@@ -132,7 +130,7 @@ def resnet_simulation(method: str, backend: str = "sequential", widths=(1.0, 0.5
 
 def test_static_bn_keeps_no_running_statistics_in_training():
   sim = resnet_simulation("HeteroFL")
-  assert all(group.model.scaler for group in sim.groups)
+  assert all(group.model.scaler for group in sim.spec.groups)
   start = sim.init_state()
   state, metrics = run_rounds(sim, 2)
   chex.assert_trees_all_equal(state.models[0]["batch_stats"], start.models[0]["batch_stats"])
@@ -144,9 +142,9 @@ def test_static_bn_keeps_no_running_statistics_in_training():
   # (every client then trains the whole stem BN), from the same start (no second initialization to compile).
   without = resnet_simulation("HeteroFL", widths=(1.0,), heterofl_static_bn=False)
   plain = start._replace(memory=start.memory[:1])  # the second group's (empty) client memory dropped
-  assert jax.tree.structure(without.state_shapes) == jax.tree.structure(plain)
+  assert jax.tree.structure(without.spec.state_shapes) == jax.tree.structure(plain)
   for _ in range(2):
-    plain, _ = without.run_round(plain)
+    plain, (_,) = without.run_rounds(plain, 1)
   stem_mean = lambda s: s.models[0]["batch_stats"]["stem_bn"]["mean"]
   assert plain.round == 2 and not np.allclose(stem_mean(plain), stem_mean(start))
 
@@ -158,10 +156,10 @@ def test_static_bn_keeps_no_running_statistics_in_training():
 def test_heterofl_two_rounds_compile_nothing_after_the_first(backend):
   sim = tiny_simulation("HeteroFL", backend=backend, widths=(1.0, 0.5))
   state = sim.init_state()
-  state, _ = sim.run_round(state)
+  state, (_,) = sim.run_rounds(state, 1)
   sim.evaluate(state)
   with CompileLog() as log:
-    state, _ = sim.run_round(state)
+    state, (_,) = sim.run_rounds(state, 1)
   assert log.names == []
   accs = sim.evaluate(state)
   assert set(accs) == {"mlp@1.0", "mlp@0.5", "mean"}

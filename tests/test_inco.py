@@ -12,16 +12,13 @@ from flax import traverse_util
 
 from fedjax_hetero import aggregators
 from fedjax_hetero.aggregators import INCO_GRANULARITIES, INCO_VARIANTS, cross_layer_update, inco
-from fedjax_hetero.backends import empty_result, make_backend
-from fedjax_hetero.client.local import LocalConfig
-from fedjax_hetero.data import partition, synthetic_dataset
-from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation, assign_groups
-from fedjax_hetero.methods import build_method
+from fedjax_hetero.config import LocalConfig
 from fedjax_hetero.hetero import build_group_map
+from fedjax_hetero.methods import build_method
 from fedjax_hetero.models import build_model
+from fedjax_hetero.rounds.cohort import empty_result
 from tests import helpers
-from tests.helpers import method_options, tiny_federation
+from tests.helpers import aggregate, method_options, tiny_federation
 
 EPS = 1e-7
 SHAPE = (3, 3, 4, 5)  # HWIO
@@ -286,24 +283,24 @@ def test_incoavg_needs_a_model_with_cross_layer_pairs():
 def test_incoavg_aggregate_applies_inco_to_the_mean_delta(variant, granularity):
   sim = simulation("InCoAvg", ["resnet10", "resnet14"], inco_variant=variant, inco_granularity=granularity)
   pairs = build_model("resnet14", 10, stage_sizes=TWO_STAGES["resnet14"]).cross_layer_pairs()
-  assert pairs and sim.federations[0].largest.cross_layer_pairs() == pairs
-  shapes = [jax.eval_shape(g.model.init, jax.random.key(0), sim._sample_input) for g in sim.groups]
+  assert pairs and sim.spec.federations[0].largest.cross_layer_pairs() == pairs
+  shapes = [jax.eval_shape(g.model.init, jax.random.key(0), jnp.zeros((1,) + sim.spec.store.images.shape[1:])) for g in sim.spec.groups]
   rng = np.random.default_rng(11)
   as_arrays = lambda tree: jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape) * 0.05, jnp.float32), tree)
   model = as_arrays(shapes[1])
   # The state's other parts are empty for InCoAvg: built from its shapes, not `init_state` (whose jitted init of
   # the ResNet compiles for ~10 s, for a model replaced here anyway).
-  assert not jax.tree.leaves((sim.state_shapes.steps, sim.state_shapes.sampler, sim.state_shapes.memory))
-  state = sim.place(sim.state_shapes._replace(round=0, models=(model,)))
-  starts = [sim.group_variables(state, i) for i in range(2)]
+  assert not jax.tree.leaves((sim.spec.state_shapes.steps, sim.spec.state_shapes.sampler, sim.spec.state_shapes.memory))
+  state = sim.place(sim.spec.state_shapes._replace(round=0, models=(model,)))
+  starts = [sim.spec.group_variables(state, i) for i in range(2)]
   sums, weights = [as_arrays(s) for s in shapes], [jnp.float32(1.0), jnp.float32(2.0)]
   results = [empty_result(st)._replace(delta_sum=s, weight_sum=w) for st, s, w in zip(starts, sums, weights)]
   cohorts = [np.array([0]), np.array([3, 4])]
-  new, _, metrics = sim.aggregate(0, state, starts, [{}, {}], results, cohorts)
+  new, _, metrics = aggregate(sim, state, starts, results, cohorts)
 
   @jax.jit
   def reference(model, sums, weights):
-    delta = aggregators.heterogeneous_mean_delta(sums, weights, sim.maps, model)
+    delta = aggregators.heterogeneous_mean_delta(sums, weights, sim.spec.maps, model)
     return jax.tree.map(jnp.add, model, inco(delta, pairs, variant, granularity)[0])
 
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7), new,

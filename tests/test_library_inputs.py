@@ -1,5 +1,5 @@
 """The documented entry points refuse bad inputs, naming the argument, before anything is traced or computed:
-`FederatedStore.build`, `ArrayDataset`, `Simulation`, `build_model` and the aggregators' weights.
+`FederatedStore.build`, `ArrayDataset`, `RoundSpec.build` and `make_simulation`, `build_model` and the aggregators' weights.
 
 To probe a new misuse, add one line to `MISUSE`: a description, the bad call and a regex of the ValueError.
 """
@@ -14,14 +14,13 @@ import numpy as np
 import pytest
 
 from fedjax_hetero import aggregators as A
-from fedjax_hetero.backends import make_backend
-from fedjax_hetero.client.local import LocalConfig
+from fedjax_hetero.config import FederationConfig, LocalConfig
 from fedjax_hetero.data import partition, synthetic_dataset
 from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation
 from fedjax_hetero.hetero import build_group_map
-from fedjax_hetero.methods import MethodOptions, build_method
+from fedjax_hetero.methods import MethodConfig, build_method
 from fedjax_hetero.models import build_model
+from fedjax_hetero.rounds import ArchGroup, RoundSpec, make_backend, make_simulation
 
 DATA = synthetic_dataset(num_train=120, num_test=40, seed=0)
 PARTS = partition(DATA.train_labels, "iid", 4, 0)
@@ -45,9 +44,9 @@ def simulation(groups=None, local=LOCAL, method_local=LOCAL, method="FedAvg", te
   model = build_model(model, DATA.num_classes, 1.0, **({"hidden": (8,)} if model == "mlp" else {}))
   groups = groups if groups is not None else [ArchGroup("a", model, np.array([0, 1])),
                                               ArchGroup("b", model, np.array([2, 3]))]
-  return Simulation(groups, store(), local, build_method(method, MethodOptions(), method_local),
-                    FederationConfig(clients_per_round=2), make_backend("sequential"), jnp.asarray(test_images),
-                    jnp.asarray(test_labels))
+  spec = RoundSpec.build(groups, store(), local, build_method(method, MethodConfig(), method_local),
+                         FederationConfig(clients_per_round=2), jnp.asarray(test_images), jnp.asarray(test_labels))
+  return make_simulation(spec, make_backend("sequential"))
 
 
 def hetero_avg(weights):
@@ -115,16 +114,14 @@ MISUSE = [
     ("Simulation: FedNova built for adam", call(simulation, method="FedNova",
                                                 method_local=dataclasses.replace(LOCAL, optimizer="adam")),
      r"^method FedNova was built with local.optimizer='adam', but the simulation trains with local.optimizer='sgd'"),
-    ("Simulation: lr 1e-50", call(simulation, local=dataclasses.replace(LOCAL, learning_rate=1e-50),
-                                  method_local=dataclasses.replace(LOCAL, learning_rate=1e-50)),
-     r"^local.learning_rate 1e-50 is 0 in float32 training arithmetic"),
-    ("Simulation: the method by name", call(Simulation, groups([0, 1], [2, 3]), store(), LOCAL, "FedAvg",
-                                           FederationConfig(), make_backend("sequential"), DATA.test_images,
-                                           DATA.test_labels), r"^method must be a Method \(build_method"),
+    ("LocalConfig: lr 1e-50", call(LocalConfig, learning_rate=1e-50),
+     r"^--lr 1e-50 is 0 in float32 training arithmetic"),
+    ("Simulation: the method by name", call(RoundSpec.build, groups([0, 1], [2, 3]), store(), LOCAL, "FedAvg",
+                                           FederationConfig(), DATA.test_images, DATA.test_labels),
+     r"^method must be a Method \(build_method"),
     ("Simulation: local as a dict", call(simulation, local={"learning_rate": 0.1}), r"^local must be a LocalConfig"),
-    ("Simulation: the backend by name", call(Simulation, groups([0, 1], [2, 3]), store(), LOCAL,
-                                             build_method("FedAvg", MethodOptions(), LOCAL), FederationConfig(), "vmap",
-                                             DATA.test_images, DATA.test_labels), r"^backend must be a Backend"),
+    ("Simulation: the backend by name", call(make_simulation, simulation().spec, "vmap"),
+     r"^backend must be a Backend"),
     # build_model
     ("build_model: one class", call(build_model, "cnn", 1), r"^num_classes must be an integer >= 2, got 1"),
     ("build_model: classes as text", call(build_model, "cnn", "10"), r"^num_classes must be an integer >= 2, got '10'"),
@@ -149,7 +146,7 @@ def test_each_case_is_listed_once_and_the_good_inputs_pass():
   assert len({c[0] for c in MISUSE}) == len(MISUSE)
   assert store().num_clients == 4
   sim = simulation()
-  assert [g.name for g in sim.groups] == ["a", "b"]
-  assert dict(build_method("SCAFFOLD", MethodOptions(), LOCAL).local_settings) == {"learning_rate": 0.05}
-  assert build_method("FedAvg", MethodOptions(), LOCAL).local_settings == ()
+  assert [g.name for g in sim.spec.groups] == ["a", "b"]
+  assert dict(build_method("SCAFFOLD", MethodConfig(), LOCAL).local_settings) == {"learning_rate": 0.05}
+  assert build_method("FedAvg", MethodConfig(), LOCAL).local_settings == ()
   assert float(A.fedavg(ZERO, ONE, np.float32(2.0))["w"][0]) == 0.5

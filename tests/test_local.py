@@ -12,7 +12,9 @@ import numpy as np
 import optax
 import pytest
 
-from fedjax_hetero.client.local import LocalConfig, LocalTrainer, draw_schedule, masked_cross_entropy, normalize
+from fedjax_hetero.client.local import LocalTrainer, draw_schedule, masked_cross_entropy
+from fedjax_hetero.config import LocalConfig
+from fedjax_hetero.data.store import normalize
 from fedjax_hetero.models import build_model
 from tests.helpers import model_variables, random_batch, tiny_resnet
 

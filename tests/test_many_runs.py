@@ -1,4 +1,4 @@
-"""Many runs in one program (`fedjax_hetero.many_runs`, `fedjax_hetero.run_many`): run r of a batched job equals
+"""Many runs in one program (`fedjax_hetero.rounds.many`, `fedjax_hetero.run.jobs`): run r of a batched job equals
 the same run alone on the golden setting, the runs' folders are the folders they would write alone (and resume
 and compare), and what cannot be swept is refused before any compute."""
 
@@ -17,47 +17,64 @@ import numpy as np
 import pytest
 
 from fedjax_hetero.client.local import make_optimizer
-from fedjax_hetero.config import LocalConfig, MethodConfig, RunConfig
+from fedjax_hetero.config import LocalConfig, MethodConfig, RunConfig, declare
+from fedjax_hetero.config.declare import substituted, value_at
 from fedjax_hetero.data import synthetic_dataset
-from fedjax_hetero.interruption import Interrupted
-from fedjax_hetero.many_runs import ManyRuns, NotBatchable
-from fedjax_hetero.sweeps import SweptValue, substituted
-from fedjax_hetero.methods import build_method
-from fedjax_hetero.run_many import parse_sweep, run_together, runs_of
-from fedjax_hetero.runner import run_experiment
+from fedjax_hetero.methods import METHODS, build_method
+from fedjax_hetero.rounds.many import ManyRuns, NotBatchable
+from fedjax_hetero.run.interruption import Interrupted
+from fedjax_hetero.run.jobs import parse_sweep, run_together, runs_of
+from fedjax_hetero.run.runner import run_experiment
 from tests import golden
 from tests.golden_setting import TINY_FEDGEN, golden_simulation
 from tests.test_round_program import FUSED_GOLDEN, fused
+from tests.test_runner import restore
 
 ROUNDS = golden.ROUNDS
 
 
 def golden_runs(method: str, swept: str, value: float, backend: str = "vmap", family: str = "mlp"):
-  """The golden setting's runs of seeds 0, 1, 2 on the round program, the last with ``swept`` set to ``value``."""
+  """The golden setting's runs of seeds 0, 1, 2 as device programs, the last with ``swept`` set to ``value``: the
+  simulations, every run's value of ``swept`` and how a program makes a run's spec from the first's with it."""
   base = golden_simulation(method, backend, family)
-  sims, configs = [], []
+  options = MethodConfig(fedgen=TINY_FEDGEN) if method == "FedGen" else MethodConfig()
+  section, path = swept.split(".", 1)
+  sims, values = [], []
   for seed in range(3):
-    local, options = base.local, MethodConfig(fedgen=TINY_FEDGEN) if method == "FedGen" else MethodConfig()
-    if seed == 2 and swept.startswith("client."):
-      local = dataclasses.replace(local, **{swept.split(".")[1]: value})
-    elif seed == 2:
-      options = dataclasses.replace(substituted(options, {swept.split(".", 1)[1]: value}))  # (validated)
-    sims.append(fused(base, rounds_per_call=ROUNDS, local=local, method=build_method(method, options, local),
-                      config=dataclasses.replace(base.config, seed=seed)))
-    configs.append(options)
-  return sims, configs
+    local, run_options = base.spec.local, options
+    if seed == 2:
+      local = dataclasses.replace(local, **{path: value}) if section == "client" else local
+      run_options = substituted(options, {path: value}) if section == "method" else options
+    sims.append(fused(base, rounds_per_call=ROUNDS, local=local, method=build_method(method, run_options, local),
+                      config=dataclasses.replace(base.spec.config, seed=seed)))
+    values.append({swept: value if seed == 2 else float(golden_value(base, options, swept))})
+
+  def specialize(spec, traced):
+    local = substituted(spec.local, {p.split(".", 1)[1]: v for p, v in traced.items() if p.startswith("client.")})
+    run_options = substituted(options, {p.split(".", 1)[1]: v for p, v in traced.items() if p.startswith("method.")})
+    return spec.with_values(local=local, method=build_method(method, run_options, local, checked=False))
+
+  return sims, values, specialize
+
+
+def golden_value(sim, options, path: str):
+  section, rest = path.split(".", 1)
+  tree = sim.spec.local if section == "client" else options
+  for part in rest.split("."):
+    tree = getattr(tree, part)
+  return tree
 
 
 def group_sums(sim, state) -> list[float]:
-  return [golden.fingerprint(sim.group_variables(state, g))["sum"] for g in range(len(sim.groups))]
+  return [golden.fingerprint(sim.spec.group_variables(state, g))["sum"] for g in range(len(sim.spec.groups))]
 
 
-# In CI one method: a method option swept through the method rebuilt in the program (FedProx's mu); the job test
-# below sweeps a learning rate. FEDJAX_HETERO_ALL_MANY_RUNS=1 checks every method of the round program's golden
-# entries (about 25 minutes on 2 cores), each with its own option or, without one, the learning rate.
-OPTION = {"Prox": ("method.prox.mu", 0.3), "MOON": ("method.moon.mu", 2.0), "FedCross": ("method.fedcross.alpha", 0.9),
-          "FedImpro": ("method.fedimpro.weight", 0.3), "FedIN": ("method.fedin.lam", 0.3),
-          "InclusiveFL": ("method.inclusivefl.beta", 0.5)}
+# In CI one method: a method option swept through the method made in the program (FedProx's mu), on both ways of
+# mapping runs. FEDJAX_HETERO_ALL_MANY_RUNS=1 checks every method of the round program's golden entries (about 25
+# minutes on 2 cores), each with its own option or, without one, the learning rate.
+OPTION = {"Prox": ("method.prox.mu", 0.3), "MOON": ("method.moon.temperature", 0.7),
+          "FedCross": ("method.fedcross.alpha", 0.9), "FedImpro": ("method.fedimpro.weight", 0.3),
+          "FedIN": ("method.fedin.lam", 0.3), "InclusiveFL": ("method.inclusivefl.beta", 0.5)}
 ALL = [(m, b, f) for m, b, f in FUSED_GOLDEN if b == "vmap" or f == "resnet" or m in dict(golden.LATER_METHODS)]
 EQUIVALENCE = ([(m, *next((v for k, v in OPTION.items() if k in m), ("client.learning_rate", 3e-3)), b, f)
                 for m, b, f in ALL] if os.environ.get("FEDJAX_HETERO_ALL_MANY_RUNS") else
@@ -65,11 +82,13 @@ EQUIVALENCE = ([(m, *next((v for k, v in OPTION.items() if k in m), ("client.lea
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mapping", ["map", "vmap"])
 @pytest.mark.parametrize("method, swept, value, backend, family", EQUIVALENCE, ids=[e[0] for e in EQUIVALENCE])
-def test_run_r_of_a_batched_job_equals_the_run_alone(method, swept, value, backend, family):
-  sims, configs = golden_runs(method, swept, value, backend, family)
-  batch = ManyRuns(sims, configs)
-  assert batch.swept == (swept,)
+def test_run_r_of_a_batched_job_equals_the_run_alone(method, swept, value, backend, family, mapping):
+  """Mapped one after another (a CPU's way), a run computes what it computes alone, bit for bit (a traced setting
+  leaves the last bits free); side by side (an accelerator's way), to float tolerance."""
+  sims, values, specialize = golden_runs(method, swept, value, backend, family)
+  batch = ManyRuns(sims, values, specialize, mapping=mapping)
   evaluate = set(range(1, ROUNDS + 1))
   together = batch.run([0, 1, 2], [s.init_state() for s in sims], ROUNDS, evaluate)
   for r, (sim, (state, rows)) in enumerate(zip(sims, together)):
@@ -97,31 +116,39 @@ def tiny_config(output_dir, **changes) -> RunConfig:
 
 
 @pytest.mark.parametrize("text, message", [
-    ("federation.clients_per_round=2,3", r"only settings that change no shape.*sweepable: client.learning_rate"),
-    ("client.batch_size=8,16", r"--sweep 'client.batch_size'"),
-    ("method.name=FedAvg,FedProx", r"--sweep 'method.name'"),
-    ("groups=mlp,cnn", r"--sweep 'groups'"),
+    ("federation.clients_per_round=2,3", r"--sweep federation.clients_per_round: it is a count: the shapes"),
+    ("client.batch_size=8,16", r"--sweep client.batch_size: it is a count"),
+    ("method.name=FedAvg,FedProx", r"--sweep method.name: it is a choice: it selects what the runs' program"),
+    ("groups=mlp,cnn", r"--sweep groups: it is a choice"),
+    ("federation.seed=0,1", r"--sweep federation.seed: the seed goes by --seeds"),
+    ("client.learning_rat=0.1", r"--sweep 'client.learning_rat': no such setting"),
     ("client.learning_rate=1e-3,x", r"expected client.learning_rate=V1,V2,... with numbers"),
-    ("method.moon.temperature=0.3,0.7", r"--sweep 'method.moon.temperature'"),  # (a build reads it: traced=False)
+    ("method.prox.mu=0,0.1", r"--sweep method.prox.mu: zero and non-zero values make different programs"),
 ])
 def test_what_changes_shapes_or_the_method_cannot_be_swept(text, message, tmp_path):
   with pytest.raises(ValueError, match=message):
     parse_sweep(text, tiny_config(tmp_path))
 
 
-def test_runs_that_differ_in_what_cannot_be_swept_are_refused_before_compute(request):
+def test_runs_whose_programs_differ_are_refused_before_compute(request, tmp_path):
+  from fedjax_hetero.run.build import run_method
+  from fedjax_hetero.run.jobs import swept
   base = golden_simulation("FedProx", "vmap", "mlp")
   program = fused(base, rounds_per_call=ROUNDS)
-  other = fused(base, rounds_per_call=ROUNDS, config=dataclasses.replace(base.config, clients_per_round=2))
+  other = fused(base, rounds_per_call=ROUNDS, config=dataclasses.replace(base.spec.config, clients_per_round=2))
   no_mu = MethodConfig(prox=dataclasses.replace(MethodConfig().prox, mu=0.0))
-  zero = fused(base, rounds_per_call=ROUNDS, method=build_method("FedProx", no_mu, base.local))
+  zero = fused(base, rounds_per_call=ROUNDS, method=build_method("FedProx", no_mu, base.spec.local))
+  configs = [tiny_config(tmp_path), tiny_config(tmp_path, clients_per_round=2)]
+  methods = [run_method(c) for c in configs]
   request.getfixturevalue("no_compute")  # (the simulations above computed their shapes)
-  with pytest.raises(NotBatchable, match=r"federation.clients_per_round cannot differ between runs"):
+  with pytest.raises(NotBatchable, match=r"run 1: its cohorts hold other numbers of clients"):
     ManyRuns([program, other])
   with pytest.raises(NotBatchable, match=r"run 0: it runs on the host loop"):
     ManyRuns([base, base])
-  with pytest.raises(NotBatchable, match=r"method.prox.mu: zero and non-zero values build different programs"):
-    ManyRuns([program, zero], [MethodConfig(), no_mu])
+  with pytest.raises(NotBatchable, match=r"run 1: its method's client terms or server steps differ"):
+    ManyRuns([program, zero])
+  with pytest.raises(NotBatchable, match=r"federation.clients_per_round cannot differ between runs of one program"):
+    swept(configs, methods, None)
 
 
 def test_the_cli_refuses_a_sweep_of_a_shape_before_compute(tmp_path, capsys, no_compute):
@@ -129,25 +156,25 @@ def test_the_cli_refuses_a_sweep_of_a_shape_before_compute(tmp_path, capsys, no_
   with pytest.raises(SystemExit) as exit_:
     cli.main("synthetic", ["--output-dir", str(tmp_path / "o"), "--seeds", "0,1", "--sweep", "client.batch_size=8,16"])
   assert exit_.value.code == 2
-  assert "--sweep 'client.batch_size': only settings that change no shape" in capsys.readouterr().err
+  assert "--sweep client.batch_size: it is a count" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("changes, why", [
     (dict(round_program="host"), r"the rounds run as a host loop \(--round-program host"),
-    (dict(method="CluSamp", groups=("mlp",)), r"CluSamp's sampler keeps host-side state"),
-    (dict(backend="sharded"), r"a sharded or multi-process run"),
+    (dict(method="CluSamp", groups=("mlp",)), r"CluSamp's sampler \(clustered\) updates host-side state"),
+    (dict(backend="sharded"), r"the sharded backend splits cohorts over devices"),
 ])
 def test_runs_that_cannot_share_a_program_are_named_and_go_one_after_another(changes, why, tmp_path):
-  from fedjax_hetero.build import run_method
-  from fedjax_hetero.run_many import batchable
+  from fedjax_hetero.run.build import run_method
+  from fedjax_hetero.run.jobs import batchable
   config = tiny_config(tmp_path, **changes)
   assert re.match(why, batchable(config, run_method(config)))
   assert batchable(tiny_config(tmp_path), run_method(tiny_config(tmp_path))) is None
 
 
 def test_a_run_over_the_memory_budget_fails_naming_the_estimate():
-  sims, configs = golden_runs("FedAvg", "client.learning_rate", 3e-3)
-  batch = ManyRuns(sims[:1], configs[:1], memory_budget=1)
+  sims, values, specialize = golden_runs("FedAvg", "client.learning_rate", 3e-3)
+  batch = ManyRuns(sims[:1], values[:1], specialize, memory_budget=1)
   with pytest.raises(MemoryError, match=r"one run's program needs about \d+ MiB \(XLA's estimate\), more than the budget"):
     batch.run([0], [sims[0].init_state()], ROUNDS, set())
 
@@ -299,12 +326,69 @@ def test_fedgen_runs_of_a_job_read_their_own_partitions_label_counts(tmp_path):
 
 
 def test_a_swept_weight_decay_reaches_optax_traced():
-  """optax asks whether the weight decay is zero, which every run of a job answers alike (`check_batchable`)."""
-  decay = SweptValue("client.weight_decay", jnp.float32(0.3), truth=True)
-  assert decay != 0 and not decay == 0.0
-  with pytest.raises(NotBatchable, match="client.weight_decay is read as a concrete number"):
-    decay == 0.3  # noqa: B015 (any other comparison needs the run's value)
+  """A job's program makes each run's optimizer from its config with the swept values traced."""
   sgd = LocalConfig(optimizer="sgd")
-  optimizer = make_optimizer(substituted(sgd, {"weight_decay": decay}))  # (as a job's program builds it)
-  step = jax.jit(lambda params: optimizer.update({"w": jnp.zeros(2)}, optimizer.init(params), params)[0])
-  np.testing.assert_allclose(step({"w": jnp.ones(2)})["w"], -sgd.learning_rate * 0.3 * np.ones(2), rtol=1e-6)
+
+  def step(decay, params):
+    optimizer = make_optimizer(substituted(sgd, {"weight_decay": decay}))  # (as a job's program makes it)
+    return optimizer.update({"w": jnp.zeros(2)}, optimizer.init(params), params)[0]
+
+  updates = jax.jit(jax.vmap(step, in_axes=(0, None)))(jnp.asarray([0.3, 0.6]), {"w": jnp.ones(2)})["w"]
+  np.testing.assert_allclose(updates, -sgd.learning_rate * np.array([[0.3, 0.3], [0.6, 0.6]]), rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_job_of_seeds_equals_its_runs_alone_bit_for_bit(tmp_path):
+  """On a CPU the runs of a program go one after another (`rounds.many.runs_mapping`), each computing exactly what
+  it computes alone: the rows and the final models of ``--seeds 0,1`` are the runs' own, bit for bit."""
+  dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
+  runs = runs_of(tiny_config(tmp_path / "job", method="HeteroAvg", groups=("cnn@0.25", "cnn@0.125"), rounds=3,
+                             eval_every=1, checkpoint_every=3), [0, 1])
+  run_together(runs, dataset, log=lambda _: None)
+  for run in runs:
+    alone = run.replace(output_dir=run.output.dir + "_alone")
+    run_experiment(alone, dataset, log=lambda _: None)
+    assert rows_of(run.output.dir) == rows_of(alone.output.dir)
+    jax.tree.map(np.testing.assert_array_equal, restore(run, dataset)[0].models, restore(alone, dataset)[0].models)
+
+
+@pytest.mark.slow
+def test_a_swept_moon_temperature_runs_and_changes_the_runs(tmp_path):
+  dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
+  config = tiny_config(tmp_path / "job", method="MOON", groups=("mlp",), rounds=2, eval_every=1)
+  runs = runs_of(config, None, [parse_sweep("method.moon.temperature=0.3,0.7", config)])
+  logs = []
+  summaries = run_together(runs, dataset, log=logs.append)
+  assert any("swept per run: method.moon.temperature" in line for line in logs), logs
+  assert [s["final_round"] for s in summaries] == [2, 2]
+  assert rows_of(runs[0].output.dir)[-1]["train_loss"] != rows_of(runs[1].output.dir)[-1]["train_loss"]
+
+
+NUMBERS_OF = {entry.name: [f"method.{leaf.path}" for leaf in declare.leaves(MethodConfig())
+                           if isinstance(leaf.setting.check, declare.Number)
+                           and type(value_at(MethodConfig(), leaf.path.rsplit(".", 1)[0])) in entry.options]
+              for entry in METHODS.values()}
+PROGRAM_METHODS = [(m, "mlp") for m in golden.METHODS if m != "CluSamp"] + list(golden.LATER_METHODS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, family", PROGRAM_METHODS, ids=[m for m, _ in PROGRAM_METHODS])
+def test_every_number_a_method_reads_is_traced_in_its_program(method, family):
+  """Every numeric setting `run.jobs.sweep_refusal` lets --sweep take reaches the program as a traced value: the
+  client's numbers and every number of the method's option families, all swept at once, trace."""
+  base = golden_simulation(method, "vmap" if family == "mlp" else "sequential", family, "fused", rounds_per_call=1)
+  options = MethodConfig(fedgen=TINY_FEDGEN) if method == "FedGen" else MethodConfig()
+  paths = ["client.learning_rate", "client.momentum", "client.weight_decay"] + NUMBERS_OF[method]
+  concrete = {p: float(value_at(options, p.split(".", 1)[1]) if p.startswith("method.") else
+                       value_at(base.spec.local, p.split(".", 1)[1])) for p in paths}
+
+  def specialize(spec, traced):
+    local = substituted(spec.local, {p.split(".", 1)[1]: v for p, v in traced.items() if p.startswith("client.")})
+    run_options = substituted(options, {p.split(".", 1)[1]: v for p, v in traced.items() if p.startswith("method.")})
+    return spec.with_values(local=local, method=build_method(method, run_options, local, checked=False))
+
+  batch = ManyRuns([base, base], [concrete, concrete], specialize)
+  states = [base.init_state(), base.init_state()]
+  calls, statics = batch.plan([0, 1], states, 1, {1})
+  carry, outputs = jax.eval_shape(batch.program(statics), *batch.arguments([0, 1], [0, 1], calls, states, 1))
+  assert outputs.correct.shape == (2, 1, len(base.spec.groups))

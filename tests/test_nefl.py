@@ -11,20 +11,16 @@ import pytest
 from flax import traverse_util
 
 from fedjax_hetero import aggregators
-from fedjax_hetero.backends import make_backend
-from fedjax_hetero.client.local import LocalConfig
 from fedjax_hetero.compilation import CompileLog
-from fedjax_hetero.build import run_method
-from fedjax_hetero.config import RunConfig
-from fedjax_hetero.data import partition, synthetic_dataset
-from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation, assign_groups
+from fedjax_hetero.config import LocalConfig, RunConfig
+from fedjax_hetero.data import synthetic_dataset
 from fedjax_hetero.hetero import OWN, build_group_map, complete, extract, separate
 from fedjax_hetero.hetero.maps import flatten
 from fedjax_hetero.methods import build_method
 from fedjax_hetero.methods.nefl import inconsistent_leaves
-from fedjax_hetero.models import ResNet, build_model
-from fedjax_hetero.runner import run_experiment
+from fedjax_hetero.models import build_model
+from fedjax_hetero.run.build import run_method
+from fedjax_hetero.run.runner import run_experiment
 from tests.helpers import method_options, model_variables, random_batch, simulation, tiny_federation, tiny_resnet
 
 X = jnp.zeros((1, 8, 8, 1))
@@ -177,12 +173,12 @@ def test_nefl_two_rounds_keep_each_group_its_own_step_sizes_and_batch_norm():
   own = state.models[0][OWN]["group0"]
   assert set(own) == {"params", "batch_stats"} and "step" in own["params"]["stage2_block0"]
   assert "stage2_block_last" in state.models[0]["params"]  # the large group's middle-skipping layout
-  state, _ = sim.run_round(state)
+  state, (_,) = sim.run_rounds(state, 1)
   with CompileLog() as log:
-    state, metrics = sim.run_round(state)
+    state, (metrics,) = sim.run_rounds(state, 1)
   assert log.names == [] and np.isfinite(metrics["train_loss"])
   model = state.models[0]
-  small = sim.group_variables(state, 0)
+  small = sim.spec.group_variables(state, 0)
   # The small group sees its own copies, which differ from the (kept) large group's leading slices.
   np.testing.assert_array_equal(small["params"]["stem_bn"]["scale"], model[OWN]["group0"]["params"]["stem_bn"]["scale"])
   assert not np.allclose(small["params"]["stem_bn"]["scale"], model["params"]["stem_bn"]["scale"][:2])

@@ -17,7 +17,7 @@ import pytest
 from fedjax_hetero import os_errors
 from fedjax_hetero.cli import run as cli
 from fedjax_hetero.data import synthetic_dataset
-from fedjax_hetero.runner import run_experiment
+from fedjax_hetero.run.runner import run_experiment
 from tests.test_bad_input import BASE_ARGS
 from tests.test_runner import base_config
 

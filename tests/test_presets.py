@@ -16,11 +16,11 @@ def captured(monkeypatch):
   """Runs `cli.main` without compute; returns the configs it would have run."""
   configs = []
 
-  def fake_run(config, **_):
+  def fake_run(config, *_):
     configs.append(config)
     return {"final_accuracy": {}, "best_mean_accuracy": None, "train_seconds_all_rounds": 0.0}
 
-  monkeypatch.setattr(cli, "run_experiment", fake_run)
+  monkeypatch.setattr(cli, "run_checked", fake_run)
   return configs
 
 

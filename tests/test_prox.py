@@ -2,30 +2,28 @@
 
 from __future__ import annotations
 
-import argparse
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import traverse_util
 
 from fedjax_hetero.cli import run as cli
 from fedjax_hetero.cli.datasets import defaults_for
 from fedjax_hetero.cli.flags import config_from_args
-from fedjax_hetero.backends import make_backend
-from fedjax_hetero.client.local import LocalConfig, LocalTrainer
-from fedjax_hetero.client.terms import RoundInput, proximal, proximal_term
-from fedjax_hetero.config import RunConfig
+from fedjax_hetero.client.local import LocalTrainer
+from fedjax_hetero.client.terms import RoundInput
+from fedjax_hetero.config import FederationConfig, LocalConfig, RunConfig
 from fedjax_hetero.data import partition, synthetic_dataset
 from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.engine import ArchGroup, FederationConfig, Simulation, assign_groups
-from fedjax_hetero.hetero.maps import extract
-from fedjax_hetero.hetero.maps import flatten
+from fedjax_hetero.hetero.maps import extract, flatten
 from fedjax_hetero.methods import FEDPROX_MU, METHODS, PER_GROUP, build_method, get_entry
+from fedjax_hetero.methods.fedprox import proximal, proximal_term
 from fedjax_hetero.models import build_model
-from fedjax_hetero.runner import build_simulation
+from fedjax_hetero.rounds import ArchGroup, RoundSpec, assign_groups, make_backend, make_simulation
+from fedjax_hetero.rounds.inputs import one_cohort
+from fedjax_hetero.run.build import build_simulation
 from tests.helpers import TINY_LOCAL, method_options, numpy_variables, random_batch, tiny_resnet, tiny_simulation
 
 NUM_CLASSES = 4
@@ -171,17 +169,17 @@ def test_one_proximal_mu():
 
 
 def initial_state(sim):
-  shapes = jax.eval_shape(sim.groups[sim.global_index].model.init, jax.random.key(0), sim._sample_input)
+  shapes = jax.eval_shape(sim.spec.groups[sim.spec.global_index].model.init, jax.random.key(0), jnp.zeros((1,) + sim.spec.store.images.shape[1:]))
   global_vars = numpy_variables(shapes, 0)
-  models = tuple(extract(global_vars, sim.maps[f.members[0]]) if len(f.members) == 1 else global_vars
-                 for f in sim.federations)
+  models = tuple(extract(global_vars, sim.spec.maps[f.members[0]]) if len(f.members) == 1 else global_vars
+                 for f in sim.spec.federations)
   return sim.init_state()._replace(models=models)
 
 
 def run(sim, rounds=1):
   state, rows = initial_state(sim), []
   for _ in range(rounds):
-    state, metrics = sim.run_round(state)
+    state, (metrics,) = sim.run_rounds(state, 1)
     rows.append(metrics)
   return state, rows
 
@@ -203,12 +201,12 @@ def mlp_runs():
 @pytest.mark.parametrize("prox,plain", [("FedProx", "FedAvg"), ("HeteroProx", "HeteroAvg")])
 def test_prox_methods_run_a_round_with_the_default_mu(mlp_runs, prox, plain):
   sim, state, rows = mlp_runs[prox, None]
-  assert prox_mu(sim.method) == pytest.approx(0.1) and all(t.terms == sim.method.terms for t in sim.trainers)
+  assert prox_mu(sim.spec.method) == pytest.approx(0.1) and all(t.terms == sim.spec.method.terms for t in sim.spec.trainers)
   assert len(state.models) == (2 if prox == "FedProx" else 1)
   assert set(rows[0]["train_loss_per_group"]) == {"mlp@0.5", "mlp@1.0"}
   assert np.isfinite(rows[0]["train_loss"])
   plain_sim, plain_state, plain_rows = mlp_runs[plain, None]
-  assert prox_mu(plain_sim.method) == 0.0
+  assert prox_mu(plain_sim.spec.method) == 0.0
   assert rows[0]["clients"] == plain_rows[0]["clients"] and rows[0]["examples"] == plain_rows[0]["examples"]
   moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state.models), jax.tree.leaves(plain_state.models))]
   assert any(moved), "the proximal term must change the trained models"
@@ -222,7 +220,7 @@ def test_prox_methods_run_a_round_with_the_default_mu(mlp_runs, prox, plain):
 @pytest.mark.parametrize("prox,plain", [("FedProx", "FedAvg"), ("HeteroProx", "HeteroAvg")])
 def test_prox_methods_with_zero_mu_equal_the_plain_methods_bit_for_bit(mlp_runs, prox, plain):
   sim, state, rows = mlp_runs[prox, 0.0]
-  assert prox_mu(sim.method) == 0.0
+  assert prox_mu(sim.spec.method) == 0.0
   _, plain_state, plain_rows = mlp_runs[plain, None]
   chex.assert_trees_all_equal(state.models, plain_state.models)
   assert rows[0]["train_loss"] == plain_rows[0]["train_loss"]
@@ -237,7 +235,7 @@ def test_fedavg_with_the_proximal_term_is_fedprox(mlp_runs):
 
 def test_vmap_matches_sequential_with_prox():
   seq_sim, vmap_sim = (tiny_simulation("HeteroProx", backend, (0.5, 1.0), 5) for backend in ("sequential", "vmap"))
-  assert vmap_sim.backend.name == "vmap"
+  assert vmap_sim.cohorts.backend.name == "vmap"
   seq_state, seq_rows = run(seq_sim, rounds=2)
   vmap_state, vmap_rows = run(vmap_sim, rounds=2)
   chex.assert_trees_all_close(vmap_state.models, seq_state.models, rtol=RTOL, atol=ATOL)
@@ -247,11 +245,13 @@ def test_vmap_matches_sequential_with_prox():
   # One group's result directly, with weights != 1 and clients of unequal length (padded steps masked).
   results = []
   for sim in (seq_sim, vmap_sim):
-    start = sim.group_variables(initial_state(sim), 1)
-    clients = sim.groups[1].clients
+    start = sim.spec.group_variables(initial_state(sim), 1)
+    clients = sim.spec.groups[1].clients
     weights = np.arange(1, len(clients) + 1, dtype=float)
-    results.append(sim.backend.train(sim.trainers[1], start, sim.store, clients, weights, jax.random.key(3)))
-  assert len(set(seq_sim.store.sizes[seq_sim.groups[1].clients].tolist())) > 1
+    backend, spec = sim.cohorts.backend, sim.spec
+    rows = one_cohort(spec.store, spec.local, spec.trainers[1], clients, weights, backend.slots(len(clients)))
+    results.append(backend.train(spec.trainers[1], start, spec.store, rows, jax.random.key(3), stack_size=len(clients)))
+  assert len(set(seq_sim.spec.store.sizes[seq_sim.spec.groups[1].clients].tolist())) > 1
   chex.assert_trees_all_close(results[1], results[0], rtol=RTOL, atol=ATOL)
 
 
@@ -262,9 +262,10 @@ def test_incoprox_runs_a_round_on_resnets():
   groups = [ArchGroup(f"resnet{sizes}", tiny_resnet(sizes, num_classes=ds.num_classes), c)  # (1, 2): InCo pairs
             for sizes, c in zip(((1, 1), (1, 2)), assign_groups(6, 2))]
   local = LocalConfig(batch_size=8, steps_per_call=1)
-  sim = Simulation(groups, store, local, build_method("incoprox"), FederationConfig(clients_per_round=3),
-                   make_backend("sequential"), jnp.asarray(ds.test_images), jnp.asarray(ds.test_labels))
-  assert sim.method.name == "InCoProx" and prox_mu(sim.method) == pytest.approx(0.1)
+  spec = RoundSpec.build(groups, store, local, build_method("incoprox"), FederationConfig(clients_per_round=3),
+                         jnp.asarray(ds.test_images), jnp.asarray(ds.test_labels))
+  sim = make_simulation(spec, make_backend("sequential"))
+  assert sim.spec.method.name == "InCoProx" and prox_mu(sim.spec.method) == pytest.approx(0.1)
   pairs = groups[1].model.cross_layer_pairs()
   assert pairs != ()
   state, rows = run(sim)
@@ -290,9 +291,9 @@ def test_cli_prox_mu_flag_reaches_the_simulation():
     config = config_from_args(parser.parse_args(argv + common))
     logs = []
     sim, _ = build_simulation(config, dataset, log=logs.append)
-    assert prox_mu(sim.method) == pytest.approx(effective)
+    assert prox_mu(sim.spec.method) == pytest.approx(effective)
     # The method's terms, and the dissimilarity metric's (on in every CLI run, added by the build step) after them.
-    assert sim.method.terms[-1].name == "dissimilarity" and all(t.terms == sim.method.terms for t in sim.trainers)
+    assert sim.spec.method.terms[-1].name == "dissimilarity" and all(t.terms == sim.spec.method.terms for t in sim.spec.trainers)
     assert ("client terms: prox" in logs[-1]) == bool(effective), logs
   with pytest.raises(ValueError, match="--prox-mu must be a finite number >= 0, got -1.0"):
     RunConfig.from_flags(dataset="synthetic", prox_mu=-1.0)

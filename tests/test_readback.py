@@ -12,10 +12,10 @@ import shutil
 import chex
 import pytest
 
-from experiments import compare
-from fedjax_hetero import metrics_log
 from fedjax_hetero.data import synthetic_dataset
-from fedjax_hetero.runner import run_experiment
+from fedjax_hetero.run import metrics_log
+from fedjax_hetero.run.runner import run_experiment
+from experiments import compare
 from tests.test_runner import base_config, read_rows, restore
 
 # One worker runs the module, so its module-scoped runs train once (scripts/test.sh: --dist loadgroup).

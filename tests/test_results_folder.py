@@ -16,10 +16,10 @@ import time
 
 import pytest
 
-from fedjax_hetero import metrics_log, results_folder
 from fedjax_hetero.data import synthetic_dataset
-from fedjax_hetero.results_folder import FolderInUseError
-from fedjax_hetero.runner import run_experiment
+from fedjax_hetero.run import metrics_log, results_folder
+from fedjax_hetero.run.results_folder import FolderInUseError
+from fedjax_hetero.run.runner import run_experiment
 from tests.helpers import REPO, run_fmnist_cli
 from tests.test_runner import base_config
 
@@ -168,8 +168,8 @@ def test_an_immutable_checkpoints_folder_stops_the_run_in_one_line_within_second
 FAILING_SAVE = """
 import os, subprocess, sys, time
 import jax.numpy as jnp
-from fedjax_hetero import checkpoints
-from fedjax_hetero.engine import ServerState
+from fedjax_hetero.run import checkpoints
+from fedjax_hetero.rounds import ServerState
 manager = checkpoints.manager(sys.argv[1], every=1)
 state = lambda r: ServerState(r, ({"params": {"w": jnp.full(64, float(r))}},), ((),), (), ((),))
 checkpoints.save(manager, state(1))

@@ -1,4 +1,4 @@
-"""The round program (`fedjax_hetero.round_program`): every method it runs gives the host loop's results to
+"""Rounds as a device program (`rounds.mapping.ProgramCohorts`): every method it runs gives the host loop's results to
 float tolerance, K rounds in one call equal K calls of one, one device launch per call whatever the
 groups, clients and local steps, nothing compiles after the first call, and the runner resumes it."""
 
@@ -11,35 +11,38 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_hetero.algorithms import fedgen
 from fedjax_hetero.compilation import CompileLog, LaunchCount
-from fedjax_hetero.client.local import LocalConfig
-from fedjax_hetero.config import FedCrossConfig
+from fedjax_hetero.config import FedCrossConfig, FederationConfig, LocalConfig
 from fedjax_hetero.data import synthetic_dataset
-from fedjax_hetero.engine import FederationConfig, Simulation
-from fedjax_hetero.methods import MethodOptions, build_method
+from fedjax_hetero.methods import MethodConfig, build_method
+from fedjax_hetero.methods import fedgen_generator as fedgen
+from fedjax_hetero.rounds import RoundSpec, Simulation, make_backend, make_simulation
+from fedjax_hetero.rounds.mapping import HostCohorts
 from tests import golden
-from tests.golden_setting import TINY_FEDGEN, GoldenSimulation, golden_simulation
+from tests.golden_setting import TINY_FEDGEN, eval_variables, golden_simulation
 from tests.helpers import simulation, tiny_resnet, tiny_simulation
 from tests.test_golden import RECORD, assert_close
 
-# Every golden entry but CluSamp's (its sampler keeps host-side state): the first record's methods with the vmap
-# backend's mapping (and one of each kind with the sequential backend's, lax.map), the later methods as recorded.
+# Every method once on the device program, but CluSamp (its sampler keeps host-side state): the first record's
+# methods with the vmap backend's mapping, the later methods as recorded (the sequential backend's mapping, lax.map).
 FUSED_GOLDEN = ([(m, "vmap", "mlp") for m in golden.METHODS if m != "CluSamp"]
-                + [(m, "sequential", "mlp") for m in ("HeteroAvg", "InCoScaffold", "FedCross", "FedGen", "HeteroMOON")]
                 + [(m, "sequential", family) for m, family in golden.LATER_METHODS])
 
 
-def fused(sim: Simulation, rounds_per_call: int = 3, **changes) -> Simulation:
-  """``sim``'s setting on the round program."""
-  kwargs = dict(groups=sim.groups, store=sim.store, local=sim.local, method=sim.method, config=sim.config,
-                backend=sim.backend, test_images=sim.test_images, test_labels=sim.test_labels,
-                round_program="fused",
-                rounds_per_call=rounds_per_call)
-  return type(sim)(**{**kwargs, **changes})
+def fused(sim: Simulation, rounds_per_call: int = 3, round_program: str = "fused", **changes) -> Simulation:
+  """``sim``'s setting (with ``changes`` to its spec's inputs) as a device program, its cohorts mapped as ``sim``'s
+  backend maps them (``round_program`` "host": on the host loop)."""
+  spec = sim.spec
+  if changes:
+    inputs = dict(groups=spec.groups, store=spec.store, local=spec.local, method=spec.method, config=spec.config,
+                  test_images=spec.test_images, test_labels=spec.test_labels)
+    spec = RoundSpec.build(**{**inputs, **changes})
+  backend = (sim.cohorts.backend if isinstance(sim.cohorts, HostCohorts) else
+             make_backend("sequential" if sim.cohorts.mapping == "map" else "vmap"))
+  return make_simulation(spec, backend, round_program, rounds_per_call)
 
 
-def record(sim: GoldenSimulation) -> tuple[list[dict], list[list[str]]]:
+def record(sim: Simulation) -> tuple[list[dict], list[list[str]]]:
   """`golden.record`'s rows for ``sim``, one call per round, and the programs each call compiled."""
   state, rows, compiled = sim.init_state(), [], []
   for r in range(golden.ROUNDS):
@@ -48,7 +51,7 @@ def record(sim: GoldenSimulation) -> tuple[list[dict], list[list[str]]]:
     compiled.append(log.names)
     rows.append({**{k: row[k] for k in ("train_loss", "train_loss_per_group", "examples", "clients",
                                         "test_accuracy")},
-                 "models": {name: golden.fingerprint(v) for name, v in sim.eval_variables(state).items()}})
+                 "models": {name: golden.fingerprint(v) for name, v in eval_variables(sim, state).items()}})
   return rows, compiled
 
 
@@ -60,7 +63,7 @@ def test_round_program_reproduces_the_golden_record(entry):
   key = golden.key(*entry)
   own = next((r for r in RECORD["records"] if r["cpu"] == golden.cpu_signature() and key in r["runs"]), None)
   expected = (own or next(r for r in RECORD["records"] if key in r["runs"]))["runs"][key]
-  rows, compiled = record(fused(golden_simulation(method, backend, family)))
+  rows, compiled = record(golden_simulation(method, backend, family, "fused", rounds_per_call=3))
   for round_index, (want, have) in enumerate(zip(expected, rows), start=1):
     assert_close(want, have, method, f"{key} on the round program, round {round_index}")
   if method in golden.CPU_SENSITIVE:  # (numbers unchecked above: held to the first round's, before amplification)
@@ -90,16 +93,16 @@ def assert_same_run(host: Simulation, program: Simulation, rounds: int = 1) -> N
   evaluate = set(range(1, rounds + 1))
   host_state, host_rows = host.run_rounds(host.init_state(), rounds, evaluate=evaluate)
   state, rows = program.run_rounds(program.init_state(), rounds, evaluate=evaluate)
-  close_rows(host_rows, rows, program.method.name)
-  for g in range(len(host.groups)):
-    chex.assert_trees_all_close(program.group_variables(state, g), host.group_variables(host_state, g),
+  close_rows(host_rows, rows, program.spec.method.name)
+  for g in range(len(host.spec.groups)):
+    chex.assert_trees_all_close(program.spec.group_variables(state, g), host.spec.group_variables(host_state, g),
                                 rtol=golden.TOLERANCE["parameter_sum"], atol=1e-5)
 
 
 def test_round_program_equals_the_host_loop_with_static_batch_norm():
   """HeteroFL's static BatchNorm re-estimates the statistics before every evaluation: inside the program too."""
   host = width_resnet_simulation("HeteroFL")
-  assert host.round_program is None  # auto on CPU: the host loop
+  assert not host.cohorts.in_program  # auto on CPU: the host loop
   assert_same_run(host, fused(host))
 
 
@@ -108,11 +111,11 @@ def test_round_program_with_the_backdoor_attack_and_the_dissimilarity_metric():
   host = tiny_simulation("HeteroScaffold", "vmap", widths=(1.0, 0.5), track_dissimilarity=True)
   host = fused(host, round_program="host", config=config)
   program = fused(host, config=config)
-  assert len(program.malicious_clients) == 2
+  assert len(program.spec.malicious_clients) == 2
   assert_same_run(host, program, rounds=3)
   _, (row,) = program.run_rounds(program.init_state(), 1)
   # Every group of the shared federation, with no values for a group none of whose clients trained.
-  assert set(row["dissimilarity"]) == {g.name for g in program.groups}
+  assert set(row["dissimilarity"]) == {g.name for g in program.spec.groups}
   for group, values in row["dissimilarity"].items():
     assert (group in row["train_loss_per_group"]) == any(v is not None for v in values.values()), (group, values)
 
@@ -123,7 +126,7 @@ def test_a_call_of_k_rounds_equals_k_calls_of_one(method):
   warm-up stage ends after round 1, so its 3 rounds are two calls, of two programs."""
   options = dict(fedcross=FedCrossConfig(warmup_rounds=1)) if method == "FedCross" else {}
   sim = fused(tiny_simulation(method, "vmap", widths=(1.0,) if method == "FedCross" else (1.0, 0.5), **options))
-  assert sim.round_program.call_lengths(0, 3) == ([1, 2] if method == "FedCross" else [3])
+  assert call_lengths(sim, 0, 3) == ([1, 2] if method == "FedCross" else [3])
   one_call, rows = sim.run_rounds(sim.init_state(), 3, evaluate={2, 3})
   state, single = sim.init_state(), []
   for r in range(3):
@@ -133,6 +136,13 @@ def test_a_call_of_k_rounds_equals_k_calls_of_one(method):
                               (state.models, state.steps, state.memory))
   strip = lambda rows: [{k: v for k, v in r.items() if k not in ("round_seconds", "samples_per_s")} for r in rows]
   assert strip(rows) == strip(single)
+
+
+def call_lengths(sim: Simulation, first: int, count: int) -> list[int]:
+  lengths = []
+  while sum(lengths) < count:
+    lengths.append(sim.call_length(first + sum(lengths), first + count))
+  return lengths
 
 
 def launches_per_call(sim: Simulation, rounds: int = 3) -> int:
@@ -148,14 +158,14 @@ def test_one_device_launch_per_call_whatever_the_groups_clients_and_steps():
   small = tiny_simulation("HeteroScaffold", "vmap", widths=(1.0,), clients_per_round=2)
   local = LocalConfig(epochs=4, batch_size=4, learning_rate=1e-2)  # 4x the steps
   large = tiny_simulation("HeteroScaffold", "vmap", widths=(1.0, 0.5, 0.25), clients_per_round=6)
-  large = fused(large, local=local, method=build_method("HeteroScaffold", MethodOptions(), local))
+  large = fused(large, local=local, method=build_method("HeteroScaffold", MethodConfig(), local))
   assert launches_per_call(fused(small)) == launches_per_call(large) == 1
   assert launches_per_call(small) > 3 * 10
 
 
 def test_clustered_sampling_runs_the_host_loop():
   sim = tiny_simulation("CluSamp", "vmap")
-  assert sim.round_program is None
+  assert not sim.cohorts.in_program
   with pytest.raises(ValueError, match=r"CluSamp cannot run as one program per round: .*sampler \(clustered\)"
                                        r".*--round-program host"):
     fused(sim)
@@ -183,7 +193,7 @@ def runner_config(output_dir, **changes):
 
 def test_runner_resumes_the_round_program_bit_for_bit(tmp_path):
   """Calls end at checkpoint rounds (every 2 here): 2 rounds, then a resume to 4, equal 4 rounds straight."""
-  from fedjax_hetero.runner import run_experiment
+  from fedjax_hetero.run.runner import run_experiment
   from tests.test_runner import quiet, read_rows, restore
   dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
@@ -199,8 +209,8 @@ def test_runner_resumes_the_round_program_bit_for_bit(tmp_path):
 
 
 def test_runner_stops_a_diverging_round_program_at_the_call_and_keeps_the_good_checkpoint(tmp_path):
-  from fedjax_hetero.guard import DivergenceError
-  from fedjax_hetero.runner import run_experiment
+  from fedjax_hetero.run.guard import DivergenceError
+  from fedjax_hetero.run.runner import run_experiment
   from tests.test_runner import quiet, read_rows
   dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
   good = runner_config(tmp_path, rounds=2, optimizer="sgd", learning_rate=0.05)

@@ -15,16 +15,17 @@ import jax
 import numpy as np
 import pytest
 
-from fedjax_hetero.build import run_method
 from fedjax_hetero.cli import run as cli
-from fedjax_hetero import checkpoints, engine
-from fedjax_hetero.backends import BACKENDS
 from fedjax_hetero.config import RunConfig, as_dict
 from fedjax_hetero.data import synthetic_dataset
-from fedjax_hetero.engine import NonFiniteLossError
-from fedjax_hetero.guard import DivergenceError
 from fedjax_hetero.methods import METHODS
-from fedjax_hetero.runner import build_simulation, run_experiment
+from fedjax_hetero.rounds import Simulation
+from fedjax_hetero.rounds.backends import BACKENDS
+from fedjax_hetero.rounds.rows import NonFiniteLossError
+from fedjax_hetero.run import checkpoints
+from fedjax_hetero.run.build import build_simulation, run_method
+from fedjax_hetero.run.guard import DivergenceError
+from fedjax_hetero.run.runner import run_experiment
 
 # End to end (`pytest -m "not slow"` leaves it out). One worker runs the module, so its module-scoped runs train
 # once (scripts/test.sh: --dist loadgroup).
@@ -60,7 +61,7 @@ def read_rows(output_dir):
 def restore(config, dataset, step=None):
   """The models of checkpoint `step` (the latest if None), via the runner's own manager."""
   sim, _ = build_simulation(config, dataset, log=quiet)
-  template = sim.state_shapes
+  template = sim.spec.state_shapes
   manager = checkpoints.manager(config.output.dir, config.output.checkpoint_every)
   if step is not None:
     assert step in manager.all_steps(), manager.all_steps()
@@ -164,14 +165,14 @@ class Interrupted(Exception):
 def test_resume_after_a_crash_between_checkpoints(dataset, straight, tmp_path, monkeypatch):
   """Killed in round 4 with rounds 1-3 logged but only round 2 checkpointed: round 3 is redone once."""
   config = base_config(tmp_path / "crashed")
-  run_round = engine.Simulation.run_round
+  run_call = Simulation.run_call
 
-  def crash_in_round_4(self, state, **options):
+  def crash_in_round_4(self, state, count, evaluate):
     if state.round == 3:
       raise Interrupted()
-    return run_round(self, state, **options)
+    return run_call(self, state, count, evaluate)
 
-  monkeypatch.setattr(engine.Simulation, "run_round", crash_in_round_4)
+  monkeypatch.setattr(Simulation, "run_call", crash_in_round_4)
   with pytest.raises(Interrupted):
     run_experiment(config, dataset, log=quiet)
   assert [r["round"] for r in read_rows(config.output.dir)] == [1, 2, 3]
@@ -179,7 +180,7 @@ def test_resume_after_a_crash_between_checkpoints(dataset, straight, tmp_path, m
   # (orbax also keeps round 1: a manager with no checkpoint yet saves its first step.)
   assert manager.latest_step() == 2 and 3 not in manager.all_steps(), manager.all_steps()
 
-  monkeypatch.setattr(engine.Simulation, "run_round", run_round)
+  monkeypatch.setattr(Simulation, "run_call", run_call)
   run_experiment(config.replace(resume=True), dataset, log=quiet)
   rows, want = read_rows(config.output.dir), read_rows(straight[0].output.dir)
   assert [r["round"] for r in rows] == [1, 2, 3, 4]
@@ -283,10 +284,10 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(dataset, tmp_
 
 
 def test_cli_reports_divergence_as_an_error(monkeypatch, capsys, tmp_path):
-  def diverge(config, **_):
+  def diverge(config, *_):
     raise NonFiniteLossError("round 7: training loss of group cnn@0.5 is nan")
 
-  monkeypatch.setattr(cli, "run_experiment", diverge)
+  monkeypatch.setattr(cli, "run_checked", diverge)
   with pytest.raises(SystemExit) as info:
     cli.main("synthetic", ["--output-dir", str(tmp_path / "o")])
   assert info.value.code == 2

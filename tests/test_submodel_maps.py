@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from fedjax_hetero import aggregators
-from fedjax_hetero.engine import FederationConfig
-from fedjax_hetero.hetero import Link, SubmodelMap, Window, build_group_map, coverage, embed, extract, graft
-from fedjax_hetero.hetero import identity_map
+from fedjax_hetero.config import FederationConfig
+from fedjax_hetero.hetero import (Link, SubmodelMap, Window, build_group_map, coverage, embed, extract, graft,
+                                  identity_map)
 from fedjax_hetero.methods import build_method
 from tests.helpers import tiny_simulation
 
@@ -167,32 +167,32 @@ def fedrolex_like():
 def test_a_rolling_window_moves_with_the_round_in_the_engine():
   sim = tiny_simulation(fedrolex_like(), widths=(0.5, 1.0), clients_per_round=6)
   state = sim.init_state()
-  narrow = lambda s: np.asarray(sim.group_variables(s, 0)["params"]["hidden1"]["bias"])
+  narrow = lambda s: np.asarray(sim.spec.group_variables(s, 0)["params"]["hidden1"]["bias"])
   full = lambda s: np.asarray(s.models[0]["params"]["hidden1"]["bias"])
   assert narrow(state).shape == (8,) and full(state).shape == (16,)
   np.testing.assert_array_equal(narrow(state._replace(round=5)), np.roll(full(state), -5)[:8])  # units 5..12
   # Round 1 (offset 0) and round 2 (offset 1): the narrow clients train the window of their round.
   for _ in range(2):
     before = full(state)
-    state, metrics = sim.run_round(state)
+    state, (metrics,) = sim.run_rounds(state, 1)
     assert set(metrics["train_loss_per_group"]) == {"mlp@0.5", "mlp@1.0"}
   assert state.round == 2 and not np.array_equal(before, full(state))
   plain = tiny_simulation("HeteroAvg", widths=(0.5, 1.0), clients_per_round=6)
   plain_state = plain.init_state()
   for _ in range(2):
-    plain_state, _ = plain.run_round(plain_state)
+    plain_state, (_,) = plain.run_rounds(plain_state, 1)
   # Round 1 is the same for both (offset 0); round 2 is not.
   assert not np.array_equal(full(state), full(plain_state))
 
 
 def test_groups_redrawn_every_round():
   sim = tiny_simulation("HeteroAvg", widths=(0.5, 1.0), clients_per_round=4, group_draw=(0.5, 0.5))
-  draws = [sim.groups_of_round(r) for r in range(4)]
+  draws = [sim.spec.groups_of_round(r) for r in range(4)]
   assert all(set(d.tolist()) <= {0, 1} for d in draws)
   assert any(not np.array_equal(draws[0], d) for d in draws[1:])
   state, rows = sim.init_state(), []
   for _ in range(3):
-    state, metrics = sim.run_round(state)
+    state, (metrics,) = sim.run_rounds(state, 1)
     rows.append(metrics)
   for r, row in enumerate(rows):  # each round's groups are the draw of that round
     groups = {("mlp@0.5", "mlp@1.0")[g] for g in draws[r][row["clients"]]}

@@ -22,8 +22,8 @@ from fedjax_hetero.cli import compare
 from fedjax_hetero.cli import run as cli
 from fedjax_hetero.config import RunConfig, as_dict
 from fedjax_hetero.methods import METHODS, build_method, register_method
-from fedjax_hetero.reporting import scalars
-from fedjax_hetero.runner import run_experiment
+from fedjax_hetero.run.reporting import scalars
+from fedjax_hetero.run.runner import run_experiment
 from tests.helpers import FMNIST_FILE, REPO
 from tests.test_docs import blocks_of
 

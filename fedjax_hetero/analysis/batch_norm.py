@@ -16,8 +16,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fedjax_hetero.evaluation import batch_norm_keep, batch_norm_momenta, zero_start_statistics
 from fedjax_hetero.hetero.maps import Variables
+from fedjax_hetero.models.evaluation import batch_norm_keep, batch_norm_momenta, zero_start_statistics
 
 __all__ = ["batch_norm_momenta", "recalibrate_batch_stats"]
 

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_hetero.client.local import normalize
 from fedjax_hetero.compilation import program_cache
+from fedjax_hetero.data.store import normalize
 from fedjax_hetero.hetero.maps import Variables
 
 Array = jax.Array

@@ -15,7 +15,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fedjax_hetero import metrics_log, os_errors, results_folder
+from fedjax_hetero import os_errors
+from fedjax_hetero.run import metrics_log, results_folder
 
 Runs = Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]]  # (label, summary.json, metrics.jsonl rows)
 

@@ -26,12 +26,14 @@ import jax
 import numpy as np
 from flax import traverse_util
 
-from fedjax_hetero import analysis, checkpoints
+from fedjax_hetero import analysis
 from fedjax_hetero import data as fdata
-from fedjax_hetero import evaluation, metrics_log, runner
-from fedjax_hetero.client.local import normalize
 from fedjax_hetero.config import RunConfig
-from fedjax_hetero.engine import ServerState, Simulation
+from fedjax_hetero.data.store import normalize
+from fedjax_hetero.models import evaluation
+from fedjax_hetero.rounds import RoundSpec, Simulation
+from fedjax_hetero.rounds.state import ServerState
+from fedjax_hetero.run import build, checkpoints, metrics_log, runner
 
 
 def _log(message: str) -> None:
@@ -55,7 +57,7 @@ def restore_last(sim: Simulation, config: RunConfig) -> ServerState:
     raise ValueError(f"{directory} not found; the run wrote no checkpoint")
   manager = checkpoints.manager(config.output.dir)
   try:
-    state = checkpoints.restore_latest(manager, sim.state_shapes)
+    state = checkpoints.restore_latest(manager, sim.spec.state_shapes)
   finally:
     manager.close()
   return sim.place(state)
@@ -74,15 +76,15 @@ class LoadedRun:
 def load_run(run_dir: str, data_dir: str | None = None) -> LoadedRun:
   """Rebuilds RUN_DIR's simulation from its config and restores its last checkpoint."""
   config = read_config(run_dir, data_dir)
-  sim, _ = runner.build_simulation(config, log=_log)
+  sim, _ = build.build_simulation(config, log=_log)
   state = restore_last(sim, config)
-  _log(f"{run_dir}: {sim.method.name}, restored round {state.round}")
+  _log(f"{run_dir}: {sim.spec.method.name}, restored round {state.round}")
   return LoadedRun(run_dir, config, sim, state)
 
 
-def _test_subset(sim: Simulation, num_examples: int) -> tuple[jax.Array, jax.Array]:
-  n = min(num_examples, int(sim.test_labels.shape[0]))
-  return sim.test_images[:n], sim.test_labels[:n]
+def _test_subset(spec: RoundSpec, num_examples: int) -> tuple[jax.Array, jax.Array]:
+  n = min(num_examples, int(spec.test_labels.shape[0]))
+  return spec.test_images[:n], spec.test_labels[:n]
 
 
 # --------------------------------------------------------------------------- cka
@@ -91,24 +93,24 @@ def _test_subset(sim: Simulation, num_examples: int) -> tuple[jax.Array, jax.Arr
 def run_cka(args: argparse.Namespace) -> list[str]:
   """Linear CKA between the group models at every shared cut point (InCo Sec. 5.4 / App. E)."""
   run = load_run(args.run_dir, args.data_dir)
-  sim, state = run.sim, run.state
-  names = [g.name for g in sim.groups]
+  spec, state = run.sim.spec, run.state
+  names = [g.name for g in spec.groups]
   if len(names) < 2:
-    raise ValueError(f"{args.run_dir}: CKA compares architecture groups, but this {sim.method.name} run has "
+    raise ValueError(f"{args.run_dir}: CKA compares architecture groups, but this {spec.method.name} run has "
                      f"one ({names[0]})")
-  images, _ = _test_subset(sim, args.num_examples)
+  images, _ = _test_subset(spec, args.num_examples)
   n = int(images.shape[0])
   if n < 2:
     raise ValueError(f"{args.run_dir}: CKA needs at least 2 test images, the run has {n}")
-  models = [(g.model, sim.group_variables(state, i)) for i, g in enumerate(sim.groups)]
-  matrices = analysis.cka_matrix(models, images, sim.store.mean, sim.store.std, batch_size=args.batch_size)
+  models = [(g.model, spec.group_variables(state, i)) for i, g in enumerate(spec.groups)]
+  matrices = analysis.cka_matrix(models, images, spec.store.mean, spec.store.std, batch_size=args.batch_size)
   if not matrices:
     raise ValueError(f"{args.run_dir}: the groups {', '.join(names)} share no cut point besides input/logits")
   png = os.path.join(args.run_dir, "cka.png")
-  analysis.plot_cka(matrices, png, names, title=f"{sim.method.name}, round {state.round}: linear CKA on {n} "
+  analysis.plot_cka(matrices, png, names, title=f"{spec.method.name}, round {state.round}: linear CKA on {n} "
                     "test images")
   record = {
-      "method": sim.method.name,
+      "method": spec.method.name,
       "round": state.round,
       "num_examples": n,
       "groups": names,
@@ -143,20 +145,20 @@ def run_landscape(args: argparse.Namespace) -> list[str]:
   names, groups, sizes, losses, accuracies = [], [], [], [], []
   for run_dir in args.run_dirs:
     run = load_run(run_dir, args.data_dir)
-    sim = run.sim
-    if not 0 <= args.group < len(sim.groups):
-      raise ValueError(f"{run_dir}: --group {args.group} is out of range; the run has {len(sim.groups)} "
-                       f"architecture group(s): {', '.join(g.name for g in sim.groups)}")
-    model = sim.groups[args.group].model
-    variables = sim.group_variables(run.state, args.group)
+    spec = run.sim.spec
+    if not 0 <= args.group < len(spec.groups):
+      raise ValueError(f"{run_dir}: --group {args.group} is out of range; the run has {len(spec.groups)} "
+                       f"architecture group(s): {', '.join(g.name for g in spec.groups)}")
+    model = spec.groups[args.group].model
+    variables = spec.group_variables(run.state, args.group)
     directions = _directions(variables["params"], key1, key2)
-    images, labels = _test_subset(sim, args.num_examples)
-    surface = analysis.loss_surface(model, variables, images, labels, sim.store.mean, sim.store.std, directions,
+    images, labels = _test_subset(spec, args.num_examples)
+    surface = analysis.loss_surface(model, variables, images, labels, spec.store.mean, spec.store.std, directions,
                                     alphas, betas, batch_size=args.batch_size)
     centre = f" (trained model {surface.loss[args.grid // 2, args.grid // 2]:.4f})" if args.grid % 2 else ""
     _log(f"{run_dir}: loss {surface.loss.min():.4f}..{surface.loss.max():.4f}{centre}")
-    names.append(sim.method.name)
-    groups.append(sim.groups[args.group].name)
+    names.append(spec.method.name)
+    groups.append(spec.groups[args.group].name)
     sizes.append(int(labels.shape[0]))
     losses.append(surface.loss)
     accuracies.append(surface.accuracy)
@@ -178,20 +180,20 @@ def run_landscape(args: argparse.Namespace) -> list[str]:
 # --------------------------------------------------------------------------- histograms
 
 
-def tracked_layers(sim: Simulation, state: ServerState) -> list[tuple[tuple[str, ...], str]]:
+def tracked_layers(spec: RoundSpec, state: ServerState) -> list[tuple[tuple[str, ...], str]]:
   """(path, label) of the layers whose updates are recorded, in model order.
 
   Methods with InCo's step: the cross-layer pairs' sources and targets. Others: every leaf with at
   least two axes (conv and dense kernels; biases and BatchNorm leaves are 1-D).
   """
-  pairs_of = getattr(sim.federations[0].largest, "cross_layer_pairs", None)
-  if pairs_of is not None and any(step.name == "inco" for step in sim.method.server):
+  pairs_of = getattr(spec.federations[0].largest, "cross_layer_pairs", None)
+  if pairs_of is not None and any(step.name == "inco" for step in spec.method.server):
     roles: dict[tuple[str, ...], str] = {}
     for target, source in pairs_of():
       roles.setdefault(tuple(source), "source")
       roles.setdefault(tuple(target), "target")
     return [(path, f"{'/'.join(path)} ({role})") for path, role in roles.items()]
-  flat = traverse_util.flatten_dict(sim.server_variables(state))
+  flat = traverse_util.flatten_dict(spec.server_variables(state))
   return [(path, "/".join(path)) for path, leaf in flat.items() if leaf.ndim >= 2]
 
 
@@ -203,23 +205,23 @@ def _host_leaves(tree: Any, paths: Sequence[tuple[str, ...]]) -> list[np.ndarray
 def run_histograms(args: argparse.Namespace) -> list[str]:
   """Continues the run in memory and plots the server's per-layer updates of each round (InCo Figs. 2c-d, 3)."""
   run = load_run(args.run_dir, args.data_dir)
-  sim, state = run.sim, run.state
-  layers = tracked_layers(sim, state)
+  spec, state = run.sim.spec, run.state
+  layers = tracked_layers(spec, state)
   if args.layers is not None:
     layers = layers[:args.layers]
   if not layers:
-    raise ValueError(f"{args.run_dir}: the {sim.method.name} model has no layer to track")
+    raise ValueError(f"{args.run_dir}: the {spec.method.name} model has no layer to track")
   paths = [p for p, _ in layers]
   deltas_by_round: dict[int, dict[str, np.ndarray]] = {}
   first = state.round + 1
   for _ in range(args.rounds):
-    before = _host_leaves(sim.server_variables(state), paths)  # on the host: training may donate device buffers
-    state, metrics = sim.run_round(state)
-    after = _host_leaves(sim.server_variables(state), paths)
+    before = _host_leaves(spec.server_variables(state), paths)  # on the host: training may donate device buffers
+    state, (metrics,) = run.sim.run_rounds(state, 1)
+    after = _host_leaves(spec.server_variables(state), paths)
     deltas_by_round[state.round] = {label: a - b for (_, label), a, b in zip(layers, after, before)}
     _log(f"round {state.round}: train loss {metrics['train_loss']:.4f}")
   png = os.path.join(args.run_dir, "update_histograms.png")
-  analysis.plot_update_histograms(deltas_by_round, png, title=f"{sim.method.name}: server updates of rounds "
+  analysis.plot_update_histograms(deltas_by_round, png, title=f"{spec.method.name}: server updates of rounds "
                                   f"{first}-{state.round} (continued from the round-{first - 1} checkpoint)")
   return [png]
 
@@ -254,7 +256,7 @@ def run_tracking(args: argparse.Namespace) -> list[str]:
 def run_bubbles(args: argparse.Namespace) -> list[str]:
   """Client x class bubble plot of the run's partition (FedCross paper's data distribution figure)."""
   config = read_config(args.run_dir, args.data_dir)
-  dataset, parts = runner.partitioned_dataset(config)
+  dataset, parts = build.partitioned_dataset(config)
   report = os.path.join(args.run_dir, "partition.txt")
   if os.path.isfile(report):
     with open(report) as f:
@@ -279,26 +281,26 @@ def run_bubbles(args: argparse.Namespace) -> list[str]:
 def run_recalibrate_bn(args: argparse.Namespace) -> list[str]:
   """Each group model's test accuracy with its stored and with re-estimated BatchNorm statistics."""
   run = load_run(args.run_dir, args.data_dir)
-  sim, state = run.sim, run.state
-  train = sim.store.images
+  spec, state = run.sim.spec, run.state
+  train = spec.store.images
   n = min(args.num_examples, int(train.shape[0]))
   chosen = np.sort(np.random.default_rng(args.seed).choice(int(train.shape[0]), n, replace=False))
-  batches = [normalize(train[chosen[i:i + args.batch_size]], sim.store.mean, sim.store.std)
+  batches = [normalize(train[chosen[i:i + args.batch_size]], spec.store.mean, spec.store.std)
              for i in range(0, n, args.batch_size)]
   groups = {}
-  for i, group in enumerate(sim.groups):
-    stored = sim.group_variables(state, i)
+  for i, group in enumerate(spec.groups):
+    stored = spec.group_variables(state, i)
     recalibrated = analysis.recalibrate_batch_stats(group.model, stored, batches)
-    accuracy = {name: evaluation.accuracy(group.model, variables, sim.test_images, sim.test_labels, sim.store.mean,
-                                          sim.store.std)
+    accuracy = {name: evaluation.accuracy(group.model, variables, spec.test_images, spec.test_labels, spec.store.mean,
+                                          spec.store.std)
                 for name, variables in (("stored", stored), ("recalibrated", recalibrated))}
     groups[group.name] = accuracy
     _log(f"{group.name}: test accuracy {accuracy['stored']:.4f} with the stored BatchNorm statistics, "
          f"{accuracy['recalibrated']:.4f} re-estimated on {n} training images")
   means = {k: float(np.mean([g[k] for g in groups.values()])) for k in ("stored", "recalibrated")}
   _log(f"mean over groups: {means['stored']:.4f} stored, {means['recalibrated']:.4f} re-estimated")
-  record = {"method": sim.method.name, "round": state.round, "num_examples": n, "batch_size": args.batch_size,
-            "seed": args.seed, "test_examples": int(sim.test_labels.shape[0]), "groups": groups, "mean": means}
+  record = {"method": spec.method.name, "round": state.round, "num_examples": n, "batch_size": args.batch_size,
+            "seed": args.seed, "test_examples": int(spec.test_labels.shape[0]), "groups": groups, "mean": means}
   path = os.path.join(args.run_dir, "recalibrated_bn.json")
   with open(path, "w") as f:
     json.dump(record, f, indent=1)

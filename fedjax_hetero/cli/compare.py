@@ -26,7 +26,7 @@ first round each reached the target. ``--per-group`` adds the paired statistics
 (difference with its interval, rounds ahead, best - best) of every architecture
 group's accuracy (``test_accuracy`` in ``metrics.jsonl`` holds one per group
 beside the mean). Where runs log the gradient dissimilarity
-(``fedjax_hetero.dissimilarity``) the plot shows it per round beside the accuracy.
+(``fedjax_hetero.methods.dissimilarity``) the plot shows it per round beside the accuracy.
 
     python -m experiments.compare runs/repro/inco/*_s* --baseline HeteroAvg --window 20 --per-group
 

@@ -2,7 +2,7 @@
 
 The file holds the config tree (``{"client": {"learning_rate": 0.01}, ...}``, the layout of ``config.json``, whose
 history is ignored) or flag names (``{"learning_rate": 0.01, ...}``); settings not in it keep the library's
-defaults, and older layouts are upgraded as ``--resume`` upgrades them (`fedjax_hetero.history.upgrade`). What a
+defaults, and older layouts are upgraded as ``--resume`` upgrades them (`fedjax_hetero.run.history.upgrade`). What a
 file says about resuming or overwriting is dropped: those say what one command does, not what the run is.
 """
 
@@ -13,8 +13,8 @@ import json
 import os
 from typing import Any, Callable
 
-from fedjax_hetero import history
 from fedjax_hetero.config import RunConfig
+from fedjax_hetero.run import history
 
 
 def _parse(path: str, text: str) -> Any:

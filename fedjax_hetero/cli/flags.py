@@ -16,11 +16,9 @@ standard library's parser, whose error format and exit status 2 scripts already 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from typing import Any
 
 from fedjax_hetero.config import RunConfig, declare
-from fedjax_hetero.config.methods import MethodConfig
 from fedjax_hetero.methods import METHODS, methods_by_paper
 from fedjax_hetero.methods.catalog import readers
 
@@ -108,8 +106,3 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 def _run_flags() -> frozenset[str]:
   return frozenset(leaf.flag for leaf in declare.leaves(RunConfig()))
-
-
-def method_families() -> list[type]:
-  """The option families of `MethodConfig`, in declaration order."""
-  return [type(f.default) for f in dataclasses.fields(MethodConfig) if declare.is_settings(f.default)]

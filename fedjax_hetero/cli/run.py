@@ -12,29 +12,27 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, NoReturn, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
+from fedjax_hetero import distributed, os_errors
 from fedjax_hetero import data as fdata
-from fedjax_hetero import distributed
-from fedjax_hetero import os_errors
-from fedjax_hetero.build import run_method
 from fedjax_hetero.cli import flags
 from fedjax_hetero.cli.config_file import read_config
 from fedjax_hetero.cli.datasets import DATASETS, defaults_for
 from fedjax_hetero.cli.flags import methods_help
 from fedjax_hetero.cli.presets import PRESETS, Preset, get_preset, paper_deviations, values_for
 from fedjax_hetero.compilation import CACHE_ENV, enable_persistent_cache
-from fedjax_hetero.config import FedGenConfig, RunConfig, as_dict
+from fedjax_hetero.config import DistributedConfig, FedGenConfig, RunConfig, as_dict
+from fedjax_hetero.config.distributed import from_flags as distributed_settings
 from fedjax_hetero.config.options import FEDGEN_PRESETS
-from fedjax_hetero.distributed import DistributedConfig
-from fedjax_hetero.methods import Method
-from fedjax_hetero.run_many import batchable, parse_sweep, run_together, runs_of
-from fedjax_hetero.runner import Interrupted, run_experiment
+from fedjax_hetero.run.build import run_method
+from fedjax_hetero.run.interruption import Interrupted
+from fedjax_hetero.run.jobs import parse_sweep, run_jobs, runs_of
+from fedjax_hetero.run.preflight import check_settings
+from fedjax_hetero.run.runner import run_checked
 
 # Flags of earlier versions that were renamed, and what to pass instead (README, "Upgrading").
 RENAMED = {"--fedprox-mu": "--prox-mu (one proximal mu, read by FedProx, HeteroProx, InCoProx and FedIN)"}
-# This command's own flags, which choose defaults or set up the process rather than the run.
-OWN_FLAGS = ("preset", "compile_cache", "coarse", "fedgen_preset", "config", "seeds", "sweep", "runs_per_program")
 DISTRIBUTED_FLAGS = tuple(leaf.flag for leaf in flags.declare.leaves(DistributedConfig()))
 
 
@@ -147,7 +145,7 @@ def parse(argv: Sequence[str] | None, dataset: str, description: str | None = No
     args.dataset = f"{args.dataset}_coarse"
   try:
     config = flags.config_from_args(args)
-    processes = distributed.from_flags(*(getattr(args, name) for name in DISTRIBUTED_FLAGS))
+    processes = distributed_settings(*(getattr(args, name) for name in DISTRIBUTED_FLAGS))
     processes.check_backend(config.backend)
     config.data.check_paths()
     config.output.check_paths()
@@ -164,35 +162,18 @@ def _describe_preset(chosen: Preset, config: RunConfig) -> str:
   return f"preset {chosen.name}: {'REDUCED SCALE. ' if chosen.reduced else ''}{chosen.description}{note}"
 
 
-def _run(config: RunConfig, method: Method, main_process: bool) -> dict[str, Any]:
-  """One run, its summary printed; errors and signals end the command."""
+def _run(runs: Sequence[RunConfig], train: Callable[[], list[dict[str, Any]]], main_process: bool
+         ) -> list[dict[str, Any]]:
+  """The summaries of ``train()`` (the runs ``runs``), printed; errors and signals end the command."""
   try:
-    summary = run_experiment(config, method=method)
+    summaries = train()
   except Interrupted as e:  # the run wrote its folder and said how to resume
     raise SystemExit(e.exit_status) from None
   except (ValueError, fdata.DataNotFoundError, FloatingPointError) as e:
     fail(str(e))
   except (OSError, MemoryError) as e:  # one line for every OS error
-    fail(os_errors.describe(e, f"(writing in --output-dir {config.output.dir!r})"), 1)
-  if main_process:
-    print(json.dumps({"final_accuracy": summary["final_accuracy"] or {},
-                      "best_mean_accuracy": summary["best_mean_accuracy"],
-                      "train_seconds": round(summary["train_seconds_all_rounds"], 1),
-                      "output_dir": config.output.dir}, indent=1), flush=True)
-  return summary
-
-
-def _run_together(runs: Sequence[RunConfig], runs_per_program: int | None, main_process: bool
-                  ) -> list[dict[str, Any]]:
-  """The runs of --seeds/--sweep in one program (`run_many`), their summaries printed."""
-  try:
-    summaries = run_together(runs, max_runs_per_program=runs_per_program)
-  except Interrupted as e:
-    raise SystemExit(e.exit_status) from None
-  except (ValueError, fdata.DataNotFoundError, FloatingPointError, MemoryError) as e:
-    fail(str(e))
-  except OSError as e:
-    fail(os_errors.describe(e, f"(writing in --output-dir {runs[0].output.dir!r} and its siblings)"), 1)
+    where = "" if len(runs) == 1 else " and its siblings"
+    fail(os_errors.describe(e, f"(writing in --output-dir {runs[0].output.dir!r}{where})"), 1)
   if main_process:
     for run, summary in zip(runs, summaries):
       print(json.dumps({"final_accuracy": summary["final_accuracy"] or {},
@@ -207,14 +188,16 @@ def main(dataset: str = "fashion_mnist", argv: Sequence[str] | None = None, desc
   """Parses flags and runs (one run per seed with ``--seeds``: a list of summaries); ``coarse_labels`` adds
   ``--coarse`` (CIFAR-100's 20 superclasses)."""
   config, processes, args, chosen = parse(argv, dataset, description, coarse_labels)
-  try:  # the build step: every run's method made and checked against its groups and cohort, before any data
+  try:
     sweeps = [parse_sweep(text, config) for text in args.sweep]
     if args.runs_per_program is not None and args.runs_per_program < 1:
       raise ValueError(f"--runs-per-program must be at least 1, got {args.runs_per_program}")
     runs = runs_of(config, args.seeds, sweeps) if sweeps else seed_runs(config, args.seeds)
-    methods = [run_method(run) for run in runs]
     for run in runs:
+      check_settings(run)
       run.output.check_paths()
+    # The build step: every run's method made and checked against its groups and cohort, before any data.
+    methods = [run_method(run) for run in runs]
   except ValueError as e:
     fail(str(e))
   # In a multi-process run a process that fails exits at once (`distributed.exit_on_failure`).
@@ -230,13 +213,11 @@ def main(dataset: str = "fashion_mnist", argv: Sequence[str] | None = None, desc
     main_process = distributed.is_main_process() if processes.enabled else True
     if chosen is not None and main_process:
       print(_describe_preset(chosen, config), flush=True)
-    why_apart = batchable(config, methods[0]) if len(runs) > 1 else "one run"
-    if why_apart is None:
-      summaries = _run_together(runs, args.runs_per_program, main_process)
+    if len(runs) == 1:
+      summaries = _run(runs, lambda: [run_checked(runs[0], methods[0])], main_process)
     else:
-      if len(runs) > 1 and main_process:
-        print(f"{len(runs)} runs one after another: {why_apart}", flush=True)
-      summaries = [_run(run, method, main_process) for run, method in zip(runs, methods)]
+      log = print if main_process else (lambda _: None)
+      summaries = _run(runs, lambda: run_jobs(runs, methods, log, args.runs_per_program), main_process)
   if args.seeds and main_process:
     print(f"paired by seed: python -m experiments.compare {' '.join(r.output.dir for r in runs)} "
           "RUNS_OF_ANOTHER_METHOD --baseline " + config.method.name)

@@ -50,22 +50,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_hetero.validation import check_choice, check_number
+from fedjax_hetero.config.federation import num_malicious
 
 if TYPE_CHECKING:
   from fedjax_hetero.client.local import LocalState, LocalTrainer
   from fedjax_hetero.config.federation import FederationConfig
 
-READINGS = ("update", "difference")  # what delta_backdoor is: the copy's update, or copy minus clean
 # Third entry of the numpy seed sequence ([seed, 0 or 1, STREAM]); the engine's other streams use 1 and 2.
 STREAM = 3
 
 Variables = Any
-
-
-def num_malicious(num_clients: int, fraction: float) -> int:
-  """round(fraction * num_clients), halves rounded up (Python's ``round`` would round 2.5 to 2)."""
-  return int(np.floor(fraction * num_clients + 0.5))
 
 
 def malicious_clients(num_clients: int, fraction: float, seed: int) -> np.ndarray:
@@ -78,14 +72,11 @@ def malicious_clients(num_clients: int, fraction: float, seed: int) -> np.ndarra
 
 @dataclasses.dataclass(frozen=True)
 class Backdoor:
-  """The attack's static settings: ``scale`` is lambda of Eq. 1."""
+  """The attack's static settings, checked where they are declared (`FederationConfig`): ``scale`` is lambda
+of Eq. 1, ``reading`` one of `config.federation.READINGS`."""
 
   scale: float
   reading: str = "update"
-
-  def __post_init__(self):
-    check_number("federation.backdoor_scale", self.scale, minimum=0)
-    check_choice("federation.backdoor_delta", self.reading, READINGS)
 
 
 class AttackInput(NamedTuple):
@@ -113,13 +104,6 @@ def attack_table(num_clients: int, malicious: np.ndarray, seed: int) -> AttackIn
 def cohort_inputs(table: AttackInput, clients: np.ndarray) -> AttackInput:
   """The rows of ``clients``, in cohort order."""
   return AttackInput(table.malicious[clients], table.label_seed[clients])
-
-
-def padded_inputs(inputs: AttackInput, size: int) -> AttackInput:
-  """``inputs`` padded to ``size`` rows with honest clients (a vmapped cohort's padding)."""
-  pad = size - len(inputs.malicious)
-  return AttackInput(np.concatenate([inputs.malicious, np.zeros(pad, bool)]),
-                     np.concatenate([inputs.label_seed, np.zeros(pad, np.uint32)]))
 
 
 def shuffled_row(index_row: jax.Array, num_examples: jax.Array, label_seed: jax.Array) -> jax.Array:

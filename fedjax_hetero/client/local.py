@@ -27,9 +27,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_hetero.client.terms import (Batch, ClientFinal, ClientTerm, Outputs, RoundInput, StepContext,
-                                        check_term, term_cuts, tree_sub)
-from fedjax_hetero.config.client import OPTIMIZERS, LocalConfig  # re-exported
+from fedjax_hetero.client.terms import (Batch, ClientFinal, ClientTerm, Outputs, RoundInput, StepContext, check_term,
+                                        term_cuts, tree_sub)
+from fedjax_hetero.config.client import LocalConfig
+from fedjax_hetero.config.declare import is_off
+from fedjax_hetero.data.store import normalize
 from fedjax_hetero.hetero.maps import Variables
 
 
@@ -37,8 +39,8 @@ def make_optimizer(config: LocalConfig) -> optax.GradientTransformation:
   if config.optimizer == "adam":
     tx = optax.adam(config.learning_rate)
   else:
-    tx = optax.sgd(config.learning_rate, momentum=config.momentum or None)
-  if config.weight_decay:
+    tx = optax.sgd(config.learning_rate, momentum=None if is_off(config.momentum) else config.momentum)
+  if not is_off(config.weight_decay):
     tx = optax.chain(optax.add_decayed_weights(config.weight_decay), tx)
   return tx
 
@@ -59,11 +61,6 @@ class ClientOutput(NamedTuple):
   delta: Variables  # local - start (after the terms' finish, e.g. FedNova's normalization)
   uploads: tuple[Any, ...]  # every term's upload in the terms' order (empty if it uploads nothing)
   memory: tuple[Any, ...]  # the client's state kept across rounds, per term (empty if no term keeps any)
-
-
-def normalize(images: jax.Array, mean: tuple[float, ...], std: tuple[float, ...]) -> jax.Array:
-  x = images.astype(jnp.float32) / 255.0
-  return (x - jnp.asarray(mean, jnp.float32)) / jnp.asarray(std, jnp.float32)
 
 
 def masked_cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -51,7 +51,6 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from fedjax_hetero.moved import forward_moved
 
 Variables = Any
 REDUCTIONS = ("weighted", "sum", "stack")  # how an upload is summed over a cohort
@@ -180,21 +179,3 @@ def upload_flat_delta(name: str) -> ClientTerm:
     return ravel_pytree(final.variables["params"])[0] - ravel_pytree(final.start["params"])[0]
 
   return ClientTerm(name, upload=Upload(flat_delta, "stack"))
-
-
-# The client terms of single methods live in their method's module now (`fedjax_hetero.methods`); their old import
-# paths keep working.
-_MOVED = {
-    "proximal_term": "fedjax_hetero.methods.fedprox",
-    "proximal": "fedjax_hetero.methods.fedprox",
-    "model_contrastive_loss": "fedjax_hetero.methods.moon",
-    "ContrastiveAnchors": "fedjax_hetero.methods.moon",
-    "model_contrastive": "fedjax_hetero.methods.moon",
-    "scaffold_control_update": "fedjax_hetero.methods.scaffold",
-    "scaffold_correction": "fedjax_hetero.methods.scaffold",
-    "nova_normalizer": "fedjax_hetero.methods.fednova",
-    "nova_normalization": "fedjax_hetero.methods.fednova",
-}
-
-
-__getattr__ = forward_moved(__name__, _MOVED)

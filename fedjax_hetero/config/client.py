@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from fedjax_hetero.config.declare import Flag, Integer, Number, OneOf, Settings, setting, validate
+import numpy as np
+
+from fedjax_hetero.config.declare import Flag, Integer, Number, OneOf, Settings, cli_name, setting, validate
 
 OPTIMIZERS = ("sgd", "adam")
+# XLA:CPU flushes subnormal floats to zero, so a float32 learning rate below this is 0 in training.
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +32,10 @@ class LocalConfig(Settings):
 
   def __post_init__(self):
     validate(self)
+    if self.learning_rate < FLOAT32_TINY:
+      raise ValueError(f"{cli_name(self, 'learning_rate')} {self.learning_rate:g} is 0 in float32 training arithmetic "
+                       f"(below {FLOAT32_TINY:.3g}, the smallest normal float32; XLA flushes smaller values to 0), so "
+                       "the weights would never change")
 
   def steps_per_epoch(self, num_examples: int) -> int:
     if self.drop_last:

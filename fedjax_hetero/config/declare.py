@@ -18,6 +18,7 @@ package but `fedjax_hetero.validation`, so that every config module can use it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Callable, ClassVar, Iterator, NamedTuple
 
@@ -101,15 +102,14 @@ class Setting:
   spelling: str | None = None  # the command-line flag, if not "--" + the flag name with dashes
   metavar: str | None = None
   shared: bool = False  # read by the whole run, not only by the methods of its option family
-  traced: bool = True  # a program of many runs may take it per run (`sweeps`); False: a build reads its value
 
 
 def setting(default: Any, help: str, check: Check, *, flag: str | None = None, spelling: str | None = None,
-            metavar: str | None = None, shared: bool = False, traced: bool = True) -> Any:
+            metavar: str | None = None, shared: bool = False) -> Any:
   """A declared field: ``default``, ``help`` and ``check`` (`Integer`, `Number`, `OneOf`, `Flag`, `Text`,
   `Custom`); a default of None makes None a valid value too."""
   return dataclasses.field(default=default,
-                           metadata={_KEY: Setting(help, check, flag, spelling, metavar, shared, traced)})
+                           metadata={_KEY: Setting(help, check, flag, spelling, metavar, shared)})
 
 
 class Settings:
@@ -119,6 +119,12 @@ class Settings:
   FLAG_PREFIX: ClassVar[str] = ""
   TITLE: ClassVar[str] = ""
   DESCRIPTION: ClassVar[str] = ""
+
+
+def is_off(value: Any) -> bool:
+  """Whether a setting's value is a concrete zero, which turns its part of the run off (a proximal term, SGD's
+  momentum). A traced value (a setting swept in a job of many runs, which is never zero there: `run.jobs`) is on."""
+  return isinstance(value, (int, float)) and value == 0
 
 
 def declaration(field: dataclasses.Field) -> Setting | None:
@@ -218,3 +224,24 @@ def changed_fields(config: Any) -> list[str]:
   """The declared fields of ``config`` (one dataclass, not its nested ones) that differ from their defaults."""
   return [f.name for f in dataclasses.fields(config)
           if declaration(f) is not None and getattr(config, f.name) != f.default]
+
+
+def value_at(config: Any, path: str) -> Any:
+  """The value at dotted ``path`` of the config tree ``config`` (``client.learning_rate``)."""
+  for part in path.split("."):
+    config = getattr(config, part)
+  return config
+
+
+def substituted(config: Any, values: dict[str, Any]) -> Any:
+  """A copy of the frozen config tree ``config`` with ``values`` (by dotted path) set, unchecked: a job's program
+  holds a run's swept settings there as traced values, which cannot be checked (each run's own were)."""
+  for path, value in values.items():
+    config = _substitute(config, path.split("."), value)
+  return config
+
+
+def _substitute(node: Any, parts: list[str], value: Any) -> Any:
+  new = copy.copy(node)
+  object.__setattr__(new, parts[0], value if len(parts) == 1 else _substitute(getattr(node, parts[0]), parts[1:], value))
+  return new

@@ -9,11 +9,16 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fedjax_hetero.client.attack import READINGS, num_malicious
 from fedjax_hetero.config.declare import Custom, Integer, Number, OneOf, Settings, cli_name, setting, validate
 from fedjax_hetero.validation import SEED_MAX
 
 WEIGHTINGS = ("uniform", "num_samples")  # of a client's delta in the server's mean
+READINGS = ("update", "difference")  # the backdoor's delta_backdoor: the copy's update, or copy minus clean
+
+
+def num_malicious(num_clients: int, fraction: float) -> int:
+  """round(fraction * num_clients), halves rounded up (Python's ``round`` would round 2.5 to 2)."""
+  return int(np.floor(fraction * num_clients + 0.5))
 
 
 def _check_probabilities(name: str, draw: Any) -> None:

@@ -18,11 +18,11 @@ from fedjax_hetero.aggregators.inco import GRANULARITIES as INCO_GRANULARITIES
 from fedjax_hetero.aggregators.inco import VARIANTS as INCO_VARIANTS
 from fedjax_hetero.config.declare import (Flag, Integer, Number, OneOf, Settings, Text, cli_name, is_settings, setting,
                                           validate)
-from fedjax_hetero.config.options import FedCrossConfig, FedGenConfig, FedImproConfig, FedINConfig
+from fedjax_hetero.config.options import FedCrossConfig, FedGenConfig, FedINConfig, FedImproConfig
 from fedjax_hetero.models.resnet import SKIPS
-from fedjax_hetero.sampling.clustered import SIMILARITIES
 
 AGGREGATE_MODES = ("deltas", "weights")
+SIMILARITIES = ("L1", "L2", "arccos")  # of CluSamp's representative gradients
 # InCo paper: "The hyper-parameter mu/2 for FedProx and InCoProx is 0.05", so mu = 0.1.
 FEDPROX_MU = 0.1
 # MOON (Li, He, Song 2021): mu = 5 and tau = 0.5 are its CIFAR-10 settings; the InCo paper gives none.
@@ -58,7 +58,7 @@ class Contrastive(Settings):
   FLAG_PREFIX = "moon"
 
   mu: float = setting(MOON_MU, "MOON's weight of the model-contrastive loss", Number(minimum=0))
-  temperature: float = setting(MOON_TEMPERATURE, "MOON's temperature tau", Number(above=0), traced=False)
+  temperature: float = setting(MOON_TEMPERATURE, "MOON's temperature tau", Number(above=0))
 
   def __post_init__(self):
     validate(self)
@@ -105,7 +105,7 @@ class FedFAOptions(Settings):
   norm: str = setting("l2", "||M_95||: l2 (the paper) or rms (l2 / sqrt(kept elements), comparable across widths)",
                       OneOf(FEDFA_NORMS))
   percentile: float = setting(FEDFA_PERCENTILE, "the norm keeps the weights with |w| at most this percentile of |w|",
-                              Number(above=0, maximum=100), traced=False)
+                              Number(above=0, maximum=100))
 
   def __post_init__(self):
     validate(self)

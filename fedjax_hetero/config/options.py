@@ -10,8 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from fedjax_hetero.aggregators.fedcross import SIMILARITY_KINDS, STRATEGIES
-from fedjax_hetero.aggregators.fedcross import dynamic_alpha
+from fedjax_hetero.aggregators.fedcross import SIMILARITY_KINDS, STRATEGIES, dynamic_alpha
 from fedjax_hetero.config.declare import Flag, Integer, Number, OneOf, Settings, Text, cli_name, setting, validate
 
 GLOBAL_FROM = ("middleware", "uploaded")
@@ -93,13 +92,12 @@ class FedGenConfig(Settings):
   ensemble_alpha: float = setting(1.0, "server: teacher-loss weight", Number(minimum=0))
   ensemble_eta: float = setting(1.0, "server: diversity-loss weight", Number(minimum=0))
   label_pseudo_count: float = setting(1.0, "server: every client's label counts start at this (FedGen code)",
-                                      Number(minimum=0), traced=False)
+                                      Number(minimum=0))
   # (the floor is the smaller of it and each weight, taken when the clients' coefficients are built)
-  generative_alpha: float = setting(0.2, "clients: weight of the teacher term", Number(minimum=0), traced=False)
-  generative_beta: float = setting(0.2, "clients: weight of the latent-matching term", Number(minimum=0),
-                                   traced=False)
+  generative_alpha: float = setting(0.2, "clients: weight of the teacher term", Number(minimum=0))
+  generative_beta: float = setting(0.2, "clients: weight of the latent-matching term", Number(minimum=0))
   coefficient_decay: float = setting(0.98, "clients: both weights' decay per round", Number(above=0, maximum=1))
-  coefficient_floor: float = setting(1e-4, "clients: both weights' floor", Number(minimum=0), traced=False)
+  coefficient_floor: float = setting(1e-4, "clients: both weights' floor", Number(minimum=0))
   gen_batch_size: int = setting(32, "clients: generated labels per local step (FedGen code)", Integer(1))
 
   def __post_init__(self):
@@ -138,7 +136,7 @@ class FedImproConfig(Settings):
       0.0, "momentum of the clients' per-class feature estimate (Eq. 7); 0 replaces it by every batch's "
       "statistics, which is what the authors' code does in effect", Number(minimum=0, below=1))
   std_max: float = setting(0.1, "upper clamp of the estimated feature standard deviation (the authors' code)",
-                           Number(above=0), traced=False)
+                           Number(above=0))
   weight: float = setting(1.0, "weight of the cross-entropy on synthetic features", Number(minimum=0))
   loss: str = setting(
       "concat", "concat: the mean cross-entropy over real and synthetic rows (the authors' code and the proof of "

@@ -5,7 +5,7 @@ rounds are drawn, the backend, the divergence guard and the output. Every settin
 (`fedjax_hetero.config.declare`) and also reachable by its flat *flag name* (the command-line flag without
 dashes, e.g. ``learning_rate`` for ``client.learning_rate``): `RunConfig.from_flags` builds the tree from those
 names, which is what the CLI and the presets use. Building a config checks each value and the cross-field
-rules that need no model or method; the run's build step (`fedjax_hetero.build`) checks the rest.
+rules that need no model or method; the run's build step (`fedjax_hetero.run.build`) checks the rest.
 """
 
 from __future__ import annotations
@@ -19,22 +19,23 @@ from fedjax_hetero.config.client import LocalConfig
 from fedjax_hetero.config.data import DataConfig
 from fedjax_hetero.config.declare import (Custom, Flag, Integer, Number, OneOf, Settings, Text, cli_name, flag_table,
                                           leaves, setting, validate)
+from fedjax_hetero.config.distributed import DistributedConfig
 from fedjax_hetero.config.federation import FederationConfig, check_federation
 from fedjax_hetero.config.methods import MethodConfig
 from fedjax_hetero.validation import show
 
-# The names `fedjax_hetero.backends.make_backend` accepts (tests/test_config.py holds the two equal).
+# The names `fedjax_hetero.rounds.backends.make_backend` accepts (tests/test_config.py holds the two equal).
 BACKEND_NAMES = ("auto", "sequential", "vmap", "sharded")
 # How `engine.Simulation.run_rounds` runs rounds: one device program per call of rounds, or the host loop.
 ROUND_PROGRAMS = ("auto", "fused", "host")
 AUTO_ROUNDS_PER_CALL = 25  # the runner also ends a call at every checkpoint and at the last round
 DIVERGENCE_ACTIONS = ("stop", "rollback", "off")
-LOG_WRITERS = ("csv", "tensorboard", "wandb")  # `fedjax_hetero.reporting.WRITERS`
+LOG_WRITERS = ("csv", "tensorboard", "wandb")  # `fedjax_hetero.run.reporting.WRITERS`
 
 
 @dataclasses.dataclass(frozen=True)
 class DivergenceConfig(Settings):
-  """When a run counts as diverged (`fedjax_hetero.guard`), and what the runner does then.
+  """When a run counts as diverged (`fedjax_hetero.run.guard`), and what the runner does then.
 
   ``action``: "stop" ends the run with an error (the best checkpoint is kept); "rollback" restores the
   best checkpoint, multiplies the clients' learning rate by ``rollback_lr_factor`` and goes on, at most
@@ -170,7 +171,7 @@ class RunConfig(Settings):
       f"round); default: {AUTO_ROUNDS_PER_CALL}", Integer(1), metavar="K")
   dissimilarity: bool = setting(
       True, "log every round's gradient dissimilarity of the client updates, for the low and the high part, per "
-      "group (any method; fedjax_hetero.dissimilarity)", Flag())
+      "group (any method; fedjax_hetero.methods.dissimilarity)", Flag())
   divergence: DivergenceConfig = DivergenceConfig()
   output: OutputConfig = OutputConfig()
 
@@ -243,3 +244,11 @@ def _build(cls: type, values: dict[str, Any], prefix: str, ignored: list[str]) -
 
 # Flag name -> its declared setting in the tree, for every setting of a run.
 FLAGS = flag_table(RunConfig())
+# Dotted path -> command-line flag, of every setting of a run and of a process's (under ``distributed.``).
+_SPELLINGS = {**{leaf.path: leaf.cli for leaf in leaves(RunConfig())},
+              **{f"distributed.{leaf.path}": leaf.cli for leaf in leaves(DistributedConfig())}}
+
+
+def cli_flag(path: str) -> str:
+  """The command-line flag of the setting at dotted path ``path`` (``client.learning_rate`` -> ``--lr``)."""
+  return _SPELLINGS[path]

@@ -24,11 +24,10 @@ def of_arrays(arrays: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
   return out
 
 
-def of_simulation(sim: Any) -> dict[str, dict[str, Any]]:
-  """The fingerprint of a `fedjax_hetero.engine.Simulation`'s store and test set."""
-  store = sim.store
+def of_data(store: Any, test_images: Any, test_labels: Any) -> dict[str, dict[str, Any]]:
+  """The fingerprint of a run's data: its `FederatedStore` and its test set."""
   return of_arrays({"train_images": store.images, "train_labels": store.labels, "client_index_table": store.index_table,
-                    "test_images": sim.test_images, "test_labels": sim.test_labels})
+                    "test_images": test_images, "test_labels": test_labels})
 
 
 def _size(entry: Mapping[str, Any]) -> str:

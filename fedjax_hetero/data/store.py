@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_hetero import distributed
 from fedjax_hetero.data import checks
 from fedjax_hetero.data.partition import class_counts
 
@@ -77,12 +76,10 @@ class FederatedStore:
     vars(store)["label_counts"] = counts  # where the cached property keeps its value
     return store
 
-  def placed(self, sharding: jax.sharding.Sharding) -> "FederatedStore":
-    """The same store with its arrays placed by ``sharding`` (e.g. replicated on a mesh); in a multi-process run
-    each process copies its own devices' parts (`distributed.from_host`)."""
-    put = lambda x: distributed.from_host(x, sharding)
-    return dataclasses.replace(self, images=put(self.images), labels=put(self.labels),
-                               index_table=put(self.index_table))
+
+def normalize(images: jax.Array, mean: tuple[float, ...], std: tuple[float, ...]) -> jax.Array:
+  x = images.astype(jnp.float32) / 255.0
+  return (x - jnp.asarray(mean, jnp.float32)) / jnp.asarray(std, jnp.float32)
 
 
 def sample_clients(num_clients: int, clients_per_round: int, seed: int, round_index: int) -> np.ndarray:

@@ -5,8 +5,6 @@ from fedjax_hetero.methods.api import PER_GROUP, SHARED, STACKED, Method, Sharin
 from fedjax_hetero.methods.catalog import (METHODS, Entry, build_method, check_options, get_entry, methods_by_paper,
                                            register_method)
 
-MethodOptions = MethodConfig  # the earlier name, for code that imports it
-
-__all__ = ["AGGREGATE_MODES", "Entry", "FEDPROX_MU", "METHODS", "MOON_MU", "Method", "MethodConfig", "MethodOptions",
+__all__ = ["AGGREGATE_MODES", "Entry", "FEDPROX_MU", "METHODS", "MOON_MU", "Method", "MethodConfig",
            "PER_GROUP", "SHARED", "STACKED", "Sharing", "build_method", "check_options", "get_entry",
            "methods_by_paper", "register_method"]

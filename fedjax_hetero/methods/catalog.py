@@ -16,10 +16,10 @@ from typing import Any, Callable, NamedTuple
 
 from fedjax_hetero.client import terms
 from fedjax_hetero.config.client import LocalConfig
-from fedjax_hetero.config.declare import changed_fields, cli_name, declaration, field_named
+from fedjax_hetero.config.declare import changed_fields, cli_name, declaration, field_named, is_off
 from fedjax_hetero.config.methods import (Averaging, ClusteredSampling, Contrastive, CrossLayer, FedFAOptions,
                                           HeteroFLOptions, MethodConfig, MomentumDistillation, NeFLOptions, Proximal)
-from fedjax_hetero.config.options import FedCrossConfig, FedGenConfig, FedImproConfig, FedINConfig
+from fedjax_hetero.config.options import FedCrossConfig, FedGenConfig, FedINConfig, FedImproConfig
 from fedjax_hetero.hetero.maps import SubmodelMap, Variables, build_group_map
 from fedjax_hetero.methods import fednova, fedprox, moon, scaffold
 from fedjax_hetero.methods.api import PER_GROUP, SHARED, STACKED, Method, Sharing
@@ -29,9 +29,9 @@ from fedjax_hetero.methods.fedgen import generative_regularizer, generator_train
 from fedjax_hetero.methods.fedimpro import feature_sharing, feature_statistics
 from fedjax_hetero.methods.fedin import feature_bank, gradient_rule, intermediate_training, momentum_distillation
 from fedjax_hetero.methods.heterofl import absent_class_logits, scaler, static_batch_norm, static_batch_norm_evaluation
+from fedjax_hetero.methods.inco import inco as inco_step
 from fedjax_hetero.methods.nefl import inconsistent_leaves, nested_model
 from fedjax_hetero.sampling.samplers import clustered, shuffled
-from fedjax_hetero.methods.inco import inco as inco_step
 from fedjax_hetero.server import steps
 
 INCO_PAPER = "InCo Aggregation (Chan et al., ICLR 2024) and its baselines"
@@ -61,7 +61,7 @@ def _averaging(o: Averaging) -> steps.ServerStep:
 
 
 def _proximal(o: Proximal) -> Terms:
-  return (fedprox.proximal(o.mu),) if o.mu else ()
+  return () if is_off(o.mu) else (fedprox.proximal(o.mu),)
 
 
 def _scaffold(local: LocalConfig) -> tuple[Terms, Steps]:
@@ -83,7 +83,7 @@ BASES = (
     Base("FedNova", "Nova", "FedNova's normalized averaging by each client's local step count", _nova,
          (LocalConfig,)),
     Base("MOON", "MOON", "CE + mu * model-contrastive loss on a projection head (MOON; --moon-mu)",
-         lambda avg, o: ((moon.model_contrastive(o.mu, o.temperature),) if o.mu else (),
+         lambda avg, o: (() if is_off(o.mu) else (moon.model_contrastive(o.mu, o.temperature),),
                          (_averaging(avg), steps.apply_delta())), (Averaging, Contrastive)),
 )
 
@@ -305,12 +305,15 @@ def check_options(entry: Entry, options: MethodConfig) -> None:
       raise ValueError(f"{flags} {verb} to {', '.join(readers(kind)) or 'no method'}, not {entry.name}")
 
 
-def build_method(name: str, options: MethodConfig = MethodConfig(), local: LocalConfig = LocalConfig()) -> Method:
+def build_method(name: str, options: MethodConfig = MethodConfig(), local: LocalConfig = LocalConfig(), *,
+                 checked: bool = True) -> Method:
   """The method called ``name`` (case-insensitive), made from its option families in ``options`` (and the
   run's ``local`` training, for the methods that read it); ValueError if ``options`` changes a family the
-  method does not read."""
+  method does not read. Unless ``checked``, that is not asked: a job's program makes one run's method with its
+  swept settings traced, each run's own settings having passed."""
   entry = get_entry(name)
-  check_options(entry, options)
+  if checked:
+    check_options(entry, options)
   reads = _ReadsRecorded(local)
   families = [reads if kind is LocalConfig else options.family(kind) for kind in entry.options]
   method = entry.build(*families)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_hetero import aggregators
-from fedjax_hetero.config.options import GLOBAL_FROM, FedCrossConfig  # re-exported
+from fedjax_hetero.config.options import FedCrossConfig
 from fedjax_hetero.hetero.maps import Variables
 from fedjax_hetero.server.steps import Plan, ServerStep
 

@@ -31,15 +31,22 @@ class FedGenShare(NamedTuple):
   label_probs: jax.Array  # [C]: uniform over the labels the group's clients hold
 
 
-@functools.cache
 def generator_for(config: gen.FedGenConfig, model: nn.Module, num_classes: int,
                   input_shape: tuple[int, ...]) -> gen.Generator:
-  """The generator of a group's model: features of its "features" cut point, one per (model, config)."""
+  """The generator of a group's model: features of its "features" cut point, one per model and the config's
+  generator sizes (its numbers may be traced, in a job's program)."""
+  return _generator(model, num_classes, tuple(input_shape), config.noise_dim, config.hidden_dim, config.embedding)
+
+
+@functools.cache
+def _generator(model: nn.Module, num_classes: int, input_shape: tuple[int, ...], noise_dim: int, hidden_dim: int,
+               embedding: bool) -> gen.Generator:
   if "features" not in tuple(getattr(model, "cut_points", ())):
     raise ValueError(f"FedGen generates the features its clients' heads classify, but {type(model).__name__} "
                      "has no 'features' cut point")
-  width = gen.feature_width(model, jnp.zeros((1,) + tuple(input_shape), jnp.float32))
-  return gen.make_generator(config, num_classes, width)
+  width = gen.feature_width(model, jnp.zeros((1,) + input_shape, jnp.float32))
+  return gen.Generator(num_classes=num_classes, latent_dim=width, noise_dim=noise_dim, hidden_dim=hidden_dim,
+                       embedding=embedding)
 
 
 class RegularizerState(NamedTuple):

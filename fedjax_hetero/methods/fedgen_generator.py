@@ -40,12 +40,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedjax_hetero.config.options import FEDGEN_PRESETS, FedGenConfig  # re-exported
+from fedjax_hetero.config.options import FedGenConfig
 from fedjax_hetero.hetero.maps import Variables
 
 HeadApply = Callable[[Variables, jax.Array], jax.Array]
-
-PRESETS = FEDGEN_PRESETS  # re-exported
 
 
 def decayed_coefficient(initial: float, round_index: int, decay: float = 0.98, floor: float = 1e-4) -> float:
@@ -59,7 +57,7 @@ def client_coefficients(config: FedGenConfig, round_index: int | jax.Array
   round (the round program's) gives them in float32, computed on the device."""
   if not isinstance(round_index, (int, np.integer)):
     r = jnp.asarray(round_index, jnp.float32)
-    decayed = lambda initial: jnp.where(r <= 0, 0.0, jnp.maximum(min(config.coefficient_floor, initial),
+    decayed = lambda initial: jnp.where(r <= 0, 0.0, jnp.maximum(jnp.minimum(config.coefficient_floor, initial),
                                                                  initial * config.coefficient_decay ** r))
     return decayed(config.generative_alpha), decayed(config.generative_beta)
   if round_index <= 0:
@@ -98,11 +96,6 @@ class Generator(nn.Module):
     # PyTorch BatchNorm1d defaults: running average keeps 0.9 of the old value.
     h = nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5, name="bn")(h)
     return nn.Dense(self.latent_dim, name="latent")(nn.relu(h))
-
-
-def make_generator(config: FedGenConfig, num_classes: int, latent_dim: int) -> Generator:
-  return Generator(num_classes=num_classes, latent_dim=latent_dim, noise_dim=config.noise_dim,
-                   hidden_dim=config.hidden_dim, embedding=config.embedding)
 
 
 def sample_noise(key: jax.Array, batch_size: int, noise_dim: int) -> jax.Array:
@@ -235,8 +228,7 @@ def generator_loss(gen_params: Variables, generator: Generator, head_apply: Head
   return loss, (new_stats, {"teacher": teacher, "diversity": diversity})
 
 
-@functools.partial(jax.jit, static_argnames=("generator", "head_apply", "num_steps", "batch_size", "weight_decay",
-                                             "teacher_weight", "diversity_weight"))
+@functools.partial(jax.jit, static_argnames=("generator", "head_apply", "num_steps", "batch_size"))
 def train_generator(state: GeneratorState, generator: Generator, head_apply: HeadApply, client_head_vars: Variables,
                     label_weights: jax.Array, label_probs: jax.Array, key: jax.Array, learning_rate: jax.Array, *,
                     num_steps: int = 50, batch_size: int = 128, weight_decay: float = 1e-2,

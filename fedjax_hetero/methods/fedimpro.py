@@ -61,7 +61,8 @@ import jax.numpy as jnp
 
 from fedjax_hetero.client.local import masked_cross_entropy
 from fedjax_hetero.client.terms import ClientTerm, Loss, Upload
-from fedjax_hetero.config.options import LOSS_MODES, SAMPLE_SOURCES, FedImproConfig  # re-exported
+from fedjax_hetero.config.declare import is_off
+from fedjax_hetero.config.options import FedImproConfig
 from fedjax_hetero.models import cut_shape, resolve_cut
 from fedjax_hetero.server.steps import ServerStep
 
@@ -122,7 +123,7 @@ def sample_features(stats: FeatureStats, labels: jax.Array, key: jax.Array) -> j
 def noisy_upload(stats: FeatureStats, key: jax.Array, noise: float) -> FeatureStats:
   """App. D.3's privacy noise: ``N(0, noise^2)`` added to every uploaded mean and deviation; a deviation made
   negative by the noise is reflected (``|sigma|``)."""
-  if not noise:
+  if is_off(noise):
     return stats
   k_mean, k_std = jax.random.split(key)
   mean = stats.mean + noise * jax.random.normal(k_mean, stats.mean.shape, jnp.float32)

@@ -48,8 +48,7 @@ from flax import traverse_util
 
 from fedjax_hetero.client.terms import ClientTerm, Loss, Upload
 from fedjax_hetero.config.methods import INCLUSIVE_BETA, INCLUSIVE_MOMENTUM
-from fedjax_hetero.config.options import (BANK_CAPACITY, BANK_MODES, NUM_PAIRS, PROJECTIONS,  # re-exported
-                                          RULES, FedINConfig)
+from fedjax_hetero.config.options import FedINConfig
 from fedjax_hetero.hetero.maps import flatten
 from fedjax_hetero.methods.fedfa import declared_stages
 from fedjax_hetero.models import cut_shape
@@ -81,11 +80,6 @@ def empty_pairs(num: int, in_shape: tuple[int, ...], out_shape: tuple[int, ...])
 def empty_bank(capacity: int, num_pairs: int, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> FeatureBank:
   return FeatureBank(empty_pairs(capacity, in_shape, out_shape), jnp.int32(0),
                      empty_pairs(num_pairs, in_shape, out_shape), jnp.bool_(False))
-
-
-def in_loss(prediction: jax.Array, target: jax.Array) -> jax.Array:
-  """Eq. 8: the mean squared error over all elements (PyTorch's default reduction)."""
-  return jnp.mean(jnp.square(prediction - target))
 
 
 def finite_rows(pairs: FeaturePairs) -> jax.Array:

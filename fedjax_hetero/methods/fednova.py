@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from fedjax_hetero import aggregators
 from fedjax_hetero.client.terms import ClientTerm, Upload
+from fedjax_hetero.config.declare import is_off
 from fedjax_hetero.server.steps import ServerStep
 
 
@@ -21,7 +22,7 @@ def nova_normalizer(num_steps: jax.Array, optimizer: str, momentum: float) -> ja
   the learning rate whatever the gradient scale, so the update grows linearly in ``tau``).
   """
   tau = jnp.asarray(num_steps, jnp.float32)
-  if optimizer == "sgd" and momentum:
+  if optimizer == "sgd" and not is_off(momentum):
     rho = momentum
     return (tau - rho * (1.0 - rho ** tau) / (1.0 - rho)) / (1.0 - rho)
   return tau

@@ -26,8 +26,8 @@ import numpy as np
 from fedjax_hetero.client.terms import ClientFinal, ClientTerm, StepContext
 from fedjax_hetero.config.methods import BN_SAMPLES
 from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.evaluation import EVAL_BATCH, batch_norm_statistics
 from fedjax_hetero.hetero.maps import Variables
+from fedjax_hetero.models.evaluation import EVAL_BATCH, batch_norm_statistics
 
 # Training samples the server re-estimates BatchNorm statistics on before each evaluation (BN_SAMPLES). HeteroFL
 # passes over the whole training set; a fixed subset bounds the cost of an evaluation.

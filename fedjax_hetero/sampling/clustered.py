@@ -41,7 +41,8 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 from scipy.cluster import hierarchy
 
-SIMILARITIES = ("L1", "L2", "arccos")
+from fedjax_hetero.config.methods import SIMILARITIES
+
 COLD_STARTS = ("zeros", "algorithm1")
 AGGREGATION_SCHEMES = ("uniform", "size")
 
@@ -315,6 +316,6 @@ class ClusteredSampler:
 
 
 __all__ = [
-    "AGGREGATION_SCHEMES", "COLD_STARTS", "ClusteredSampler", "SIMILARITIES", "flatten_update",
+    "AGGREGATION_SCHEMES", "COLD_STARTS", "ClusteredSampler", "flatten_update",
     "pairwise_dissimilarity", "similarity_clusters", "size_clusters", "weight_clusters",
 ]

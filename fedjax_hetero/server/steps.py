@@ -31,7 +31,6 @@ import optax
 from fedjax_hetero import aggregators
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.hetero.maps import SubmodelMap, Variables
-from fedjax_hetero.moved import forward_moved
 
 
 class Federation(NamedTuple):
@@ -183,16 +182,3 @@ def insert_before(steps: Sequence[ServerStep], name: str, step: ServerStep) -> t
     raise ValueError(f"no server step {name!r} in {names}")
   at = names.index(name)
   return tuple(steps[:at]) + (step,) + tuple(steps[at:])
-
-
-# The server steps of single methods live in their method's module now (`fedjax_hetero.methods`); their old import
-# paths keep working.
-_MOVED = {
-    "nova_mean": "fedjax_hetero.methods.fednova",
-    "inco": "fedjax_hetero.methods.inco",
-    "ControlState": "fedjax_hetero.methods.scaffold",
-    "scaffold_control": "fedjax_hetero.methods.scaffold",
-}
-
-
-__getattr__ = forward_moved(__name__, _MOVED)

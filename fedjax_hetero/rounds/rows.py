@@ -1,4 +1,4 @@
-"""A round's metrics row, made the same way whichever path ran the round (the host loop or the round program).
+"""A round's metrics row, written in one place whichever mapping ran the round (the host loop or a device program).
 
 A row is what ``metrics.jsonl`` holds per round: the training loss (mean over the groups that trained, and per
 group), the drawn clients, the examples seen, the round's seconds and samples/s, the server steps' metrics,
@@ -8,11 +8,16 @@ the gradient dissimilarity when tracked, and the test accuracy of evaluation rou
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Mapping, Sequence
 
 import jax
 import numpy as np
 
+from fedjax_hetero.rounds.inputs import Call
+
+if TYPE_CHECKING:
+  from fedjax_hetero.rounds.body import RoundOutputs
+  from fedjax_hetero.rounds.spec import RoundSpec
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -58,3 +63,22 @@ def accuracies(correct: Sequence[int], groups: Sequence[str], num_test: int) -> 
   accs = {name: int(c) / num_test for name, c in zip(groups, correct)}
   accs["mean"] = float(np.mean(list(accs.values())))
   return accs
+
+
+def call_row(spec: "RoundSpec", call: Call, i: int, outputs: "RoundOutputs", seconds: float,
+             evaluate: Collection[int]) -> dict[str, Any]:
+  """The metrics row of the call's round ``i`` from its outputs (host values); `NonFiniteLossError` if a group
+  that trained has a non-finite loss."""
+  r, names = call.first + i, [g.name for g in spec.groups]
+  chosen, cohorts, _ = call.drawn[i]
+  trained = [g for g in range(len(spec.groups)) if len(cohorts[g])]
+  losses = {names[g]: group_loss(r, names[g], outputs.loss_sum[g], outputs.num_examples[g]) for g in trained}
+  server: dict[str, Any] = {}
+  for f in spec.federations:
+    if any(len(cohorts[g]) for g in f.members):
+      merge(server, {**host_metrics(outputs.server_metrics[f.index]),
+                     **{k: v for p in call.plans[i] for k, v in p.log.items()}})
+  examples = sum(float(outputs.num_examples[g]) for g in trained)
+  row = round_row(r, losses, chosen.draws, examples, seconds, server)
+  row["test_accuracy"] = accuracies(outputs.correct, names, len(spec.test_labels)) if r + 1 in evaluate else None
+  return row

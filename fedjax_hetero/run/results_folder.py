@@ -8,7 +8,7 @@
   ``config.json``, ``metrics.jsonl``, ``checkpoints/`` or ``partition.txt``); anything else is refused,
   naming what is there.
 * `check_resume`: before a resume reads anything, ``config.json`` and ``summary.json`` must parse as a run's
-  settings (errors name the file) and ``metrics.jsonl`` must be one row per round (`fedjax_hetero.metrics_log`).
+  settings (errors name the file) and ``metrics.jsonl`` must be one row per round (`fedjax_hetero.run.metrics_log`).
   A folder holding checkpoints or metrics but no readable settings is refused: nothing could check that the
   command continues the same run. ``--resume-unchecked`` continues it anyway (unreadable files are set
   aside as ``*.unreadable``), ``--repair-metrics`` rebuilds the metrics it can.
@@ -26,10 +26,12 @@ import os
 import shutil
 from typing import Any, Callable, Iterator
 
-from fedjax_hetero import distributed, metrics_log
+from fedjax_hetero import distributed
+from fedjax_hetero.config import cli_flag
 from fedjax_hetero.data import fingerprint
 from fedjax_hetero.os_errors import describe
-from fedjax_hetero.validation import cli_flag, first_line
+from fedjax_hetero.run import metrics_log
+from fedjax_hetero.validation import first_line
 
 LOCK_FILE = ".lock"
 # A folder holding one of these is a run's (partition.txt: a run killed before it wrote config.json; the others
@@ -253,7 +255,7 @@ def _check_settings(output_dir: str, unchecked: bool, read_saved: Callable[..., 
 
 def check_resume(config: Any, read_saved: Callable[..., Any], log: Callable[[str], None]) -> None:
   """Before a resume reads the folder (see the module docstring); ``read_saved(output_dir, log)`` reads its
-  saved config (`fedjax_hetero.runner.saved_config`). Process 0 checks (and repairs, as asked); the others
+  saved config (`fedjax_hetero.run.runner.saved_config`). Process 0 checks (and repairs, as asked); the others
   wait for it."""
   out = config.output.dir
   if distributed.is_main_process():
@@ -262,17 +264,17 @@ def check_resume(config: Any, read_saved: Callable[..., Any], log: Callable[[str
       metrics_log.repair(out, log)
     else:
       metrics_log.check(os.path.join(out, "metrics.jsonl"))
-  distributed.barrier("fedjax_hetero.results_folder: resume checked")
+  distributed.barrier("fedjax_hetero.run.results_folder: resume checked")
 
 
-def check_data(config: Any, sim: Any, log: Callable[[str], None]) -> None:
-  """Records the fingerprint of the data ``sim`` trains and evaluates on (a new run), or compares it with the
+def check_data(config: Any, spec: Any, log: Callable[[str], None]) -> None:
+  """Records the fingerprint of the data ``spec`` trains and evaluates on (a new run), or compares it with the
   recorded one (a resume; an older folder without a record gets one). ValueError on other data, unless
   ``--resume-unchecked`` (then a warning)."""
   if not distributed.is_main_process():
     return
   path = os.path.join(config.output.dir, FINGERPRINT_FILE)
-  now = fingerprint.of_simulation(sim)
+  now = fingerprint.of_data(spec.store, spec.test_images, spec.test_labels)
   try:
     recorded = read_json_object(path) if config.output.resume else None
   except ValueError as e:

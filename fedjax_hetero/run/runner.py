@@ -3,7 +3,7 @@
 ``run_experiment(RunConfig(...))`` is what ``python -m experiments.<dataset>`` and the notebooks call; with
 ``method=`` it runs a method declared by value (`fedjax_hetero.methods.Method`) the same way. The results
 folder holds ``metrics.jsonl`` (one JSON object per round), ``config.json`` (the settings and the run's history,
-`fedjax_hetero.history`), ``summary.json``, ``accuracy.png``, the partition report and plot, and orbax checkpoints
+`fedjax_hetero.run.history`), ``summary.json``, ``accuracy.png``, the partition report and plot, and orbax checkpoints
 under ``checkpoints/``. Under the backdoor attack (``--malicious-fraction``) the malicious clients' ids are in
 ``summary.json`` (``malicious_clients``), at the end of ``partition.txt`` (by architecture group) and in the log.
 
@@ -25,21 +25,21 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from fedjax_hetero import checkpoints
-from fedjax_hetero import data as fdata
 from fedjax_hetero import distributed
-from fedjax_hetero import history as run_history
-from fedjax_hetero import metrics_log, preflight, results_folder
-from fedjax_hetero.analysis.plots import plot_accuracy
-from fedjax_hetero.build import build_simulation, id_list, partitioned_dataset, run_method
+from fedjax_hetero import data as fdata
 from fedjax_hetero.config import RunConfig, as_dict
-from fedjax_hetero.engine import NonFiniteLossError, ServerState, Simulation
-from fedjax_hetero.guard import DivergenceError, DivergenceWatch
-from fedjax_hetero.interruption import Interrupted, StopRequests
-from fedjax_hetero.methods import Method
-from fedjax_hetero.reporting import Reporter
+from fedjax_hetero.methods import Method, build_method
+from fedjax_hetero.rounds import ServerState, Simulation
+from fedjax_hetero.rounds.rows import NonFiniteLossError
+from fedjax_hetero.run import checkpoints, metrics_log, preflight, results_folder
+from fedjax_hetero.run import history as run_history
+from fedjax_hetero.run.build import build_simulation, id_list, run_method, with_metrics
+from fedjax_hetero.run.guard import DivergenceError, DivergenceWatch
+from fedjax_hetero.run.interruption import Interrupted, StopRequests
+from fedjax_hetero.run.plot import plot_accuracy
+from fedjax_hetero.run.reporting import Reporter
 
-__all__ = ["Interrupted", "advance", "build_simulation", "partitioned_dataset", "run_experiment", "saved_config"]
+__all__ = ["advance", "run_experiment", "saved_config"]
 
 Log = Callable[[str], None]
 
@@ -51,32 +51,25 @@ def saved_config(output_dir: str, log: Log = print) -> RunConfig | None:
 
 
 def advance(sim: Simulation, state: ServerState, config: RunConfig) -> tuple[ServerState, list[dict[str, Any]]]:
-  """The training loop's one step: ``state`` advanced by one call of `Simulation.run_rounds` (`call_length`),
-  and its rounds' metrics rows (with the test accuracy on evaluation rounds and after the last). ``state`` is
-  consumed (a rollback restores)."""
-  count = call_length(config, sim, state.round)
+  """The training loop's one step: ``state`` advanced by one call of the simulation, which ends at the next
+  checkpoint round or the last round (a call is the unit of checkpoints, of the divergence stop and of a stop
+  request; on the host loop it is one round), and its rounds' metrics rows (with the test accuracy on evaluation
+  rounds and after the last). ``state`` is consumed (a rollback restores)."""
+  every = config.output.checkpoint_every
+  count = sim.call_length(state.round, min(config.rounds, (state.round // every + 1) * every))
   evaluate = {r for r in range(state.round + 1, state.round + count + 1)
               if r % config.eval_every == 0 or r == config.rounds}
-  return sim.run_rounds(state, count, evaluate=evaluate, consume=True)
-
-
-def call_length(config: RunConfig, sim: Simulation, done: int) -> int:
-  """The rounds of the next call after ``done`` rounds: one on the host loop; on the round program, up to the
-  next checkpoint round or the last round (a call is the unit of checkpoints, of the divergence stop and of a
-  stop request)."""
-  if sim.round_program is None:
-    return 1
-  every = config.output.checkpoint_every
-  return min(config.rounds, (done // every + 1) * every) - done
+  return sim.run_call(state, count, evaluate)
 
 
 def malicious_report(sim: Simulation) -> str:
   """The partition report's section on the backdoor attack's malicious clients (empty without attack)."""
-  if not len(sim.malicious_clients):
+  spec = sim.spec
+  if not len(spec.malicious_clients):
     return ""
-  lines = [f"\nmalicious clients (backdoor attack, fixed by the seed): {len(sim.malicious_clients)} of "
-           f"{sim.store.num_clients}, by assigned architecture group"]
-  for group, clients in ((g.name, np.intersect1d(g.clients, sim.malicious_clients)) for g in sim.groups):
+  lines = [f"\nmalicious clients (backdoor attack, fixed by the seed): {len(spec.malicious_clients)} of "
+           f"{spec.store.num_clients}, by assigned architecture group"]
+  for group, clients in ((g.name, np.intersect1d(g.clients, spec.malicious_clients)) for g in spec.groups):
     lines.append(f"  {group}: {id_list(clients) or '-'}")
   return "\n".join(lines) + "\n"
 
@@ -119,10 +112,11 @@ def _initial_state(sim: Simulation, parts: Sequence[np.ndarray], out: str, main:
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
     initial = pool.submit(sim.init_state)
     if main:
-      labels = np.asarray(sim.store.labels)
+      store = sim.spec.store
+      labels = np.asarray(store.labels)
       with open(os.path.join(out, "partition.txt"), "w") as f:
-        f.write(fdata.partition_report(labels, parts, sim.store.num_classes) + malicious_report(sim))
-      fdata.plot_partition(fdata.class_counts(labels, parts, sim.store.num_classes),
+        f.write(fdata.partition_report(labels, parts, store.num_classes) + malicious_report(sim))
+      fdata.plot_partition(fdata.class_counts(labels, parts, store.num_classes),
                            os.path.join(out, "partition.png"))
     return initial.result()
 
@@ -138,31 +132,40 @@ def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
   (`results_folder.lock`): a second run on the folder fails at once, naming the holder."""
   preflight.check_settings(config)  # settings that would do nothing
   config.output.check_paths()
+  return run_checked(config, run_method(config, method), dataset, log)
+
+
+def run_checked(config: RunConfig, method: Method, dataset: fdata.ArrayDataset | None = None,
+                log: Log = print) -> dict[str, Any]:
+  """`run_experiment` of a config whose settings were checked and whose method `run_method` made."""
   with results_folder.lock(config.output.dir, enabled=distributed.is_main_process()):
-    return _run_experiment(config, dataset, log, method)
+    return prepare(config, dataset, log, method).train()
 
 
-def _run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None, log: Log,
-                    method: Method | None) -> dict[str, Any]:
-  return prepare(config, dataset, log, method).train()
+def method_for(config: RunConfig, method: Method) -> Method:
+  """``method`` (as `run_method` made it) for ``config``'s local training: made again where its build read a
+  learning rate that ``config`` changed (SCAFFOLD's correction, after a rollback)."""
+  built_with = dict(method.local_settings).get("learning_rate")
+  if built_with is None or built_with == config.client.learning_rate:
+    return method
+  return build_method(config.method.name, config.method, config.client)
 
 
-def prepare(config: RunConfig, dataset: fdata.ArrayDataset | None, log: Log, method: Method | None) -> "_Run":
-  """A run ready to train (its folder prepared, its state restored on --resume); the caller holds the folder's
-  lock and has run the preflight checks (`run_experiment`)."""
+def prepare(config: RunConfig, dataset: fdata.ArrayDataset | None, log: Log, method: Method) -> "_Run":
+  """A run ready to train (its folder prepared, its state restored on --resume), of ``method`` as `run_method`
+  made it; the caller holds the folder's lock and has run the preflight checks (`run_experiment`)."""
   main = distributed.is_main_process()
   log = log if main else _quiet
   config.data.check_paths()
-  given = method
-  method = run_method(config, method)  # the build step: the method made once, checked against the config
   config, history, changed = _history(config, log)
+  method = method_for(config, method)  # (a resume goes on with the learning rate a rollback left)
   sim, parts = build_simulation(config, dataset, log, method)  # the data loads before the folder is made
-  results_folder.check_data(config, sim, log)  # a resume trains on the data it started on
-  distributed.barrier("fedjax_hetero.runner: settings read")  # before process 0 changes the folder
+  results_folder.check_data(config, sim.spec, log)  # a resume trains on the data it started on
+  distributed.barrier("fedjax_hetero.run.runner: settings read")  # before process 0 changes the folder
   if main:
     _prepare_output(config)
   state = _initial_state(sim, parts, config.output.dir, main)
-  run = _Run(config, dataset, log, given, sim, history, main)
+  run = _Run(config, log, method, sim, history, main)
   run.begin(state, changed)
   return run
 
@@ -171,16 +174,16 @@ class _Run:
   """The training loop's state: the config (the learning rate changes on a rollback), the simulation, the
   rows so far, the history, the checkpoints and the divergence guard."""
 
-  def __init__(self, config: RunConfig, dataset: fdata.ArrayDataset | None, log: Log, method: Method | None,
-               sim: Simulation, history: run_history.History, main: bool):
-    self.config, self.dataset, self.log, self.method, self.sim = config, dataset, log, method, sim
+  def __init__(self, config: RunConfig, log: Log, method: Method, sim: Simulation, history: run_history.History,
+               main: bool):
+    self.config, self.log, self.method, self.sim = config, log, method, sim  # (the method before `with_metrics`)
     self.history, self.main = history, main
     self.out = config.output.dir
     self.metrics_path = os.path.join(self.out, "metrics.jsonl")
     self.rows: list[dict[str, Any]] = []
     self.state: ServerState | None = None
     self.wall_start = 0.0
-    self.reporter = Reporter(config, sim.method.name, log, main)
+    self.reporter = Reporter(config, sim.spec.method.name, log, main)
 
   def begin(self, state: ServerState, changed: str | None) -> None:
     """Restores the latest intact checkpoint on --resume, and writes config.json and the metrics kept."""
@@ -191,7 +194,7 @@ class _Run:
         self.log(f"resumed from round {state.round}")
       self.rows = metrics_log.read_for_resume(self.metrics_path, state.round, self.log)
     # Every process has read the folder (and process 0 set damaged checkpoints aside) before it is rewritten.
-    distributed.barrier("fedjax_hetero.runner: folder read")
+    distributed.barrier("fedjax_hetero.run.runner: folder read")
     self.manager = checkpoints.manager(self.out, self.config.output.checkpoint_every,
                                        self.config.output.keep_checkpoints)
     reason = ("start" if state.round == 0 else f"resumed with changed local training: {changed}" if changed
@@ -208,7 +211,7 @@ class _Run:
       run_history.write(self.config, self.history)
       with open(self.metrics_path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in self.rows)
-    self.watch = DivergenceWatch(self.config.divergence, self.sim.store.num_classes)
+    self.watch = DivergenceWatch(self.config.divergence, self.sim.spec.store.num_classes)
     self.watch.replay(self.rows)
     self.best = max((r["test_accuracy"]["mean"] for r in self.rows if r.get("test_accuracy")), default=-1.0)
 
@@ -295,9 +298,10 @@ class _Run:
     reason = f"rollback to round {best}: {error}; learning rate {old_lr:g} -> {self.config.client.learning_rate:g}"
     self.log(f"diverged: {reason}")
     checkpoints.drop_after(self.manager, best)
-    # Rebuilt with the lower learning rate, which a method may read (SCAFFOLD's correction).
-    self.sim, _ = build_simulation(self.config, self.dataset, self.log, self.method)
-    self.state = self.sim.place(checkpoints.restore(self.manager, best, self.sim.state_shapes))
+    # The rounds go on with the lower learning rate, which a method may read (SCAFFOLD's correction).
+    self.method = method_for(self.config, self.method)
+    self.sim = self.sim.with_values(local=self.config.client, method=with_metrics(self.config, self.method))
+    self.state = self.sim.place(checkpoints.restore(self.manager, best, self.sim.spec.state_shapes))
     self.history.rollbacks.append({"diverged_round": error.round, "to_round": best, "reason": str(error),
                                    "learning_rate": [old_lr, self.config.client.learning_rate]})
     self.history.next_segment(self.config, best + 1, reason)
@@ -320,17 +324,17 @@ class _Run:
       with open(os.path.join(self.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
       plot_accuracy(self.rows, os.path.join(self.out, "accuracy.png"),
-                    f"{self.sim.method.name} on {self.config.data.dataset} ({self.config.data.partition})")
+                    f"{self.sim.spec.method.name} on {self.config.data.dataset} ({self.config.data.partition})")
     return summary
 
   def summary(self, stopped: dict[str, Any] | None) -> dict[str, Any]:
-    rows, sim = self.rows, self.sim
+    rows, spec = self.rows, self.sim.spec
     evaluated = [r for r in rows if r.get("test_accuracy")]
     best = max(evaluated, key=lambda r: (r["test_accuracy"]["mean"], r["round"])) if evaluated else None
     train_seconds = sum(r["round_seconds"] for r in rows)
     final_round = rows[-1]["round"] if rows else 0
     return {
-        "method": sim.method.name,
+        "method": spec.method.name,
         "final_round": final_round,
         "final_accuracy": evaluated[-1]["test_accuracy"] if evaluated else None,
         "best_mean_accuracy": best["test_accuracy"]["mean"] if best else None,
@@ -338,17 +342,17 @@ class _Run:
         "wall_seconds_this_run": time.perf_counter() - self.wall_start,
         "train_seconds_all_rounds": train_seconds,
         "mean_samples_per_s": sum(r["examples"] for r in rows) / max(train_seconds, 1e-9),
-        "backend": sim.backend.name,
-        "client_terms": [t.name for t in sim.method.terms],
-        "server_steps": [s.name for s in sim.method.server],
+        "backend": self.sim.cohorts.name,
+        "client_terms": [t.name for t in spec.method.terms],
+        "server_steps": [s.name for s in spec.method.server],
         "platform": jax.default_backend(),
         "processes": jax.process_count(),
         "devices": jax.device_count(),
-        "parameters_per_group": {g.name: m.num_owned() for g, m in zip(sim.groups, sim.maps)},
+        "parameters_per_group": {g.name: m.num_owned() for g, m in zip(spec.groups, spec.maps)},
         "segments": self.history.spans(final_round),
         "rollbacks": list(self.history.rollbacks),
         "stopped_by_divergence": stopped,
         "config": as_dict(self.config),
         # The backdoor attack's malicious client ids (`fedjax_hetero.client.attack`), only when it is on.
-        **({"malicious_clients": [int(c) for c in sim.malicious_clients]} if len(sim.malicious_clients) else {}),
+        **({"malicious_clients": [int(c) for c in spec.malicious_clients]} if len(spec.malicious_clients) else {}),
     }

@@ -1,10 +1,10 @@
-"""The run's build step: a `RunConfig` turned into the objects the engine runs, checked on the way.
+"""The run's build step: a `RunConfig` turned into the simulation that runs it, checked on the way.
 
 `run_method` makes the run's method once (from the catalog, or takes the one given) and checks the rules
 that need it and the group models: the method fits the groups and the cohort, its terms find their cut
 points on every group's model, HeteroFL's Scaler has a width-1 group. It loads no data, so the CLI calls it
 to reject bad input before anything is computed. `build_simulation` then loads and partitions the data and
-hands `engine.Simulation` the built groups, store, method and backend.
+builds the `rounds.RoundSpec` and its `rounds.Simulation`.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_hetero import models
 from fedjax_hetero import data as fdata
-from fedjax_hetero import dissimilarity, models, preflight
-from fedjax_hetero.backends import make_backend
 from fedjax_hetero.client.terms import term_cuts
 from fedjax_hetero.config import DataConfig, RunConfig, check_federation, declare
 from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.engine import ArchGroup, Simulation, assign_groups
-from fedjax_hetero.methods import Method, build_method, check_options, get_entry
+from fedjax_hetero.methods import Method, build_method, check_options, dissimilarity, get_entry
+from fedjax_hetero.rounds import ArchGroup, RoundSpec, Simulation, assign_groups, make_backend, make_simulation
+from fedjax_hetero.run import preflight
 
 GROUPS_FLAG = declare.cli_name(RunConfig, "groups")
 
@@ -142,12 +142,17 @@ def partitioned_dataset(config: RunConfig, dataset: fdata.ArrayDataset | None = 
   return dataset, parts
 
 
+def with_metrics(config: RunConfig, method: Method) -> Method:
+  """The run's method with what the run measures besides (the gradient dissimilarity, ``--dissimilarity``)."""
+  return dissimilarity.tracked(method, config.method.fedimpro.cut) if config.dissimilarity else method
+
+
 def build_simulation(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
                      log: Callable[[str], None] = print, method: Method | None = None
                      ) -> tuple[Simulation, list[np.ndarray]]:
   """Loads and partitions the data and builds the simulation (no training yet); ``method``: the run's method
-  from `run_method` (made here when not given)."""
-  method = run_method(config, method)
+  as `run_method` made it (made here when not given)."""
+  method = method or run_method(config)
   dataset, parts = partitioned_dataset(config, dataset)
   preflight.check_fit(config, dataset, parts, log)  # sizes that would fail or do nothing
   store = FederatedStore.build(dataset.train_images, dataset.train_labels, parts, dataset.num_classes,
@@ -158,23 +163,22 @@ def build_simulation(config: RunConfig, dataset: fdata.ArrayDataset | None = Non
     groups.append(ArchGroup(spec, models.build_model(name, dataset.num_classes, width), clients))
   backend = make_backend(config.backend)
   terms = ", ".join(t.name for t in method.terms)
-  if config.dissimilarity:
-    method = dissimilarity.tracked(method, config.method.fedimpro.cut)
-  sim = Simulation(groups, store, config.client, method, config.federation, backend,
-                   jnp.asarray(dataset.test_images), jnp.asarray(dataset.test_labels),
-                   round_program=config.round_program, rounds_per_call=config.rounds_per_call)
+  spec = RoundSpec.build(groups, store, config.client, with_metrics(config, method), config.federation,
+                         jnp.asarray(dataset.test_images), jnp.asarray(dataset.test_labels))
+  sim = make_simulation(spec, backend, config.round_program, config.rounds_per_call)
   split = config.data.partition_file or config.data.partition
   log(f"{dataset.name}: {len(dataset.train_labels)} train / {len(dataset.test_labels)} test samples, "
       f"{config.data.num_clients} clients ({split}), groups {', '.join(config.groups)}, "
       f"method {method.name}" + (f" (client terms: {terms})" if terms else "") +
       f", backend {backend.name} on {jax.default_backend()}, " + (
-          f"{sim.round_program.rounds_per_call} rounds per device program" if sim.round_program else
+          f"{sim.rounds_per_call} rounds per device program" if sim.cohorts.in_program else
           "rounds as a host loop") + (
           f" ({jax.device_count()} devices of {jax.process_count()} processes)" if jax.process_count() > 1 else ""))
-  if len(sim.malicious_clients):
+  malicious = spec.malicious_clients
+  if len(malicious):
     attack = config.federation
-    log(f"backdoor attack: {len(sim.malicious_clients)} malicious clients (lambda {attack.backdoor_scale:g}, "
-        f"delta_backdoor = {attack.backdoor_delta}): {id_list(sim.malicious_clients)}")
+    log(f"backdoor attack: {len(malicious)} malicious clients (lambda {attack.backdoor_scale:g}, "
+        f"delta_backdoor = {attack.backdoor_delta}): {id_list(malicious)}")
   return sim, parts
 
 

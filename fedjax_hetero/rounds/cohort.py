@@ -4,7 +4,7 @@ Pure functions over a leading clients axis. ``mapping`` says how the clients
 share the hardware inside a program: ``"vmap"`` runs them side by side (a
 convolution with per-client kernels becomes a grouped convolution), ``"map"``
 one after another (`jax.lax.map`). The vmap/sharded backends jit each piece
-(`fedjax_hetero.backends`); the round program (`fedjax_hetero.round_program`)
+(`fedjax_hetero.rounds.backends`); the round program (`fedjax_hetero.round_program`)
 inlines them into one program per round.
 
 Every client's randomness is ``fold_in(round_key, client_id)``, so a client
@@ -17,7 +17,6 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from fedjax_hetero.client.local import LocalState, LocalTrainer
 from fedjax_hetero.hetero.maps import Variables
@@ -148,14 +147,10 @@ def empty_group_result(trainer: LocalTrainer, start, memory_row, server, stack_s
   return with_stacked(result, rows, trainer.reductions)
 
 
-def padded_inputs(inputs: Any, size: int) -> Any:
-  """Per-client inputs (numpy rows) padded with zero rows to ``size`` rows (a padded cohort's)."""
-  return jax.tree.map(lambda x: np.concatenate([x, np.zeros((size - len(x),) + x.shape[1:], x.dtype)]), inputs)
-
-
-def pad_rows(tree, num_rows):
-  """Rows ``num_rows`` and on of every leaf replaced by copies of row 0 (``num_rows`` may be traced)."""
+def pad_stacked(tree: Any, count: Any) -> Any:
+  """Stacked uploads as the server steps read them: rows ``count`` and on (padding) copy row 0, or are zero when
+  the cohort is empty (``count`` may be traced)."""
   def pad(x):
-    real = (jnp.arange(x.shape[0]) < num_rows).reshape((-1,) + (1,) * (x.ndim - 1))
-    return jnp.where(real, x, x[:1])
+    real = (jnp.arange(x.shape[0]) < count).reshape((-1,) + (1,) * (x.ndim - 1))
+    return jnp.where(real, x, jnp.where(count > 0, x[:1], jnp.zeros_like(x[:1])))
   return jax.tree.map(pad, tree)

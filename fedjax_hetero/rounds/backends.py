@@ -25,6 +25,7 @@ is ``fold_in(round_key, client_id)``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Protocol
 
@@ -34,14 +35,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fedjax_hetero import distributed
-from fedjax_hetero.client import cohort
-from fedjax_hetero.client.cohort import (GroupResult, by_reduction, empty_group_result, empty_result,  # (re-exported)
-                                         join_uploads, pad_rows, padded_inputs, split_uploads,
-                                         with_stacked)
 from fedjax_hetero.client.local import ClientOutput, LocalState, LocalTrainer
-from fedjax_hetero.compilation import ChunkPrograms, compile_side_by_side, program_cache  # (re-exported)
+from fedjax_hetero.compilation import ChunkPrograms, compile_side_by_side, program_cache
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.hetero.maps import Variables
+from fedjax_hetero.rounds import cohort
+from fedjax_hetero.rounds.cohort import (GroupResult, by_reduction, empty_group_result, join_uploads, pad_stacked,
+                                         split_uploads, with_stacked)
+from fedjax_hetero.rounds.inputs import Cohort
 
 BACKENDS = ("auto", "sequential", "vmap", "sharded")
 Memory = tuple[Any, ...]  # per-client state of one group, per term, every leaf with a leading axis over its clients
@@ -50,19 +51,22 @@ Memory = tuple[Any, ...]  # per-client state of one group, per term, every leaf 
 class Backend(Protocol):
   name: str
 
-  def train(self, trainer: LocalTrainer, start: Variables, store: FederatedStore, clients: np.ndarray,
-            weights: np.ndarray, round_key: jax.Array, *, memory: Memory | None = None,
-            rows: np.ndarray | None = None, server: tuple[Any, ...] | None = None,
-            per_client_start: bool = False, capacity: int | None = None) -> GroupResult:
-    """Trains ``clients`` from ``start`` (stacked per client when ``per_client_start``).
+  def slots(self, stack_size: int) -> int:
+    """The rows a cohort of at most ``stack_size`` clients is padded to (`rounds.inputs.Cohort`)."""
+    ...
 
-    ``memory`` holds the group's per-client state and ``rows`` the cohort's rows in it. It is consumed:
+  def train(self, trainer: LocalTrainer, start: Variables, store: FederatedStore, rows: Cohort,
+            round_key: jax.Array, *, memory: Memory = (), server: tuple[Any, ...] = (),
+            per_client_start: bool = False, stack_size: int) -> GroupResult:
+    """Trains the cohort of ``rows`` (one round's, padded to `slots`) from ``start`` (stacked per client when
+    ``per_client_start``).
+
+    ``memory`` holds the group's per-client state (``rows.rows`` are the cohort's rows in it). It is consumed:
     the cohort's rows are written in place (its buffers are donated), and the result carries the updated
     memory; a caller that still needs the old values passes `copy_tree` of them.
-    ``server`` is the group's share of server state, one entry per client term. ``capacity`` is the
-    largest cohort the group can have in a round (default: this one's): stacked uploads come back
-    with that many rows, the ones past the cohort copies of the first, so every round has one shape.
-    A trainer's per-client inputs (``trainer.client_inputs``) go to its ``begin``.
+    ``server`` is the group's share of server state, one entry per client term. Stacked uploads come back with
+    ``stack_size`` rows (the largest cohort the group can have), the ones past the cohort copies of the first,
+    so every round has one shape. A trainer's per-client inputs (``rows.inputs``) go to its ``begin``.
     """
     ...
 
@@ -150,7 +154,7 @@ def copy_tree(tree):
 # One compiled program instead of a trace and a dispatch per leaf every round; its outputs are fresh
 # buffers each call, as the sequential backend's `accumulate` donates them.
 _zero_result = jax.jit(empty_group_result, static_argnums=(0, 4))
-_pad_rows = jax.jit(pad_rows)
+_pad_stacked = jax.jit(pad_stacked)
 
 
 class SequentialBackend:
@@ -162,15 +166,18 @@ class SequentialBackend:
   def local(self, tree):
     return tree
 
-  def train(self, trainer, start, store, clients, weights, round_key, *, memory=None, rows=None, server=None,
-            per_client_start=False, capacity=None):
-    inputs = trainer.client_inputs(clients)
-    input_row = lambda i: jax.tree.map(lambda x: x[i], inputs)
+  def slots(self, stack_size):
+    return stack_size
+
+  def train(self, trainer, start, store, rows, round_key, *, memory=(), server=(), per_client_start=False,
+            stack_size):
+    count = int(rows.count)
+    clients, weights, memory_rows = rows.clients[:count], rows.weights[:count], rows.rows[:count]
+    input_row = lambda i: jax.tree.map(lambda x: x[i], rows.inputs)
     start_client, run_steps, accumulate = _sequential_program(trainer, _schedule_length(trainer, store))
-    memory, server = memory or (), server or ()
     first_start = _take_row(start, 0) if per_client_start else start
-    first_row = _take_row(memory, int(rows[0])) if memory else ()
-    result = _zero_result(trainer, first_start, first_row, server, capacity or len(clients))
+    first_row = _take_row(memory, int(memory_rows[0])) if memory else ()
+    result = _zero_result(trainer, first_start, first_row, server, stack_size)
     summed, stacked = by_reduction(result.uploads, trainer.reductions)
     result = result._replace(uploads=summed)
     client_args = lambda client: (store.index_table, np.int32(client), np.int32(store.sizes[client]), round_key)
@@ -184,16 +191,16 @@ class SequentialBackend:
     for i, (client, weight) in enumerate(zip(clients, weights)):
       size = int(store.sizes[client])
       client_start = _take_row(start, i) if per_client_start else start
-      row = _take_row(memory, int(rows[i])) if memory else ()
+      row = _take_row(memory, int(memory_rows[i])) if memory else ()
       state, ids, mask = start_client(client_start, *client_args(client), row, server, input_row(i))
       state = _run_schedule(run_steps, trainer, trainer.config.num_steps(size), state, store, ids, mask)
       result, new_row, own = accumulate(result, state, client_start, row, server, np.float32(weight))
       if "stack" in trainer.reductions:
         stacked = _set_row(stacked, i, own)
       if memory:
-        memory = _set_row(memory, int(rows[i]), new_row)
+        memory = _set_row(memory, int(memory_rows[i]), new_row)
     if "stack" in trainer.reductions:
-      stacked = _pad_rows(stacked, len(clients))
+      stacked = _pad_stacked(stacked, count)
     return with_stacked(result, stacked, trainer.reductions)._replace(memory=memory)
 
 
@@ -285,18 +292,19 @@ class VmapBackend:
     self._placed: dict[int, FederatedStore] = {}
     self._take_rows, self._replicate, self._scatter_rows = _row_programs(mesh)
 
-  def _padded_size(self, cohort: int, capacity: int | None) -> int:
-    size = max(capacity or 0, cohort)
-    if self.mesh is not None:
-      devices = self.mesh.size
-      size = -(-size // devices) * devices
-    return size
+  def slots(self, stack_size):
+    if self.mesh is None:
+      return stack_size
+    return -(-stack_size // self.mesh.size) * self.mesh.size  # a multiple of the devices
 
   def _place(self, store: FederatedStore) -> FederatedStore:
     if self.mesh is None:
       return store
     if id(store) not in self._placed:
-      self._placed = {id(store): store.placed(NamedSharding(self.mesh, PartitionSpec()))}
+      # Replicated on the mesh; in a multi-process run each process copies its own devices' parts.
+      put = lambda x: distributed.from_host(x, NamedSharding(self.mesh, PartitionSpec()))
+      self._placed = {id(store): dataclasses.replace(store, images=put(store.images), labels=put(store.labels),
+                                                     index_table=put(store.index_table))}
     return self._placed[id(store)]
 
   def place(self, tree):
@@ -319,38 +327,24 @@ class VmapBackend:
     split = NamedSharding(self.mesh, PartitionSpec("clients"))
     return jax.tree.map(lambda x: distributed.from_host(x, split), tree)
 
-  def train(self, trainer, start, store, clients, weights, round_key, *, memory=None, rows=None, server=None,
-            per_client_start=False, capacity=None):
+  def train(self, trainer, start, store, rows, round_key, *, memory=(), server=(), per_client_start=False,
+            stack_size):
     store = self._place(store)
-    memory, server = memory or (), server or ()
-    size = self._padded_size(len(clients), capacity)
-    pad = size - len(clients)
-    # Empty clients own no examples, so every one of their steps is masked.
-    padded = np.concatenate([clients, np.zeros(pad, clients.dtype)]).astype(np.int32)
-    sizes = np.concatenate([store.sizes[clients], np.zeros(pad, np.int64)]).astype(np.int32)
-    client_weights = np.concatenate([weights, np.zeros(pad)]).astype(np.float32)
-    real = (np.arange(size) < len(clients)).astype(np.float32)
-    inputs = padded_inputs(trainer.client_inputs(clients), size)
-    cohort = self._hostsplit_uploads((padded, sizes, client_weights, real, inputs))
-    padded_ids, sizes, client_weights, real, inputs = cohort
+    padded_ids, sizes, client_weights, real, inputs = self._hostsplit_uploads(
+        (rows.clients, rows.sizes, rows.weights, rows.real, rows.inputs))
     if per_client_start:  # the slots past the cohort start from slot 0's model
-      start = self._take_rows(start, np.concatenate([np.arange(len(clients)), np.zeros(pad, np.int64)]))
-    memory_rows, padded_rows = (), None
-    if memory:
-      num_rows = len(jax.tree.leaves(memory)[0])
-      padded_rows = np.concatenate([rows, np.full(pad, num_rows)]).astype(np.int32)
-      memory_rows = self._take_rows(memory, padded_rows)
+      start = self._take_rows(start, rows.slots)
+    memory_rows = self._take_rows(memory, rows.rows) if memory else ()
     start_cohort, run_steps, reduce = _mapped_program(trainer, _schedule_length(trainer, store), per_client_start,
                                                       self.mesh)
-    index_rows = self._take_rows(store.index_table, padded)
+    index_rows = self._take_rows(store.index_table, rows.clients)
     states, ids, mask = start_cohort(start, index_rows, sizes, round_key, padded_ids, memory_rows, server, inputs)
-    longest = max(trainer.config.num_steps(int(n)) for n in store.sizes[clients])
-    states = _run_schedule(run_steps, trainer, longest, states, store, ids, mask)
+    states = _run_schedule(run_steps, trainer, int(rows.steps), states, store, ids, mask)
     result, new_rows, stacked = reduce(states, start, memory_rows, server, client_weights, real)
     if memory:
-      memory = self._scatter_rows(memory, padded_rows, new_rows)
+      memory = self._scatter_rows(memory, rows.rows, new_rows)
     if "stack" in trainer.reductions:
-      stacked = _pad_rows(jax.tree.map(lambda x: x[:capacity or len(clients)], stacked), len(clients))
+      stacked = _pad_stacked(jax.tree.map(lambda x: x[:stack_size], stacked), int(rows.count))
     return with_stacked(result, stacked, trainer.reductions)._replace(memory=memory)
 
 

@@ -1,10 +1,9 @@
 """Settings a run would accept and then silently not use, or fail on deep inside compute; refused up front.
 
-`check_settings` needs only the config (a run calls it before it takes its folder): a learning rate that is 0 in
-float32 training arithmetic, partition settings a ``--partition-file`` overrides, and settings that act only
-beside a choice the run did not make (`ACTS_ONLY_WITH`: ``--alpha`` without the Dirichlet partition,
-``--momentum`` with Adam, ...). `check_fit` needs the
-loaded data and the partition (before the store and the models are built): images too small for a group's
+`check_settings` needs only the config (a run calls it before it takes its folder): partition settings a
+``--partition-file`` overrides, and settings that act only beside a choice the run did not make
+(`ACTS_ONLY_WITH`: ``--alpha`` without the Dirichlet partition, ``--momentum`` with Adam, ...). `check_fit` needs
+the loaded data and the partition (before the store and the models are built): images too small for a group's
 model, a batch larger than every client (every batch padded to it, for the same result: refused above twice the
 largest client, a warning below), and clients that take no local step. Each error names the flag.
 """
@@ -18,9 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_hetero import models
-from fedjax_hetero.config import flatten
-from fedjax_hetero.simulation_checks import check_learning_rate
-from fedjax_hetero.validation import cli_flag, first_line
+from fedjax_hetero.config import cli_flag, flatten
+from fedjax_hetero.validation import first_line
 
 # A batch this many times the largest client (every batch mostly padding) is refused; a smaller excess is a warning.
 PADDING_REFUSED = 2
@@ -54,7 +52,6 @@ def _check_partition_file(config: Any, flat: dict[str, Any], defaults: dict[str,
 
 def check_settings(config: Any) -> None:
   """The config-only checks (see the module docstring); ValueError naming the flag."""
-  check_learning_rate(cli_flag("client.learning_rate"), config.client.learning_rate)
   flat, defaults = flatten(config), flatten(type(config)())
   if config.data.partition_file is not None:
     _check_partition_file(config, flat, defaults)

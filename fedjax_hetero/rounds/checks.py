@@ -1,9 +1,8 @@
-"""The checks of `fedjax_hetero.engine.Simulation`'s inputs, run before anything is traced or computed.
+"""The checks of a `RoundSpec`'s inputs (`RoundSpec.build`), run before anything is traced or computed.
 
 Groups that share a client, an empty group, client ids outside the store (a gather would clamp them), two
 groups of one name (their metrics would overwrite each other), a test set whose labels do not match its images
-or the store's classes, images a group's model cannot take, a learning rate that is 0 in float32, and a
-method built for other local-training settings than the simulation's (SCAFFOLD's correction uses the
+or the store's classes, images a group's model cannot take, and a method built for other local-training settings than the simulation's (SCAFFOLD's correction uses the
 learning rate, FedNova's normalization the optimizer): each is a ValueError naming the argument.
 """
 
@@ -15,21 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_hetero.client.local import LocalConfig
+from fedjax_hetero.config import FederationConfig, LocalConfig
 from fedjax_hetero.data import checks
 from fedjax_hetero.data.store import FederatedStore
+from fedjax_hetero.methods.api import Method
 from fedjax_hetero.validation import first_line
-
-# XLA:CPU flushes subnormal floats to zero, so a float32 learning rate below this is 0 in training.
-FLOAT32_TINY = float(np.finfo(np.float32).tiny)
-
-
-def check_learning_rate(name: str, learning_rate: float) -> None:
-  """ValueError unless the learning rate survives float32 arithmetic (is at least float32's smallest normal)."""
-  if 0 < learning_rate < FLOAT32_TINY:
-    raise ValueError(f"{name} {learning_rate:g} is 0 in float32 training arithmetic (below {FLOAT32_TINY:.3g}, the "
-                     "smallest normal float32; XLA flushes smaller values to 0), so the weights would never change")
-
 
 def _check_group(index: int, group: Any, num_clients: int) -> np.ndarray:
   """The group's client ids, checked: a non-empty 1-D integer array of distinct ids in [0, num_clients)."""
@@ -91,9 +80,8 @@ def check_models(groups: Sequence[Any], image_shape: tuple[int, ...]) -> None:
 
 
 def check_local(local: Any, method: Any) -> None:
-  """A learning rate that survives float32, and the settings the method was built with (its
-  ``local_settings``, see `fedjax_hetero.methods.build_method`) equal to the simulation's."""
-  check_learning_rate("local.learning_rate", local.learning_rate)
+  """The settings the method was built with (its ``local_settings``, see `fedjax_hetero.methods.build_method`)
+  equal to the simulation's."""
   for field, built_with in getattr(method, "local_settings", ()):
     now = getattr(local, field)
     if now != built_with:
@@ -102,24 +90,20 @@ def check_local(local: Any, method: Any) -> None:
                        "(build_method(name, options, local))")
 
 
-def check_types(store: Any, local: Any, method: Any, config: Any, backend: Any) -> None:
+def check_types(store: Any, local: Any, method: Any, config: Any) -> None:
   """Each argument of the type it must have (a name or a dict in its place fails deep inside, unnamed)."""
-  from fedjax_hetero.engine import FederationConfig  # (the engine imports this module)
-  from fedjax_hetero.methods.api import Method
   for name, value, kind, how in (("store", store, FederatedStore, "FederatedStore.build(...)"),
                                  ("local", local, LocalConfig, "LocalConfig(...)"),
                                  ("method", method, Method, "build_method(name, options, local)"),
                                  ("config", config, FederationConfig, "FederationConfig(...)")):
     if not isinstance(value, kind):
       raise ValueError(f"{name} must be a {kind.__name__} ({how}), got {type(value).__name__} {value!r:.60}")
-  if not all(hasattr(backend, attribute) for attribute in ("name", "train", "place")):  # (a Protocol)
-    raise ValueError(f"backend must be a Backend (make_backend(name)), got {type(backend).__name__} {backend!r:.60}")
 
 
-def check_simulation_inputs(groups: Sequence[Any], store: Any, local: Any, method: Any, config: Any, backend: Any,
+def check_simulation_inputs(groups: Sequence[Any], store: Any, local: Any, method: Any, config: Any,
                             test_images: Any, test_labels: Any) -> None:
-  """All of the above, in the order a user would fix them; `Simulation.__init__` calls it first."""
-  check_types(store, local, method, config, backend)
+  """All of the above, in the order a user would fix them; `RoundSpec.build` calls it first."""
+  check_types(store, local, method, config)
   check_groups(groups, store.num_clients)
   check_test_set(test_images, test_labels, store)
   check_local(local, method)

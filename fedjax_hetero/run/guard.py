@@ -22,8 +22,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from fedjax_hetero.config.run import DIVERGENCE_ACTIONS as ACTIONS  # re-exported
-from fedjax_hetero.config.run import DivergenceConfig  # re-exported
+from fedjax_hetero.config.run import DivergenceConfig
 
 
 class DivergenceError(FloatingPointError):

@@ -9,8 +9,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fedjax_hetero.client.local import normalize
 from fedjax_hetero.compilation import program_cache
+from fedjax_hetero.data.store import normalize
 from fedjax_hetero.hetero.maps import Variables
 
 # XLA:CPU runs the models' convolutions fastest on batches of about 64-200 (the demo's three CNNs

@@ -29,8 +29,8 @@ import jax
 import orbax.checkpoint as ocp
 from flax import serialization
 
-from fedjax_hetero.engine import ServerState
 from fedjax_hetero.os_errors import failed_path, reason, root_os_error
+from fedjax_hetero.rounds.state import ServerState
 from fedjax_hetero.validation import first_line
 
 

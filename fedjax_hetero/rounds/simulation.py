@@ -1,0 +1,192 @@
+"""A simulation: a frozen `RoundSpec`, how its cohorts are mapped (`rounds.mapping`), and its calls of rounds.
+
+`Simulation.run_rounds` cuts rounds into calls (`inputs.call_length`), plans each call on the host
+(`inputs.plan_call`) and runs it: on the host loop one round at a time, the round's body run eagerly; in a device
+program (`ProgramCohorts`) up to ``rounds_per_call`` rounds as one jitted function of the server state, the body
+traced once, the rounds a device loop, the metrics read once per call. Either way every round's metrics row is
+written by `rows.call_row`. Every call of a program runs the program compiled for ``rounds_per_call`` rounds,
+whatever its length, so nothing compiles after the first; a call also ends where a server step's static plan
+changes. `make_simulation` is the one place that chooses the mapping (see docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Collection
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_hetero.compilation import mapping_headroom
+from fedjax_hetero.config.run import AUTO_ROUNDS_PER_CALL, ROUND_PROGRAMS
+from fedjax_hetero.methods.api import Method
+from fedjax_hetero.models.evaluation import ACCELERATOR_EVAL_BATCH, EVAL_BATCH
+from fedjax_hetero.rounds.backends import Backend, copy_tree
+from fedjax_hetero.rounds.body import RoundData, RoundOutputs, correct_counts, run_round
+from fedjax_hetero.rounds.inputs import Call, CallInputs, RoundRows, call_length, plan_call
+from fedjax_hetero.rounds.mapping import HostCohorts, ProgramCohorts
+from fedjax_hetero.rounds.rows import accuracies, call_row
+from fedjax_hetero.rounds.spec import RoundSpec
+from fedjax_hetero.rounds.state import ServerState
+from fedjax_hetero.validation import check_integer
+
+
+def host_loop_reason(method: Method, backend: str) -> str | None:
+  """Why a run of ``method`` on ``backend`` (its name) cannot run as a device program (None: it can)."""
+  sampler = method.sampler
+  if sampler.observe is not None:
+    return (f"{method.name}'s sampler ({sampler.name}) updates host-side state from every round's uploads, "
+            "so a round's draw is not known before the round before it ends")
+  if jax.process_count() > 1 or backend == "sharded":
+    return "the sharded backend splits cohorts over devices (and processes): it runs the host loop"
+  return None
+
+
+def runs_in_program(round_program: str, method: Method, backend: str) -> bool:
+  """Whether rounds run as a device program (``round_program`` "fused"; "auto": on an accelerator, where the
+  method and backend allow it) or as the host loop (see docs/performance.md); ValueError if "fused" is asked
+  and cannot be."""
+  if round_program not in ROUND_PROGRAMS:
+    raise ValueError(f"--round-program must be one of {', '.join(ROUND_PROGRAMS)}, got {round_program!r}")
+  why_not = host_loop_reason(method, backend)
+  if round_program == "fused" and why_not:
+    raise ValueError(f"{method.name} cannot run as one program per round: {why_not}; use --round-program host "
+                     "(or auto)")
+  return round_program == "fused" or (round_program == "auto" and not why_not and jax.default_backend() != "cpu")
+
+
+def make_simulation(spec: RoundSpec, backend: Backend, round_program: str = "auto",
+                    rounds_per_call: int | None = None) -> "Simulation":
+  """``spec``'s simulation on ``backend``'s host loop, or as a device program of ``rounds_per_call`` (default
+  `AUTO_ROUNDS_PER_CALL`) rounds (`runs_in_program`): the one place that chooses."""
+  if not all(hasattr(backend, attribute) for attribute in ("name", "train", "place")):  # (a Protocol)
+    raise ValueError(f"backend must be a Backend (make_backend(name)), got {type(backend).__name__} {backend!r:.60}")
+  check_integer("--rounds-per-call", rounds_per_call, minimum=1, optional=True)
+  mapping_headroom()  # (before anything of it compiles)
+  if not runs_in_program(round_program, spec.method, backend.name):
+    return Simulation(spec, HostCohorts(backend))
+  eval_batch = EVAL_BATCH if jax.default_backend() == "cpu" else ACCELERATOR_EVAL_BATCH
+  mapping = "map" if backend.name == "sequential" else "vmap"
+  return Simulation(spec, ProgramCohorts(mapping, eval_batch), rounds_per_call or AUTO_ROUNDS_PER_CALL)
+
+
+def program_call(spec: RoundSpec, cohorts: ProgramCohorts, statics: tuple, rounds_per_call: int) -> Callable:
+  """The device program of a call, unjitted: ``(server, memory, inputs, count, data) -> (carry, outputs [K, ...])``
+  with ``server`` the models and server step states, ``carry`` those and the memory after ``count`` rounds."""
+
+  def one_round(carry, x: CallInputs, data: RoundData):
+    models, steps, memory = carry
+    rows = RoundRows(x.rounds, x.steps, x.evaluate, x.cohorts, x.plans, statics)
+    after, outputs = run_round(spec, cohorts, ServerState(x.rounds, models, steps, (), memory), rows, data)
+    return (after.models, after.steps, after.memory), outputs
+
+  one_round = jax.jit(one_round)  # traced once: eval_shape below, then the loop
+
+  def call(server, memory, inputs: CallInputs, count, data: RoundData):
+    carry = (*server, memory)
+    shapes = jax.eval_shape(one_round, carry, jax.tree.map(lambda a: a[0], inputs), data)[1]
+    buffers = jax.tree.map(lambda s: jnp.zeros((rounds_per_call,) + s.shape, s.dtype), shapes)
+
+    def body(i, loop):
+      carry, buffers = loop
+      carry, out = one_round(carry, jax.tree.map(lambda a: a[i], inputs), data)
+      return carry, jax.tree.map(lambda b, o: b.at[i].set(o), buffers, out)
+
+    return jax.lax.fori_loop(0, count, body, (carry, buffers))
+
+  return call
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Simulation:
+  """``spec``'s rounds with its cohorts mapped by ``cohorts``, in calls of at most ``rounds_per_call`` rounds
+  (see the module docstring); build it with `make_simulation`."""
+
+  spec: RoundSpec
+  cohorts: HostCohorts | ProgramCohorts
+  rounds_per_call: int = 1
+  _programs: dict = dataclasses.field(default_factory=dict, repr=False)
+
+  def with_values(self, **values: Any) -> "Simulation":
+    """This simulation with other values of its spec (`RoundSpec.with_values`): a lower learning rate after a
+    rollback. Nothing is rebuilt but what reads them: the trainers, the method's pieces, the programs."""
+    cohorts = HostCohorts(self.cohorts.backend) if isinstance(self.cohorts, HostCohorts) else self.cohorts
+    return Simulation(self.spec.with_values(**values), cohorts, self.rounds_per_call)
+
+  def init_state(self) -> ServerState:
+    return self.place(self.spec.init_state())
+
+  def place(self, state: ServerState) -> ServerState:
+    """``state`` where the mapping keeps server state (e.g. after a restore), so every round sees one placement."""
+    return self.cohorts.place(state)
+
+  def evaluate(self, state: ServerState, batch_size: int = EVAL_BATCH) -> dict[str, float]:
+    """Test accuracy of every group's model, and their mean under ``"mean"``. It runs on this process's own copy
+    of the model, with no collective: in a multi-process run every process gets the same numbers."""
+    local = self.cohorts.backend.local if isinstance(self.cohorts, HostCohorts) else (lambda tree: tree)
+    return accuracies(correct_counts(self.spec, state, local, batch_size), [g.name for g in self.spec.groups],
+                      len(self.spec.test_labels))
+
+  def call_length(self, first: int, stop: int) -> int:
+    """The rounds of this simulation's call from round ``first`` (0-based) that stops before round ``stop``: at most
+    ``rounds_per_call``, and none past a change of a server step's static plan (`inputs.call_length`)."""
+    return call_length(self.spec, first, stop, self.rounds_per_call)
+
+  def run_rounds(self, state: ServerState, count: int, *, evaluate: Collection[int] = (),
+                 consume: bool = False) -> tuple[ServerState, list[dict[str, Any]]]:
+    """``count`` rounds from ``state``: the new state and one metrics row per round, whose ``test_accuracy``
+    holds every group's test accuracy after the rounds in ``evaluate`` (1-based round numbers), else None.
+
+    A non-finite loss raises `rows.NonFiniteLossError` for the first such round of its call, whose rounds are
+    then all dropped. With ``consume`` the rounds update ``state``'s per-client memory in place (its buffers are
+    donated), so ``state`` must not be used again; without it the memory is copied first, a cost that grows with
+    the number of clients (SCAFFOLD's control variates, MOON's previous models), not with the rounds' work."""
+    if not consume and jax.tree.leaves(state.memory):
+      state = state._replace(memory=copy_tree(state.memory))
+    rows: list[dict[str, Any]] = []
+    stop = state.round + count
+    while state.round < stop:
+      state, call_rows = self.run_call(state, self.call_length(state.round, stop), evaluate)
+      rows += call_rows
+    return state, rows
+
+  def run_call(self, state: ServerState, count: int, evaluate: Collection[int]) -> tuple[ServerState, list[dict]]:
+    """One call of ``count`` rounds (at most ``rounds_per_call``, with one static plan) from ``state``, whose client
+    memory it consumes: the new state and the rounds' rows."""
+    t0 = time.perf_counter()
+    spec, in_program = self.spec, self.cohorts.in_program
+    slots = [self.cohorts.slots(spec, g) for g in range(len(spec.groups))]
+    call = plan_call(spec, state, count, evaluate, slots, self.rounds_per_call if in_program else None)
+    if in_program:
+      carry, outputs = self.program(call.statics)((state.models, state.steps), state.memory, call.inputs,
+                                                  np.int32(count), RoundData.of(spec))
+      outputs = jax.device_get(outputs)
+      seconds = [(time.perf_counter() - t0) / count] * count
+      per_round = [jax.tree.map(lambda a: a[i], outputs) for i in range(count)]
+      state = ServerState(state.round + count, *carry[:2], state.sampler, carry[2])
+    else:
+      state, per_round, seconds = self._host_call(state, call, t0)
+    return state, [call_row(spec, call, i, per_round[i], seconds[i], evaluate) for i in range(count)]
+
+  def _host_call(self, state: ServerState, call: Call, t0: float) -> tuple[ServerState, list[RoundOutputs], list]:
+    per_round, seconds, data = [], [], RoundData.of(self.spec)
+    for i in range(call.count):
+      state, outputs = run_round(self.spec, self.cohorts, state, call.round(i), data)
+      jax.block_until_ready((state.models, state.steps, state.sampler))
+      seconds.append(time.perf_counter() - t0)
+      # The round's time is taken before its evaluation (the host loop counts after it).
+      counted = outputs.correct() if callable(outputs.correct) else outputs.correct
+      per_round.append(jax.device_get(outputs._replace(correct=counted)))
+      t0 = time.perf_counter()
+    return state, per_round, seconds
+
+  def program(self, statics: tuple) -> Callable:
+    """The jitted program of a call for one static plan (`program_call`). The client memory is donated (updated in
+    place, as the host loop's backends do); the models are not, so a checkpoint still being written from them
+    stays valid."""
+    if statics not in self._programs:
+      self._programs[statics] = jax.jit(program_call(self.spec, self.cohorts, statics, self.rounds_per_call),
+                                        donate_argnums=1)
+    return self._programs[statics]

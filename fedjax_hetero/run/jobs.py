@@ -1,0 +1,284 @@
+"""Seeds and sweeps as one job: the runs of ``--seeds`` and ``--sweep``, advanced together where they can share a
+device program (`rounds.many.ManyRuns`), else one after another.
+
+`runs_of` turns a config, seeds and sweeps into the job's runs (the product of the swept values, each seed of
+each), each into a folder of its own: ``<output-dir>_<setting>=<value>..._s<seed>``; `parse_sweep` says which
+settings a sweep takes (`sweep_refusal`: every number; a count or a choice changes a program's shapes or code).
+`run_jobs` makes and checks every run's method (`build.run_method`) before any run trains, then runs them
+together (`run_together`) or apart. Together, every run holds its folder's lock, writes its metrics, summary and
+checkpoints and resumes on ``--resume`` as it would alone; only the device program is shared. A call advances the
+runs that are at the earliest round (after a resume or a rollback the runs may stand at different rounds: the ones
+behind catch up first). A run that rolls back (``--on-divergence rollback``) goes on in the job with its lower
+learning rate, which is then a traced value of its own.
+
+What differs between runs of one program: the settings each run's own simulation computes on the host
+(`HOST_SETTINGS`: the seeds, the partition's alpha, the malicious fraction, the divergence guard's), and the
+numbers a program takes per run as traced values (`traced_paths`: the client's and the method's, the backdoor's
+scale), with which each run's method is made in the program (`specializer`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+
+from fedjax_hetero import distributed
+from fedjax_hetero import data as fdata
+from fedjax_hetero.config import RunConfig, declare
+from fedjax_hetero.config.declare import Number, substituted, value_at
+from fedjax_hetero.methods import Method, build_method, get_entry
+from fedjax_hetero.rounds.many import ManyRuns, NotBatchable
+from fedjax_hetero.rounds.simulation import host_loop_reason, runs_in_program
+from fedjax_hetero.rounds.spec import RoundSpec
+from fedjax_hetero.run import preflight, results_folder, runner
+from fedjax_hetero.run.build import check_downloadable, run_method, with_metrics
+from fedjax_hetero.run.guard import DivergenceError
+from fedjax_hetero.run.interruption import Interrupted, StopRequests
+
+Log = Callable[[str], None]
+# Settings whose every value each run's own simulation computes with, on the host: its partition, its cohorts, its
+# malicious clients, its divergence guard.
+HOST_SETTINGS = ("federation.seed", "federation.sample_seed", "data.alpha", "federation.malicious_fraction")
+# What every run of a job has in common: one dataset is loaded, and a call evaluates the same rounds of each.
+SHARED = {"--dataset": lambda c: c.data.dataset, "--data-dir": lambda c: c.data.data_dir,
+          "--rounds": lambda c: c.rounds, "--eval-every": lambda c: c.eval_every}
+
+
+def sweep_refusal(leaf: declare.Leaf) -> str | None:
+  """Why ``--sweep`` does not take the setting ``leaf`` (None: it does): every number sweeps."""
+  if leaf.path == "federation.seed":
+    return "the seed goes by --seeds"
+  if isinstance(leaf.setting.check, Number):
+    return None
+  if isinstance(leaf.setting.check, declare.Integer):
+    return "it is a count: the shapes and loops of the runs' program follow it"
+  return "it is a choice: it selects what the runs' program computes"
+
+
+def traced(path: str) -> bool:
+  """Whether a program of many runs takes the swept setting ``path`` as a traced value of each run's."""
+  return path.startswith(("client.", "method.")) or path == "federation.backdoor_scale"
+
+
+def parse_sweep(text: str, config: RunConfig) -> tuple[str, tuple[float, ...]]:
+  """``client.learning_rate=1e-3,3e-3`` -> the setting's path and its values; ValueError naming what is wrong."""
+  name, _, values = text.partition("=")
+  name = name.strip()
+  leaves = {leaf.path: leaf for leaf in declare.leaves(config)}
+  if name not in leaves:
+    raise ValueError(f"--sweep {name!r}: no such setting; a setting is named by its config.json path, e.g. "
+                     "client.learning_rate or method.prox.mu (docs/many-runs.md)")
+  why = sweep_refusal(leaves[name])
+  if why:
+    raise ValueError(f"--sweep {name}: {why}; every numeric setting sweeps (and the seed, by --seeds)")
+  try:
+    parsed = tuple(float(v) for v in values.split(",") if v.strip())
+  except ValueError:
+    raise ValueError(f"--sweep {text!r}: expected {name}=V1,V2,... with numbers") from None
+  if not parsed or len(set(parsed)) != len(parsed):
+    raise ValueError(f"--sweep {text!r}: expected distinct values")
+  if (traced(name) or name == "federation.malicious_fraction") and len({v == 0 for v in parsed}) > 1:
+    raise ValueError(f"--sweep {name}: zero and non-zero values make different programs (a zero turns its part "
+                     "off); sweep the zero in a job of its own")
+  return name, parsed
+
+
+def runs_of(config: RunConfig, seeds: Sequence[int] | None, sweeps: Sequence[tuple[str, Sequence[float]]] = ()
+            ) -> list[RunConfig]:
+  """Every combination of the swept values and seeds, each run's folder named after what it sets; ValueError
+  for a setting swept twice or two runs that would share a folder."""
+  leaves = {leaf.path: leaf for leaf in declare.leaves(config)}
+  names = [name for name, _ in sweeps]
+  if len(set(names)) != len(names):
+    raise ValueError(f"--sweep {sorted({n for n in names if names.count(n) > 1})[0]} is given twice: give its "
+                     "values once, comma-separated")
+  runs = []
+  for values in itertools.product(*[[(name, v) for v in vs] for name, vs in sweeps]):
+    for seed in (seeds or [None]):
+      flags = {leaves[name].flag: value for name, value in values}
+      suffix = "".join(f"_{name}={value:g}" for name, value in values) + ("" if seed is None else f"_s{seed}")
+      if seed is not None:
+        flags["seed"] = seed
+      runs.append(config.replace(**flags, output_dir=config.output.dir.rstrip("/") + suffix))
+  folders = [r.output.dir for r in runs]
+  if len(set(folders)) != len(folders):
+    raise ValueError(f"two runs of the job would share the folder {next(f for f in folders if folders.count(f) > 1)!r} "
+                     "(its name keeps 6 significant digits of a swept value): sweep values that differ there")
+  return runs
+
+
+def batchable(config: RunConfig, method: Method) -> str | None:
+  """Why the runs of ``config`` cannot share one program (None: they can), before any data is loaded."""
+  why = host_loop_reason(method, config.backend)
+  if why is None and not runs_in_program(config.round_program, method, config.backend):
+    why = f"the rounds run as a host loop (--round-program {config.round_program} on {jax.default_backend()})"
+  return why
+
+
+def check_shared(configs: Sequence[RunConfig]) -> None:
+  """ValueError naming the settings in `SHARED` that differ between ``configs``."""
+  values = {flag: {get(c) for c in configs} for flag, get in SHARED.items()}
+  differ = [f"{flag} ({', '.join(sorted(map(str, seen)))})" for flag, seen in values.items() if len(seen) > 1]
+  if differ:
+    raise ValueError(f"the runs of one job must share {', '.join(differ)}: run them as separate jobs")
+
+
+def swept(configs: Sequence[RunConfig], methods: Sequence[Method], given: Method | None
+          ) -> tuple[list[dict[str, float]], Callable[[RoundSpec, dict[str, Any]], RoundSpec]]:
+  """Every run's traced settings (the numbers that differ between ``configs`` and that a program takes per run),
+  and how a program makes a run's spec from the first run's with them; `NotBatchable` for settings that differ and
+  no program takes (or a method declared by value, ``given``, that cannot be made again with them)."""
+  flat = [{leaf.path: leaf.default for leaf in declare.leaves(c)} for c in configs]
+  differ = [path for path in flat[0] if any(f[path] != flat[0][path] for f in flat[1:])]
+  untaken = [p for p in differ if not traced(p) and p not in HOST_SETTINGS and not p.startswith(("output.",
+                                                                                                  "divergence."))]
+  if untaken:
+    raise NotBatchable(f"{', '.join(untaken)} cannot differ between runs of one program (it changes shapes, the "
+                       "method or what runs)")
+  paths = [p for p in differ if traced(p)]
+  read = dict(methods[0].local_settings)
+  if given is not None and get_entry(given.name, missing_ok=True) is None and any(
+      p.startswith("method.") or p.removeprefix("client.") in read for p in paths):
+    raise NotBatchable(f"{given.name} is a method declared by value, made once: it cannot be made again with each "
+                       f"run's {', '.join(paths)}; register it (register_method) to sweep them")
+  template = configs[0]
+
+  def specialize(spec: RoundSpec, values: dict[str, Any]) -> RoundSpec:
+    config = substituted(template, values)
+    method = given if given is not None and not any(p.startswith("method.") or p.removeprefix("client.") in read
+                                                    for p in values) else \
+        build_method(config.method.name, config.method, config.client, checked=False)
+    return spec.with_values(local=config.client, method=with_metrics(config, method), federation=config.federation)
+
+  return [{p: float(value_at(c, p)) for p in paths} for c in configs], specialize
+
+
+def run_jobs(configs: Sequence[RunConfig], methods: Sequence[Method] | None = None, log: Log = print,
+             max_runs_per_program: int | None = None, memory_budget: int | None = None) -> list[dict[str, Any]]:
+  """Runs (or resumes) a job's runs, each run's method made and checked (`build.run_method`; ``methods``: made
+  already) before any run trains: together in one program where they can share one (`batchable`), else one after
+  another; their summaries."""
+  for config in configs:
+    preflight.check_settings(config)
+    config.output.check_paths()
+  methods = list(methods or [run_method(config) for config in configs])
+  why_apart = batchable(configs[0], methods[0])
+  if why_apart is None:
+    return run_together(configs, methods=methods, log=log, max_runs_per_program=max_runs_per_program,
+                        memory_budget=memory_budget)
+  log(f"{len(configs)} runs one after another: {why_apart}")
+  return [runner.run_checked(config, method, None, log) for config, method in zip(configs, methods)]
+
+
+def run_together(configs: Sequence[RunConfig], dataset: Any = None, log: Log = print, method: Method | None = None,
+                 max_runs_per_program: int | None = None, memory_budget: int | None = None,
+                 methods: Sequence[Method] | None = None) -> list[dict[str, Any]]:
+  """Runs (or resumes) ``configs`` together and writes each one's results folder; their summaries. ``method``: a
+  method declared by value that every run runs; ``methods``: every run's method as `build.run_method` made it."""
+  for config in configs:
+    preflight.check_settings(config)
+    config.output.check_paths()
+  check_shared(configs)
+  methods = list(methods or [run_method(config, method) for config in configs])
+  main = distributed.is_main_process()
+  with contextlib.ExitStack() as locks:
+    for config in configs:
+      locks.enter_context(results_folder.lock(config.output.dir, enabled=main))
+    if dataset is None:  # loaded once; each run takes its own subset and partition of it
+      check_downloadable(configs[0].data)
+      dataset = fdata.load_dataset(configs[0].data.dataset, configs[0].data.data_dir)
+    runs = [runner.prepare(config, dataset, log if i == 0 else _quiet, m)
+            for i, (config, m) in enumerate(zip(configs, methods))]
+    settings, specialize = swept([r.config for r in runs], [r.method for r in runs], method)
+    batch = ManyRuns([r.sim for r in runs], settings, specialize, memory_budget=memory_budget,
+                     max_runs_per_program=max_runs_per_program, log=log)
+    per_program = (f"{len(runs)} runs in one program" if batch.max_runs_per_program >= len(runs) else
+                   f"{len(runs)} runs, at most {batch.max_runs_per_program} per program")
+    log(per_program + (f", swept per run: {', '.join(settings[0])}" if settings[0] else "") +
+        f", runs mapped by {batch.mapping}")
+    return _Together(runs, batch, log, method).train()
+
+
+def _quiet(_: str) -> None:
+  pass
+
+
+class _Together:
+  """The training loop of runs that share a program: each run's own loop (`runner._Run`) takes its calls' rows."""
+
+  def __init__(self, runs: list, batch: ManyRuns, log: Log, given: Method | None):
+    self.runs, self.batch, self.log, self.given = runs, batch, log, given
+    self.stopped: dict[int, DivergenceError] = {}  # runs the divergence guard stopped (their summary written)
+    self.alone: list[int] = []  # runs that left the program after a rollback, trained alone after the others
+
+  def train(self) -> list[dict[str, Any]]:
+    for run in self.runs:
+      run.wall_start = time.perf_counter()
+    try:
+      with StopRequests(jax.process_count() == 1, self.log) as stop:
+        while stop.requested is None and self._step():
+          pass
+      if stop.requested is not None:
+        self._interrupt(stop.requested)
+    finally:
+      for i, run in enumerate(self.runs):
+        if i not in self.alone:
+          run.reporter.close()
+          run.manager.wait_until_finished()
+    summaries = [self.runs[i].train() if i in self.alone else run.finish()
+                 for i, run in enumerate(self.runs) if i not in self.stopped]
+    if self.stopped:  # the other runs finished: the first stop ends the job as it would end the run alone
+      raise next(iter(self.stopped.values()))
+    return summaries
+
+  def _step(self) -> bool:
+    """One call of the runs at the earliest round; False when every run is done."""
+    active = [i for i, r in enumerate(self.runs)
+              if r.state.round < r.config.rounds and i not in self.stopped and i not in self.alone]
+    if not active:
+      return False
+    done = min(self.runs[i].state.round for i in active)
+    chosen = [i for i in active if self.runs[i].state.round == done]
+    every = [self.runs[i].config.output.checkpoint_every for i in chosen]
+    stop = min(min(self.runs[i].config.rounds, (done // e + 1) * e) for i, e in zip(chosen, every))
+    count = self.batch.call_length(chosen, done, stop)
+    config = self.runs[chosen[0]].config
+    evaluate = {r for r in range(done + 1, done + count + 1) if r % config.eval_every == 0 or r == config.rounds}
+    results = self.batch.run(chosen, [self.runs[i].state for i in chosen], count, evaluate)
+    for i, (state, rows) in zip(chosen, results):
+      run = self.runs[i]
+      error = run.diverged(rows) if isinstance(rows, Exception) else run.accept(state, rows)
+      if error is not None:
+        self._recover(i, error)
+    return True
+
+  def _recover(self, i: int, error: DivergenceError) -> None:
+    run = self.runs[i]
+    try:
+      run._recover(error)  # raises when the run stops; else it is rebuilt with a lower learning rate
+    except DivergenceError as stop:
+      self.stopped[i] = stop
+      return
+    try:
+      settings, specialize = swept([r.config for r in self.runs], [r.method for r in self.runs], self.given)
+      self.batch.replace(i, run.sim, settings, specialize)
+    except NotBatchable as e:  # (e.g. a learning rate the method reads as a number): it goes on alone, after
+      self.log(f"{run.out}: continues alone after the other runs: {e}")
+      self.alone.append(i)
+
+  def _interrupt(self, signum: int) -> None:
+    stopped = None
+    for run in self.runs:
+      try:
+        run._interrupt(signum, clean=True)
+      except Interrupted as e:
+        stopped = e
+    if stopped is not None:
+      raise stopped
+
+
+__all__ = ["NotBatchable", "batchable", "parse_sweep", "run_jobs", "run_together", "runs_of", "sweep_refusal"]

@@ -1,0 +1,53 @@
+"""A run's accuracy figure (``accuracy.png``), and the bare figure every plot of the library draws on: an Agg
+`Figure` without pyplot's global state, so nothing to close and no backend switch."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+
+def figure(width: float, height: float, layout: str | None = None):
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+
+  fig = Figure(figsize=(width, height), layout=layout)
+  FigureCanvasAgg(fig)
+  return fig
+
+
+def plot_accuracy(rows: Sequence[Mapping[str, Any]], path: str, title: str) -> str:
+  """A run's test accuracy vs round, one line per architecture group plus the mean; beside it, if the rows log
+  it, the gradient dissimilarity of the low and high parts per group (a run's ``accuracy.png``)."""
+  evaluated = [r for r in rows if r.get("test_accuracy")]
+  spread = [r for r in rows if any(part is not None for group in (r.get("dissimilarity") or {}).values()
+                                   for part in (group.get("low"), group.get("high")))]
+  fig = figure(12 if spread else 7, 4.5)
+  ax, *right = fig.subplots(1, 2 if spread else 1, squeeze=False)[0]
+  if spread:
+    for group in spread[-1]["dissimilarity"]:
+      for part, style in (("low", "--"), ("high", "-")):
+        points = [(r["round"], r["dissimilarity"][group][part]) for r in spread
+                  if r["dissimilarity"].get(group, {}).get(part) is not None]
+        if points:
+          right[0].plot(*zip(*points), style, lw=1.1, label=f"{group} {part}")
+    right[0].set_yscale("log")
+    right[0].set_xlabel("round")
+    right[0].set_title("gradient dissimilarity Σ p_c ‖d_c − d̄‖² / ‖d̄‖²")
+    right[0].grid(alpha=0.3)
+    right[0].legend(fontsize="small")
+  if evaluated:
+    for name in evaluated[-1]["test_accuracy"]:
+      xs = [r["round"] for r in evaluated]
+      ys = [100 * r["test_accuracy"][name] for r in evaluated]
+      if name == "mean":
+        ax.plot(xs, ys, "k-", lw=2.5, label="mean over groups")
+      else:
+        ax.plot(xs, ys, "-", lw=1.3, marker=".", label=name)
+  ax.set_xlabel("round")
+  ax.set_ylabel("test accuracy (%)")
+  ax.set_title(title)
+  ax.grid(alpha=0.3)
+  ax.legend(loc="lower right")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  return path

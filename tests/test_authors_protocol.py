@@ -124,6 +124,8 @@ def test_partition_file_round_trip_npz_and_json(tmp_path):
     ([*some_parts()[:-1], np.array([-1, 2])], "client 5 holds sample index -1"),
     ([*some_parts()[:-1], np.array([], np.int64)], "client 5 has no samples"),
     ([*some_parts()[:-1], np.array([0.5])], "client 5's indices must be a 1-D integer array"),
+    ([*some_parts()[:-1], np.full(50, 110)], "client[5] lists sample id 110 50 times; a client holds each sample once"),
+    ([*some_parts()[:-1], some_parts()[0][:3]], "is in client[0] and client[5]; a partition gives each sample to one"),
 ])
 def test_partition_file_errors_name_the_flag(tmp_path, parts, fragment):
   path = str(tmp_path / "split.npz")

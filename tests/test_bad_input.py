@@ -39,6 +39,7 @@ BASE_ARGS = ("--groups cnn@0.5,cnn@0.25 --num-clients 10 --clients-per-round 2 -
 
 # (arguments, fragment of the error)
 BAD_FLAGS = [
+    ("--seeds 0,1 --seed 3", "--seed and --seeds exclude each other"),  # (--seed was ignored in silence)
     # sizes and counts: zero and negative
     ("--max-test-samples 0", "--max-test-samples must be an integer >= 1, got 0"),
     ("--max-test-samples -5", "--max-test-samples must be an integer >= 1, got -5"),

@@ -63,7 +63,7 @@ def test_paired_statistics_rounds_to_target_and_dissimilarity_columns():
     compare.paired_table(runs, "C")
   rows = compare.table(runs, last=2, target=0.8).splitlines()
   assert "rounds to 80% |" in rows[0] and "dissimilarity low / high" in rows[0]
-  assert rows[2].endswith("| not reached | nan / nan | 3 |") and rows[5].endswith("| 2 | 1.50 / 3.00 | 3 |")
+  assert rows[2].endswith("| not reached | nan / nan | 1.0 | 2 |") and rows[5].endswith("| 2 | 1.50 / 3.00 | 1.0 | 2 |")
 
 
 def test_runs_that_would_be_merged_in_a_paired_table_are_an_error():
@@ -155,3 +155,31 @@ def test_main_prints_the_paired_tables_from_results_folders(tmp_path):
   assert "| B | small | 1 | +6.00" in text and "| B | 1 | 90.00 | 70.00 | +20.00 | 3 | not reached |" in text
   with pytest.raises(SystemExit, match="--window must be at least 1"):
     compare.main(dirs + ["--baseline", "A", "--window", "0"])
+
+
+def test_variants_spread_over_seeds_few_evaluations_and_runs_that_share_no_round(tmp_path):
+  """A sweep's runs are variants of their method (not merged, not refused), with mean ± std over their seeds;
+  "last 3" says when it had fewer; a baseline no run pairs with says so instead of an empty table."""
+  def swept(mu, seed, accuracies):
+    label, summary, rows = fake_run("FedProx", seed, accuracies)
+    summary["config"] = {"federation": {"seed": seed}, "method": {"prox": {"mu": mu}}}
+    return label + f"_mu{mu}", summary, rows
+  runs = compare.with_variants([swept(0.1, 0, [0.5, 0.6]), swept(0.1, 1, [0.5, 0.7]), swept(0.3, 0, [0.4, 0.5]),
+                                swept(0.3, 1, [0.6, 0.8]), fake_run("FedAvg", 0, [0.5, 0.5])])
+  assert [compare.method_of(s) for _, s, _ in runs][:3] == ["FedProx [method.prox.mu=0.1]"] * 2 + [
+      "FedProx [method.prox.mu=0.3]"]
+  spread = compare.seeds_table(runs).splitlines()
+  assert spread[2] == "| FedProx [method.prox.mu=0.1] | 2 | 65.00 ± 7.07 | 65.00 ± 7.07 |", spread
+  assert spread[3] == "| FedProx [method.prox.mu=0.3] | 2 | 65.00 ± 21.21 | 65.00 ± 21.21 |", spread
+  assert "| 55.00 (of 2) |" in compare.table(runs, last=3)
+  lines = compare.paired_table(runs, "FedAvg").splitlines()
+  assert [line.split(" | ")[0] for line in lines[2:]] == ["| FedProx [method.prox.mu=0.1]",
+                                                          "| FedProx [method.prox.mu=0.3]"]
+  apart = [fake_run("FedAvg", 0, [0.5, None]), fake_run("FedProx", 0, [None, 0.6])]  # no round both evaluated
+  for label, summary, rows in apart:
+    folder = tmp_path / label
+    folder.mkdir()
+    (folder / "summary.json").write_text(json.dumps(summary))
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  text = compare.main([str(tmp_path / label) for label, _, _ in apart] + ["--baseline", "FedAvg"])
+  assert "no run pairs with FedAvg's: none has the seed of one of its runs and a round both evaluated" in text

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -169,7 +170,7 @@ def test_the_sharded_runs_agree_with_the_sequential_backend(runs):
 
 def test_only_process_zero_writes_and_every_process_checkpoints(runs):
   folder = runs["out"]["FedCross", "2x2"]
-  assert sorted(os.listdir(folder)) == [".lock", "accuracy.png", "checkpoints", "config.json", "data_fingerprint.json",
+  assert sorted(os.listdir(folder)) == ["accuracy.png", "checkpoints", "config.json", "data_fingerprint.json",
                                         "metrics.jsonl", "partition.png", "partition.txt", "summary.json"]
   assert sorted(os.listdir(os.path.join(folder, "checkpoints"))) == ["1", "2"]
   with open(os.path.join(folder, "config.json")) as f:
@@ -285,3 +286,36 @@ def test_the_launcher_documents_itself():
     assert fragment in text, fragment
   assert launch.process_env(3, {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --foo"})["XLA_FLAGS"] == (
       "--foo --xla_force_host_platform_device_count=3")
+
+
+SLEEPER = '''
+import os, signal, sys, time
+folder = os.environ["SLEEPER_DIR"]
+def stop(signum, frame):
+  open(os.path.join(folder, f"stopped-{os.getpid()}"), "w").close()
+  sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+open(os.path.join(folder, f"started-{os.getpid()}"), "w").close()
+time.sleep(120)
+'''
+
+
+def test_a_sigterm_to_the_launcher_reaches_every_process_and_it_waits_for_them(tmp_path):
+  """(It orphaned them.) The processes stand for runs: each records the SIGTERM it gets, then ends."""
+  (tmp_path / "sleeper.py").write_text(SLEEPER)
+  env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}", "SLEEPER_DIR": str(tmp_path)}
+  launcher = subprocess.Popen([sys.executable, "-m", "experiments.launch", "--num-processes", "2", "--grace", "20",
+                               "--", "sleeper"], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+  deadline = time.monotonic() + 60
+  while len(list(tmp_path.glob("started-*"))) < 2 and time.monotonic() < deadline:
+    time.sleep(0.05)
+  pids = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("started-*"))
+  assert len(pids) == 2, launcher.stderr
+  launcher.send_signal(signal.SIGTERM)
+  _, err = launcher.communicate(timeout=30)
+  assert launcher.returncode == 128 + signal.SIGTERM, err
+  assert sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("stopped-*")) == pids, err
+  for pid in pids:
+    with pytest.raises(ProcessLookupError):
+      os.kill(pid, 0)
+  assert "launch: SIGTERM: waiting up to 20 s for the processes to stop" in err

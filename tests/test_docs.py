@@ -105,7 +105,7 @@ def parse_only(main, argv: list[str]) -> argparse.Namespace:
 
 def check_run(dataset: str, argv: list[str]) -> None:
   """An experiment command: its flags parsed, its settings built and its method checked (no paths, no data)."""
-  defaults, _ = run.run_defaults(argv, dataset)
+  defaults = run.run_defaults(argv, dataset)[0]
   args = run.build_parser(defaults, "docs").parse_args(argv)
   run_method(flags.config_from_args(args))
 

@@ -78,6 +78,11 @@ MISUSE = [
     ("store: float sample ids", call(store, parts=[p + 0.5 for p in PARTS]), r"^parts\[0\] must be a 1-D array of "
                                                                              r"integer sample ids, got float64"),
     ("store: no client", call(store, parts=[]), r"^parts must be a non-empty sequence"),
+    ("store: a client with no sample", call(store, parts=[np.array([], np.int64), *PARTS[1:]]),
+     r"^parts\[0\] holds no sample: every client needs at least one"),
+    ("store: a sample given to two clients", call(store, parts=[PARTS[0], np.concatenate([PARTS[1], PARTS[0][:1]]),
+                                                                *PARTS[2:]]),
+     r"^sample id \d+ is in parts\[0\] and parts\[1\]; a partition gives each sample to one client"),
     # ArrayDataset
     ("dataset: one class", call(dataclasses.replace, DATA, train_labels=np.zeros_like(DATA.train_labels),
                                 test_labels=np.zeros_like(DATA.test_labels), num_classes=1),
@@ -133,6 +138,14 @@ MISUSE = [
     ("fedavg: weight None", call(A.fedavg, ZERO, ONE, None), r"^weight must be a number, got None"),
     ("fedavg: weight as text", call(A.fedavg, ZERO, ONE, "2"), r"^weight must be a number, got '2'"),
     ("fedavg: an object array", call(A.fedavg, ZERO, ONE, np.array(None)), r"^weight must be a number.*dtype object"),
+    # aggregators' models
+    ("FedFA: a NaN kernel's norm", call(A.trimmed_norm, jnp.array([[1.0, jnp.nan], [2.0, 3.0]])),
+     r"^x leaf \(the array\) holds a non-finite value"),
+    ("FedCross: integer models", call(A.cross_aggregate, {"w": jnp.arange(6).reshape(3, 2)},
+                                      jnp.array([1, 2, 0]), 0.9),
+     r"^uploaded leaf w is int32; the aggregators take floating-point weights"),
+    ("InCo: a pair given as one string", call(A.check_pairs, ["params/conv1/kernel"], {"params": {}}),
+     r"^a cross-layer pair must be \(target_path, source_path\).*got 'params/conv1/kernel'"),
 ]
 
 

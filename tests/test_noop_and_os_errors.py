@@ -93,6 +93,26 @@ def test_a_setting_that_would_do_nothing_is_refused(args, fragment, tmp_path, ca
   assert fragment.format(tmp=tmp_path) in one_error_line(capsys.readouterr().err)
 
 
+def test_a_setting_is_named_where_it_came_from_and_a_presets_value_is_never_the_users(tmp_path, capsys, monkeypatch):
+  """A preset's --alpha beside --partition iid is the preset's, not the user's to drop; a config file's value is
+  named with the file; a file's method options go with its method when --method chooses another."""
+  config, _, args, _ = cli.parse(shlex.split("--preset inco-cpu --partition iid"), "fashion_mnist")
+  cli.check_settings(config, args.setting_sources)
+  assert config.data.alpha == 0.5  # (what the preset set, recorded; nothing reads it)
+  file = tmp_path / "run.yaml"
+  file.write_text("data: {partition: iid, alpha: 0.1}\nmethod: {name: FedProx, prox: {mu: 0.05}}\n")
+  config, _, args, _ = cli.parse(["--config", str(file)], "fashion_mnist")
+  with pytest.raises(ValueError, match=rf"^data.alpha 0.1 \(from --config {file}\) has no effect without --partition "
+                                       "dirichlet; add that, or remove it from that file$"):
+    cli.check_settings(config, args.setting_sources)
+  config, _, args, _ = cli.parse(["--config", str(file), "--method", "FedAvg", "--partition", "dirichlet"],
+                                 "fashion_mnist")
+  assert config.method.name == "FedAvg" and config.method.prox.mu == type(config.method.prox)().mu
+  cli.check_settings(config, args.setting_sources)
+  assert run_cli(tmp_path, MLP_ARGS, "--partition iid --alpha 0.1") == 2  # (given as a flag: the user's)
+  assert "--alpha 0.1 has no effect without --partition dirichlet; add that, or drop it" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args, fragment, status", OS_ERRORS, ids=[a[:40] for a, _, _ in OS_ERRORS])
 def test_an_os_error_on_the_output_folder_is_one_line(args, fragment, status, tmp_path, capsys, no_compute):
   os.symlink(tmp_path / "nowhere", tmp_path / "link")

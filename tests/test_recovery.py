@@ -9,16 +9,19 @@ import os
 import shutil
 
 import chex
+import jax
 import jax.numpy as jnp
 import pytest
 
 from fedjax_hetero.config import DivergenceConfig
 from fedjax_hetero.data import synthetic_dataset
+from fedjax_hetero.methods import Method
 from fedjax_hetero.rounds import mapping
 from fedjax_hetero.rounds.state import ServerState
-from fedjax_hetero.run import checkpoints
+from fedjax_hetero.run import checkpoints, results_folder, runner
 from fedjax_hetero.run.guard import DivergenceError, DivergenceWatch
 from fedjax_hetero.run.runner import run_experiment
+from fedjax_hetero.server import ServerStep, apply_delta, mean_delta
 from tests.test_runner import base_config, read_rows, restore
 
 # End to end (`pytest -m "not slow"` leaves it out). One worker runs the module, so its module-scoped runs train
@@ -281,3 +284,67 @@ def test_when_no_checkpoint_restores_resume_stops_and_moves_nothing(dataset, two
     run_experiment(config, dataset, log=lambda _: None)
   assert sorted(os.listdir(tmp_path / "all" / "checkpoints")) == steps
   assert not os.path.exists(tmp_path / "all" / "damaged_checkpoints")
+
+
+class KilledBeforeItsSettings(Exception):
+  pass
+
+
+def killed_before_its_settings(config, dataset, monkeypatch) -> None:
+  """What kill -9 in a run's first compilation leaves: the files written before config.json, and the lock file
+  (unlocked: the kernel drops the lock with the process)."""
+  def killed(*_):
+    raise KilledBeforeItsSettings
+  with monkeypatch.context() as patch:
+    patch.setattr(runner._Run, "begin", killed)
+    with pytest.raises(KilledBeforeItsSettings):
+      run_experiment(config, dataset, log=lambda _: None)
+  with open(os.path.join(config.output.dir, results_folder.LOCK_FILE), "w") as f:
+    f.write("4242")
+  assert sorted(os.listdir(config.output.dir)) == sorted([results_folder.LOCK_FILE, *results_folder.BEFORE_SETTINGS])
+
+
+@pytest.mark.parametrize("way", [{}, {"resume_or_start": True}, {"resume": True}],
+                         ids=["start", "resume-or-start", "resume"])
+def test_a_run_killed_before_it_saved_its_settings_restarts_every_way(way, dataset, straight, tmp_path,
+                                                                      monkeypatch):
+  out = tmp_path / "run"
+  killed_before_its_settings(base_config(out, checkpoint_every=1), dataset, monkeypatch)
+  run_experiment(base_config(out, checkpoint_every=1, **way), dataset, log=lambda _: None)
+  rows, want = read_rows(out), read_rows(straight.output.dir)
+  assert [(r["round"], r["train_loss"], r["test_accuracy"]) for r in rows] == [
+      (r["round"], r["train_loss"], r["test_accuracy"]) for r in want]
+  assert results_folder.LOCK_FILE not in os.listdir(out), "an ended run leaves no lock file"
+
+
+def poisoned(from_round: int) -> Method:
+  """FedAvg with a user's last server step gone wrong: it turns the model to NaN from round ``from_round`` on."""
+  def poison(carry, state, inputs, plan):
+    factor = jnp.where(inputs.round_index + 1 >= from_round, jnp.nan, 1.0)
+    return carry._replace(model=jax.tree.map(lambda x: x * factor, carry.model)), state
+  return Method("Poisoned", "", "", server=(mean_delta(), apply_delta(), ServerStep("poison", poison)))
+
+
+@pytest.mark.parametrize("from_round", [1, 3])
+def test_a_model_turned_non_finite_by_a_server_step_is_never_evaluated_saved_or_kept_as_best(dataset, from_round,
+                                                                                             tmp_path):
+  config = base_config(tmp_path / "run", method="Poisoned", checkpoint_every=1, eval_every=1,
+                       on_divergence="stop")
+  with pytest.raises(DivergenceError, match=rf"round {from_round}: the model of group\(s\) .* has non-finite weights "
+                                            "after Poisoned's server step"):
+    run_experiment(config, dataset, log=lambda _: None, method=poisoned(from_round))
+  assert [r["round"] for r in read_rows(config.output.dir)] == list(range(1, from_round))
+  root = os.path.join(config.output.dir, "checkpoints")
+  steps = sorted(int(name) for name in os.listdir(root) if name.isdigit()) if os.path.isdir(root) else []
+  assert steps == list(range(1, from_round)), "the round whose model is NaN is not saved (nor kept as best)"
+
+
+def test_a_resume_that_would_do_nothing_or_cannot_restore_says_so_before_training(dataset, two_rounds, tmp_path):
+  with pytest.raises(ValueError, match=r"--rounds 1: the run in .* has trained 2 rounds already; pass --rounds above 2"):
+    run_experiment(copy_of(two_rounds, tmp_path / "fewer", rounds=1), dataset, log=lambda _: None)
+  logs = []
+  run_experiment(copy_of(two_rounds, tmp_path / "same", rounds=2), dataset, log=logs.append)
+  assert any("has its 2 rounds already; nothing to train" in line for line in logs), logs
+  # The tracked dissimilarity adds a term and a server step, so a checkpoint's state: refused by name, not in orbax.
+  with pytest.raises(ValueError, match=r"cannot resume .* with different settings \(dissimilarity: False -> True\)"):
+    run_experiment(copy_of(two_rounds, tmp_path / "tracked", dissimilarity=True), dataset, log=lambda _: None)

@@ -135,14 +135,18 @@ def test_resume_needs_a_run_unless_resume_or_start(tmp_path, capsys):
   assert summary["final_round"] == 2 and summary["segments"][0]["reason"] == "start"
 
 
-def test_config_files_round_trip_and_flags_override_them(tmp_path):
+def test_config_files_round_trip_and_flags_override_them(tmp_path, capsys):
   out = str(tmp_path / "first")
   cli.main("synthetic", TINY + ["--rounds", "1", "--method", "HeteroProx", "--prox-mu", "0.3", "--output-dir", out])
   saved = os.path.join(out, "config.json")
-  config, *_ = cli.parse(["--config", saved], "fashion_mnist")
+  with pytest.raises(SystemExit):
+    cli.parse(["--config", saved], "fashion_mnist")  # (not the advice to --overwrite that run)
+  assert re.search(r"holds the settings of the run in .* pass --output-dir for a new run", capsys.readouterr().err)
+  config, *_ = cli.parse(["--config", saved, "--output-dir", str(tmp_path / "second")], "fashion_mnist")
   with open(saved) as f:
     tree = json.load(f)
   as_json = json.loads(json.dumps(as_dict(config)))  # (tuples as JSON lists)
+  as_json["output"]["dir"] = out
   assert as_json == {k: v for k, v in tree.items() if k in as_json}  # config.json is a valid input
   yaml_file = tmp_path / "run.yaml"
   yaml_file.write_text(yaml.safe_dump({"method": {"name": "FedProx", "prox": {"mu": 0.05}}, "rounds": 7}))

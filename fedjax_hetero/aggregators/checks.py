@@ -167,6 +167,18 @@ def check_weight_tree(name: str, tree: Any) -> None:
                        "weights must be finite and >= 0")
 
 
+def check_float_tree(name: str, tree: Any) -> None:
+  """Every leaf is floating point (an integer leaf would be averaged with truncation) and, when concrete,
+  finite (a NaN weight has no norm, share or mean to aggregate)."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    where = "/".join(_key_name(k) for k in path) or "(the array)"
+    if not np.issubdtype(_dtype(leaf), np.floating):
+      raise ValueError(f"{name} leaf {where} is {_dtype(leaf)}; the aggregators take floating-point weights")
+    if is_concrete(leaf) and not np.isfinite(np.asarray(leaf)).all():
+      raise ValueError(f"{name} leaf {where} holds a non-finite value (NaN or inf); the aggregators take finite "
+                       "weights")
+
+
 def _dtype(value: Any) -> np.dtype:
   return value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype
 

@@ -249,6 +249,7 @@ def cross_aggregate(uploaded: Stacked, partners: jax.Array, alpha: Scalar) -> St
   exactly; the paper uses ``alpha`` in [0.5, 1), 0.99 in its experiments.
   """
   num_models = _num_models(uploaded)
+  checks.check_float_tree("uploaded", uploaded)
   checks.check_shape("partners", partners, (num_models,))
   checks.check_index_range("partners", partners, num_models)
   checks.check_unit_interval("alpha", alpha)
@@ -269,6 +270,7 @@ def global_model(stacked: Stacked) -> Stacked:
   `fedcross_aggregate`). The two coincide for in-order selection (Eq. 2).
   """
   _num_models(stacked)
+  checks.check_float_tree("stacked", stacked)
   return jax.tree.map(lambda x: jnp.mean(x, axis=0).astype(x.dtype), stacked)
 
 
@@ -316,6 +318,7 @@ def propeller_aggregate(uploaded: Stacked, propellers: jax.Array, alpha: Scalar 
   leaves P and the weights unspecified.
   """
   num_models = _num_models(uploaded)
+  checks.check_float_tree("uploaded", uploaded)
   checks.check_shape("propellers", propellers, (num_models, None))
   checks.check_index_range("propellers", propellers, num_models)
   if alpha is not None:

@@ -74,6 +74,7 @@ def _check_norm(norm: str, percentile: float) -> None:
 def trimmed_norm(x: jax.Array, percentile: float = PERCENTILE, norm: str = "l2") -> jax.Array:
   """``||M_95%||`` (Alg. 1 line 12): the L2 norm (or RMS) of the elements with |w| <= the percentile of |w|."""
   _check_norm(norm, percentile)
+  checks.check_float_tree("x", x)
   return _trimmed_norm(x, percentile, norm)
 
 
@@ -97,6 +98,7 @@ class ClientParts(NamedTuple):
 def client_parts(variables: Variables, percentile: float = PERCENTILE, norm: str = "l2") -> ClientParts:
   """What a client uploads for the scaled aggregation: its kernels divided by their trimmed norms."""
   _check_norm(norm, percentile)
+  checks.check_float_tree("variables", variables)
   return _client_parts(variables, percentile, norm)
 
 

@@ -189,7 +189,12 @@ def check_pairs(pairs: Sequence[Pair], tree: Any) -> None:
   ``tree`` may hold arrays or `jax.ShapeDtypeStruct`s (e.g. from `jax.eval_shape`).
   """
   flat = flatten(tree)
-  for target, source in pairs:
+  for pair in pairs:
+    if isinstance(pair, str) or len(pair) != 2 or any(isinstance(p, str) or not all(isinstance(k, str) for k in p)
+                                                      for p in pair):
+      raise ValueError(f"a cross-layer pair must be (target_path, source_path), each a tuple of keys such as "
+                       f"('params', 'conv1', 'kernel'); got {pair!r}")
+    target, source = pair
     for path in (target, source):
       if tuple(path) not in flat:
         raise ValueError(f"cross-layer pair names {'/'.join(path)}, which is not a leaf of the model")

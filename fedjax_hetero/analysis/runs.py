@@ -182,6 +182,37 @@ def final_pair(rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -
   return accuracy, base_acc[last]
 
 
+# Config keys that differ between the runs of one experiment without making another variant of its method.
+NOT_A_VARIANT = ("federation.seed", "federation.sample_seed", "output.", "data.data_dir", "rounds", "eval_every",
+                 "backend", "round_program", "rounds_per_call", "client.steps_per_call", "divergence.")
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+  out: dict[str, Any] = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(_flat(value, f"{prefix}{key}."))
+    else:
+      out[prefix + key] = tuple(value) if isinstance(value, list) else value
+  return out
+
+
+def with_variants(runs: Runs) -> list[tuple[str, dict[str, Any], list[dict[str, Any]]]]:
+  """The runs with each method's variants told apart: where runs of one method (and attack) differ in a setting
+  besides the seed (the values of a ``--sweep``), each run's method reads ``METHOD [setting=value, ...]``."""
+  configs = [_flat(summary["config"]) for _, summary, _ in runs]
+  out = []
+  for (label, summary, rows), config in zip(runs, configs):
+    siblings = [c for (_, s, _), c in zip(runs, configs) if method_of(s) == method_of(summary)]
+    differ = sorted(k for k in config if not k.startswith(NOT_A_VARIANT)
+                    and len({repr(c.get(k)) for c in siblings}) > 1)
+    if differ:
+      named = ", ".join(f"{k}={config[k]}" for k in differ)
+      summary = {**summary, "method": f"{base_method_of(summary)} [{named}]"}
+    out.append((label, summary, rows))
+  return out
+
+
 def check_unique(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]]) -> None:
   """The paired and drop tables pair runs by method, attack and seed, so two runs sharing all three (e.g. a
   method's ablations, which keep its name) would be merged: an error naming both."""

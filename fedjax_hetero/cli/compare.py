@@ -5,8 +5,11 @@
 Each RUN_DIR is a results folder of ``python -m experiments.<dataset>``
 (``summary.json`` + ``metrics.jsonl``). The table lists, per run, the method,
 rounds, final and best mean accuracy, the accuracy averaged over the last few
-evaluations (less noisy than the final one), and the training wall time (sum
-of the rounds' wall times, the first round's compilation included).
+evaluations (less noisy than the final one; "(of N)" where a run has fewer), and the training wall time:
+round 1's apart (it compiles the programs), then the sum of the later rounds'. Where a method has several
+runs (seeds), a second table gives the mean ± std over them of the final and best accuracy; runs of one
+method that differ in a setting (the values of a ``--sweep``) are variants of it, ``METHOD [setting=value]``,
+in every table.
 ``--up-to-round R`` cuts every run at round R, to compare runs of different
 lengths at equal rounds; ``--target 0.87`` adds the first round each run reached
 87% mean accuracy.
@@ -50,7 +53,7 @@ import numpy as np
 from fedjax_hetero.analysis.runs import (Pairing, Runs, attack_of, base_method_of, check_unique, default_window,
                                          dissimilarity_per_round, evaluated, final_pair, groups_of, interval, load_run,
                                          mean_dissimilarity, method_of, paired_points, pairings, rounds_to,
-                                         runs_by_method, seed_of, up_to_round, windowed_means)
+                                         runs_by_method, seed_of, up_to_round, windowed_means, with_variants)
 
 STATS_HEADER = "mean per-round difference (points) [95% interval] | rounds ahead | best - best (points)"
 
@@ -61,8 +64,8 @@ def table(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]], last
   spread = " dissimilarity low / high (mean over rounds) |" if any(r.get("dissimilarity") for _, _, rows in runs
                                                                     for r in rows) else ""
   lines = [f"| run | method | rounds | final mean acc (%) | best (%) | mean of last {last} evals (%) |{to}{spread} "
-           "train time (s) |",
-           "|---|---|---|---|---|---|" + ("---|" if to else "") + ("---|" if spread else "") + "---|"]
+           "round 1 (s, compiling) | rounds 2+ (s) |",
+           "|---|---|---|---|---|---|" + ("---|" if to else "") + ("---|" if spread else "") + "---|---|"]
   for label, summary, rows in runs:
     accs = [a for _, a in evaluated(rows)]
     if not accs:
@@ -72,10 +75,28 @@ def table(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]], last
     if spread:
       low, high = (mean_dissimilarity(rows, part) for part in ("low", "high"))
       reached += f" {low:.2f} / {high:.2f} |"
+    few = f" (of {len(tail)})" if len(tail) < last else ""
+    first = next((f"{r['round_seconds']:.1f}" for r in rows if r["round"] == 1), "-")
+    later = sum(r["round_seconds"] for r in rows if r["round"] > 1)
     lines.append(f"| {label} | {method_of(summary)} | {rows[-1]['round']} | "
-                 f"{100 * accs[-1]:.2f} | {100 * max(accs):.2f} | {100 * sum(tail) / len(tail):.2f} |{reached} "
-                 f"{sum(r['round_seconds'] for r in rows):.0f} |")
+                 f"{100 * accs[-1]:.2f} | {100 * max(accs):.2f} | {100 * sum(tail) / len(tail):.2f}{few} |{reached} "
+                 f"{first} | {later:.0f} |")
   return "\n".join(lines)
+
+
+def seeds_table(runs: Runs) -> str:
+  """Per method (or variant, e.g. a swept value) with several runs: the mean ± std over them of the final and
+  the best mean accuracy (empty if no method has two runs)."""
+  by_method = runs_by_method(runs)
+  lines = ["| method | runs | final mean acc (%), mean ± std | best (%), mean ± std |", "|---|---|---|---|"]
+  for method, seeds in by_method.items():
+    if len(seeds) < 2:
+      continue
+    finals, bests = (np.array([100 * pick([a for _, a in evaluated(rows)]) for rows in seeds.values()])
+                     for pick in (lambda a: a[-1], max))
+    lines.append(f"| {method} | {len(seeds)} | {finals.mean():.2f} ± {finals.std(ddof=1):.2f} | "
+                 f"{bests.mean():.2f} ± {bests.std(ddof=1):.2f} |")
+  return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def signed(value: float | None) -> str:
@@ -248,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> str:
   for label, run_dir in zip(labels, args.run_dirs):
     summary, rows = load_run(run_dir)
     runs.append((label, summary, up_to_round(rows, args.up_to_round)))
+  runs = with_variants(runs)  # (a sweep's values as variants of the method)
   if args.baseline or any(attack_of(summary) for _, summary, _ in runs):  # the tables that pair runs
     try:
       check_unique(runs)
@@ -256,7 +278,13 @@ def main(argv: Sequence[str] | None = None) -> str:
   text = table(runs, args.last, args.target)
   if args.window is not None and args.window < 1:
     raise SystemExit("error: --window must be at least 1")
-  if args.baseline:
+  spread = seeds_table(runs)
+  if spread:
+    text += "\n\nover the runs of each method (its seeds):\n" + spread
+  if args.baseline and not pairings(runs, args.baseline):
+    text += (f"\n\nno run pairs with {args.baseline}'s: none has the seed of one of its runs and a round both "
+             "evaluated (compare runs of the same seeds and --eval-every)")
+  elif args.baseline:
     text += "\n\n" + paired_table(runs, args.baseline)
     windows = window_table(runs, args.baseline, args.window)
     if windows:

@@ -1,50 +1,133 @@
 """``--config FILE``: a whole `RunConfig` from JSON or YAML, e.g. a finished run's ``config.json``.
 
-The file holds the config tree (``{"client": {"learning_rate": 0.01}, ...}``, the layout of ``config.json``, whose
-history is ignored) or flag names (``{"learning_rate": 0.01, ...}``); settings not in it keep the library's
-defaults, and older layouts are upgraded as ``--resume`` upgrades them (`fedjax_hetero.run.history.upgrade`). What a
-file says about resuming or overwriting is dropped: those say what one command does, not what the run is.
+The file holds the config tree in the layout of ``config.json`` (``{"client": {"learning_rate": 0.01}, ...}``,
+whose history is ignored); a file of flag names alone (``{"learning_rate": 0.01}``, the layout older versions
+saved) reads too. Settings not in it keep the library's defaults, and older layouts are upgraded as ``--resume``
+upgrades them (`fedjax_hetero.run.history.upgrade`). The file is read strictly: an unknown key, a key given
+twice, or a flag name beside the nested layout is an error naming the key and its line. What a file says about
+resuming or overwriting is dropped: those say what one command does, not what the run is.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
-from typing import Any, Callable
+import re
+from typing import Any
 
 from fedjax_hetero.config import RunConfig
+from fedjax_hetero.config.run import FLAGS
 from fedjax_hetero.run import history
 
 
-def _parse(path: str, text: str) -> Any:
-  if path.endswith((".yaml", ".yml")):
-    import yaml
+def _yaml_tree(text: str) -> tuple[Any, dict[str, int]]:
+  """The YAML document and the line of each mapping key (dotted path); ValueError on a key given twice."""
+  import yaml
 
-    return yaml.safe_load(text)
-  return json.loads(text)
+  lines: dict[str, int] = {}
+
+  def walk(node: Any, prefix: str) -> None:
+    if not isinstance(node, yaml.MappingNode):
+      return
+    for key, value in node.value:
+      path, line = f"{prefix}{key.value}", key.start_mark.line + 1
+      if path in lines:
+        raise ValueError(f"{path!r} is given twice (lines {lines[path]} and {line})")
+      lines[path] = line
+      walk(value, path + ".")
+
+  try:
+    walk(yaml.compose(text, Loader=yaml.SafeLoader), "")
+    return yaml.safe_load(text), lines
+  except yaml.MarkedYAMLError as e:
+    mark = e.problem_mark or e.context_mark
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    raise ValueError(f"not valid YAML ({where}{e.problem or e.context})") from None
+  except yaml.YAMLError as e:
+    raise ValueError(f"not valid YAML ({str(e).splitlines()[0]})") from None
 
 
-def read_config(path: str, log: Callable[[str], None] = print) -> RunConfig:
+def _json_tree(text: str) -> tuple[Any, dict[str, int]]:
+  """The JSON document and the line of each key (found in the text); ValueError on a key given twice."""
+  positions = {}  # key name -> the lines it is written on, in order
+  for match in re.finditer(r'"((?:[^"\\]|\\.)*)"\s*:', text):
+    positions.setdefault(match.group(1), []).append(text.count("\n", 0, match.start()) + 1)
+
+  def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen = {}
+    for key, value in pairs:
+      if key in seen:
+        where = positions.get(key, [])
+        raise ValueError(f"{key!r} is given twice" + (f" (lines {where[0]} and {where[1]})" if len(where) > 1 else ""))
+      seen[key] = value
+    return seen
+
+  try:
+    tree = json.loads(text, object_pairs_hook=unique)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+  lines, unread = {}, {key: iter(found) for key, found in positions.items()}
+
+  def walk(node: Any, prefix: str) -> None:  # (in the text's order, so each key takes its own next position)
+    if isinstance(node, dict):
+      for key, value in node.items():
+        lines[f"{prefix}{key}"] = next(unread.get(key, iter(())), 0)
+        walk(value, f"{prefix}{key}.")
+
+  walk(tree, "")
+  return tree, lines
+
+
+def _at(lines: dict[str, int], path: str) -> str:
+  return f" (line {lines[path]})" if lines.get(path) else ""
+
+
+def _close_to(name: str) -> str:
+  known = set(FLAGS) | {leaf.path for leaf in FLAGS.values()}
+  close = difflib.get_close_matches(name, known, n=1)
+  return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _check_layout(tree: dict[str, Any], lines: dict[str, int]) -> None:
+  """A nested file (a section given as an object) holds no flag names beside its sections."""
+  fields = {f.name: f for f in dataclasses.fields(RunConfig)}
+  sections = {name for name, f in fields.items() if dataclasses.is_dataclass(f.default)}
+  nested = [name for name, value in tree.items() if name in sections and isinstance(value, dict)]
+  if not nested:
+    return
+  flags = [name for name in tree if name not in fields and name in FLAGS]
+  if flags:
+    where = "; ".join(f"{name!r}{_at(lines, name)} belongs at {FLAGS[name].path}" for name in flags)
+    raise ValueError(f"mixes flag names with the nested layout of config.json (it has a {nested[0]!r} block): "
+                     f"{where}. Write them under their sections, or write the whole file as flag names")
+
+
+def read_config(path: str) -> RunConfig:
   """The `RunConfig` of a JSON (``.json``) or YAML (``.yaml``/``.yml``) file; ValueError naming the file."""
   flag = f"--config {path!r}"
   if not os.path.isfile(path):
     raise ValueError(f"{flag} is not a file")
   try:
     with open(path) as f:
-      tree = _parse(path, f.read())
-  except (OSError, ValueError) as e:  # JSON and YAML parse errors are ValueErrors
-    raise ValueError(f"{flag} cannot be read: {type(e).__name__}: {e}") from None
+      text = f.read()
+    tree, lines = (_yaml_tree if path.endswith((".yaml", ".yml")) else _json_tree)(text)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"{flag}: {e}") from None
   if not isinstance(tree, dict):
     raise ValueError(f"{flag} must hold a mapping of settings, got {type(tree).__name__}")
   for key in (history.SEGMENTS, history.ROLLBACKS, history.PROCESSES):
     tree.pop(key, None)
   ignored: list[str] = []
   try:
+    _check_layout(tree, lines)
     config = history.upgrade(tree, ignored)
   except (TypeError, ValueError) as e:
     raise ValueError(f"{flag}: {e}") from None
   if ignored:
-    log(f"note: {flag}: ignoring settings this version does not know: {', '.join(sorted(ignored))}")
+    unknown = ", ".join(f"{name!r}{_at(lines, name)}{_close_to(name)}" for name in sorted(ignored))
+    raise ValueError(f"{flag}: unknown setting(s) {unknown}; `python -m experiments.fmnist --help` and docs/cli.md "
+                     "list the settings (config.json keys and flag names)")
   action = dict(resume=False, resume_or_start=False, overwrite=False)
   return dataclasses.replace(config, output=dataclasses.replace(config.output, **action))

@@ -10,12 +10,16 @@ they are one run of N x D devices on jax.distributed (see `fedjax_hetero.distrib
 several hosts or accelerators would be. Process 0's output is shown as it comes; the others' lines are shown
 prefixed with ``[process I]`` (or written to ``--log-dir``). If a process exits with an error, the others get
 ``--grace`` seconds to stop by themselves (they normally fail at their next collective) and are then
-terminated; the launcher exits with that process's status, naming it.
+terminated; the launcher exits with that process's status, naming it. A SIGTERM or SIGHUP to the launcher is
+passed on to every process (each stops after its round and writes its results); the launcher waits ``--grace``
+seconds for them and then terminates the rest, so no process outlives it. On Ctrl-C the processes, which
+the terminal signals too, get the same wait.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -23,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Sequence
+from typing import IO, Iterator, Sequence
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 COORDINATOR_FLAGS = ("--coordinator", "--num-processes", "--process-id", "--distributed")
@@ -129,10 +133,14 @@ def launch(args: argparse.Namespace) -> int:
   print(f"launch: {args.num_processes} processes x {args.devices_per_process} CPU devices, coordinator "
         f"127.0.0.1:{port}, pids {' '.join(str(p.pid) for p in procs)}", file=sys.stderr, flush=True)
   try:
-    status = _supervise(procs, args.grace)
-  except KeyboardInterrupt:
-    _terminate(procs)
-    status = 130
+    with _signals_raised((signal.SIGTERM, signal.SIGHUP)):
+      status = _supervise(procs, args.grace)
+  except (KeyboardInterrupt, _Signalled) as e:
+    signum = e.signum if isinstance(e, _Signalled) else signal.SIGINT
+    print(f"launch: {signal.Signals(signum).name}: waiting up to {args.grace:g} s for the processes to stop",
+          file=sys.stderr, flush=True)
+    _stop(procs, signum, args.grace)
+    status = 128 + signum
   for pump in pumps:
     pump.join(timeout=5)
   for log in logs:
@@ -166,6 +174,37 @@ def _supervise(procs: list[subprocess.Popen], grace: float) -> int:
         + (f" ({'; '.join(others)})" if others else ""), file=sys.stderr, flush=True)
   code = procs[failed].returncode
   return code if code > 0 else 1
+
+
+class _Signalled(Exception):
+  def __init__(self, signum: int):
+    super().__init__(signum)
+    self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_raised(signums: Sequence[int]) -> Iterator[None]:
+  """``signums`` raise `_Signalled` in the block (not the default: the launcher dying and orphaning its processes)."""
+  def handler(signum, _):
+    raise _Signalled(signum)
+  previous = {s: signal.signal(s, handler) for s in signums}
+  try:
+    yield
+  finally:
+    for s, h in previous.items():
+      signal.signal(s, h)
+
+
+def _stop(procs: list[subprocess.Popen], signum: int, grace: float) -> None:
+  """``signum`` passed on to the running processes (not SIGINT: a terminal's Ctrl-C reached them already, and a
+  second one would cost them their round in progress); up to ``grace`` s for them to end, then `_terminate`."""
+  for p in procs:
+    if p.poll() is None and signum != signal.SIGINT:
+      p.send_signal(signum)
+  end = time.monotonic() + grace
+  while any(p.poll() is None for p in procs) and time.monotonic() < end:
+    time.sleep(POLL_SECONDS)
+  _terminate(procs)
 
 
 def _terminate(procs: list[subprocess.Popen]) -> None:

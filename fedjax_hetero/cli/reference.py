@@ -67,7 +67,7 @@ def _other_defaults() -> list[str]:
 
 
 def fmnist_parser() -> argparse.ArgumentParser:
-  defaults, _ = run_defaults([], "fashion_mnist")
+  defaults = run_defaults([], "fashion_mnist")[0]
   return build_parser(defaults, DATASETS["fashion_mnist"].description)
 
 

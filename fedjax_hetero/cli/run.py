@@ -22,9 +22,11 @@ from fedjax_hetero.cli.datasets import DATASETS, defaults_for
 from fedjax_hetero.cli.flags import methods_help
 from fedjax_hetero.cli.presets import PRESETS, Preset, get_preset, paper_deviations, values_for
 from fedjax_hetero.compilation import CACHE_ENV, enable_persistent_cache
-from fedjax_hetero.config import DistributedConfig, FedGenConfig, RunConfig, as_dict
+from fedjax_hetero.config import DistributedConfig, FedGenConfig, RunConfig, as_dict, flatten
+from fedjax_hetero.config.run import FLAGS
 from fedjax_hetero.config.distributed import from_flags as distributed_settings
 from fedjax_hetero.config.options import FEDGEN_PRESETS
+from fedjax_hetero.methods import get_entry
 from fedjax_hetero.run.build import run_method
 from fedjax_hetero.run.interruption import Interrupted
 from fedjax_hetero.run.jobs import parse_sweep, run_jobs, runs_of
@@ -52,21 +54,74 @@ def _pre_parse(argv: Sequence[str] | None, dataset: str) -> argparse.Namespace:
   return known
 
 
-def run_defaults(argv: Sequence[str] | None, dataset: str) -> tuple[RunConfig, Preset | None]:
+def run_defaults(argv: Sequence[str] | None, dataset: str) -> tuple[RunConfig, Preset | None, dict[str, str]]:
   """The defaults the parser starts from: the dataset's or a ``--config`` file's, a preset's values for the
-  method the run will have, and a FedGen preset; ValueError naming the flag if one of those is bad."""
+  method the run will have, and a FedGen preset; and the settings the file or preset set (dotted path -> which,
+  e.g. ``"--preset inco-cpu"``). ValueError naming the flag if one of those is bad."""
   known = _pre_parse(argv, dataset)
   if known.config is not None and known.preset is not None:
     raise ValueError("--config and --preset exclude each other: a config file holds a whole run")
   defaults = defaults_for(known.dataset).config() if known.config is None else read_config(known.config)
+  sources = {} if known.config is None else {path: f"--config {known.config}" for path in _changed(defaults)}
+  if (known.config is not None and _names_its_own_folder(known.config, defaults)
+      and not any(_given(argv, f) for f in ("--output-dir", "--resume", "--resume-or-start", "--overwrite"))):
+    raise ValueError(f"--config {known.config!r} holds the settings of the run in {defaults.output.dir!r} (they name "
+                     "it as their folder); pass --output-dir for a new run from them, or --resume to continue "
+                     "that run")
   chosen = None if known.preset is None else get_preset(known.preset)
   if chosen is not None:
     method = known.method or chosen.values.get("method", defaults.method.name)
-    defaults = defaults.replace(**values_for(chosen, method), output_dir=f"runs/{known.dataset}-{chosen.name}")
+    values = values_for(chosen, method)
+    defaults = defaults.replace(**values, output_dir=f"runs/{known.dataset}-{chosen.name}")
+    sources.update({FLAGS[name].path: f"--preset {chosen.name}" for name in values})
   if known.fedgen_preset is not None:
     fedgen = FedGenConfig.preset(known.fedgen_preset)
     defaults = defaults.replace(**{f"fedgen_{k}": v for k, v in as_dict(fedgen).items()})
-  return defaults, chosen
+    sources.update({f"method.fedgen.{k}": f"--fedgen-preset {known.fedgen_preset}" for k in as_dict(fedgen)})
+  return defaults, chosen, sources
+
+
+# Dotted path -> its setting's leaf (flag name, default, owner).
+FLAGS_BY_PATH = {leaf.path: leaf for leaf in FLAGS.values()}
+
+
+def _changed(config: RunConfig) -> list[str]:
+  now, default = flatten(config), flatten(RunConfig())
+  return [path for path in now if now[path] != default[path]]
+
+
+def _flags_given(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> set[str]:
+  """The settings' flag names (argparse dests) on the command line, however spelled or abbreviated."""
+  unset = object()
+  dests = [a.dest for a in parser._actions if a.dest in FLAGS]
+  probe = argparse.Namespace(**{dest: unset for dest in dests})
+  parser.parse_known_args(argv, probe)
+  return {dest for dest in dests if getattr(probe, dest) is not unset}
+
+
+def _without_unread_options(config: RunConfig, sources: dict[str, str]) -> RunConfig:
+  """The method options a file or preset set for a method the run does not have (``--method`` chose another) back
+  at their defaults: they were that method's, not this run's (an option given as a flag stays, to be refused)."""
+  entry = get_entry(config.method.name, missing_ok=True)
+  if entry is None:
+    return config
+  reset = {}
+  for kind in config.method.families():
+    if kind in entry.options:
+      continue
+    paths = {leaf.path for leaf in FLAGS.values() if leaf.owner is kind}
+    reset.update({FLAGS_BY_PATH[path].flag: FLAGS_BY_PATH[path].default for path in paths if path in sources})
+  return config.replace(**reset) if reset else config
+
+
+def _given(argv: Sequence[str] | None, flag: str) -> bool:
+  return any(arg == flag or arg.startswith(flag + "=") for arg in (sys.argv[1:] if argv is None else argv))
+
+
+def _names_its_own_folder(path: str, config: RunConfig) -> bool:
+  """Whether a config file is a results folder's own config.json (its output.dir is the file's folder)."""
+  folder = os.path.dirname(os.path.abspath(path))
+  return os.path.isdir(config.output.dir) and os.path.samefile(folder, config.output.dir)
 
 
 def build_parser(defaults: RunConfig, description: str, coarse_labels: bool = False) -> argparse.ArgumentParser:
@@ -133,18 +188,23 @@ def parse(argv: Sequence[str] | None, dataset: str, description: str | None = No
   """The run's config, this process's multi-process settings, the command's own flags and the preset chosen;
   every value checked (exits with status 2 naming the flag otherwise)."""
   for old, new in RENAMED.items():
-    if any(arg == old or arg.startswith(old + "=") for arg in (sys.argv[1:] if argv is None else argv)):
+    if _given(argv, old):
       fail(f"{old} was renamed: pass {new}")
   try:
-    defaults, chosen = run_defaults(argv, dataset)
+    defaults, chosen, sources = run_defaults(argv, dataset)
   except ValueError as e:
     fail(str(e))
   parser = build_parser(defaults, description or defaults_for(dataset).description, coarse_labels)
   args = parser.parse_args(argv)
+  given = _flags_given(parser, argv)
+  if args.seeds and "seed" in given:
+    fail("--seed and --seeds exclude each other: --seeds gives every run its seed")
+  # Where each setting not given as a flag came from, for the messages about it (`preflight.check_settings`).
+  args.setting_sources = {path: source for path, source in sources.items() if FLAGS_BY_PATH[path].flag not in given}
   if getattr(args, "coarse", False):
     args.dataset = f"{args.dataset}_coarse"
   try:
-    config = flags.config_from_args(args)
+    config = _without_unread_options(flags.config_from_args(args), args.setting_sources)
     processes = distributed_settings(*(getattr(args, name) for name in DISTRIBUTED_FLAGS))
     processes.check_backend(config.backend)
     config.data.check_paths()
@@ -194,7 +254,7 @@ def main(dataset: str = "fashion_mnist", argv: Sequence[str] | None = None, desc
       raise ValueError(f"--runs-per-program must be at least 1, got {args.runs_per_program}")
     runs = runs_of(config, args.seeds, sweeps) if sweeps else seed_runs(config, args.seeds)
     for run in runs:
-      check_settings(run)
+      check_settings(run, args.setting_sources)
       run.output.check_paths()
     # The build step: every run's method made and checked against its groups and cohort, before any data.
     methods = [run_method(run) for run in runs]

@@ -9,6 +9,7 @@ import numpy as np
 
 from fedjax_hetero import data as fdata
 from fedjax_hetero.config.declare import Integer, Number, OneOf, Settings, Text, cli_name, setting, validate
+from fedjax_hetero.data.checks import check_disjoint
 from fedjax_hetero.data.partition import DIRICHLET_MIN_SIZE
 
 NORMALIZATIONS = ("dataset", "none")  # the dataset's mean/std, or pixels in [0, 1] (mean 0, std 1)
@@ -88,6 +89,10 @@ class DataConfig(Settings):
           bad = part.min() if part.min() < 0 else part.max()
           raise ValueError(f"{flag}: client {client} holds sample index {bad}, outside the {num_train} training "
                            f"samples of {self.dataset}")
+    try:
+      check_disjoint("client", parts)
+    except ValueError as e:
+      raise ValueError(f"{flag}: {e}") from None
     return parts
 
   def check_paths(self) -> None:

@@ -60,8 +60,24 @@ def check_normalization(mean: Sequence[Any], std: Sequence[Any], channels: int) 
         raise ValueError(f"std[{i}] must be > 0 (pixels are divided by it), got {value!r}")
 
 
+def check_disjoint(name: str, parts: Sequence[np.ndarray]) -> None:
+  """Each sample id at most once in all of ``parts`` (one client's list, or two clients')."""
+  every = np.concatenate([np.asarray(p, np.int64).ravel() for p in parts]) if len(parts) else np.zeros(0, np.int64)
+  ids, counts = np.unique(every, return_counts=True)
+  if not (counts > 1).any():
+    return
+  sample, count = int(ids[counts > 1][0]), int(counts[counts > 1][0])
+  holders = [c for c, p in enumerate(parts) if np.any(np.asarray(p) == sample)]
+  if len(holders) == 1:
+    raise ValueError(f"{name}[{holders[0]}] lists sample id {sample} {count} times; a client holds each sample once")
+  named = [f"{name}[{c}]" for c in holders[:4]] + (["more"] if len(holders) > 4 else [])
+  shown = ", ".join(named[:-1]) + " and " + named[-1]
+  raise ValueError(f"sample id {sample} is in {shown}; a partition gives each sample to one client "
+                   f"({int((counts > 1).sum())} sample(s) are given more than once)")
+
+
 def check_parts(name: str, parts: Sequence[Any], num_samples: int) -> None:
-  """One 1-D integer array of sample ids per client, each id in [0, num_samples)."""
+  """One non-empty 1-D integer array of sample ids per client, each id in [0, num_samples) and no id twice."""
   if isinstance(parts, (str, bytes, np.ndarray)) or not hasattr(parts, "__len__") or not len(parts):
     raise ValueError(f"{name} must be a non-empty sequence of per-client sample-id arrays, got {type(parts).__name__}")
   for client, part in enumerate(parts):
@@ -71,3 +87,6 @@ def check_parts(name: str, parts: Sequence[Any], num_samples: int) -> None:
     if ids.size and (ids.min() < 0 or ids.max() >= num_samples):
       bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
       raise ValueError(f"{name}[{client}] holds sample id {bad}, outside the {num_samples} images [0, {num_samples})")
+    if ids.size == 0:
+      raise ValueError(f"{name}[{client}] holds no sample: every client needs at least one")
+  check_disjoint(name, parts)

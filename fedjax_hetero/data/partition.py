@@ -137,8 +137,8 @@ def dirichlet(
   raise ValueError(
       f"dirichlet split found no assignment with every client >= min_size={min_size} samples "
       f"in {DIRICHLET_MAX_TRIES} tries (alpha={alpha}, num_clients={num_clients}, "
-      f"{len(labels)} samples); min_size is infeasible for these labels/num_clients, "
-      "lower min_size or num_clients, or raise alpha")
+      f"{len(labels)} samples): lower num_clients (--num-clients) or raise alpha (--alpha), or use more samples "
+      f"(--max-train-samples); a library call may also lower min_size")
 
 
 def shards(

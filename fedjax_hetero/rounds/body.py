@@ -48,6 +48,14 @@ class RoundOutputs(NamedTuple):
   # Per group: correct test predictions after the round (None or zeros outside evaluation rounds; on the host loop a
   # function that counts them, called once the round's time is taken).
   correct: Any
+  finite: tuple[Any, ...] = ()  # per federation: whether every weight of its model after the round is finite
+
+
+@jax.jit
+def all_finite(tree: Any) -> jax.Array:
+  """Whether every floating-point leaf of ``tree`` is finite."""
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
 def any_of(flags: Sequence[Any]) -> Any:
@@ -102,7 +110,7 @@ def run_round(spec: "RoundSpec", cohorts: Any, state: ServerState, x: RoundRows,
                                         spec.sampling)
   after = ServerState(x.index + 1, tuple(models), tuple(steps), sampler_state, memory)
   outputs = RoundOutputs(tuple(r.loss_sum for r in results), tuple(r.num_examples for r in results),
-                         tuple(metrics), cohorts.correct(spec, after, x, data))
+                         tuple(metrics), cohorts.correct(spec, after, x, data), tuple(map(all_finite, models)))
   return after, outputs
 
 

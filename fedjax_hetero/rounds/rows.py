@@ -24,6 +24,11 @@ class NonFiniteLossError(FloatingPointError):
   """Local training diverged; names the round and architecture group."""
 
 
+class NonFiniteModelError(NonFiniteLossError):
+  """A server's model has a non-finite weight after a round (its server step diverged, or a user's step broke
+  it); the model is neither evaluated into a row nor saved."""
+
+
 def host_metrics(tree: Any) -> Any:
   """Device metrics as Python floats; NaN (e.g. nothing to average this round) as None."""
   def value(x):
@@ -68,11 +73,15 @@ def accuracies(correct: Sequence[int], groups: Sequence[str], num_test: int) -> 
 def call_row(spec: "RoundSpec", call: Call, i: int, outputs: "RoundOutputs", seconds: float,
              evaluate: Collection[int]) -> dict[str, Any]:
   """The metrics row of the call's round ``i`` from its outputs (host values); `NonFiniteLossError` if a group
-  that trained has a non-finite loss."""
+  that trained has a non-finite loss, `NonFiniteModelError` if a server's model has a non-finite weight."""
   r, names = call.first + i, [g.name for g in spec.groups]
   chosen, cohorts, _ = call.drawn[i]
   trained = [g for g in range(len(spec.groups)) if len(cohorts[g])]
   losses = {names[g]: group_loss(r, names[g], outputs.loss_sum[g], outputs.num_examples[g]) for g in trained}
+  for f, finite in zip(spec.federations, outputs.finite):
+    if not bool(finite):
+      raise NonFiniteModelError(f"round {r + 1}: the model of group(s) {', '.join(names[g] for g in f.members)} has "
+                                f"non-finite weights after {spec.method.name}'s server step (the losses were finite)")
   server: dict[str, Any] = {}
   for f in spec.federations:
     if any(len(cohorts[g]) for g in f.members):

@@ -2,7 +2,9 @@
 
 Three signs, each named with its round and architecture group:
 
-- the training loss is not finite (the engine raises `engine.NonFiniteLossError` in that round);
+- the training loss, or a weight of a server's model after the round, is not finite (the round's row raises
+  `rounds.rows.NonFiniteLossError` or `NonFiniteModelError`: such a model is never evaluated into a row,
+  saved, or kept as the best);
 - a group's training loss rises above ``loss_factor`` times the lowest it has had (a finite blow-up, e.g.
   Adam at a huge learning rate: the loss reached 1e29 while staying finite). Before a group's first round
   the reference is ln C, the cross-entropy of a uniform guess over C classes, so that a blow-up in the

@@ -23,8 +23,9 @@ SEGMENTS, ROLLBACKS, PROCESSES = "segments", "rollbacks", "processes"
 # rounds into calls; the dissimilarity metric only adds an upload). The second is the clients' local optimizer, rebuilt every round: lowering the learning rate
 # after a divergence is the usual reason to resume. Anything else (data, partition, models, method and its
 # settings) is a different run.
+# (Not ``dissimilarity``: it changes no trajectory, but it adds a term and a server step, so a checkpoint's state.)
 UNCHANGED_TRAJECTORY = frozenset({"data.data_dir", "rounds", "eval_every", "backend", "round_program",
-                                  "rounds_per_call", "client.steps_per_call", "dissimilarity",
+                                  "rounds_per_call", "client.steps_per_call",
                                   *(f"divergence.{f.name}" for f in dataclasses.fields(DivergenceConfig))})
 LOCAL_OPTIMIZER = frozenset(f"client.{name}" for name in ("epochs", "batch_size", "optimizer", "learning_rate",
                                                           "momentum", "weight_decay", "drop_last"))

@@ -10,7 +10,7 @@ largest client, a warning below), and clients that take no local step. Each erro
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -42,23 +42,33 @@ ACTS_ONLY_WITH: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 )
 
 
-def _check_partition_file(config: Any, flat: dict[str, Any], defaults: dict[str, Any]) -> None:
-  for name in PARTITION_FILE_OVERRIDES:
-    path = "data." + name
-    if flat[path] != defaults[path]:
-      raise ValueError(f"{cli_flag(path)} {flat[path]} has no effect with {cli_flag('data.partition_file')}: "
-                       "the file gives every client its samples; drop it")
-
-
-def check_settings(config: Any) -> None:
-  """The config-only checks (see the module docstring); ValueError naming the flag."""
+def _would_do_nothing(config: Any) -> Iterator[tuple[str, str, str]]:
+  """(dotted path, why, the other way out) of each setting changed from its default that ``config`` would not
+  read."""
   flat, defaults = flatten(config), flatten(type(config)())
   if config.data.partition_file is not None:
-    _check_partition_file(config, flat, defaults)
+    for path in ("data." + name for name in PARTITION_FILE_OVERRIDES):
+      if flat[path] != defaults[path]:
+        yield path, (f"has no effect with {cli_flag('data.partition_file')}: the file gives every client its "
+                     "samples"), ""
     return
   for path, acts, choice in ACTS_ONLY_WITH:
     if flat[path] != defaults[path] and not acts(config):
-      raise ValueError(f"{cli_flag(path)} {flat[path]} has no effect without {choice}; drop it (or add that)")
+      yield path, f"has no effect without {choice}", "add that, or "
+
+
+def check_settings(config: Any, sources: Mapping[str, str] = {}) -> None:
+  """The config-only checks (see the module docstring); ValueError naming the setting where it was given.
+  ``sources``: the dotted paths a config file or a preset set, and which (`fedjax_hetero.cli.run.parse`); the
+  others are the caller's (a flag, or the library's caller)."""
+  flat = flatten(config)
+  for path, why, other in _would_do_nothing(config):
+    source = sources.get(path, "")
+    if source.startswith(("--preset", "--fedgen-preset")):
+      continue  # the preset's value for a choice this run does not make: it reads nothing and asks nothing
+    if source.startswith("--config"):
+      raise ValueError(f"{path} {flat[path]} (from {source}) {why}; {other}remove it from that file")
+    raise ValueError(f"{cli_flag(path)} {flat[path]} {why}; {other}drop it")
 
 
 def _smallest_working_size(name: str, width: float, channels: int, start: int, limit: int = 256) -> int | None:

@@ -2,8 +2,10 @@
 
 * `lock`: a run (or a resume) holds an exclusive ``fcntl.flock`` on ``<folder>/.lock`` while it runs. The
   kernel drops the lock with the process, so a run killed with SIGKILL leaves no stale lock; a second process
-  on the folder fails at once, naming the holder's pid (written into the file). A run refused before it wrote
-  anything removes the lock file (and the folder) it made.
+  on the folder fails at once, naming the holder's pid (written into the file). The lock file goes when the
+  run ends (and the folder, if the run made it and wrote nothing).
+* `never_started`: a run killed before it wrote ``config.json`` (in its first compilation) leaves only
+  `BEFORE_SETTINGS`; such a folder holds no run, and a start, ``--resume-or-start`` or ``--resume`` starts it.
 * `check_fresh`, `clear_for_overwrite`: ``--overwrite`` deletes only a folder that holds a run (its
   ``config.json``, ``metrics.jsonl``, ``checkpoints/`` or ``partition.txt``); anything else is refused,
   naming what is there.
@@ -40,6 +42,8 @@ RUN_ENTRIES = ("config.json", "metrics.jsonl", "checkpoints", "partition.txt", "
                "damaged_checkpoints", metrics_log.DROPPED_CHECKPOINTS)
 SETTINGS_FILES = ("config.json", "summary.json")
 FINGERPRINT_FILE = "data_fingerprint.json"
+# What a run writes before config.json (`fedjax_hetero.run.runner.prepare`).
+BEFORE_SETTINGS = ("partition.txt", "partition.png", FINGERPRINT_FILE)
 UNREADABLE = ".unreadable"
 
 
@@ -72,47 +76,45 @@ def _holder(fd: int) -> str:
   return f"pid {text}" if text.isdigit() else "a process that is starting"
 
 
-def _open_lock_file(path: str) -> tuple[int, bool]:
-  """An open descriptor of the lock file, and whether this call created it."""
-  try:
-    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
-  except FileExistsError:
-    return os.open(path, os.O_RDWR | os.O_CREAT, 0o644), False
-
-
-def _acquire(output_dir: str) -> tuple[int, bool]:
-  """An open descriptor of the folder's lock file, locked, and whether it was made now; FolderInUseError if
-  another process holds it."""
+def _acquire(output_dir: str) -> int:
+  """An open descriptor of the folder's lock file, locked; FolderInUseError if another process holds it."""
   path = os.path.join(output_dir, LOCK_FILE)
-  try:
-    fd, made = _open_lock_file(path)
-  except OSError as e:
-    raise ValueError(f"{_folder_flag(output_dir)} cannot be used: {describe(e)}") from None
-  try:
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-  except OSError as e:
-    holder = _holder(fd) if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else None
-    os.close(fd)
-    if holder is None:
-      raise ValueError(f"{_folder_flag(output_dir)} cannot be locked: {describe(e)}") from None
-    raise FolderInUseError(f"{_folder_flag(output_dir)} is in use by another run ({holder}, which holds {path}); "
-                           "wait for it to end, or choose another folder") from None
+  while True:
+    try:
+      fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+      raise ValueError(f"{_folder_flag(output_dir)} cannot be used: {describe(e)}") from None
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      holder = _holder(fd) if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else None
+      os.close(fd)
+      if holder is None:
+        raise ValueError(f"{_folder_flag(output_dir)} cannot be locked: {describe(e)}") from None
+      raise FolderInUseError(f"{_folder_flag(output_dir)} is in use by another run ({holder}, which holds {path}); "
+                             "wait for it to end, or choose another folder") from None
+    if _same_file(fd, path):
+      break
+    os.close(fd)  # the holder removed the file as it ended, after this process opened it: lock the new one
   os.ftruncate(fd, 0)
   os.write(fd, str(os.getpid()).encode())
-  return fd, made
+  return fd
 
 
-def _release(fd: int, output_dir: str, made_folder: bool, made_lock: bool) -> None:
-  """Unlocks. A run refused before it wrote anything leaves the folder as it found it: the lock file it made
-  goes (while still locked, so a process waiting for it finds it gone and makes its own), and so does a folder
-  it made."""
+def _same_file(fd: int, path: str) -> bool:
   try:
-    names = set(os.listdir(output_dir))
-    if made_lock and not names & set(RUN_ENTRIES):
-      os.remove(os.path.join(output_dir, LOCK_FILE))
-      if made_folder and names == {LOCK_FILE}:
-        with contextlib.suppress(OSError):
-          os.rmdir(output_dir)
+    return os.path.samestat(os.fstat(fd), os.stat(path))
+  except FileNotFoundError:
+    return False
+
+
+def _release(fd: int, output_dir: str, made_folder: bool) -> None:
+  """Unlocks, removing the lock file while still holding it (`_acquire` retries on a removed file), and the
+  folder if this run made it and left nothing in it."""
+  try:
+    os.remove(os.path.join(output_dir, LOCK_FILE))
+    if made_folder and not os.listdir(output_dir):
+      os.rmdir(output_dir)
   except OSError:
     pass  # (the folder went away under the run: nothing to tidy)
   finally:
@@ -128,7 +130,7 @@ def lock(output_dir: str, enabled: bool = True) -> Iterator[None]:
     return
   made_folder = _make_folder(output_dir)
   try:
-    fd, made_lock = _acquire(output_dir)
+    fd = _acquire(output_dir)
   except BaseException:
     if made_folder:
       with contextlib.suppress(OSError):
@@ -137,7 +139,7 @@ def lock(output_dir: str, enabled: bool = True) -> Iterator[None]:
   try:
     yield
   finally:
-    _release(fd, output_dir, made_folder, made_lock)
+    _release(fd, output_dir, made_folder)
 
 
 def _entries(output_dir: str) -> list[str]:
@@ -149,10 +151,17 @@ def _listing(names: list[str], limit: int = 6) -> str:
   return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def check_fresh(output_dir: str, overwrite: bool) -> None:
-  """A new run's folder is empty, or ``overwrite`` and it holds a run; else ValueError saying what is there."""
+def never_started(output_dir: str) -> bool:
+  """Whether the folder holds only what a run writes before its settings (see the module docstring)."""
   entries = _entries(output_dir)
-  if not entries:
+  return bool(entries) and set(entries) <= set(BEFORE_SETTINGS)
+
+
+def check_fresh(output_dir: str, overwrite: bool) -> None:
+  """A new run's folder is empty (or `never_started`: the start rewrites those files), or ``overwrite`` and it
+  holds a run; else ValueError saying what is there."""
+  entries = _entries(output_dir)
+  if not entries or never_started(output_dir):
     return
   if not overwrite:
     raise ValueError(f"output directory {output_dir!r} is not empty; pass --resume to continue it or --overwrite "

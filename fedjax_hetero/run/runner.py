@@ -95,7 +95,10 @@ def _history(config: RunConfig, log: Log) -> tuple[RunConfig, run_history.Histor
   if saved is None and output.resume_unchecked:  # its unreadable settings were set aside: this command's go on
     return config, run_history.History(processes=jax.process_count()), None
   if saved is None:
-    if output.resume and not output.resume_or_start:
+    if output.resume and results_folder.never_started(output.dir):
+      log(f"{output.dir}: its run was stopped before it saved its settings (no config.json); starting it")
+      config = dataclasses.replace(config, output=dataclasses.replace(output, resume=False))
+    elif output.resume and not output.resume_or_start:
       raise ValueError(f"--resume: {output.dir!r} holds no run to continue (no config.json); start it without "
                        "--resume, or pass --resume-or-start to continue a run where there is one and start it "
                        "where there is none")
@@ -104,7 +107,17 @@ def _history(config: RunConfig, log: Log) -> tuple[RunConfig, run_history.Histor
   config = dataclasses.replace(config, output=dataclasses.replace(output, resume=True))
   config = run_history.keep_rolled_back_learning_rate(config, saved.history, log)
   changed = run_history.check_resume(saved, config, jax.process_count(), log)
+  _check_rounds_left(config)
   return config, saved.history, changed
+
+
+def _check_rounds_left(config: RunConfig) -> None:
+  """A resume to fewer rounds than the folder's run has trained is refused (it would do nothing)."""
+  path = os.path.join(config.output.dir, "metrics.jsonl")
+  done = max((row["round"] for row in metrics_log.read_rows(path)), default=0) if os.path.exists(path) else 0
+  if done > config.rounds:
+    raise ValueError(f"--rounds {config.rounds}: the run in {config.output.dir!r} has trained {done} rounds already; "
+                     f"pass --rounds above {done} to continue it (its results stay as they are)")
 
 
 def _initial_state(sim: Simulation, parts: Sequence[np.ndarray], out: str, main: bool) -> ServerState:
@@ -201,6 +214,9 @@ class _Run:
               else "resumed (the folder kept no earlier segments)")
     if state.round < self.config.rounds:
       self.history.next_segment(self.config, state.round + 1, reason)
+    elif state.round:
+      self.log(f"{self.out}: the run has its {state.round} rounds already; nothing to train (a larger --rounds "
+               "continues it)")
     self.state = state
     self._rewrite()
 

@@ -1,0 +1,46 @@
+"""``--config FILE`` reads strictly: a setting it cannot place is an error naming the key and its line, never a
+note before a run with the defaults (`fedjax_hetero.cli.config_file`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fedjax_hetero.cli.config_file import read_config
+from fedjax_hetero.config import RunConfig, as_dict
+
+
+def written(tmp_path, name: str, text: str) -> str:
+  path = tmp_path / name
+  path.write_text(text)
+  return str(path)
+
+
+@pytest.mark.parametrize("name, text, message", [
+    # A nested method block beside flag names: those settings were dropped and the run trained with defaults.
+    ("mixed.yaml", "method:\n  name: FedProx\nlearning_rate: 0.01\nnum_clients: 10\nrounds: 3\n",
+     r"mixes flag names with the nested layout .* 'learning_rate' \(line 3\) belongs at client.learning_rate; "
+     r"'num_clients' \(line 4\) belongs at data.num_clients"),
+    ("twice.yaml", "rounds: 3\nmethod:\n  name: FedProx\nrounds: 4\n", r"'rounds' is given twice \(lines 1 and 4\)"),
+    ("twice.json", '{\n "rounds": 3,\n "client": {"learning_rate": 0.1},\n "rounds": 4\n}',
+     r"'rounds' is given twice \(lines 2 and 4\)"),
+    ("unknown.yaml", "rounds: 3\nmethod:\n  name: FedProx\n  prox:\n    muu: 0.1\n",
+     r"unknown setting\(s\) 'method.prox.muu' \(line 5\) \(did you mean 'method.prox.mu'\?\)"),
+    ("unknown.json", '{\n "rounds": 3,\n "learning_rat": 0.1\n}',
+     r"unknown setting\(s\) 'learning_rat' \(line 3\) \(did you mean 'learning_rate'\?\)"),
+    ("broken.yaml", "method:\n  name: [FedProx\nrounds: 3\n", r"not valid YAML \(line 3, column 7: expected ','"),
+    ("broken.json", '{\n "rounds": 3,\n}', r"not valid JSON \(line 3, column 1: Expecting property name"),
+])
+def test_a_file_that_cannot_be_placed_whole_is_an_error_naming_the_key_and_its_line(tmp_path, name, text, message):
+  with pytest.raises(ValueError, match=message) as error:
+    read_config(written(tmp_path, name, text))
+  assert "\n" not in str(error.value), "one line, no parser traceback"
+
+
+def test_either_layout_whole_reads_and_a_results_folders_config_json_reads_back(tmp_path):
+  flat = read_config(written(tmp_path, "flat.json", '{"rounds": 3, "learning_rate": 0.1}'))
+  nested = read_config(written(tmp_path, "nested.yaml", "rounds: 3\nclient:\n  learning_rate: 0.1\n"))
+  assert (flat.rounds, flat.client.learning_rate) == (nested.rounds, nested.client.learning_rate) == (3, 0.1)
+  saved = {**as_dict(RunConfig()), "segments": [], "rollbacks": [], "processes": 1}
+  assert read_config(written(tmp_path, "config.json", json.dumps(saved, indent=2))) == RunConfig()

@@ -77,6 +77,7 @@ def test_linear_cka_constant_features_is_zero_not_nan():
 # ---- stage outputs and CKA matrices ----
 
 
+@pytest.mark.slow
 def test_stage_outputs_match_direct_calls():
   model = small_preset()
   images = tiny_images(6, 16)
@@ -89,6 +90,7 @@ def test_stage_outputs_match_direct_calls():
                               rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_cka_matrix_heterogeneous_groups():
   images = tiny_images(12, 16, seed=1)
   sample = images.astype(jnp.float32)

@@ -112,6 +112,7 @@ def clean_setting(method: str):
   return store, model, start, terms, LocalTrainer(model, LOCAL, store.mean, store.std, terms)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method, reading", [("HeteroAvg", "update"), ("HeteroAvg", "difference"),
                                              ("FedProx", "update")])
 def test_malicious_upload_is_its_update_plus_lambda_times_the_backdoor_delta(method, reading):
@@ -152,6 +153,7 @@ def attacked_runs():
           for backend in ("sequential", "vmap")}
 
 
+@pytest.mark.slow
 def test_cohorts_with_and_without_attackers_compile_nothing_after_round_one(attacked_runs):
   malicious = set(malicious_clients(6, 0.34, seed=0).tolist())
   for backend, (_, rows, compiled) in attacked_runs.items():
@@ -185,6 +187,7 @@ def test_fraction_zero_is_the_clean_run_bit_for_bit_and_the_attack_changes_it():
   assert gap > 1e-2
 
 
+@pytest.mark.slow
 def test_every_method_kind_trains_under_attack_on_the_vmap_backend():
   """Methods with client memory (SCAFFOLD), stacked uploads (FedCross) and FedFA's weight uploads."""
   for method in ("SCAFFOLD", "FedCross", "FedFA"):

@@ -73,6 +73,7 @@ def test_the_simulation_exercises_unequal_clients_and_both_groups(sequential_run
   assert all(not np.allclose(initial[k], final[k]) for k in initial)
 
 
+@pytest.mark.slow
 def test_vmap_matches_sequential(sequential_run):
   sim = build("vmap")
   assert sim.cohorts.backend.name == "vmap"
@@ -111,6 +112,7 @@ def memory_rounds(sim, consume):
   return second if not consume else None, third, consumed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["sequential", "vmap"])
 @pytest.mark.parametrize("method", ["heteroscaffold", "heteromoon"])
 def test_consuming_rounds_update_per_client_memory_in_place(backend, method):

@@ -169,6 +169,7 @@ def simulation(method, backend="sequential", widths=(0.5, 1.0), clients_per_roun
 
 
 # One per kind of client state and sharing (the golden test runs every method on both backends as well).
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["HeteroScaffold", "FedNova", "HeteroMOON"])
 def test_vmap_backend_matches_sequential(method):
   moon = method.endswith("MOON")
@@ -213,6 +214,7 @@ def test_moon_keeps_each_clients_previous_model():
     assert changed == (int(client) in metrics["clients"])
 
 
+@pytest.mark.slow
 def test_fedcross_round_trains_each_middleware_model_and_cross_aggregates():
   sim = simulation("FedCross", widths=(1.0,), clients_per_round=4,
                    fedcross=FedCrossConfig(alpha=0.75, strategy="in_order"))

@@ -31,6 +31,7 @@ def feature_penalty(weight: float, gradient: str = "local", cut: str = "stage2")
   return ClientTerm(f"penalty_{gradient}", loss=penalty, cuts=(cut,))
 
 
+@pytest.mark.slow
 def test_a_term_reads_the_activations_of_the_training_forward(resnet):
   model, variables = resnet
   images, labels = random_batch(0, 8, 4)
@@ -51,6 +52,7 @@ def test_a_term_reads_the_activations_of_the_training_forward(resnet):
   chex.assert_trees_all_close(state.variables, want_step.variables, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_two_gradients_combined_by_a_linear_rule_equal_one_gradient_of_the_weighted_sum(resnet):
   model, variables = resnet
   batch = (*random_batch(1, 8, 4), jnp.ones(8, bool))
@@ -63,6 +65,7 @@ def test_two_gradients_combined_by_a_linear_rule_equal_one_gradient_of_the_weigh
   assert float(got.loss_sum) == pytest.approx(float(want.loss_sum))  # the logged loss is the data loss alone
 
 
+@pytest.mark.slow
 def test_a_nonlinear_rule_sees_each_gradient(resnet):
   model, variables = resnet
   batch = (*random_batch(2, 8, 4), jnp.ones(8, bool))

@@ -50,6 +50,7 @@ def test_fedavgm_without_momentum_is_fedavg():
   np.testing.assert_allclose([r["train_loss"] for r in zero_rows], [r["train_loss"] for r in plain_rows], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_fedavgm_runs_on_the_round_program():
   """A method declared outside the library runs as one device program per call, as the host loop runs it."""
   host = tiny_simulation(fedavgm(), "vmap", widths=(1.0,), clients_per_round=3)
@@ -132,3 +133,19 @@ def test_a_piece_in_the_old_shape_is_refused_naming_the_term_and_the_piece():
     Method("Old", "", "", terms=(ClientTerm("old", loss=lambda v, s, p, out, ctx: 0.0),))
   with pytest.raises(ValueError, match="client term 'odd': upload reduce='mean'"):
     Method("Odd", "", "", terms=(ClientTerm("odd", upload=Upload(lambda s, f, m, sh: f.delta, "mean")),))
+
+
+def test_a_server_step_that_breaks_the_models_shape_or_dtype_is_named_when_it_runs():
+  """(It failed one round later, deep inside jax, naming no step.)"""
+  def to_int(carry, state, inputs, plan):
+    return carry._replace(model=jax.tree.map(lambda x: x.astype(jnp.int32), carry.model)), state
+
+  def transposed(carry, state, inputs, plan):
+    return carry._replace(model=jax.tree.map(lambda x: x.T, carry.model)), state
+
+  for step, message in ((to_int, r"server step 'to_int' changed the model's .* from float32\[.*\] to int32"),
+                        (transposed, r"server step 'transposed' changed the model's .*kernel.* from float32\[")):
+    method = Method("Broken", "", "", server=(mean_delta(), apply_delta(), ServerStep(step.__name__, step)),
+                    sharing=PER_GROUP)
+    with pytest.raises(ValueError, match=message):
+      run(method, rounds=1)

@@ -150,6 +150,7 @@ def as_global_leaves(client, pairs=()):
   return flat
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("norm, percentile", [("l2", 95.0), ("rms", 95.0), ("l2", 80.0)])
 def test_scalable_aggregation_matches_numpy_with_width_and_depth(norm, percentile):
   rng = np.random.default_rng(0)
@@ -255,6 +256,7 @@ def resnet_fedfa():
   return (sim, *run_rounds(sim))
 
 
+@pytest.mark.slow
 def test_fedfa_two_rounds_on_resnet_depth_groups(resnet_fedfa):
   sim, state, metrics = resnet_fedfa
   maps = grafted_maps(sim.spec.federations[0])
@@ -267,6 +269,7 @@ def test_fedfa_two_rounds_on_resnet_depth_groups(resnet_fedfa):
   chex.assert_trees_all_equal_shapes(state.models[0], shapes_of(tiny_resnet((2, 2))))
 
 
+@pytest.mark.slow
 def test_fedfa_grafting_feeds_the_shallow_clients_into_deeper_blocks(resnet_fedfa):
   sim, state, _ = resnet_fedfa
   rng = np.random.default_rng(3)
@@ -299,6 +302,7 @@ def test_fedfa_grafting_feeds_the_shallow_clients_into_deeper_blocks(resnet_fedf
                              rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_flexifed_and_fedrolex_two_rounds_and_fedfa_without_its_parts_is_flexifed():
   runs = {}
   for name in ("FlexiFed", "FedRolex"):

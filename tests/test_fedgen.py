@@ -95,6 +95,7 @@ def test_generator_loss_matches_numpy(generator, state):
   np.testing.assert_allclose(loss, teacher + 0.5 * diversity, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_train_generator_decreases_loss_with_fixed_heads(generator, state):
   heads = _heads(3)
   counts = np.random.default_rng(2).integers(0, 9, (K, NUM_CLASSES))

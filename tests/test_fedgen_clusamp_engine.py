@@ -75,6 +75,7 @@ def generator_state(sim, state, federation=0):
   return state.steps[federation][[s.name for s in sim.spec.method.server].index("fedgen")]
 
 
+@pytest.mark.slow
 def test_fedgen_trains_the_generator_and_runs(fedgen_run):
   sim, states, rows = fedgen_run
   for before, after in zip(states, states[1:]):
@@ -88,6 +89,7 @@ def test_fedgen_trains_the_generator_and_runs(fedgen_run):
   assert np.isfinite(accuracy["mean"]) and 0 <= accuracy["mean"] <= 1
 
 
+@pytest.mark.slow
 def test_fedgen_regularizer_changes_local_training_only_when_switched_on(fedgen_run, data):
   sim, states, _ = fedgen_run
   # In the engine: round 1 (coefficients 0, FedGen code) trains as FedAvg, round 2 does not.
@@ -113,6 +115,7 @@ def test_fedgen_regularizer_changes_local_training_only_when_switched_on(fedgen_
     assert float(got.loss_sum) == pytest.approx(float(want.loss_sum), rel=1e-6)  # the logged loss is the CE
 
 
+@pytest.mark.slow
 def test_fedgen_vmap_backend_matches_sequential(fedgen_run, data):
   _, seq_states, seq_rows = fedgen_run
   vmap_states, vmap_rows = run(simulation(data, "FedGen", "vmap", optimizer="sgd"))

@@ -112,6 +112,7 @@ def test_synthetic_features_follow_the_class_gaussians():
     np.testing.assert_allclose(rows.std(0), 0.5, atol=0.05)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,width,kwargs", [("cnn", 0.25, {}),
                                                ("resnet10", 1.0, dict(stage_sizes=(1, 1), base_channels=4, stem="cifar"))])
 @pytest.mark.parametrize("loss", LOSS_MODES)
@@ -245,6 +246,7 @@ def test_a_missing_cut_point_is_a_clear_error_listing_the_valid_ones():
     FedImproConfig(beta=1.0)
 
 
+@pytest.mark.slow
 def test_engine_trains_with_shared_statistics_on_both_backends():
   results = {}
   for backend in ("sequential", "vmap"):

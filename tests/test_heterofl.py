@@ -49,6 +49,7 @@ def test_scaler_is_the_identity_at_full_width(name):
   np.testing.assert_array_equal(scaled.apply(variables, x, train=True), plain.apply(variables, x, train=True))
 
 
+@pytest.mark.slow
 def test_resnet_scaler_scales_what_batch_norm_sees():
   """The stem's BN sees the conv output / width: its batch mean doubles at width 0.5 (BN's output barely
   moves, as BN is scale-invariant up to eps); at evaluation and at width 1 nothing changes."""
@@ -128,6 +129,7 @@ def resnet_simulation(method: str, backend: str = "sequential", widths=(1.0, 0.5
                     clients_per_round=4)
 
 
+@pytest.mark.slow
 def test_static_bn_keeps_no_running_statistics_in_training():
   sim = resnet_simulation("HeteroFL")
   assert all(group.model.scaler for group in sim.spec.groups)
@@ -152,6 +154,7 @@ def test_static_bn_keeps_no_running_statistics_in_training():
 # ------------------------------------------------------------------------------------------ two-round runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["sequential", "vmap"])
 def test_heterofl_two_rounds_compile_nothing_after_the_first(backend):
   sim = tiny_simulation("HeteroFL", backend=backend, widths=(1.0, 0.5))

@@ -7,9 +7,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import REPO
 
 
+@pytest.mark.slow
 def test_every_module_imports_first_in_a_fresh_interpreter():
   modules = [f"fedjax_hetero.{name}" for name in (
       "server", "server.steps", "client.terms", "client.local", "data", "data.store", "sampling.samplers", "config",

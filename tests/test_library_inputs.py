@@ -80,9 +80,6 @@ MISUSE = [
     ("store: no client", call(store, parts=[]), r"^parts must be a non-empty sequence"),
     ("store: a client with no sample", call(store, parts=[np.array([], np.int64), *PARTS[1:]]),
      r"^parts\[0\] holds no sample: every client needs at least one"),
-    ("store: a sample given to two clients", call(store, parts=[PARTS[0], np.concatenate([PARTS[1], PARTS[0][:1]]),
-                                                                *PARTS[2:]]),
-     r"^sample id \d+ is in parts\[0\] and parts\[1\]; a partition gives each sample to one client"),
     # ArrayDataset
     ("dataset: one class", call(dataclasses.replace, DATA, train_labels=np.zeros_like(DATA.train_labels),
                                 test_labels=np.zeros_like(DATA.test_labels), num_classes=1),
@@ -110,6 +107,9 @@ MISUSE = [
      r"^test_images have images of shape \(4, 8, 1\), the training store \(8, 8, 1\)"),
     ("Simulation: no test image", call(simulation, test_images=DATA.test_images[:0], test_labels=DATA.test_labels[:0]),
      r"^test_images holds no image"),
+    ("Simulation: a model of another class count", call(simulation, [ArchGroup("a", build_model(
+        "mlp", 3, 1.0, hidden=(8,)), np.arange(4))]),
+     r"^groups\[0\] \(a\): its model gives 3 logits, but the data have 4 classes; build it with num_classes=4"),
     ("Simulation: images too small for a CIFAR CNN", call(simulation, model="cnn_cifar"),
      r"^groups\[0\] \(a\): its model cannot take images of shape \(8, 8, 1\) \(ZeroDivisionError"),
     ("Simulation: SCAFFOLD built for another lr", call(simulation, method="SCAFFOLD",

@@ -172,6 +172,7 @@ def test_runs_that_cannot_share_a_program_are_named_and_go_one_after_another(cha
   assert batchable(tiny_config(tmp_path), run_method(tiny_config(tmp_path))) is None
 
 
+@pytest.mark.slow
 def test_a_run_over_the_memory_budget_fails_naming_the_estimate():
   sims, values, specialize = golden_runs("FedAvg", "client.learning_rate", 3e-3)
   batch = ManyRuns(sims[:1], values[:1], specialize, memory_budget=1)

@@ -97,6 +97,7 @@ def test_cut_points():
                                                   "logits")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NEW_MODELS)
 def test_cut_point_chain_composes(name):
   model = small(name)
@@ -115,6 +116,7 @@ def test_cut_point_chain_composes(name):
 # ------------------------------------------------------------------------------------------ BatchNorm
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["resnet20_preact", "vgg16"])
 def test_bn_mask_ignores_padded_rows(name):
   model = small(name)

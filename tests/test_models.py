@@ -70,6 +70,7 @@ def test_inco_param_counts(name, count):
   assert sum(leaf.size for leaf in jax.tree.leaves(shapes["params"])) == count
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_cut_points_compose(name):
   model = tiny(name)
@@ -150,6 +151,7 @@ def embed(small, large_shapes):
   return traverse_util.unflatten_dict(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("smaller, larger", [
     (("cnn", 0.5), ("cnn", 1.0)),
     (("mlp", 0.25), ("mlp", 1.0)),
@@ -172,6 +174,7 @@ def test_submodel_is_leading_slice(smaller, larger):
     chex.assert_trees_all_close(small_out, large_out, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_bn_mask_ignores_padded_rows():
   model = tiny("resnet10")
   clean = images(size=32)
@@ -236,6 +239,7 @@ def test_conv_init_is_untruncated_kaiming_fan_out():
   assert np.abs(kernel).max() > 3 * std  # a truncated normal would stop near 2.3 std
 
 
+@pytest.mark.slow
 def test_bfloat16_resnet_returns_float32_logits():
   model = build_model("resnet10", 10, dtype=jnp.bfloat16, **TINY_RESNET)
   x = images()
@@ -275,6 +279,7 @@ def test_parse_group_spec():
       parse_group_spec(spec)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window,strides,padding", [((2, 2), (2, 2), "VALID"), ((3, 3), (2, 2), "SAME"),
                                                     ((3, 3), (1, 1), "SAME"), ((3, 2), (2, 1), "VALID"),
                                                     ((2, 2), (2, 2), "SAME"), ((2, 2), (1, 1), ((1, 0), (0, 1)))])
@@ -289,6 +294,7 @@ def test_max_pool_matches_flax_in_value_and_gradient(window, strides, padding):
   chex.assert_trees_all_close(grad(ours), grad(flax_pool), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size,window,strides,padding", [
     ((2, 2), (3, 3), (1, 1), ((1, 1), (1, 1))),  # a ResNet's 2x2 stage: every tap reads input
     ((1, 1), (3, 3), (1, 1), ((1, 1), (1, 1))),  # 1x1 map: only the centre tap reads input

@@ -13,14 +13,12 @@ from flax import traverse_util
 from fedjax_hetero import aggregators
 from fedjax_hetero.compilation import CompileLog
 from fedjax_hetero.config import LocalConfig, RunConfig
-from fedjax_hetero.data import synthetic_dataset
 from fedjax_hetero.hetero import OWN, build_group_map, complete, extract, separate
 from fedjax_hetero.hetero.maps import flatten
 from fedjax_hetero.methods import build_method
 from fedjax_hetero.methods.nefl import inconsistent_leaves
 from fedjax_hetero.models import build_model
 from fedjax_hetero.run.build import run_method
-from fedjax_hetero.run.runner import run_experiment
 from tests.helpers import method_options, model_variables, random_batch, simulation, tiny_federation, tiny_resnet
 
 X = jnp.zeros((1, 8, 8, 1))
@@ -38,6 +36,7 @@ def normalized(seed, size=6):
 # ---------------------------------------------------------------------------------------------- step sizes
 
 
+@pytest.mark.slow
 def test_step_sizes_start_at_one_and_leave_the_model_unchanged():
   x, _ = normalized(0)
   plain, stepped = tiny_resnet((2, 2)), tiny_resnet((2, 2), step_sizes=True)
@@ -52,6 +51,7 @@ def test_step_sizes_start_at_one_and_leave_the_model_unchanged():
   chex.assert_trees_all_equal(train(stepped, variables), train(plain, without))
 
 
+@pytest.mark.slow
 def test_a_step_size_scales_its_residual_branch_and_zero_skips_the_block():
   """x_{j+1} = relu(x_j + s_j F_j(x_j)): s = 0 in stage 1's second block gives stage 1 of the one-block model
   (NeFL's code runs a skipped block with s = 0); s = 2 doubles the branch; the loss has a gradient in s."""
@@ -167,6 +167,7 @@ def resnet_simulation(method="NeFL", **options):
                     clients_per_round=4)
 
 
+@pytest.mark.slow
 def test_nefl_two_rounds_keep_each_group_its_own_step_sizes_and_batch_norm():
   sim = resnet_simulation()
   state = sim.init_state()
@@ -189,17 +190,6 @@ def test_nefl_two_rounds_keep_each_group_its_own_step_sizes_and_batch_norm():
   np.testing.assert_array_equal(small["params"]["stem_conv"]["kernel"], model["params"]["stem_conv"]["kernel"][..., :2])
   accs = sim.evaluate(state)
   assert set(accs) == {"small", "large", "mean"} and 0 <= accs["mean"] <= 1
-
-
-@pytest.mark.slow
-def test_nefl_smoke_run_through_the_experiment_driver(tmp_path):
-  config = RunConfig.from_flags(dataset="synthetic", method="NeFL", groups=("resnet10@0.0625", "resnet14@0.0625"),
-                                num_clients=4, clients_per_round=4, rounds=2, eval_every=2, checkpoint_every=2,
-                                progress=False, output_dir=str(tmp_path), batch_size=32, steps_per_call=2,
-                                dissimilarity=False, nefl_skip="last")
-  summary = run_experiment(config, synthetic_dataset(num_train=64, num_test=16, seed=0), log=lambda _: None)
-  assert set(summary["final_accuracy"]) == {"resnet10@0.0625", "resnet14@0.0625", "mean"}
-  assert all(0 <= a <= 1 for a in summary["final_accuracy"].values())
 
 
 def test_help_lists_nefl_under_the_fedfa_paper():

@@ -120,6 +120,7 @@ def test_an_os_error_on_the_output_folder_is_one_line(args, fragment, status, tm
   assert fragment.format(tmp=tmp_path) in one_error_line(capsys.readouterr().err)
 
 
+@pytest.mark.slow
 def test_an_immutable_metrics_file_ends_a_resume_in_one_line(tmp_path, capsys):
   out = tmp_path / "out"
   args = f"--groups mlp@0.5 --num-clients 4 --clients-per-round 2 --no-progress --compile-cache off --output-dir {out}"
@@ -162,3 +163,17 @@ def test_clients_without_a_step_are_named_in_a_warning(tmp_path, capsys):
   warning = [line for line in logs if "take no local step" in line]
   assert len(warning) == 1 and warning[0].endswith("(fewer than --batch-size 30 samples with --drop-last): a round "
                                                    "that samples only them changes nothing"), logs
+
+
+def test_a_round_without_a_local_step_reports_no_loss_or_speed_and_a_collapsed_width_warns():
+  """(Such a round logged loss 0.0000 and 0 samples/s as if measured; cnn@0.01, 90 parameters, trained in silence.)"""
+  from fedjax_hetero.config import RunConfig
+  from fedjax_hetero.run import preflight
+  from fedjax_hetero.run.reporting import evaluation_line
+
+  row = {"round": 3, "train_loss": 0.0, "samples_per_s": 0.0, "examples": 0, "test_accuracy": {"g": 0.1, "mean": 0.1}}
+  assert evaluation_line(row, 10) == "round 3/10: no local step taken, mean accuracy 10.00% (g 10.00)"
+  logs = []
+  preflight._warn_collapsed_layers(RunConfig.from_flags(groups=("cnn@0.01", "cnn@0.5")), (28, 28, 1), 10, logs.append)
+  assert logs == ["warning: group cnn@0.01: width 0.01 leaves 3 layer(s) with a single unit (['params']['conv1'], "
+                  "['params']['conv2'], ['params']['fc1']); its model has 90 parameters and may not learn at all"]

@@ -233,6 +233,7 @@ def test_fedavg_with_the_proximal_term_is_fedprox(mlp_runs):
   assert fedavg_rows[0]["train_loss"] == fedprox_rows[0]["train_loss"]
 
 
+@pytest.mark.slow
 def test_vmap_matches_sequential_with_prox():
   seq_sim, vmap_sim = (tiny_simulation("HeteroProx", backend, (0.5, 1.0), 5) for backend in ("sequential", "vmap"))
   assert vmap_sim.cohorts.backend.name == "vmap"
@@ -255,6 +256,7 @@ def test_vmap_matches_sequential_with_prox():
   chex.assert_trees_all_close(results[1], results[0], rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.slow
 def test_incoprox_runs_a_round_on_resnets():
   ds = synthetic_dataset(num_train=48, num_test=8, seed=0)
   parts = partition(ds.train_labels, "iid", 6, 0)

@@ -77,6 +77,7 @@ BAD_METRICS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("edit, message", [c[1:] for c in BAD_METRICS], ids=[c[0] for c in BAD_METRICS])
 def test_a_damaged_metrics_file_is_an_error_naming_it_and_the_line(dataset, two_rounds, tmp_path, edit, message):
   config = copy_of(two_rounds, tmp_path / "run", rounds=3)

@@ -320,7 +320,7 @@ def test_a_run_killed_before_it_saved_its_settings_restarts_every_way(way, datas
 def poisoned(from_round: int) -> Method:
   """FedAvg with a user's last server step gone wrong: it turns the model to NaN from round ``from_round`` on."""
   def poison(carry, state, inputs, plan):
-    factor = jnp.where(inputs.round_index + 1 >= from_round, jnp.nan, 1.0)
+    factor = jnp.where(inputs.round + 1 >= from_round, jnp.nan, 1.0)
     return carry._replace(model=jax.tree.map(lambda x: x * factor, carry.model)), state
   return Method("Poisoned", "", "", server=(mean_delta(), apply_delta(), ServerStep("poison", poison)))
 

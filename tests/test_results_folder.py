@@ -96,6 +96,7 @@ def test_a_locked_folder_names_its_holder_and_a_folder_left_empty_is_removed(tmp
   assert out.is_dir(), "a folder that was there stays"
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_locked_folder_fails_at_once_and_kill_9_frees_the_folder(dataset, tmp_path):
   """The acceptance: the holder is a CLI run; a second run (the library's, timed, and the CLI's) fails naming
   its pid; kill -9 frees the folder, and --resume then ends the run (that a resume after kill -9 equals an
@@ -149,6 +150,7 @@ def test_overwrite_clears_a_run_but_keeps_its_lock_file(tmp_path):
 # ------------------------------------------------------------------------------------------- failed writes
 
 
+@pytest.mark.slow
 def test_an_immutable_checkpoints_folder_stops_the_run_in_one_line_within_seconds(tmp_path):
   """A run whose checkpoints folder turns immutable after round 1: the resume's first write fails."""
   out = tmp_path / "frozen"
@@ -203,3 +205,15 @@ def test_a_full_disk_stops_the_run_in_one_line(tmp_path):
   lines = error_lines(proc.stderr)
   assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
   assert lines[0].startswith("error: ") and "No space left on device (ENOSPC" in lines[0], lines
+
+
+def test_a_job_checks_every_runs_folder_before_its_first_run_trains(tmp_path, no_compute):
+  """(The second seed's occupied folder failed only after the first seed had trained.)"""
+  from fedjax_hetero.run.jobs import run_jobs, runs_of
+  runs = runs_of(base_config(tmp_path / "job", rounds=1), [0, 1])
+  os.makedirs(runs[1].output.dir)
+  with open(os.path.join(runs[1].output.dir, "notes.txt"), "w") as f:
+    f.write("someone's")
+  with pytest.raises(ValueError, match=rf"output directory '{runs[1].output.dir}' is not empty"):
+    run_jobs(runs, log=lambda _: None)
+  assert not os.path.exists(runs[0].output.dir)

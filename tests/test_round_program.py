@@ -23,6 +23,9 @@ from tests.golden_setting import TINY_FEDGEN, eval_variables, golden_simulation
 from tests.helpers import simulation, tiny_resnet, tiny_simulation
 from tests.test_golden import RECORD, assert_close
 
+# The device driver against the golden record and the host loop: end to end (`pytest -m "not slow"` leaves it out).
+pytestmark = pytest.mark.slow
+
 # Every method once on the device program, but CluSamp (its sampler keeps host-side state): the first record's
 # methods with the vmap backend's mapping, the later methods as recorded (the sequential backend's mapping, lax.map).
 FUSED_GOLDEN = ([(m, "vmap", "mlp") for m in golden.METHODS if m != "CluSamp"]

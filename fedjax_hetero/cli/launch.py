@@ -11,9 +11,9 @@ several hosts or accelerators would be. Process 0's output is shown as it comes;
 prefixed with ``[process I]`` (or written to ``--log-dir``). If a process exits with an error, the others get
 ``--grace`` seconds to stop by themselves (they normally fail at their next collective) and are then
 terminated; the launcher exits with that process's status, naming it. A SIGTERM or SIGHUP to the launcher is
-passed on to every process (each stops after its round and writes its results); the launcher waits ``--grace``
-seconds for them and then terminates the rest, so no process outlives it. On Ctrl-C the processes, which
-the terminal signals too, get the same wait.
+passed on to every process; the launcher waits up to ``--grace`` seconds for them to end and then terminates
+the rest, so no process outlives it. On Ctrl-C the processes, which the terminal signals too, get the same
+wait.
 """
 
 from __future__ import annotations

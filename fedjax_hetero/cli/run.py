@@ -200,7 +200,8 @@ def parse(argv: Sequence[str] | None, dataset: str, description: str | None = No
   if args.seeds and "seed" in given:
     fail("--seed and --seeds exclude each other: --seeds gives every run its seed")
   # Where each setting not given as a flag came from, for the messages about it (`preflight.check_settings`).
-  args.setting_sources = {path: source for path, source in sources.items() if FLAGS_BY_PATH[path].flag not in given}
+  args.setting_sources = {path: source for path, source in sources.items()
+                          if path not in FLAGS_BY_PATH or FLAGS_BY_PATH[path].flag not in given}
   if getattr(args, "coarse", False):
     args.dataset = f"{args.dataset}_coarse"
   try:

@@ -77,7 +77,8 @@ def check_disjoint(name: str, parts: Sequence[np.ndarray]) -> None:
 
 
 def check_parts(name: str, parts: Sequence[Any], num_samples: int) -> None:
-  """One non-empty 1-D integer array of sample ids per client, each id in [0, num_samples) and no id twice."""
+  """One non-empty 1-D integer array of sample ids per client, each id in [0, num_samples). (Clients may share
+  samples here, as a benchmark's pool does; a partition file may not: `check_disjoint`.)"""
   if isinstance(parts, (str, bytes, np.ndarray)) or not hasattr(parts, "__len__") or not len(parts):
     raise ValueError(f"{name} must be a non-empty sequence of per-client sample-id arrays, got {type(parts).__name__}")
   for client, part in enumerate(parts):
@@ -89,4 +90,3 @@ def check_parts(name: str, parts: Sequence[Any], num_samples: int) -> None:
       raise ValueError(f"{name}[{client}] holds sample id {bad}, outside the {num_samples} images [0, {num_samples})")
     if ids.size == 0:
       raise ValueError(f"{name}[{client}] holds no sample: every client needs at least one")
-  check_disjoint(name, parts)

@@ -2,7 +2,7 @@
 
 Groups that share a client, an empty group, client ids outside the store (a gather would clamp them), two
 groups of one name (their metrics would overwrite each other), a test set whose labels do not match its images
-or the store's classes, images a group's model cannot take, and a method built for other local-training settings than the simulation's (SCAFFOLD's correction uses the
+or the store's classes, images a group's model cannot take or a class count it does not give, and a method built for other local-training settings than the simulation's (SCAFFOLD's correction uses the
 learning rate, FedNova's normalization the optimizer): each is a ValueError naming the argument.
 """
 
@@ -65,8 +65,8 @@ def check_test_set(test_images: Any, test_labels: Any, store: FederatedStore) ->
   checks.check_labels("test_labels", test_labels, shape[0], store.num_classes)
 
 
-def check_models(groups: Sequence[Any], image_shape: tuple[int, ...]) -> None:
-  """Every group's model takes images of ``image_shape`` (traced for shapes only)."""
+def check_models(groups: Sequence[Any], image_shape: tuple[int, ...], num_classes: int) -> None:
+  """Every group's model takes images of ``image_shape`` and gives one logit per class (traced for shapes only)."""
   sample = jnp.zeros((1, *image_shape), jnp.float32)
   for index, group in enumerate(groups):
     try:
@@ -77,6 +77,10 @@ def check_models(groups: Sequence[Any], image_shape: tuple[int, ...]) -> None:
     if any(0 in leaf.shape for leaf in jax.tree.leaves(shapes)):
       raise ValueError(f"groups[{index}] ({group.name}): images of shape {image_shape} are too small for its model "
                        "(a layer would have no values)")
+    logits = jax.eval_shape(lambda v, x: group.model.apply(v, x, train=False), shapes, sample)
+    if getattr(logits, "shape", (num_classes,))[-1:] != (num_classes,):
+      raise ValueError(f"groups[{index}] ({group.name}): its model gives {logits.shape[-1]} logits, but the data have "
+                       f"{num_classes} classes; build it with num_classes={num_classes}")
 
 
 def check_local(local: Any, method: Any) -> None:
@@ -107,4 +111,4 @@ def check_simulation_inputs(groups: Sequence[Any], store: Any, local: Any, metho
   check_groups(groups, store.num_clients)
   check_test_set(test_images, test_labels, store)
   check_local(local, method)
-  check_models(groups, tuple(store.images.shape[1:]))
+  check_models(groups, tuple(store.images.shape[1:]), store.num_classes)

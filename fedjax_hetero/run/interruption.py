@@ -41,7 +41,8 @@ class StopRequests:
     if self.requested is not None and signum == signal.SIGINT:
       raise KeyboardInterrupt  # a second Ctrl-C: abandon the round in progress
     self.requested = signum
-    self.log(f"{signal.Signals(signum).name}: stopping after the round in progress (Ctrl-C again to stop at once)")
+    again = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""
+    self.log(f"{signal.Signals(signum).name}: stopping after the round in progress{again}")
 
   def __enter__(self) -> "StopRequests":
     if self.enabled:

@@ -128,8 +128,26 @@ def _check_batches(config: Any, sizes: np.ndarray, log: Callable[[str], None]) -
         "them changes nothing")
 
 
+def _warn_collapsed_layers(config: Any, image_shape: tuple[int, ...], num_classes: int,
+                           log: Callable[[str], None]) -> None:
+  """A width so small that a layer keeps a single unit (its model can barely learn, silently): a warning."""
+  for spec in config.groups:
+    name, width = models.parse_group_spec(spec)
+    if width >= 1:
+      continue
+    model = models.build_model(name, num_classes, width)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, *image_shape), jnp.float32))
+    leaves = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    single = [jax.tree_util.keystr(path[:-1]) for path, leaf in leaves if len(leaf.shape) >= 2 and leaf.shape[-1] == 1]
+    if single:
+      size = sum(int(np.prod(leaf.shape)) for _, leaf in leaves)
+      log(f"warning: group {spec}: width {width:g} leaves {len(single)} layer(s) with a single unit "
+          f"({', '.join(single[:3])}); its model has {size:,} parameters and may not learn at all")
+
+
 def check_fit(config: Any, dataset: Any, parts: Sequence[np.ndarray], log: Callable[[str], None] = print) -> None:
   """The data-dependent checks (see the module docstring); ValueError naming the flag, before anything is built."""
   _check_images(config, tuple(dataset.image_shape))
+  _warn_collapsed_layers(config, tuple(dataset.image_shape), dataset.num_classes, log)
   _check_batches(config, np.array([len(p) for p in parts], np.int64), log)
 

@@ -105,11 +105,18 @@ WRITERS = {"csv": CsvWriter, "tensorboard": TensorBoardWriter, "wandb": WandbWri
 
 
 def evaluation_line(row: Row, rounds: int) -> str:
-  """``round 10/100: loss 0.512, mean accuracy 84.10% (cnn@1 86.00, ...), 1,234 samples/s``."""
+  """``round 10/100: loss 0.5120, 1,234 samples/s, mean accuracy 84.10% (cnn@1 86.00, ...)``."""
   accuracy = row["test_accuracy"]
   groups = ", ".join(f"{name} {100 * value:.2f}" for name, value in accuracy.items() if name != "mean")
-  return (f"round {row['round']}/{rounds}: loss {row['train_loss']:.4f}, mean accuracy {100 * accuracy['mean']:.2f}% "
-          f"({groups}), {row['samples_per_s']:,.0f} samples/s")
+  return (f"round {row['round']}/{rounds}: {_training(row, '.4f', ',.0f')}, mean accuracy "
+          f"{100 * accuracy['mean']:.2f}% ({groups})")
+
+
+def _training(row: Row, loss: str, speed: str) -> str:
+  """The round's loss and speed; a round in which no client took a step has neither (its 0 is no measurement)."""
+  if not row.get("examples"):
+    return "no local step taken"
+  return f"loss {row['train_loss']:{loss}}, {row['samples_per_s']:{speed}} samples/s"
 
 
 class Reporter:
@@ -137,7 +144,8 @@ class Reporter:
     row = rows[-1]
     if self.bar is not None:
       evaluated = next((r["test_accuracy"] for r in reversed(rows) if r.get("test_accuracy")), None)
-      postfix = {"loss": f"{row['train_loss']:.3f}", "samples/s": f"{row['samples_per_s']:.0f}"}
+      postfix = ({"loss": f"{row['train_loss']:.3f}", "samples/s": f"{row['samples_per_s']:.0f}"}
+                 if row.get("examples") else {"training": "no local step taken"})
       self.bar.set_postfix({**postfix, **({"acc": f"{100 * evaluated['mean']:.2f}%"} if evaluated else {})},
                            refresh=False)
       self.bar.n = row["round"]

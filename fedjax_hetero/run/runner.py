@@ -33,7 +33,7 @@ from fedjax_hetero.rounds import ServerState, Simulation
 from fedjax_hetero.rounds.rows import NonFiniteLossError
 from fedjax_hetero.run import checkpoints, metrics_log, preflight, results_folder
 from fedjax_hetero.run import history as run_history
-from fedjax_hetero.run.build import build_simulation, id_list, run_method, with_metrics
+from fedjax_hetero.run.build import build_simulation, id_list, partitioned_dataset, run_method, with_metrics
 from fedjax_hetero.run.guard import DivergenceError, DivergenceWatch
 from fedjax_hetero.run.interruption import Interrupted, StopRequests
 from fedjax_hetero.run.plot import plot_accuracy
@@ -118,6 +118,17 @@ def _check_rounds_left(config: RunConfig) -> None:
   if done > config.rounds:
     raise ValueError(f"--rounds {config.rounds}: the run in {config.output.dir!r} has trained {done} rounds already; "
                      f"pass --rounds above {done} to continue it (its results stay as they are)")
+
+
+def check_can_start(config: RunConfig, dataset: fdata.ArrayDataset) -> None:
+  """What `prepare` would refuse in ``config``'s folder and data, checked without writing anything: a job runs it
+  for every run before its first run trains. (A folder being repaired or continued unchecked is left to its
+  turn: those change it.)"""
+  output = config.output
+  if not (output.repair_metrics or output.resume_unchecked):
+    _history(config, _quiet)
+  subset, parts = partitioned_dataset(config, dataset)
+  preflight.check_fit(config, subset, parts, _quiet)
 
 
 def _initial_state(sim: Simulation, parts: Sequence[np.ndarray], out: str, main: bool) -> ServerState:
@@ -244,8 +255,11 @@ class _Run:
               self._recover(error)
         except KeyboardInterrupt:  # a second Ctrl-C, or one before the handlers: the round in progress is lost
           self._interrupt(signal.SIGINT, clean=False)
-      if stop.requested is not None:
+      if stop.requested is not None and self.state.round < self.config.rounds:
         self._interrupt(stop.requested, clean=True)
+      if stop.requested is not None:  # (the call in progress held the last rounds: nothing is left to resume)
+        self.log(f"{signal.Signals(stop.requested).name} came as the run ended: it finished its "
+                 f"{self.config.rounds} rounds")
     finally:
       self.reporter.close()
       self.manager.wait_until_finished()

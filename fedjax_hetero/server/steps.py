@@ -112,8 +112,28 @@ def run_server_steps(steps: Sequence[ServerStep], federation: Federation, model,
   carry, new_states = Carry(model), []
   for step, state, static, dynamic in zip(steps, states, statics, inputs):
     carry, state = step.update(carry, state, round_inputs, Plan(static, dynamic))
+    check_model_kept(step.name, model, carry.model)
     new_states.append(state)
   return carry.model, tuple(new_states), carry.metrics
+
+
+def check_model_kept(step: str, before: Variables, after: Variables) -> None:
+  """A step keeps the model's tree, shapes and dtypes (a static check, at trace time: it costs nothing per
+  round); otherwise a ValueError naming the step, not a failure in the next round deep inside jax."""
+  if jax.tree.structure(after) != jax.tree.structure(before):
+    missing = set(_paths(before)) ^ set(_paths(after))
+    raise ValueError(f"server step {step!r} returned a model of another tree (leaves in one but not the other: "
+                     f"{', '.join(sorted(missing)[:3]) or 'none; the containers differ'}); a server step keeps the "
+                     "model's tree, shapes and dtypes")
+  for (path, a), b in zip(_paths(before).items(), jax.tree.leaves(after)):
+    if (np.shape(a), jnp.result_type(a)) != (np.shape(b), jnp.result_type(b)):
+      raise ValueError(f"server step {step!r} changed the model's {path} from {jnp.result_type(a)}{list(np.shape(a))} "
+                       f"to {jnp.result_type(b)}{list(np.shape(b))}; a server step keeps the model's tree, shapes and "
+                       "dtypes")
+
+
+def _paths(tree: Any) -> dict[str, Any]:
+  return {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def server_program(steps: Sequence[ServerStep], federation: Federation):

@@ -47,7 +47,8 @@ def plot_accuracy(rows: Sequence[Mapping[str, Any]], path: str, title: str) -> s
   ax.set_ylabel("test accuracy (%)")
   ax.set_title(title)
   ax.grid(alpha=0.3)
-  ax.legend(loc="lower right")
+  if ax.get_legend_handles_labels()[0]:  # (a run stopped before its first evaluation has no line)
+    ax.legend(loc="lower right")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   return path

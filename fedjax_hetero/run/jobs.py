@@ -171,12 +171,16 @@ def run_jobs(configs: Sequence[RunConfig], methods: Sequence[Method] | None = No
     return run_together(configs, methods=methods, log=log, max_runs_per_program=max_runs_per_program,
                         memory_budget=memory_budget)
   log(f"{len(configs)} runs one after another: {why_apart}")
+  datasets: dict[tuple[str, str | None], Any] = {}  # loaded once per dataset; each run takes its own subset of it
   if distributed.is_main_process():
-    check_downloadable(configs[0].data)
-    dataset = fdata.load_dataset(configs[0].data.dataset, configs[0].data.data_dir)
     for config in configs:  # every run's folder and data before the first run trains
-      runner.check_can_start(config, dataset)
-  return [runner.run_checked(config, method, None, log) for config, method in zip(configs, methods)]
+      source = (config.data.dataset, config.data.data_dir)
+      if source not in datasets:
+        check_downloadable(config.data)
+        datasets[source] = fdata.load_dataset(*source)
+      runner.check_can_start(config, datasets[source])
+  return [runner.run_checked(config, method, datasets.get((config.data.dataset, config.data.data_dir)), log)
+          for config, method in zip(configs, methods)]
 
 
 def run_together(configs: Sequence[RunConfig], dataset: Any = None, log: Log = print, method: Method | None = None,

@@ -21,6 +21,7 @@ one JSON line per variant.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from typing import Any, Sequence
 
@@ -33,10 +34,10 @@ from fedjax_hetero import models
 from fedjax_hetero.client.local import LocalTrainer, masked_cross_entropy
 from fedjax_hetero.config import LocalConfig
 from fedjax_hetero.data.store import normalize
-from fedjax_hetero.models.common import scale_channels
+from fedjax_hetero.models import resnet
+from fedjax_hetero.models.common import convolution, scale_channels
 from fedjax_hetero.models.resnet import BasicBlock, block_name
 from fedjax_hetero.rounds import cohort
-from benchmarks.common import emit_json_lines
 
 DEPTHS = ("resnet26", "resnet22", "resnet18", "resnet14", "resnet10")  # deepest first
 MEAN, STD = (0.28,), (0.35,)
@@ -133,8 +134,18 @@ def union_program(width: float, per_group: int, batch: int, steps: int):
 
 
 def measure(variant: str, width: float, per_group: int, batch: int, steps: int) -> dict[str, Any]:
-  build = groups_program if variant == "groups" else union_program
-  run, args = build(width, per_group, batch, steps)
+  build = groups_program if variant.startswith("groups") else union_program
+  if variant.endswith("-patches"):  # every convolution as patches x kernel: a batched matmul under vmap
+    from benchmarks.client_conv import patches_convolution
+    resnet.convolution = patches_convolution
+  try:
+    run, args = build(width, per_group, batch, steps)
+    return _timed(variant, run, args, width, per_group, batch, steps)
+  finally:
+    resnet.convolution = convolution
+
+
+def _timed(variant, run, args, width, per_group, batch, steps) -> dict[str, Any]:
   t0 = time.perf_counter()
   compiled = run.lower(*args).compile()
   compile_s = time.perf_counter() - t0
@@ -157,13 +168,21 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   p.add_argument("--clients-per-group", type=int, default=2)
   p.add_argument("--batch", type=int, default=64)
   p.add_argument("--steps", type=int, default=10)
+  p.add_argument("--variants", default="groups,union",
+                 help="comma-separated, out of groups, union, groups-patches, union-patches (-patches: every "
+                      "convolution as a matrix product of patches, `benchmarks.client_conv`)")
   p.add_argument("--output", default=None)
   args = p.parse_args(argv)
-  rows = [measure(v, args.width, args.clients_per_group, args.batch, args.steps) for v in ("groups", "union")]
-  if not np.isclose(rows[0]["loss_sum"], rows[1]["loss_sum"], rtol=1e-3):
-    raise SystemExit(f"error: the union's training loss {rows[1]['loss_sum']} differs from the groups' "
-                     f"{rows[0]['loss_sum']}: not the same computation")
-  emit_json_lines(rows, args.output)
+  rows = []
+  for variant in args.variants.split(","):
+    rows.append(measure(variant, args.width, args.clients_per_group, args.batch, args.steps))
+    print(json.dumps(rows[-1]), flush=True)
+    if not np.isclose(rows[0]["loss_sum"], rows[-1]["loss_sum"], rtol=1e-3):
+      raise SystemExit(f"error: {variant}'s training loss {rows[-1]['loss_sum']} differs from {rows[0]['variant']}'s "
+                       f"{rows[0]['loss_sum']}: not the same computation")
+  if args.output:
+    with open(args.output, "w") as f:
+      f.writelines(json.dumps(row) + "\n" for row in rows)
   return rows
 
 

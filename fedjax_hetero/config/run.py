@@ -27,7 +27,7 @@ from fedjax_hetero.validation import show
 # The names `fedjax_hetero.rounds.backends.make_backend` accepts (tests/test_config.py holds the two equal).
 BACKEND_NAMES = ("auto", "sequential", "vmap", "sharded")
 # How `engine.Simulation.run_rounds` runs rounds: one device program per call of rounds, or the host loop.
-ROUND_PROGRAMS = ("auto", "fused", "host")
+ROUND_PROGRAMS = ("auto", "union", "fused", "host")
 AUTO_ROUNDS_PER_CALL = 25  # the runner also ends a call at every checkpoint and at the last round
 DIVERGENCE_ACTIONS = ("stop", "rollback", "off")
 LOG_WRITERS = ("csv", "tensorboard", "wandb")  # `fedjax_hetero.run.reporting.WRITERS`
@@ -163,9 +163,11 @@ class RunConfig(Settings):
   eval_every: int = setting(5, "evaluate every N rounds (and the last)", Integer(1))
   backend: str = setting("auto", "how clients are mapped onto hardware", OneOf(BACKEND_NAMES))
   round_program: str = setting(
-      "auto", "fused: every round (up to --rounds-per-call of them) is one device program; host: the host loop "
-      "launches each group's programs; auto: fused on an accelerator when the method allows it (not CluSamp), host "
-      "on CPU (docs/performance.md)", OneOf(ROUND_PROGRAMS))
+      "auto", "fused: every round (up to --rounds-per-call of them) is one device program, each group's clients "
+      "vmapped on its model; union: the same program with every sampled client a masked member of the largest "
+      "model, one step for all (methods and models that allow it, docs/performance.md); host: the host loop "
+      "launches each group's programs; auto: on an accelerator union where allowed, else fused where the method "
+      "allows (not CluSamp); host on CPU", OneOf(ROUND_PROGRAMS))
   rounds_per_call: int | None = setting(
       None, "rounds per device program of --round-program fused (a call also ends at every checkpoint and the last "
       f"round); default: {AUTO_ROUNDS_PER_CALL}", Integer(1), metavar="K")

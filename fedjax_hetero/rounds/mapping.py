@@ -117,6 +117,7 @@ class ProgramCohorts:
   (`cohort.MAPPINGS`), ``eval_batch`` is the test batch of the in-program evaluation."""
 
   in_program = True
+  capacity: int | None = None  # the most participants a round may have (None: each group's own slots bound them)
 
   def __init__(self, mapping: str = "vmap", eval_batch: int = EVAL_BATCH):
     self.mapping, self.eval_batch, self.name = mapping, eval_batch, mapping

@@ -30,6 +30,7 @@ from fedjax_hetero.rounds.mapping import HostCohorts, ProgramCohorts
 from fedjax_hetero.rounds.rows import accuracies, call_row
 from fedjax_hetero.rounds.spec import RoundSpec
 from fedjax_hetero.rounds.state import ServerState
+from fedjax_hetero.rounds.union import UnionCohorts, union_reason
 from fedjax_hetero.validation import check_integer
 
 
@@ -45,16 +46,17 @@ def host_loop_reason(method: Method, backend: str) -> str | None:
 
 
 def runs_in_program(round_program: str, method: Method, backend: str) -> bool:
-  """Whether rounds run as a device program (``round_program`` "fused"; "auto": on an accelerator, where the
-  method and backend allow it) or as the host loop (see docs/performance.md); ValueError if "fused" is asked
-  and cannot be."""
+  """Whether rounds run as a device program (``round_program`` "fused" or "union"; "auto": on an accelerator,
+  where the method and backend allow it) or as the host loop (see docs/performance.md); ValueError if a program
+  is asked and cannot be."""
   if round_program not in ROUND_PROGRAMS:
     raise ValueError(f"--round-program must be one of {', '.join(ROUND_PROGRAMS)}, got {round_program!r}")
   why_not = host_loop_reason(method, backend)
-  if round_program == "fused" and why_not:
+  if round_program in ("fused", "union") and why_not:
     raise ValueError(f"{method.name} cannot run as one program per round: {why_not}; use --round-program host "
                      "(or auto)")
-  return round_program == "fused" or (round_program == "auto" and not why_not and jax.default_backend() != "cpu")
+  return round_program in ("fused", "union") or (round_program == "auto" and not why_not and
+                                                 jax.default_backend() != "cpu")
 
 
 def make_simulation(spec: RoundSpec, backend: Backend, round_program: str = "auto",
@@ -68,8 +70,16 @@ def make_simulation(spec: RoundSpec, backend: Backend, round_program: str = "aut
   if not runs_in_program(round_program, spec.method, backend.name):
     return Simulation(spec, HostCohorts(backend))
   eval_batch = EVAL_BATCH if jax.default_backend() == "cpu" else ACCELERATOR_EVAL_BATCH
+  per_call = rounds_per_call or AUTO_ROUNDS_PER_CALL
+  if round_program == "union" or (round_program == "auto" and backend.name != "sequential"):
+    why_not = union_reason(spec)
+    if why_not is None:
+      return Simulation(spec, UnionCohorts(spec, eval_batch), per_call)
+    if round_program == "union":
+      raise ValueError(f"{spec.method.name} on {', '.join(g.name for g in spec.groups)} cannot train as one union "
+                       f"model: {why_not}; use --round-program fused (or auto)")
   mapping = "map" if backend.name == "sequential" else "vmap"
-  return Simulation(spec, ProgramCohorts(mapping, eval_batch), rounds_per_call or AUTO_ROUNDS_PER_CALL)
+  return Simulation(spec, ProgramCohorts(mapping, eval_batch), per_call)
 
 
 def program_call(spec: RoundSpec, cohorts: ProgramCohorts, statics: tuple, rounds_per_call: int) -> Callable:
@@ -159,6 +169,10 @@ class Simulation:
     spec, in_program = self.spec, self.cohorts.in_program
     slots = [self.cohorts.slots(spec, g) for g in range(len(spec.groups))]
     call = plan_call(spec, state, count, evaluate, slots, self.rounds_per_call if in_program else None)
+    capacity = getattr(self.cohorts, "capacity", None)
+    if capacity is not None and (most := int(np.sum([c.count for c in call.inputs.cohorts], axis=0).max())) > capacity:
+      raise ValueError(f"a round of {spec.method.name} has {most} participants; the union mapping holds "
+                       f"--clients-per-round ({capacity}): use --round-program fused")
     if in_program:
       carry, outputs = self.program(call.statics)((state.models, state.steps), state.memory, call.inputs,
                                                   np.int32(count), RoundData.of(spec))

@@ -1,0 +1,205 @@
+"""The union mapping: every sampled client of every group trains as a masked member of the union model.
+
+In a federation shared by architecture groups of one family (depth and width sub-models of the largest model,
+`hetero.maps`), a client of group g computes what the union model computes on its variables with every element
+outside the group's window set to zero:
+
+- a width group's missing channels stay zero through convolutions, dense layers, ReLU, pooling and BatchNorm
+  (whose scale and bias are zero there too), so they add nothing to the channels it holds;
+- a depth group's missing block is all zeros, so its residual branch adds zero and the block passes its (ReLU'd,
+  non-negative) input through: an identity residual.
+
+Its gradient is masked to the group's window (the held elements), so the zeros stay zeros, the optimizer's state
+of them stays zero, and a client's trajectory is its sub-model's up to the order of float sums. The round's
+sampled clients (not groups x capacity) are the slots of one vmapped step, with no per-group branch. Before the
+round ends each group's clients are taken back to the group's shape, and the group's trainer finishes and
+reduces them as the per-group mapping does, so every method's server steps, uploads and client memory see what
+they see there.
+
+`union_reason` says why a spec cannot train this way (a method whose terms act during local training, an
+attacked or custom trainer, sub-models that are not windows of the union, a model whose zeros leak, such as
+LayerNorm or HeteroFL's scaler, checked numerically once); the per-group program then stays (`rounds.simulation`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING, Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+from fedjax_hetero.client.local import LocalTrainer
+from fedjax_hetero.client.terms import ClientTerm
+from fedjax_hetero.hetero.maps import SubmodelMap, Variables, embed, extract
+from fedjax_hetero.models.evaluation import EVAL_BATCH
+from fedjax_hetero.rounds import cohort
+from fedjax_hetero.rounds.body import RoundData
+from fedjax_hetero.rounds.inputs import RoundRows
+from fedjax_hetero.rounds.mapping import ProgramCohorts
+from fedjax_hetero.rounds.state import ServerState, round_key
+
+if TYPE_CHECKING:
+  from fedjax_hetero.rounds.spec import RoundSpec
+
+# Term pieces that act while a client trains: with them the union would train the term on union-shaped variables.
+TRAINING_PIECES = ("loss", "logits", "grad", "update", "cuts", "wrap_model")
+PROBE_TOLERANCE = dict(rtol=1e-4, atol=1e-5)
+
+
+def held_term() -> ClientTerm:
+  """The union's one client term: the client's gradient masked to its group's window (the term's state)."""
+  return ClientTerm("held", init=lambda r: r.share, grad=lambda g, held: jax.tree.map(jnp.multiply, g, held),
+                    share=True)
+
+
+def _window_map(group_map: SubmodelMap) -> SubmodelMap:
+  """``group_map`` pushing back exactly what it pulls (no grafting): the embedding of a client's window."""
+  return dataclasses.replace(group_map, push=group_map.pull)
+
+
+def held_mask(group_map: SubmodelMap, union: Variables) -> Variables:
+  """1.0 on every element of the union variables the group holds, 0.0 elsewhere."""
+  ones = traverse_util.unflatten_dict({link.client: jnp.ones(link.window.shape, jnp.float32)
+                                      for link in group_map.pull})
+  return embed(ones, _window_map(group_map), union)
+
+
+def _structural_reason(spec: "RoundSpec") -> str | None:
+  if len(spec.groups) < 2 or len(spec.federations) != 1:
+    return "it trains one federation per group (or one group): there is no union of groups to train"
+  if spec.method.sharing.stacked:
+    return f"{spec.method.name} starts every client from a model of its own (stacked sharing)"
+  for term in spec.method.terms:
+    acting = [p for p in TRAINING_PIECES if getattr(term, p)]
+    if acting:
+      return (f"{spec.method.name}'s client term {term.name!r} acts during local training ({', '.join(acting)}), "
+              "on the group's model")
+  if any(type(t) is not LocalTrainer for t in spec.trainers):
+    return "its clients train through a trainer wrapper (e.g. the backdoor attack), not the plain local trainer"
+  for group, group_map in zip(spec.groups, spec.maps):
+    for link in group_map.pull:
+      if link.client != link.global_ or link.window.rolled:
+        return (f"group {group.name}'s leaf {'/'.join(link.client)} is not a leading window of the same leaf of the "
+                "union (rolled or own copies)")
+  return None
+
+
+def _probe_reason(spec: "RoundSpec") -> str | None:
+  """Checks on random variables and a small batch that every group's model computes what the masked union
+  computes (logits, new batch statistics, gradient): None, or the first group that does not."""
+  union_model = spec.groups[spec.global_index].model
+  sample = jnp.zeros((1,) + tuple(spec.store.images.shape[1:]), jnp.float32)
+  union = jax.jit(union_model.init)(jax.random.key(1), sample)
+  x = jax.random.normal(jax.random.key(2), (4,) + tuple(spec.store.images.shape[1:]))
+
+  def outputs(model, variables):
+    def loss(params):
+      logits, new = model.apply({**variables, "params": params}, x, train=True, mutable=["batch_stats"])
+      return jnp.sum(jnp.tanh(logits)), (logits, new)
+    grads, (logits, new) = jax.grad(loss, has_aux=True)(variables["params"])
+    return logits, new, grads
+
+  for group, group_map in zip(spec.groups, spec.maps):
+    held = held_mask(group_map, union)
+    masked = jax.tree.map(jnp.multiply, union, held)
+    window = _window_map(group_map)
+    logits, new, grads = jax.jit(functools.partial(outputs, group.model))(extract(union, window))
+    u_logits, u_new, u_grads = jax.jit(functools.partial(outputs, union_model))(masked)
+    u_grads = extract({"params": jax.tree.map(jnp.multiply, u_grads, held["params"])}, window)["params"]
+    u_new = extract(dict(u_new), window) if new else {}
+    pairs = [("logits", logits, u_logits), ("batch statistics", new, u_new), ("gradient", grads, u_grads)]
+    for what, own, masked_out in pairs:
+      close = jax.tree.map(lambda a, b: bool(np.allclose(a, b, **PROBE_TOLERANCE)), own, masked_out)
+      if not all(jax.tree.leaves(close)):
+        return (f"group {group.name}'s {what} differ from the masked union's ({type(group.model).__name__}: its "
+                "missing elements do not stay zero, e.g. LayerNorm or a width scaler)")
+  return None
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_reason(spec: "RoundSpec") -> str | None:
+  return _structural_reason(spec) or _probe_reason(spec)
+
+
+def union_reason(spec: "RoundSpec") -> str | None:
+  """Why ``spec``'s cohorts cannot train as one masked union model (None: they can). The numeric probe runs once
+  per spec."""
+  return _cached_reason(spec)
+
+
+class UnionCohorts(ProgramCohorts):
+  """The mapping inside a device program that trains a round's sampled clients as one vmapped cohort of the union
+  model (see the module docstring); build it for a spec that `union_reason` accepts."""
+
+  def __init__(self, spec: "RoundSpec", eval_batch: int = EVAL_BATCH):
+    super().__init__("vmap", eval_batch)
+    self.name = "union"
+    union = jax.eval_shape(spec.groups[spec.global_index].model.init, jax.random.key(0),
+                           jnp.zeros((1,) + tuple(spec.store.images.shape[1:]), jnp.float32))
+    self._union_shapes = union
+    self.capacity = spec.config.clients_per_round  # the slots: a round's participants, whatever their groups
+
+  def _trainer(self, spec: "RoundSpec") -> LocalTrainer:
+    store = spec.store
+    return LocalTrainer(spec.groups[spec.global_index].model, spec.local, store.mean, store.std, (held_term(),))
+
+  def _masks(self, spec: "RoundSpec") -> Variables:
+    """Every group's held mask, stacked ``[G, ...]`` (constants of the program)."""
+    union = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._union_shapes)
+    return jax.tree.map(lambda *m: jnp.stack(m), *(held_mask(m, union) for m in spec.maps))
+
+  def train(self, spec: "RoundSpec", x: RoundRows, state: ServerState, starts: Sequence[Any], shares: Sequence[Any],
+            data: RoundData) -> tuple[list[Any], tuple[Any, ...]]:
+    key, slots = round_key(spec.seed, x.index), self.capacity
+    # The round's sampled clients, packed group after group into the union's slots (padding: dropped scatters).
+    offsets = jnp.cumsum(jnp.stack([jnp.asarray(c.count, jnp.int32) for c in x.cohorts])) - jnp.stack(
+        [jnp.asarray(c.count, jnp.int32) for c in x.cohorts])
+    positions = [jnp.where(jnp.arange(len(c.clients)) < c.count, offsets[g] + jnp.arange(len(c.clients)), slots)
+                 for g, c in enumerate(x.cohorts)]
+
+    def packed(field, fill=0):
+      out = jnp.full((slots,), fill, jnp.asarray(getattr(x.cohorts[0], field)).dtype)
+      for c, p in zip(x.cohorts, positions):
+        out = out.at[p].set(getattr(c, field), mode="drop")
+      return out
+
+    clients, sizes = packed("clients"), packed("sizes")
+    group_of_slot = jnp.zeros((slots,), jnp.int32)
+    for g, p in enumerate(positions):
+      group_of_slot = group_of_slot.at[p].set(g, mode="drop")
+    union = state.models[0]
+    masks = self._masks(spec)
+    held = jax.tree.map(lambda m: m[group_of_slot], masks)
+    client_starts = jax.tree.map(jnp.multiply, union, held)
+    trainer = self._trainer(spec)
+    schedule = max(1, spec.local.num_steps(data.index_table.shape[1]))
+    keys = jax.vmap(lambda c: jax.random.fold_in(key, c))(clients)  # (as `cohort.start`: a client's own draws)
+    ids, mask = jax.vmap(lambda r, n, k: trainer.schedule(r, n, k, schedule))(data.index_table[clients], sizes, keys)
+    begun = jax.vmap(lambda v, h, k: trainer.init_state(v, (), (h,), k))(client_starts, held["params"], keys)
+    trained = jax.lax.fori_loop(0, x.steps, lambda i, s: cohort.steps(trainer, s, data.images, data.labels, ids,
+                                                                       mask, i, 1), begun)
+    results, memory = [], list(state.memory)
+    for g, (group_trainer, rows) in enumerate(zip(spec.trainers, x.cohorts)):
+      take = jnp.minimum(positions[g], slots - 1)
+      real = rows.real > 0
+      window = _window_map(spec.maps[g])
+      final = jax.vmap(lambda v: extract(v, window))(jax.tree.map(lambda v: v[take], trained.variables))
+      final = jax.tree.map(lambda f, s: jnp.where(real.reshape((-1,) + (1,) * s.ndim), f, s), final, starts[g])
+      memory_rows = jax.tree.map(lambda m: jnp.take(m, rows.rows, axis=0, mode="clip"), state.memory[g])
+      own_start = cohort.start(group_trainer, 1, starts[g], data.index_table[rows.clients], rows.sizes, key,
+                               rows.clients, memory_rows, shares[g], rows.inputs, per_client_start=False)[0]
+      count = lambda a: jnp.where(real, a[take], 0.0)
+      states = own_start._replace(variables=final, opt_state=(), loss_sum=count(trained.loss_sum),
+                                  num_examples=count(trained.num_examples), num_steps=count(trained.num_steps))
+      result, new_rows, stacked_uploads = cohort.reduce(group_trainer, states, starts[g], memory_rows, shares[g],
+                                                        rows.weights, rows.real, per_client_start=False)
+      if memory[g]:
+        memory[g] = jax.tree.map(lambda m, new: m.at[rows.rows].set(new, mode="drop"), memory[g], new_rows)
+      results.append(cohort.with_stacked(result, cohort.pad_stacked(stacked_uploads, rows.count),
+                                         group_trainer.reductions))
+    return results, tuple(memory)
+

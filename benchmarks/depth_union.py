@@ -177,7 +177,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   for variant in args.variants.split(","):
     rows.append(measure(variant, args.width, args.clients_per_group, args.batch, args.steps))
     print(json.dumps(rows[-1]), flush=True)
-    if not np.isclose(rows[0]["loss_sum"], rows[-1]["loss_sum"], rtol=1e-3):
+    # (TF32 products on a GPU: the patches form's sums differ from a convolution's in the fourth digit)
+    if not np.isclose(rows[0]["loss_sum"], rows[-1]["loss_sum"], rtol=3e-3):
       raise SystemExit(f"error: {variant}'s training loss {rows[-1]['loss_sum']} differs from {rows[0]['variant']}'s "
                        f"{rows[0]['loss_sum']}: not the same computation")
   if args.output:

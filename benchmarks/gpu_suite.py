@@ -3,21 +3,22 @@
     bash benchmarks/gpu_suite.sh [OUT_DIR]          # on one GPU, about 8 minutes
     python -m benchmarks.gpu_suite --smoke OUT_DIR  # the same steps at toy size, to check the script on a CPU
 
-Steps (each a subprocess, so each whole-process time is real; a step that fails or would pass the time budget
-is reported as such, never dropped silently):
+Steps (each a subprocess, so each whole-process time is real; each capped so that no step takes another's time;
+a step that fails or passes its cap is reported as such, never dropped silently; the table is printed from
+whatever finished):
 
-1. the peer workload (`benchmarks.peer_torch`: HeteroAvg, ResNet10...26, 100 clients, 10 per round, one epoch
-   of Adam at batch 64) at widths 0.25 and 1: the PyTorch loop and our round program side by side, then our
-   host loop alone;
-2. FedAvg throughput against the centralized limit (`benchmarks.throughput`, the CNN, vmap backend, both
-   round programs);
+1. the decision probes (about a minute): per-client convolutions (`benchmarks.client_conv`, 10 clients, @0.25),
+   the InCo depths' one local step as a masked union against per-group steps (`benchmarks.depth_union`), and
+   how a cohort of 10 clients shares the GPU (`benchmarks.client_mapping`);
+2. the peer workload (`benchmarks.peer_torch`: HeteroAvg, ResNet10...26, 100 clients, 10 per round, one epoch
+   of Adam at batch 64) at width 0.25, 4 rounds: the PyTorch loop and our ``--round-program`` (default union)
+   side by side;
 3. the demo (``python -m experiments.fmnist`` with its defaults), whole-process wall time;
-4. many runs in one program (`benchmarks.many_runs`): 8 seeds of the InCo @0.25 workload against one run;
-5. the InCo preset's full protocol at the paper's widths (500 rounds of 5 local epochs) for as long as the
-   budget allows, with the whole run's projected time;
-6. if time is left: the first round at width 1 with ``--xla_gpu_autotune_level=0``, the client mappings
-   (`benchmarks.client_mapping`) at 2, 10 and 50 clients, and the InCo depths stepping per group or as one
-   union of blocks (`benchmarks.depth_union`).
+4. FedAvg throughput against the centralized limit (`benchmarks.throughput`, the CNN);
+5. the peer workload at width 1, ours alone, 3 rounds;
+6. many runs in one program (`benchmarks.many_runs`): 8 seeds of the InCo @0.25 workload against one run;
+7. the InCo preset's full protocol at the paper's widths (500 rounds of 5 local epochs) for the time left, with
+   the whole run's projected time.
 
 Writes every step's JSON lines and logs into OUT_DIR and the table to OUT_DIR/table.md.
 """
@@ -72,25 +73,38 @@ def json_rows(stdout: str) -> list[dict[str, Any]]:
   return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
-def peer(suite: Suite, width: str) -> dict[str, Any]:
+def probes(suite: Suite) -> dict[str, Any]:
+  """The decision probes: which per-client convolution, union or per-group steps, and which cohort mapping."""
+  small = suite.smoke
+  _, conv = suite.run("client_conv", [sys.executable, "-m", "benchmarks.client_conv", "--widths", "0.25",
+                                      *(["--batch", "8", "--steps", "2"] if small else [])], 40)
+  size = ["--width", "0.125", "--clients-per-group", "1", "--batch", "16", "--steps", "2"] if small else []
+  _, union = suite.run("depth_union", [sys.executable, "-m", "benchmarks.depth_union", "--variants",
+                                       "union,groups", *size], 90)
+  model, clients = ("cnn@0.25", "4") if small else ("resnet18@0.25", "10")
+  _, mapping = suite.run("client_mapping", [sys.executable, "-m", "benchmarks.client_mapping", "--models", model,
+                                            "--clients", clients, "--steps", "4" if small else "10"], 60)
+  return {"client_conv": json_rows(conv), "depth_union": json_rows(union), "client_mapping": json_rows(mapping)}
+
+
+def peer(suite: Suite, width: str, program: str, rounds: int, sides: str, cap: float) -> dict[str, Any]:
   size = (["--num-clients", "8", "--clients-per-round", "4", "--rounds", "3", "--max-train-samples", "2000",
            "--eval-samples", "200"] if suite.smoke else ["--num-clients", "100", "--clients-per-round", "10",
-                                                           "--rounds", "8"])
+                                                           "--rounds", str(rounds)])
   device = "cpu" if suite.smoke else "cuda"
   groups = SMOKE_GROUPS if suite.smoke else INCO.format(w=width)
-  base = [sys.executable, "-m", "benchmarks.peer_torch", "--groups", groups, "--device", device, *size]
-  _, both = suite.run(f"peer_{width}_fused", [*base, "--round-program", "fused"], 240)
-  _, host = suite.run(f"peer_{width}_host", [*base, "--sides", "jax", "--round-program", "host"], 150)
-  rows, host_rows = json_rows(both), json_rows(host)
-  side = lambda rs, s: next((r for r in rs if r.get("side") == s), {})
-  return {"fused": side(rows, "jax"), "torch": side(rows, "torch"), "host": side(host_rows, "jax")}
+  argv = [sys.executable, "-m", "benchmarks.peer_torch", "--groups", groups, "--device", device, *size,
+          "--round-program", program, "--sides", sides]
+  _, out = suite.run(f"peer_{width}_{program}", argv, cap)
+  side = lambda s: next((r for r in json_rows(out) if r.get("side") == s), {})
+  return {"ours": side("jax"), "torch": side("torch"), "program": program}
 
 
 def throughput(suite: Suite) -> list[dict[str, Any]]:
   size = (["--model", "mlp", "--num-clients", "8", "--clients-per-round", "4", "--max-train-samples", "2000"]
           if suite.smoke else [])
   _, out = suite.run("throughput", [sys.executable, "-m", "benchmarks.throughput", "--backends", "vmap",
-                                    "--round-programs", "host,fused", "--rounds", "3", *size], 150)
+                                    "--round-programs", "fused", "--rounds", "3", *size], 90)
   return json_rows(out)
 
 
@@ -99,8 +113,8 @@ def demo(suite: Suite) -> dict[str, Any]:
           "--max-test-samples", "500"] if suite.smoke else []
   out = os.path.join(suite.out, "demo_run")
   t0 = time.perf_counter()
-  status, _ = suite.run("demo", [sys.executable, "-m", "experiments.fmnist", "--round-program", "fused",
-                                 "--output-dir", out, "--overwrite", "--no-progress", *size], 120)
+  status, _ = suite.run("demo", [sys.executable, "-m", "experiments.fmnist", "--output-dir", out, "--overwrite",
+                                 "--no-progress", *size], 60)
   wall = time.perf_counter() - t0
   summary = _read_json(os.path.join(out, "summary.json"))
   return {"wall_s": wall if status == 0 else None, "accuracy": (summary or {}).get("best_mean_accuracy")}
@@ -109,7 +123,7 @@ def demo(suite: Suite) -> dict[str, Any]:
 def many_runs(suite: Suite) -> dict[str, Any]:
   """R = 8 seeds of the InCo @0.25 workload in one program against one run alone (`benchmarks.many_runs`)."""
   size = ["--smoke", "--runs", "8"] if suite.smoke else ["--workload", "inco", "--runs", "8", "--rounds", "3"]
-  _, out = suite.run("many_runs", [sys.executable, "-m", "benchmarks.many_runs", *size], 180)
+  _, out = suite.run("many_runs", [sys.executable, "-m", "benchmarks.many_runs", *size], 90)
   rows = json_rows(out)
   alone = next((r["samples_per_s"] for r in rows if r.get("alone")), None)
   eight = next((r["samples_per_s"] for r in rows if r.get("runs") == 8 and not r.get("alone")), None)
@@ -124,8 +138,8 @@ def inco_protocol(suite: Suite, seconds: float) -> dict[str, Any]:
            "--max-train-samples", "2000", "--max-test-samples", "500"] if suite.smoke else [])
   out = os.path.join(suite.out, "inco_run")
   metrics = os.path.join(out, "metrics.jsonl")
-  argv = [sys.executable, "-m", "experiments.fmnist", "--preset", "inco", "--round-program", "fused", "--output-dir",
-          out, "--overwrite", "--no-progress", *size]
+  argv = [sys.executable, "-m", "experiments.fmnist", "--preset", "inco", "--output-dir", out, "--overwrite",
+          "--no-progress", *size]
   seen: list[tuple[float, int]] = []  # (seconds since start, rows written) at every change
   t0 = time.perf_counter()
   with open(os.path.join(suite.out, "inco_protocol.log"), "w") as log:
@@ -150,26 +164,6 @@ def inco_protocol(suite: Suite, seconds: float) -> dict[str, Any]:
   return {"rounds_done": len(rows), "first_call_s": t_first, "first_call_rounds": n_first,
           "wall_s_per_round_after": per_round, "projected_min": (t_first + (500 - n_first) * per_round) / 60,
           "accuracy_so_far": max((r["test_accuracy"]["mean"] for r in rows if r.get("test_accuracy")), default=None)}
-
-
-def extras(suite: Suite) -> dict[str, Any]:
-  found: dict[str, Any] = {}
-  if suite.left() > 100 and not suite.smoke:
-    _, out = suite.run("first_round_autotune0", [sys.executable, "-m", "benchmarks.peer_torch", "--groups",
-                                                 INCO.format(w=1), "--device", "cuda", "--sides", "jax", "--rounds",
-                                                 "2", "--round-program", "fused"], 90,
-                       env={"XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()})
-    found["first_round_s_autotune0"] = next((r["first_round_s"] for r in json_rows(out) if r.get("side")), None)
-  if suite.left() > 60:
-    model, clients = ("cnn@0.25", "2,4") if suite.smoke else ("resnet18@0.25", "2,10,50")
-    _, out = suite.run("client_mapping", [sys.executable, "-m", "benchmarks.client_mapping", "--models", model,
-                                          "--clients", clients, "--steps", "4" if suite.smoke else "20"], 120)
-    found["client_mapping"] = json_rows(out)
-  if suite.left() > 60:
-    size = ["--width", "0.125", "--clients-per-group", "1", "--batch", "16", "--steps", "2"] if suite.smoke else []
-    _, out = suite.run("depth_union", [sys.executable, "-m", "benchmarks.depth_union", *size], 120)
-    found["depth_union"] = json_rows(out)
-  return found
 
 
 def _read_json(path: str) -> Any:
@@ -197,46 +191,45 @@ def table(results: dict[str, Any], notes: list[str], smoke: bool = False) -> str
       return "not measured"
     return "yes" if (value <= target if at_most else value >= target) else "no"
 
-  lines = ["| measure | ours (round program) | ours (host loop) | PyTorch loop | ratio or value | target | met |",
-           "|---|---|---|---|---|---|---|"]
-  for width in ("0.25", "1"):
-    p = results["peer"][width]
+  lines = ["| measure | ours | PyTorch loop | ratio or value | target | met |", "|---|---|---|---|---|---|"]
+  for width, key in (("0.25", "peer@0.25"), ("1", "peer@1")):
+    p = results["peer"].get(width)
+    if p is None:
+      continue
     speed = lambda side: p[side].get("samples_per_s_after_first")
-    ratio = speed("fused") / speed("torch") if speed("fused") and speed("torch") else None
-    target = TARGETS[f"peer@{width}"]
-    lines.append(f"| peer workload @{width}, samples/s after round 1 | {fmt(speed('fused'), 0)} | "
-                 f"{fmt(speed('host'), 0)} | {fmt(speed('torch'), 0)} | {fmt(ratio)}x | >= {target:g}x | "
-                 f"{verdict(ratio, target)} |")
-    first = p["fused"].get("first_round_s")
-    lines.append(f"| peer workload @{width}, first round (s) | {fmt(first)} | {fmt(p['host'].get('first_round_s'))} | "
+    ratio = speed("ours") / speed("torch") if speed("ours") and speed("torch") else None
+    lines.append(f"| peer workload @{width} ({p['program']}), samples/s after round 1 | {fmt(speed('ours'), 0)} | "
+                 f"{fmt(speed('torch'), 0)} | {fmt(ratio)}x | >= {TARGETS[key]:g}x | {verdict(ratio, TARGETS[key])} |")
+    first = p["ours"].get("first_round_s")
+    lines.append(f"| peer workload @{width} ({p['program']}), first round (s) | {fmt(first)} | "
                  f"{fmt(p['torch'].get('first_round_s'))} | {fmt(first)} s | <= {TARGETS['first_round_s']:g} s | "
                  f"{verdict(first, TARGETS['first_round_s'], True)} |")
   by_program = {r["round_program"]: r for r in results["throughput"]}
   ratio = by_program.get("fused", {}).get("ratio")
-  lines.append(f"| FedAvg CNN throughput / centralized limit | {fmt(ratio, 2)} | "
-               f"{fmt(by_program.get('host', {}).get('ratio'), 2)} | — | {fmt(ratio, 2)} | >= 0.6 | "
+  lines.append(f"| FedAvg CNN throughput / centralized limit | {fmt(ratio, 2)} | — | {fmt(ratio, 2)} | >= 0.6 | "
                f"{verdict(ratio, TARGETS['throughput'])} |")
   d = results["demo"]
-  lines.append(f"| demo, whole process (s), best accuracy {fmt(d['accuracy'], 4)} | {fmt(d['wall_s'])} | — | — | "
+  lines.append(f"| demo, whole process (s), best accuracy {fmt(d['accuracy'], 4)} | {fmt(d['wall_s'])} | — | "
                f"{fmt(d['wall_s'])} s | <= 12 s | {verdict(d['wall_s'], TARGETS['demo_s'], True)} |")
   m = results.get("many_runs", {})
-  lines.append(f"| InCo @0.25, 8 seeds in one program / one run alone, samples/s | {fmt(m.get('runs_8'), 0)} | "
-               f"{fmt(m.get('alone'), 0)} (alone) | — | {fmt(m.get('ratio'))}x | >= 5x | "
+  lines.append(f"| InCo @0.25, 8 seeds in one program / one run alone ({fmt(m.get('alone'), 0)}), samples/s | "
+               f"{fmt(m.get('runs_8'), 0)} | — | {fmt(m.get('ratio'))}x | >= 5x | "
                f"{verdict(m.get('ratio'), TARGETS['many_runs_8'])} |")
   inco = results["inco"]
   lines.append(f"| InCo protocol (500 rounds x 5 epochs, widths 1), projected minutes ({inco['rounds_done']} rounds "
-               f"run) | {fmt(inco['projected_min'])} | — | — | {fmt(inco['projected_min'])} min | <= 5 min | "
+               f"run) | {fmt(inco['projected_min'])} | — | {fmt(inco['projected_min'])} min | <= 5 min | "
                f"{verdict(inco['projected_min'], TARGETS['inco_projected_min'], True)} |")
-  extra = results.get("extras", {})
-  if "first_round_s_autotune0" in extra:
-    lines.append(f"| first round @1 with --xla_gpu_autotune_level=0 (s) | {fmt(extra['first_round_s_autotune0'])} "
-                 "| — | — | — | — | — |")
-  for row in extra.get("depth_union", []):
-    lines.append(f"| InCo depths, {row['clients']} clients @{row['width']:g}, one step: {row['variant']} ms/step | "
-                 f"{row['ms_per_step']} | — | — | — | — | — |")
-  for row in extra.get("client_mapping", []):
+  probe = results.get("probes", {})
+  for row in probe.get("client_conv", []):
+    lines.append(f"| per-client 3x3 conv, {row['clients']} clients, {row['side']}x{row['side']}x{row['channels']}: "
+                 f"{row['form']} ms per forward+backward (of one batch) | {row['ms_per_pass']} ({row['over_batch']}x) "
+                 "| — | — | — | — |")
+  for row in probe.get("depth_union", []):
+    lines.append(f"| InCo depths, {row['clients']} clients @{row['width']:g}, one step: {row['variant']} ms/step "
+                 f"(compile s) | {row['ms_per_step']} ({row['compile_s']}) | — | — | — | — |")
+  for row in probe.get("client_mapping", []):
     lines.append(f"| client mapping {row['model']}, {row['clients']} clients, {row['variant']}: ms/step "
-                 f"(of the batch limit) | {row['ms_per_step']} ({row['of_batch_limit']}) | — | — | — | — | — |")
+                 f"(of the batch limit) | {row['ms_per_step']} ({row['of_batch_limit']}) | — | — | — | — |")
   if smoke:
     lines.insert(0, "**--smoke: toy sizes (two ResNet groups @0.125, small subsets), not the targets' settings.**\n")
   return "\n".join(lines + [""] + [f"- {n}" for n in notes])
@@ -247,15 +240,19 @@ def main(argv: list[str] | None = None) -> str:
   p.add_argument("out", help="folder for the logs, JSON lines and table.md")
   p.add_argument("--budget-s", type=float, default=470.0, help="the whole suite's time budget")
   p.add_argument("--smoke", action="store_true", help="toy sizes on any platform (checks the script)")
+  p.add_argument("--round-program", default="union", help="our driver in the peer rows (union, fused, host)")
+  p.add_argument("--skip", default="", help="comma-separated steps to leave out: probes, peer1, many_runs")
   args = p.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
-  suite = Suite(args.out, args.budget_s, args.smoke)
-  results: dict[str, Any] = {"peer": {w: peer(suite, w) for w in ("0.25", "1")}}
-  results["throughput"] = throughput(suite)
+  suite, skip = Suite(args.out, args.budget_s, args.smoke), set(args.skip.split(","))
+  results: dict[str, Any] = {"probes": {} if "probes" in skip else probes(suite), "peer": {}}
+  results["peer"]["0.25"] = peer(suite, "0.25", args.round_program, 4, "both", 150)
   results["demo"] = demo(suite)
-  results["many_runs"] = many_runs(suite)
-  results["inco"] = inco_protocol(suite, max(30.0, suite.left() - 150))
-  results["extras"] = extras(suite)
+  results["throughput"] = throughput(suite)
+  if "peer1" not in skip:
+    results["peer"]["1"] = peer(suite, "1", args.round_program, 3, "jax", 90)
+  results["many_runs"] = {} if "many_runs" in skip else many_runs(suite)
+  results["inco"] = inco_protocol(suite, max(20.0, suite.left() - 5))
   text = table(results, suite.notes, args.smoke)
   with open(os.path.join(args.out, "table.md"), "w") as f:
     f.write(text + "\n")

@@ -53,6 +53,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from fedjax_hetero import data as fdata
+from fedjax_hetero.config.run import ROUND_PROGRAMS
 from benchmarks.common import emit_json_lines
 from benchmarks.torch_resnet import TORCH_RESNETS, torch_resnet_class
 
@@ -76,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--backend", default="auto", help="our side's backend")
-  p.add_argument("--round-program", default="auto", choices=("auto", "fused", "host"),
-                 help="our side: one device program per call of rounds, or the host loop (auto: by platform)")
+  p.add_argument("--round-program", default="auto", choices=ROUND_PROGRAMS,
+                 help="our side: a device program per call of rounds (union: one masked union model for every "
+                      "client; fused: each group on its model), or the host loop (auto: by platform)")
   p.add_argument("--rounds-per-call", type=int, default=None,
                  help="our side's rounds per device program (fused; default: ours)")
   p.add_argument("--steps-per-call", type=int, default=None, help="our side's steps per jitted call (default: ours)")
@@ -298,8 +300,8 @@ def run_jax(args: argparse.Namespace) -> dict[str, Any]:
           "test_accuracy": acc, "eval_samples": n_eval, "param_counts": counts, "clients": drawn,
           "partition_digest": partition_digest(parts), "framework": f"jax {jax.__version__}",
           "device": f"{jax.default_backend()} x{jax.device_count()}", "backend": backend,
-          "round_program": (f"fused, {sim.rounds_per_call} rounds per call" if sim.cohorts.in_program
-                            else "host loop"),
+          "round_program": (f"{sim.cohorts.name if sim.cohorts.name == 'union' else 'fused'}, "
+                            f"{sim.rounds_per_call} rounds per call" if sim.cohorts.in_program else "host loop"),
           "steps_per_call": config.client.steps_per_call, "cpu_count": os.cpu_count()}
 
 

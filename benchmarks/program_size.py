@@ -1,0 +1,150 @@
+"""The size of a round's device program, per driver: ops per local step and compile seconds, on any platform.
+
+    python -m benchmarks.program_size                                   # the InCo depths (ResNet10..26 @0.125)
+    python -m benchmarks.program_size --groups cnn@1,cnn@0.5,cnn@0.25   # the demo's CNN widths
+
+For each ``--drivers`` entry (``fused``: every group's cohort vmapped on its own model, the groups one after
+another in each local step; ``union``: every sampled client a masked member of the largest model), the program
+of one round (`rounds.simulation.Simulation.program`, ``--rounds-per-call 1``) of the configured run is lowered
+and compiled, and its optimized HLO read:
+
+* ``ops_per_step``: instructions of the local-step loop's body (the while loop whose body holds the most
+  convolutions and matrix products), counting through conditionals and calls, a fusion as one instruction:
+  what a GPU launches per local step, roughly;
+* ``convolutions_per_step``: convolutions and matrix products among them (inside fusions too);
+* ``compile_s`` and ``compile_cpu_s``: wall and CPU seconds of XLA's compilation (the second counts every
+  thread XLA used).
+
+The counts and their ratios between drivers carry over from a CPU to an accelerator (the same program is
+compiled, though each backend fuses differently); absolute compile times do not. Prints one JSON line per
+driver, then the ratios to the first driver.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from typing import Any, Sequence
+
+INCO = "resnet10@0.125,resnet14@0.125,resnet18@0.125,resnet22@0.125,resnet26@0.125"
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?[\w.\-]+ = .*?\b([a-z][a-z0-9\-]*)\(")
+_CALLED = re.compile(r"(body|condition|true_computation|false_computation|to_apply|calls)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+HEAVY = ("convolution", "dot")  # (a module with convolutions counts those alone: its products are mostly sums)
+
+
+def parse_hlo(text: str) -> dict[str, list[tuple[str, str]]]:
+  """Every computation of an HLO module's text: its instructions as (opcode, line)."""
+  computations: dict[str, list[tuple[str, str]]] = {}
+  current = None
+  for line in text.splitlines():
+    head = _COMPUTATION.match(line)
+    if head and "=" not in line.split("{")[0].split("(")[0]:
+      current = computations.setdefault(head.group(1), [])
+      continue
+    op = _INSTRUCTION.match(line)
+    if op and current is not None:
+      current.append((op.group(1), line))
+  return computations
+
+
+def _callees(line: str, kinds: Sequence[str]) -> list[str]:
+  names = [name for kind, name in _CALLED.findall(line) if kind in kinds]
+  for group in _BRANCHES.findall(line):
+    names += [n.strip().lstrip("%") for n in group.split(",") if n.strip()]
+  return names
+
+
+def count(computations: dict, name: str, heavy_ops: Sequence[str] = HEAVY) -> tuple[int, int]:
+  """(instructions, heavy ops) of computation ``name``, through conditionals and calls; a nested while loop and a
+  fusion count as one instruction (a fusion's heavy ops are counted)."""
+  ops = heavy = 0
+  for opcode, line in computations.get(name, ()):
+    ops += 1
+    heavy += opcode in heavy_ops
+    if opcode == "fusion":
+      heavy += sum(op in heavy_ops for callee in _callees(line, ("calls",)) for op, _ in computations.get(callee, ()))
+    elif opcode in ("conditional", "call"):
+      for callee in _callees(line, ("true_computation", "false_computation", "to_apply")):
+        sub_ops, sub_heavy = count(computations, callee, heavy_ops)
+        ops, heavy = ops + sub_ops - (opcode == "call"), heavy + sub_heavy
+  return ops, heavy
+
+
+def step_loop(text: str) -> tuple[int, int, int]:
+  """(ops per local step, heavy ops per local step, ops of the whole module) of an optimized HLO module."""
+  computations = parse_hlo(text)
+  bodies = [name for instructions in computations.values() for opcode, line in instructions if opcode == "while"
+            for name in _callees(line, ("body",))]
+  sizes = [count(computations, body) for body in bodies]
+  convolutions = [count(computations, body, ("convolution",))[1] for body in bodies]
+  if any(convolutions):  # the step loop: the most convolutions (reductions over clients are matrix products)
+    return (*max(zip(sizes, convolutions), key=lambda s: (s[1], s[0][0]))[0][:1], max(convolutions),
+            sum(len(v) for v in computations.values()))
+  ops, heavy = max(sizes, key=lambda s: (s[1], s[0])) if sizes else (0, 0)
+  return ops, heavy, sum(len(v) for v in computations.values())
+
+
+def measure(config: Any, driver: str) -> dict[str, Any]:
+  import jax
+  import numpy as np
+
+  from fedjax_hetero.rounds.body import RoundData
+  from fedjax_hetero.rounds.inputs import plan_call
+  from fedjax_hetero.run.build import build_simulation
+
+  sim, _ = build_simulation(config.replace(round_program=driver, rounds_per_call=1), log=lambda _: None)
+  if sim.cohorts.name != driver and not (driver == "fused" and sim.cohorts.in_program):
+    raise SystemExit(f"error: the {driver} driver was not built (got {sim.cohorts.name})")
+  spec, state = sim.spec, sim.init_state()
+  slots = [sim.cohorts.slots(spec, g) for g in range(len(spec.groups))]
+  call = plan_call(spec, state, 1, (), slots, 1)
+  args = ((state.models, state.steps), state.memory, call.inputs, np.int32(1), RoundData.of(spec))
+  lowered = sim.program(call.statics).lower(*args)
+  wall, cpu = time.perf_counter(), time.process_time()
+  compiled = lowered.compile()
+  wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+  ops, heavy, total = step_loop(compiled.as_text())
+  return {"driver": driver, "groups": ",".join(g.name for g in spec.groups), "ops_per_step": ops,
+          "convolutions_per_step": heavy, "module_ops": total, "compile_s": round(wall, 2),
+          "compile_cpu_s": round(cpu, 2), "platform": jax.default_backend()}
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--groups", default=INCO)
+  p.add_argument("--method", default="HeteroAvg")
+  p.add_argument("--num-clients", type=int, default=100)
+  p.add_argument("--clients-per-round", type=int, default=10)
+  p.add_argument("--batch-size", type=int, default=64)
+  p.add_argument("--max-train-samples", type=int, default=None, help="class-balanced training subset")
+  p.add_argument("--drivers", default="fused,union", help="comma-separated: fused, union")
+  p.add_argument("--output", default=None, help="also write the JSON lines to this file")
+  args = p.parse_args(argv)
+
+  from fedjax_hetero.config import RunConfig
+
+  config = RunConfig.from_flags(
+      dataset="fashion_mnist", groups=tuple(args.groups.split(",")), method=args.method,
+      num_clients=args.num_clients, clients_per_round=args.clients_per_round, partition="dirichlet", alpha=0.5,
+      epochs=1, batch_size=args.batch_size, optimizer="adam", learning_rate=1e-3, rounds=1,
+      max_train_samples=args.max_train_samples, progress=False, dissimilarity=False, backend="vmap")
+  rows = []
+  for driver in args.drivers.split(","):
+    rows.append(measure(config, driver))
+    print(json.dumps(rows[-1]), flush=True)
+  for row in rows[1:]:
+    ratios = {f"{k}_ratio": round(row[k] / rows[0][k], 3) for k in ("ops_per_step", "compile_s", "compile_cpu_s")
+              if rows[0][k]}
+    print(json.dumps({"driver": row["driver"], "over": rows[0]["driver"], **ratios}), flush=True)
+  if args.output:
+    with open(args.output, "w") as f:
+      f.writelines(json.dumps(row) + "\n" for row in rows)
+  return rows
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,105 @@
+"""The union mapping (`rounds.union`): every sampled client trains as a masked member of the largest model, and the
+run is the per-group program's to float tolerance; a spec it cannot serve keeps the per-group program, by name."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_hetero.config import LocalConfig
+from fedjax_hetero.hetero.maps import extract
+from fedjax_hetero.rounds import make_backend, make_simulation
+from fedjax_hetero.rounds.union import UnionCohorts, held_mask, union_reason
+from tests.helpers import simulation, tiny_resnet
+from tests.test_round_program import assert_same_run
+
+LOCAL = LocalConfig(epochs=1, batch_size=8, learning_rate=1e-2)
+
+
+class Convs(nn.Module):
+  """Two 3x3 convolutions (bias, ReLU), pooling and a head: a width family whose zeros stay zeros."""
+
+  width: float = 1.0
+  norm: str = "none"  # "layer": LayerNorm after the first convolution (its statistics see the zeros)
+
+  @nn.compact
+  def __call__(self, x, train: bool = False, mask=None, start: str = "input", stop: str = "logits"):
+    x = nn.relu(nn.Conv(int(8 * self.width), (3, 3), name="conv1")(x))
+    if self.norm == "layer":
+      x = nn.LayerNorm(name="norm")(x)
+    x = nn.relu(nn.Conv(int(8 * self.width), (3, 3), name="conv2")(x))
+    return nn.Dense(4, name="head")(x.mean(axis=(1, 2)))
+
+
+def width_simulation(method: str = "HeteroAvg", norm: str = "none", round_program: str = "union", **options):
+  models = [(f"convs@{w}", Convs(w, norm)) for w in (1.0, 0.5, 0.25)]
+  return simulation(method, models, local=LOCAL, backend="vmap", round_program=round_program, options=options,
+                    clients_per_round=4)
+
+
+def depth_simulation(method: str = "HeteroAvg", round_program: str = "union"):
+  models = [(f"resnet{s}", tiny_resnet(s)) for s in ((1, 1), (1, 2), (2, 2))]
+  return simulation(method, models, local=LOCAL, backend="vmap", round_program=round_program, clients_per_round=4)
+
+
+def per_group(sim):
+  return make_simulation(sim.spec, make_backend("vmap"), "fused", sim.rounds_per_call)
+
+
+def test_held_mask_holds_exactly_the_groups_elements():
+  sim = width_simulation()
+  union = sim.spec.init_state().models[0]
+  for group_map in sim.spec.maps:
+    mask = held_mask(group_map, union)
+    assert sum(float(m.sum()) for m in jax.tree.leaves(mask["params"])) == group_map.num_owned() - sum(
+        np.prod(link.window.shape) for link in group_map.pull if link.client[0] != "params")
+    held = extract(jax.tree.map(jnp.multiply, union, mask), group_map)
+    jax.tree.map(np.testing.assert_array_equal, held, extract(union, group_map))
+
+
+def test_width_groups_on_the_union_are_the_per_group_program():
+  sim = width_simulation()
+  assert isinstance(sim.cohorts, UnionCohorts) and sim.cohorts.in_program and sim.cohorts.name == "union"
+  assert_same_run(per_group(sim), sim, rounds=2)
+
+
+@pytest.mark.slow
+def test_depth_groups_on_the_union_are_the_per_group_program():
+  """ResNet depths: a missing block (zero weights) passes its input through; BatchNorm in training mode."""
+  sim = depth_simulation()
+  assert isinstance(sim.cohorts, UnionCohorts)
+  assert_same_run(per_group(sim), sim, rounds=2)
+
+
+def test_an_uploading_term_is_reduced_in_the_groups_shape():
+  """FedNova normalizes each client's delta by its steps after the round: the group's own finish runs it."""
+  sim = width_simulation("HeteroNova")
+  assert isinstance(sim.cohorts, UnionCohorts)
+  assert_same_run(per_group(sim), sim, rounds=1)
+
+
+def test_a_term_acting_during_training_keeps_the_per_group_program():
+  reason = union_reason(width_simulation("HeteroProx", round_program="fused").spec)
+  assert "acts during local training" in reason and "loss" in reason
+  with pytest.raises(ValueError, match="cannot train as one union model.*--round-program fused"):
+    width_simulation("HeteroProx")
+  auto = make_simulation(width_simulation("HeteroProx", round_program="fused").spec, make_backend("vmap"), "auto")
+  assert not isinstance(auto.cohorts, UnionCohorts)
+
+
+def test_a_model_whose_zeros_leak_keeps_the_per_group_program():
+  """LayerNorm's statistics see the missing channels: the numeric probe finds the difference."""
+  reason = union_reason(width_simulation(norm="layer", round_program="fused").spec)
+  assert reason and "differ from the masked union" in reason and "convs@0.5" in reason
+
+
+def test_a_union_refuses_a_round_with_more_participants_than_its_slots():
+  sim = width_simulation()
+  assert sim.cohorts.capacity == 4
+  object.__setattr__(sim.cohorts, "capacity", 2)  # (as a sampler drawing more than --clients-per-round would)
+  with pytest.raises(ValueError, match="has 4 participants; the union mapping holds"):
+    sim.run_rounds(sim.init_state(), 1)
+

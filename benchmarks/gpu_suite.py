@@ -12,7 +12,7 @@ whatever finished):
    how a cohort of 10 clients shares the GPU (`benchmarks.client_mapping`);
 2. the peer workload (`benchmarks.peer_torch`: HeteroAvg, ResNet10...26, 100 clients, 10 per round, one epoch
    of Adam at batch 64) at width 0.25, 4 rounds: the PyTorch loop and our ``--round-program`` (default union)
-   side by side;
+   side by side; then ours again for 2 rounds, its first round from the persistent cache the first run filled;
 3. the demo (``python -m experiments.fmnist`` with its defaults), whole-process wall time;
 4. FedAvg throughput against the centralized limit (`benchmarks.throughput`, the CNN);
 5. the peer workload at width 1, ours alone, 3 rounds;
@@ -87,7 +87,7 @@ def probes(suite: Suite) -> dict[str, Any]:
   return {"client_conv": json_rows(conv), "depth_union": json_rows(union), "client_mapping": json_rows(mapping)}
 
 
-def peer(suite: Suite, width: str, program: str, rounds: int, sides: str, cap: float) -> dict[str, Any]:
+def peer(suite: Suite, width: str, program: str, rounds: int, sides: str, cap: float, tag: str = "") -> dict[str, Any]:
   size = (["--num-clients", "8", "--clients-per-round", "4", "--rounds", "3", "--max-train-samples", "2000",
            "--eval-samples", "200"] if suite.smoke else ["--num-clients", "100", "--clients-per-round", "10",
                                                            "--rounds", str(rounds)])
@@ -95,7 +95,7 @@ def peer(suite: Suite, width: str, program: str, rounds: int, sides: str, cap: f
   groups = SMOKE_GROUPS if suite.smoke else INCO.format(w=width)
   argv = [sys.executable, "-m", "benchmarks.peer_torch", "--groups", groups, "--device", device, *size,
           "--round-program", program, "--sides", sides]
-  _, out = suite.run(f"peer_{width}_{program}", argv, cap)
+  _, out = suite.run(f"peer_{width}_{program}{tag}", argv, cap)
   side = lambda s: next((r for r in json_rows(out) if r.get("side") == s), {})
   return {"ours": side("jax"), "torch": side("torch"), "program": program}
 
@@ -204,6 +204,9 @@ def table(results: dict[str, Any], notes: list[str], smoke: bool = False) -> str
     lines.append(f"| peer workload @{width} ({p['program']}), first round (s) | {fmt(first)} | "
                  f"{fmt(p['torch'].get('first_round_s'))} | {fmt(first)} s | <= {TARGETS['first_round_s']:g} s | "
                  f"{verdict(first, TARGETS['first_round_s'], True)} |")
+  warm = results.get("peer_warm", {}).get("ours", {}).get("first_round_s")
+  lines.append(f"| peer workload @0.25, first round from a warm persistent cache (s) | {fmt(warm)} | — | {fmt(warm)} s "
+               f"| <= 3 s | {verdict(warm, 3.0, True)} |")
   by_program = {r["round_program"]: r for r in results["throughput"]}
   ratio = by_program.get("fused", {}).get("ratio")
   lines.append(f"| FedAvg CNN throughput / centralized limit | {fmt(ratio, 2)} | — | {fmt(ratio, 2)} | >= 0.6 | "
@@ -241,18 +244,20 @@ def main(argv: list[str] | None = None) -> str:
   p.add_argument("--budget-s", type=float, default=470.0, help="the whole suite's time budget")
   p.add_argument("--smoke", action="store_true", help="toy sizes on any platform (checks the script)")
   p.add_argument("--round-program", default="union", help="our driver in the peer rows (union, fused, host)")
-  p.add_argument("--skip", default="", help="comma-separated steps to leave out: probes, peer1, many_runs")
+  p.add_argument("--skip", default="", help="comma-separated steps to leave out: probes, throughput, peer1, many_runs")
   args = p.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
   suite, skip = Suite(args.out, args.budget_s, args.smoke), set(args.skip.split(","))
   results: dict[str, Any] = {"probes": {} if "probes" in skip else probes(suite), "peer": {}}
   results["peer"]["0.25"] = peer(suite, "0.25", args.round_program, 4, "both", 150)
+  # The same program again, from the persistent cache the first run filled (gpu_suite.sh's fresh directory).
+  results["peer_warm"] = peer(suite, "0.25", args.round_program, 2, "jax", 45, "_warm")
   results["demo"] = demo(suite)
-  results["throughput"] = throughput(suite)
+  results["throughput"] = [] if "throughput" in skip else throughput(suite)
   if "peer1" not in skip:
     results["peer"]["1"] = peer(suite, "1", args.round_program, 3, "jax", 90)
   results["many_runs"] = {} if "many_runs" in skip else many_runs(suite)
-  results["inco"] = inco_protocol(suite, max(20.0, suite.left() - 5))
+  results["inco"] = inco_protocol(suite, 30.0 if args.smoke else max(20.0, suite.left() - 5))
   text = table(results, suite.notes, args.smoke)
   with open(os.path.join(args.out, "table.md"), "w") as f:
     f.write(text + "\n")

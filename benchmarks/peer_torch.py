@@ -257,11 +257,13 @@ def run_jax(args: argparse.Namespace) -> dict[str, Any]:
   t_start = time.perf_counter()
   import jax
 
+  from fedjax_hetero.compilation import enable_persistent_cache
   from fedjax_hetero.config import RunConfig
   from fedjax_hetero.models.evaluation import accuracy
   from fedjax_hetero.rounds import make_backend
   from fedjax_hetero.run.build import build_simulation
 
+  cache = enable_persistent_cache()  # as the CLI does (FEDJAX_HETERO_CACHE_DIR, or ~/.cache/fedjax_hetero/xla)
   groups = [spec for spec, _, _ in parse_groups(args.groups)]
   extra = {"steps_per_call": args.steps_per_call} if args.steps_per_call else {}
   try:
@@ -302,7 +304,7 @@ def run_jax(args: argparse.Namespace) -> dict[str, Any]:
           "device": f"{jax.default_backend()} x{jax.device_count()}", "backend": backend,
           "round_program": (f"{sim.cohorts.name if sim.cohorts.name == 'union' else 'fused'}, "
                             f"{sim.rounds_per_call} rounds per call" if sim.cohorts.in_program else "host loop"),
-          "steps_per_call": config.client.steps_per_call, "cpu_count": os.cpu_count()}
+          "steps_per_call": config.client.steps_per_call, "cpu_count": os.cpu_count(), "compile_cache": cache}
 
 
 def _child_argv(args: argparse.Namespace, side: str) -> list[str]:

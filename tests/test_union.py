@@ -81,6 +81,13 @@ def test_an_uploading_term_is_reduced_in_the_groups_shape():
   assert_same_run(per_group(sim), sim, rounds=1)
 
 
+def test_per_architecture_baselines_train_on_the_union_from_their_own_models():
+  """FedAvg keeps one federation per group: each client starts from its group's own model in the union layout."""
+  sim = width_simulation("FedAvg")
+  assert isinstance(sim.cohorts, UnionCohorts) and len(sim.spec.federations) == 3
+  assert_same_run(per_group(sim), sim, rounds=2)
+
+
 def test_a_term_acting_during_training_keeps_the_per_group_program():
   reason = union_reason(width_simulation("HeteroProx", round_program="fused").spec)
   assert "acts during local training" in reason and "loss" in reason

@@ -1,7 +1,7 @@
 """The union mapping: every sampled client of every group trains as a masked member of the union model.
 
-In a federation shared by architecture groups of one family (depth and width sub-models of the largest model,
-`hetero.maps`), a client of group g computes what the union model computes on its variables with every element
+When a run's architecture groups are one family (depth and width sub-models of the largest model, `hetero.maps`),
+a client of group g computes what the union model computes on its variables with every element
 outside the group's window set to zero:
 
 - a width group's missing channels stay zero through convolutions, dense layers, ReLU, pooling and BatchNorm
@@ -16,9 +16,11 @@ round ends each group's clients are taken back to the group's shape, and the gro
 reduces them as the per-group mapping does, so every method's server steps, uploads and client memory see what
 they see there.
 
-`union_reason` says why a spec cannot train this way (a method whose terms act during local training, an
-attacked or custom trainer, sub-models that are not windows of the union, a model whose zeros leak, such as
-LayerNorm or HeteroFL's scaler, checked numerically once); the per-group program then stays (`rounds.simulation`).
+Each group starts from its own federation's model (one shared model, or one per group as the per-architecture
+baselines), placed into the union's layout. `union_reason` says why a spec cannot train this way (one group, a
+model per client, a method whose terms act during local training, an attacked or custom trainer, sub-models that
+are not windows of the union, a model whose zeros leak, such as LayerNorm or HeteroFL's scaler, checked
+numerically once); the per-group program then stays (`rounds.simulation`).
 """
 
 from __future__ import annotations
@@ -69,8 +71,8 @@ def held_mask(group_map: SubmodelMap, union: Variables) -> Variables:
 
 
 def _structural_reason(spec: "RoundSpec") -> str | None:
-  if len(spec.groups) < 2 or len(spec.federations) != 1:
-    return "it trains one federation per group (or one group): there is no union of groups to train"
+  if len(spec.groups) < 2:
+    return "it has one architecture group: there is no union of groups to train"
   if spec.method.sharing.stacked:
     return f"{spec.method.name} starts every client from a model of its own (stacked sharing)"
   for term in spec.method.terms:
@@ -171,10 +173,12 @@ class UnionCohorts(ProgramCohorts):
     group_of_slot = jnp.zeros((slots,), jnp.int32)
     for g, p in enumerate(positions):
       group_of_slot = group_of_slot.at[p].set(g, mode="drop")
-    union = state.models[0]
     masks = self._masks(spec)
     held = jax.tree.map(lambda m: m[group_of_slot], masks)
-    client_starts = jax.tree.map(jnp.multiply, union, held)
+    # Every group's start in the union's layout (zeros outside its window), whatever federation it belongs to.
+    union = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._union_shapes)
+    placed = [embed(start, _window_map(m), union) for start, m in zip(starts, spec.maps)]
+    client_starts = jax.tree.map(lambda *p: jnp.stack(p)[group_of_slot], *placed)
     trainer = self._trainer(spec)
     schedule = max(1, spec.local.num_steps(data.index_table.shape[1]))
     keys = jax.vmap(lambda c: jax.random.fold_in(key, c))(clients)  # (as `cohort.start`: a client's own draws)

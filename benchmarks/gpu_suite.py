@@ -152,8 +152,12 @@ def inco_protocol(suite: Suite, seconds: float) -> dict[str, Any]:
       if rows and (not seen or rows > seen[-1][1]):
         seen.append((time.perf_counter() - t0, rows))
     if process.poll() is None:
-      process.terminate()
-      process.wait()
+      process.terminate()  # (the run stops at the end of its call, which can be minutes away: then it is killed)
+      try:
+        process.wait(timeout=5)
+      except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
   rows = _metrics(metrics)
   print(f"[suite] inco_protocol: {len(rows)} rounds in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
   if len(seen) < 2:

@@ -12,7 +12,8 @@ import pytest
 from fedjax_hetero.config import LocalConfig
 from fedjax_hetero.hetero.maps import extract
 from fedjax_hetero.rounds import make_backend, make_simulation
-from fedjax_hetero.rounds.union import UnionCohorts, held_mask, union_reason
+from fedjax_hetero.models import build_model
+from fedjax_hetero.rounds.union import UnionCohorts, _probe_reason, declared_exact, held_mask, union_reason
 from tests.helpers import simulation, tiny_resnet
 from tests.test_round_program import assert_same_run
 
@@ -95,6 +96,21 @@ def test_a_term_acting_during_training_keeps_the_per_group_program():
     width_simulation("HeteroProx")
   auto = make_simulation(width_simulation("HeteroProx", round_program="fused").spec, make_backend("vmap"), "auto")
   assert not isinstance(auto.cohorts, UnionCohorts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["resnet depths", "resnet widths", "cnn widths"])
+def test_the_families_declared_exact_pass_the_numeric_probe(family):
+  """`declared_exact` skips the probe for these: hold the declaration to it (train-mode BatchNorm, gradients)."""
+  if family == "resnet depths":
+    models = [(f"resnet{s}", tiny_resnet(s)) for s in ((1, 1), (1, 2), (2, 2))]
+  elif family == "resnet widths":
+    models = [(f"resnet@{w}", tiny_resnet((1, 2), width=w)) for w in (1.0, 0.5)]
+  else:
+    models = [(f"cnn@{w}", build_model("cnn", 4, w)) for w in (1.0, 0.5, 0.25)]
+  sim = simulation("HeteroAvg", models, local=LOCAL, round_program="fused", clients_per_round=4)
+  assert all(declared_exact(g.model) for g in sim.spec.groups)
+  assert _probe_reason(sim.spec) is None
 
 
 def test_a_model_whose_zeros_leak_keeps_the_per_group_program():

@@ -14,8 +14,11 @@ from fedjax_hetero.hetero.maps import extract
 from fedjax_hetero.rounds import make_backend, make_simulation
 from fedjax_hetero.models import build_model
 from fedjax_hetero.rounds.union import UnionCohorts, _probe_reason, declared_exact, held_mask, union_reason
+from tests import golden
+from tests.golden_setting import golden_spec
 from tests.helpers import simulation, tiny_resnet
-from tests.test_round_program import assert_same_run
+from tests.test_golden import RECORD, assert_close, expected_runs
+from tests.test_round_program import assert_same_run, record
 
 LOCAL = LocalConfig(epochs=1, batch_size=8, learning_rate=1e-2)
 
@@ -126,3 +129,37 @@ def test_a_union_refuses_a_round_with_more_participants_than_its_slots():
   with pytest.raises(ValueError, match="has 4 participants; the union mapping holds"):
     sim.run_rounds(sim.init_state(), 1)
 
+
+
+UNION_GOLDEN = [golden.RESNET_ENTRY] + [(m, "sequential", f) for m, f in golden.LATER_METHODS if f == "resnet"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", UNION_GOLDEN, ids=lambda e: golden.key(*e))
+def test_the_union_reproduces_the_golden_record_or_names_why_not(entry):
+  """Every golden method on the ResNet depths trains on the union within the record's tolerance, or keeps the
+  per-group program with its reason (the MLP family's depths are not exact: a missing dense layer is not an
+  identity; see the next test)."""
+  if jax.__version__ != RECORD["jax"]:
+    pytest.skip(f"the record was made with jax {RECORD['jax']}; this is {jax.__version__}")
+  method, _, family = entry
+  spec = golden_spec(method, family)
+  reason = union_reason(spec)
+  if reason is not None:
+    assert method in UNION_REFUSED, f"{method}: {reason}"
+    return
+  expected = expected_runs(entry)
+  rows, compiled = record(make_simulation(spec, make_backend("vmap"), "union", 3))
+  for round_index, (want, have) in enumerate(zip(expected, rows), start=1):
+    assert_close(want, have, method, f"{golden.key(*entry)} on the union, round {round_index}")
+  assert compiled[1:] == [[]] * (golden.ROUNDS - 1), f"later calls compiled {compiled[1:]}"
+
+
+# The golden methods on the ResNet depths that keep the per-group program: NeFL keeps own copies of leaves, FedIN's
+# terms act during training.
+UNION_REFUSED = ("NeFL", "FedIN")
+
+
+def test_the_mlp_depths_keep_the_per_group_program_by_the_probe():
+  reason = union_reason(golden_spec("HeteroAvg", "mlp"))
+  assert reason and "differ from the masked union" in reason

@@ -169,7 +169,7 @@ class RunConfig(Settings):
       "launches each group's programs; auto: on an accelerator union where allowed, else fused where the method "
       "allows (not CluSamp); host on CPU", OneOf(ROUND_PROGRAMS))
   rounds_per_call: int | None = setting(
-      None, "rounds per device program of --round-program fused (a call also ends at every checkpoint and the last "
+      None, "rounds per device program of --round-program fused or union (a call also ends at every checkpoint and the last "
       f"round); default: {AUTO_ROUNDS_PER_CALL}", Integer(1), metavar="K")
   dissimilarity: bool = setting(
       True, "log every round's gradient dissimilarity of the client updates, for the low and the high part, per "

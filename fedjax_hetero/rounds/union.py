@@ -155,8 +155,9 @@ class UnionCohorts(ProgramCohorts):
   """The mapping inside a device program that trains a round's sampled clients as one vmapped cohort of the union
   model (see the module docstring); build it for a spec that `union_reason` accepts."""
 
-  def __init__(self, spec: "RoundSpec", eval_batch: int = EVAL_BATCH):
+  def __init__(self, spec: "RoundSpec", eval_batch: int = EVAL_BATCH, flat_optimizer: bool = True):
     super().__init__("vmap", eval_batch)
+    self.flat_optimizer = flat_optimizer
     self.name = "union"
     union = jax.eval_shape(spec.groups[spec.global_index].model.init, jax.random.key(0),
                            jnp.zeros((1,) + tuple(spec.store.images.shape[1:]), jnp.float32))
@@ -165,7 +166,8 @@ class UnionCohorts(ProgramCohorts):
 
   def _trainer(self, spec: "RoundSpec") -> LocalTrainer:
     store = spec.store
-    return LocalTrainer(spec.groups[spec.global_index].model, spec.local, store.mean, store.std, (held_term(),))
+    return LocalTrainer(spec.groups[spec.global_index].model, spec.local, store.mean, store.std, (held_term(),),
+                        flat_optimizer=self.flat_optimizer)
 
   def _masks(self, spec: "RoundSpec") -> Variables:
     """Every group's held mask, stacked ``[G, ...]`` (constants of the program)."""

@@ -297,6 +297,22 @@ def test_ctrl_c_in_a_job_stops_every_run_after_the_call_and_resume_reaches_the_u
 
 
 @pytest.mark.slow
+def test_stop_after_ends_every_run_of_a_job_at_the_call_and_resume_reaches_the_uninterrupted_rows(tmp_path):
+  dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
+  runs = runs_of(tiny_config(tmp_path / "job", rounds=3, rounds_per_call=1, eval_every=1, stop_after=1e-6), [0, 1])
+  summaries = run_together(runs, dataset, log=lambda _: None)
+  assert [s["stopped_after"] for s in summaries] == [{"seconds": 1e-6, "completed_round": 1}] * 2
+  for run in runs:
+    assert [r["round"] for r in rows_of(run.output.dir)] == [1]
+  summaries = run_together([r.replace(resume=True, stop_after=None) for r in runs], dataset, log=lambda _: None)
+  assert [s["final_round"] for s in summaries] == [3, 3]
+  straight = [r.replace(output_dir=r.output.dir + "_straight", stop_after=None) for r in runs]
+  run_together(straight, dataset, log=lambda _: None)
+  for run, want in zip(runs, straight):
+    same_rows(rows_of(run.output.dir), rows_of(want.output.dir))
+
+
+@pytest.mark.slow
 def test_a_job_cuts_its_calls_where_a_server_step_changes_stage_as_a_run_alone_does(tmp_path):
   """FedCross's warmup ends after round 1: one call of three rounds would train rounds 2 and 3 as warmup."""
   dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)

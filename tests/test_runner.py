@@ -126,6 +126,32 @@ def test_resume_equals_uninterrupted_metrics(straight, resumed):
   assert summary["final_round"] == straight_summary["final_round"] == 4
 
 
+def test_stop_after_ends_at_a_call_with_a_checkpoint_and_resumes_bit_for_bit(dataset, straight, tmp_path):
+  """--stop-after: the run ends at the end of the call that passes the seconds (here the first), saves its state
+  there (between --checkpoint-every's rounds), and --resume finishes the run the uninterrupted run made."""
+  logs = []
+  first = run_experiment(base_config(tmp_path, stop_after=1e-6), dataset, log=logs.append)
+  assert first["stopped_after"] == {"seconds": 1e-6, "completed_round": 1} and first["final_round"] == 1
+  assert any("--stop-after 1e-06 s: stopped after round 1 of 4, checkpoint saved" in line for line in logs), logs
+  assert checkpoints.manager(str(tmp_path), 2).all_steps() == [1]
+  summary = run_experiment(base_config(tmp_path, resume=True), dataset, log=quiet)
+  assert summary["stopped_after"] is None and summary["final_round"] == 4
+  a, b = read_rows(straight[0].output.dir), read_rows(tmp_path)
+  assert [(r["train_loss"], r["test_accuracy"]) for r in a] == [(r["train_loss"], r["test_accuracy"]) for r in b]
+  chex.assert_trees_all_equal(restore(base_config(tmp_path), dataset)[0].models,
+                              restore(straight[0], dataset)[0].models)
+
+
+def test_stop_after_exits_with_its_status_from_the_command_line(tmp_path, capsys):
+  args = ["--groups", "mlp@1,mlp@0.5", "--num-clients", "6", "--clients-per-round", "3", "--rounds", "3",
+          "--batch-size", "16", "--no-dissimilarity", "--no-progress", "--stop-after", "1e-6", "--output-dir",
+          str(tmp_path)]
+  with pytest.raises(SystemExit) as stopped:
+    cli.main("synthetic", args)
+  assert stopped.value.code == cli.STOPPED_AFTER_STATUS == 75
+  assert "rerun the same command with --resume" in capsys.readouterr().out
+
+
 def test_resume_equals_uninterrupted_checkpoints(dataset, straight, resumed):
   straight_state, straight_manager = restore(straight[0], dataset)
   resumed_state, resumed_manager = restore(resumed[0], dataset)

@@ -184,7 +184,7 @@ def final_pair(rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -
 
 # Config keys that differ between the runs of one experiment without making another variant of its method.
 NOT_A_VARIANT = ("federation.seed", "federation.sample_seed", "output.", "data.data_dir", "rounds", "eval_every",
-                 "backend", "round_program", "rounds_per_call", "client.steps_per_call", "divergence.")
+                 "backend", "round_program", "rounds_per_call", "client.steps_per_call", "stop_after", "divergence.")
 
 
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -33,7 +33,7 @@ from fedjax_hetero.data.store import normalize
 from fedjax_hetero.models import evaluation
 from fedjax_hetero.rounds import RoundSpec, Simulation
 from fedjax_hetero.rounds.state import ServerState
-from fedjax_hetero.run import build, checkpoints, metrics_log, runner
+from fedjax_hetero.run import build, checkpoints, continuation, metrics_log
 
 
 def _log(message: str) -> None:
@@ -43,7 +43,7 @@ def _log(message: str) -> None:
 def read_config(run_dir: str, data_dir: str | None = None) -> RunConfig:
   """The run's config (config.json, or summary.json of older runs), pointed at RUN_DIR; `data_dir` overrides the
   run's."""
-  config = runner.saved_config(run_dir, _log)
+  config = continuation.saved_config(run_dir, _log)
   if config is None:
     raise ValueError(f"{run_dir!r} has no config.json or summary.json with the run's config; is it a results folder?")
   return config.replace(output_dir=run_dir, resume=False, resume_or_start=False, overwrite=False, progress=False,

@@ -35,6 +35,7 @@ from fedjax_hetero.run.runner import run_checked
 
 # Flags of earlier versions that were renamed, and what to pass instead (README, "Upgrading").
 RENAMED = {"--fedprox-mu": "--prox-mu (one proximal mu, read by FedProx, HeteroProx, InCoProx and FedIN)"}
+STOPPED_AFTER_STATUS = 75  # a run --stop-after ended (EX_TEMPFAIL: not done, the same command with --resume goes on)
 DISTRIBUTED_FLAGS = tuple(leaf.flag for leaf in flags.declare.leaves(DistributedConfig()))
 
 
@@ -241,6 +242,8 @@ def _run(runs: Sequence[RunConfig], train: Callable[[], list[dict[str, Any]]], m
                         "best_mean_accuracy": summary["best_mean_accuracy"],
                         "train_seconds": round(summary["train_seconds_all_rounds"], 1),
                         "output_dir": run.output.dir}, indent=1), flush=True)
+  if any(summary.get("stopped_after") for summary in summaries):
+    raise SystemExit(STOPPED_AFTER_STATUS)
   return summaries
 
 

@@ -171,6 +171,10 @@ class RunConfig(Settings):
   rounds_per_call: int | None = setting(
       None, "rounds per device program of --round-program fused or union (a call also ends at every checkpoint and the last "
       f"round); default: {AUTO_ROUNDS_PER_CALL}", Integer(1), metavar="K")
+  stop_after: float | None = setting(
+      None, "end the run at the end of the first call that passes SECONDS of training (from its first round), "
+      "with a checkpoint, and exit with status 75; --resume continues it bit for bit (a protocol in pieces: "
+      "Colab, a GPU rented by the hour)", Number(above=0), metavar="SECONDS")
   dissimilarity: bool = setting(
       True, "log every round's gradient dissimilarity of the client updates, for the low and the high part, per "
       "group (any method; fedjax_hetero.methods.dissimilarity)", Flag())

@@ -3,7 +3,8 @@
 (`jobs`). See docs/running.md."""
 
 from fedjax_hetero.run.build import build_simulation, run_method
+from fedjax_hetero.run.continuation import saved_config
 from fedjax_hetero.run.jobs import run_jobs
-from fedjax_hetero.run.runner import run_experiment, saved_config
+from fedjax_hetero.run.runner import run_experiment
 
 __all__ = ["build_simulation", "run_experiment", "run_jobs", "run_method", "saved_config"]

@@ -25,7 +25,7 @@ SEGMENTS, ROLLBACKS, PROCESSES = "segments", "rollbacks", "processes"
 # settings) is a different run.
 # (Not ``dissimilarity``: it changes no trajectory, but it adds a term and a server step, so a checkpoint's state.)
 UNCHANGED_TRAJECTORY = frozenset({"data.data_dir", "rounds", "eval_every", "backend", "round_program",
-                                  "rounds_per_call", "client.steps_per_call",
+                                  "rounds_per_call", "client.steps_per_call", "stop_after",
                                   *(f"divergence.{f.name}" for f in dataclasses.fields(DivergenceConfig))})
 LOCAL_OPTIMIZER = frozenset(f"client.{name}" for name in ("epochs", "batch_size", "optimizer", "learning_rate",
                                                           "momentum", "weight_decay", "drop_last"))

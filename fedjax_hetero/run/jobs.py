@@ -229,10 +229,13 @@ class _Together:
       run.wall_start = time.perf_counter()
     try:
       with StopRequests(jax.process_count() == 1, self.log) as stop:
-        while stop.requested is None and self._step():
+        while stop.requested is None and self._step() and not any(r.time_up() for r in self.runs):
           pass
       if stop.requested is not None:
         self._interrupt(stop.requested)
+      for run in self.runs:
+        if run.time_up():
+          run.stop_for_time()
     finally:
       for i, run in enumerate(self.runs):
         if i not in self.alone:

@@ -264,7 +264,7 @@ def _check_settings(output_dir: str, unchecked: bool, read_saved: Callable[..., 
 
 def check_resume(config: Any, read_saved: Callable[..., Any], log: Callable[[str], None]) -> None:
   """Before a resume reads the folder (see the module docstring); ``read_saved(output_dir, log)`` reads its
-  saved config (`fedjax_hetero.run.runner.saved_config`). Process 0 checks (and repairs, as asked); the others
+  saved config (`fedjax_hetero.run.continuation.saved_config`). Process 0 checks (and repairs, as asked); the others
   wait for it."""
   out = config.output.dir
   if distributed.is_main_process():

@@ -31,7 +31,7 @@ from fedjax_hetero.config import RunConfig, as_dict
 from fedjax_hetero.methods import Method, build_method
 from fedjax_hetero.rounds import ServerState, Simulation
 from fedjax_hetero.rounds.rows import NonFiniteLossError
-from fedjax_hetero.run import checkpoints, metrics_log, preflight, results_folder
+from fedjax_hetero.run import checkpoints, continuation, metrics_log, preflight, results_folder
 from fedjax_hetero.run import history as run_history
 from fedjax_hetero.run.build import build_simulation, id_list, partitioned_dataset, run_method, with_metrics
 from fedjax_hetero.run.guard import DivergenceError, DivergenceWatch
@@ -39,15 +39,9 @@ from fedjax_hetero.run.interruption import Interrupted, StopRequests
 from fedjax_hetero.run.plot import plot_accuracy
 from fedjax_hetero.run.reporting import Reporter
 
-__all__ = ["advance", "run_experiment", "saved_config"]
+__all__ = ["advance", "run_experiment"]
 
 Log = Callable[[str], None]
-
-
-def saved_config(output_dir: str, log: Log = print) -> RunConfig | None:
-  """The config a results folder was written with (older layouts too), or None (see `history.read`)."""
-  saved = run_history.read(output_dir, log)
-  return None if saved is None else saved.config
 
 
 def advance(sim: Simulation, state: ServerState, config: RunConfig) -> tuple[ServerState, list[dict[str, Any]]]:
@@ -78,55 +72,13 @@ def _quiet(_: str) -> None:
   pass
 
 
-def _prepare_output(config: RunConfig) -> None:
-  out = config.output.dir
-  if config.output.overwrite and not config.output.resume and os.path.exists(out):
-    results_folder.clear_for_overwrite(out)  # a run's files only; the folder's lock file stays
-  os.makedirs(out, exist_ok=True)
-
-
-def _history(config: RunConfig, log: Log) -> tuple[RunConfig, run_history.History, str | None]:
-  """The run's history so far (read once, on --resume) and the config it continues with; raises ValueError if
-  the config may not continue the folder's run."""
-  output = config.output
-  if output.resume:  # what the resume reads is sound (settings, metrics.jsonl), repaired as asked
-    results_folder.check_resume(config, saved_config, log)
-  saved = run_history.read(output.dir, log) if output.resume or output.resume_or_start else None
-  if saved is None and output.resume_unchecked:  # its unreadable settings were set aside: this command's go on
-    return config, run_history.History(processes=jax.process_count()), None
-  if saved is None:
-    if output.resume and results_folder.never_started(output.dir):
-      log(f"{output.dir}: its run was stopped before it saved its settings (no config.json); starting it")
-      config = dataclasses.replace(config, output=dataclasses.replace(output, resume=False))
-    elif output.resume and not output.resume_or_start:
-      raise ValueError(f"--resume: {output.dir!r} holds no run to continue (no config.json); start it without "
-                       "--resume, or pass --resume-or-start to continue a run where there is one and start it "
-                       "where there is none")
-    results_folder.check_fresh(output.dir, output.overwrite)
-    return config, run_history.History(processes=jax.process_count()), None
-  config = dataclasses.replace(config, output=dataclasses.replace(output, resume=True))
-  config = run_history.keep_rolled_back_learning_rate(config, saved.history, log)
-  changed = run_history.check_resume(saved, config, jax.process_count(), log)
-  _check_rounds_left(config)
-  return config, saved.history, changed
-
-
-def _check_rounds_left(config: RunConfig) -> None:
-  """A resume to fewer rounds than the folder's run has trained is refused (it would do nothing)."""
-  path = os.path.join(config.output.dir, "metrics.jsonl")
-  done = max((row["round"] for row in metrics_log.read_rows(path)), default=0) if os.path.exists(path) else 0
-  if done > config.rounds:
-    raise ValueError(f"--rounds {config.rounds}: the run in {config.output.dir!r} has trained {done} rounds already; "
-                     f"pass --rounds above {done} to continue it (its results stay as they are)")
-
-
 def check_can_start(config: RunConfig, dataset: fdata.ArrayDataset) -> None:
   """What `prepare` would refuse in ``config``'s folder and data, checked without writing anything: a job runs it
   for every run before its first run trains. (A folder being repaired or continued unchecked is left to its
   turn: those change it.)"""
   output = config.output
   if not (output.repair_metrics or output.resume_unchecked):
-    _history(config, _quiet)
+    continuation.history(config, _quiet)
   subset, parts = partitioned_dataset(config, dataset)
   preflight.check_fit(config, subset, parts, _quiet)
 
@@ -181,13 +133,13 @@ def prepare(config: RunConfig, dataset: fdata.ArrayDataset | None, log: Log, met
   main = distributed.is_main_process()
   log = log if main else _quiet
   config.data.check_paths()
-  config, history, changed = _history(config, log)
+  config, history, changed = continuation.history(config, log)
   method = method_for(config, method)  # (a resume goes on with the learning rate a rollback left)
   sim, parts = build_simulation(config, dataset, log, method)  # the data loads before the folder is made
   results_folder.check_data(config, sim.spec, log)  # a resume trains on the data it started on
   distributed.barrier("fedjax_hetero.run.runner: settings read")  # before process 0 changes the folder
   if main:
-    _prepare_output(config)
+    continuation.prepare_folder(config)
   state = _initial_state(sim, parts, config.output.dir, main)
   run = _Run(config, log, method, sim, history, main)
   run.begin(state, changed)
@@ -207,6 +159,7 @@ class _Run:
     self.rows: list[dict[str, Any]] = []
     self.state: ServerState | None = None
     self.wall_start = 0.0
+    self.stopped_after: dict[str, Any] | None = None  # where --stop-after ended this process's training
     self.reporter = Reporter(config, sim.spec.method.name, log, main)
 
   def begin(self, state: ServerState, changed: str | None) -> None:
@@ -253,6 +206,8 @@ class _Run:
             error = self._round()
             if error is not None:
               self._recover(error)
+            if self.time_up():
+              break
         except KeyboardInterrupt:  # a second Ctrl-C, or one before the handlers: the round in progress is lost
           self._interrupt(signal.SIGINT, clean=False)
       if stop.requested is not None and self.state.round < self.config.rounds:
@@ -260,10 +215,28 @@ class _Run:
       if stop.requested is not None:  # (the call in progress held the last rounds: nothing is left to resume)
         self.log(f"{signal.Signals(stop.requested).name} came as the run ended: it finished its "
                  f"{self.config.rounds} rounds")
+      elif self.time_up():
+        self.stop_for_time()
     finally:
       self.reporter.close()
       self.manager.wait_until_finished()
     return self.finish()
+
+  def time_up(self) -> bool:
+    """Whether --stop-after's seconds have passed with rounds left (checked at the end of a call)."""
+    limit = self.config.stop_after
+    return (limit is not None and self.state.round < self.config.rounds
+            and time.perf_counter() - self.wall_start >= limit)
+
+  def stop_for_time(self) -> None:
+    """Ends a run at --stop-after: its state saved, a resume hint; the summary says where it stopped."""
+    self.manager.wait_until_finished()
+    done = self.state.round
+    if done and self.manager.latest_step() != done and checkpoints.save(self.manager, self.state, force=True):
+      self.manager.wait_until_finished()
+    self.stopped_after = {"seconds": self.config.stop_after, "completed_round": done}
+    self.log(f"--stop-after {self.config.stop_after:g} s: stopped after round {done} of {self.config.rounds}, "
+             f"checkpoint saved; to continue, rerun the same command with --resume (results so far in {self.out})")
 
   def _interrupt(self, signum: int, clean: bool) -> None:
     """Ends a stopped run: its state saved (after a completed round), summary and plot written, a resume hint."""
@@ -349,7 +322,7 @@ class _Run:
   def finish(self, stopped: dict[str, Any] | None = None, interrupted: dict[str, Any] | None = None
              ) -> dict[str, Any]:
     """Writes summary.json and accuracy.png (process 0); returns the summary."""
-    summary = {**self.summary(stopped), "interrupted": interrupted}
+    summary = {**self.summary(stopped), "interrupted": interrupted, "stopped_after": self.stopped_after}
     if self.main:
       with open(os.path.join(self.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

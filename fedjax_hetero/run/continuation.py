@@ -1,0 +1,68 @@
+"""Where a run starts: a fresh folder, or the saved run it continues (`history`), checked before anything trains.
+
+`history` reads a results folder's settings and history once (on --resume or --resume-or-start) and says whether
+this command may continue it; `prepare_folder` makes the folder (or clears it for --overwrite).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable
+
+import jax
+
+from fedjax_hetero.config import RunConfig
+from fedjax_hetero.run import history as run_history
+from fedjax_hetero.run import metrics_log, results_folder
+
+Log = Callable[[str], None]
+
+
+def saved_config(output_dir: str, log: Log = print) -> RunConfig | None:
+  """The config a results folder was written with (older layouts too), or None (see `history.read`)."""
+  saved = run_history.read(output_dir, log)
+  return None if saved is None else saved.config
+
+
+def prepare_folder(config: RunConfig) -> None:
+  """The run's folder, made (or cleared for --overwrite: the run's files only, its lock file stays)."""
+  out = config.output.dir
+  if config.output.overwrite and not config.output.resume and os.path.exists(out):
+    results_folder.clear_for_overwrite(out)
+  os.makedirs(out, exist_ok=True)
+
+
+def history(config: RunConfig, log: Log) -> tuple[RunConfig, run_history.History, str | None]:
+  """The run's history so far (read once, on --resume) and the config it continues with; raises ValueError if
+  the config may not continue the folder's run."""
+  output = config.output
+  if output.resume:  # what the resume reads is sound (settings, metrics.jsonl), repaired as asked
+    results_folder.check_resume(config, saved_config, log)
+  saved = run_history.read(output.dir, log) if output.resume or output.resume_or_start else None
+  if saved is None and output.resume_unchecked:  # its unreadable settings were set aside: this command's go on
+    return config, run_history.History(processes=jax.process_count()), None
+  if saved is None:
+    if output.resume and results_folder.never_started(output.dir):
+      log(f"{output.dir}: its run was stopped before it saved its settings (no config.json); starting it")
+      config = dataclasses.replace(config, output=dataclasses.replace(output, resume=False))
+    elif output.resume and not output.resume_or_start:
+      raise ValueError(f"--resume: {output.dir!r} holds no run to continue (no config.json); start it without "
+                       "--resume, or pass --resume-or-start to continue a run where there is one and start it "
+                       "where there is none")
+    results_folder.check_fresh(output.dir, output.overwrite)
+    return config, run_history.History(processes=jax.process_count()), None
+  config = dataclasses.replace(config, output=dataclasses.replace(output, resume=True))
+  config = run_history.keep_rolled_back_learning_rate(config, saved.history, log)
+  changed = run_history.check_resume(saved, config, jax.process_count(), log)
+  check_rounds_left(config)
+  return config, saved.history, changed
+
+
+def check_rounds_left(config: RunConfig) -> None:
+  """A resume to fewer rounds than the folder's run has trained is refused (it would do nothing)."""
+  path = os.path.join(config.output.dir, "metrics.jsonl")
+  done = max((row["round"] for row in metrics_log.read_rows(path)), default=0) if os.path.exists(path) else 0
+  if done > config.rounds:
+    raise ValueError(f"--rounds {config.rounds}: the run in {config.output.dir!r} has trained {done} rounds already; "
+                     f"pass --rounds above {done} to continue it (its results stay as they are)")

@@ -13,7 +13,9 @@ gathering its batches from the device-resident uint8 images, a host loop over
 chunks; and, since an accelerator prefers it, all steps as one device loop. Its batches are always full (no partial or masked slot) and its samples
 are drawn from ordinary epochs over the whole training set. It is the best of
 three batch sizes (the local batch, twice it, and the whole cohort's batch
-``clients_per_round * batch_size``) in both loops, since no one configuration is fastest everywhere.
+``clients_per_round * batch_size``) in both loops (on a CPU in the host loop only, where a device loop over
+convolutions is several times slower: ``--centralized-loops`` says), since no one configuration is fastest
+everywhere. The limit is measured first, so that each backend's line is printed as soon as it is measured.
 
 Prints one JSON line per backend, e.g.::
 
@@ -70,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--rounds-per-call", type=int, default=None, help="rounds per device program (fused)")
   p.add_argument("--steps-per-call", type=int, default=1, help="local steps unrolled in one jitted call")
   p.add_argument("--max-train-samples", type=int, default=None, help="class-balanced training subset")
+  p.add_argument("--centralized-loops", default=None,
+                 help="comma-separated, out of host, device: the centralized limit's loops (default: host on a CPU, "
+                      "both elsewhere)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--output", default=None, help="also write the JSON lines to this file")
   return p
@@ -166,9 +171,10 @@ def measure_centralized(sim: Simulation, samples_per_round: float, rounds: int, 
           "centralized_batch": batch, "centralized_loop": "device" if device_loop else "host"}
 
 
-def centralized_limit(sim: Simulation, samples_per_round: float, rounds: int, seed: int = 0) -> dict[str, Any]:
-  """The fastest centralized configuration: the local batch, twice it and the whole cohort's batch, each in a
-  host loop of chunks and in one device loop.
+def centralized_limit(sim: Simulation, samples_per_round: float, rounds: int, seed: int = 0,
+                      loops: Sequence[str] = ("host", "device")) -> dict[str, Any]:
+  """The fastest centralized configuration: the local batch, twice it and the whole cohort's batch, each in
+  ``loops`` (a host loop of chunks, one device loop).
 
   No configuration is the fastest everywhere (on XLA:CPU a batch of 640 is slower than one of 64, and a device
   loop over convolutions is slow), so the limit the FL loop is measured against is the best of them; every one
@@ -176,7 +182,8 @@ def centralized_limit(sim: Simulation, samples_per_round: float, rounds: int, se
   """
   local = sim.spec.local.batch_size
   batches = sorted({local, 2 * local, sim.spec.config.clients_per_round * local})
-  tried = [measure_centralized(sim, samples_per_round, rounds, b, seed, loop) for b in batches for loop in (False, True)]
+  tried = [measure_centralized(sim, samples_per_round, rounds, b, seed, loop == "device") for b in batches
+           for loop in loops]
   best = max(tried, key=lambda t: t["centralized_samples_per_s"])
   # String keys, so that the row survives a JSON round trip unchanged.
   return {**best, "centralized_by_batch": {f"{t['centralized_batch']}/{t['centralized_loop']}":
@@ -204,26 +211,28 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   programs = [p.strip().lower() for p in args.round_programs.split(",") if p.strip()]
   if not programs or set(programs) - {"fused", "host"}:
     raise SystemExit(f"error: --round-programs takes fused and/or host, got {args.round_programs!r}")
-  fl_results = []
+  loops = [l.strip() for l in (args.centralized_loops or
+                                ("host" if jax.default_backend() == "cpu" else "host,device")).split(",")]
+  if not loops or set(loops) - {"host", "device"}:
+    raise SystemExit(f"error: --centralized-loops takes host and/or device, got {args.centralized_loops!r}")
+  # One centralized measurement, shared by every backend's line, on the samples a round trains on average.
+  store = sim.spec.store
+  samples_per_round = float(np.mean(store.sizes)) * args.clients_per_round * args.epochs
+  central = centralized_limit(sim, samples_per_round, args.rounds, args.seed, loops)
+  log(f"centralized limit (best of {', '.join(central['centralized_by_batch'])}: batch "
+      f"{central['centralized_batch']}): {central['centralized_samples_per_s']:.0f} samples/s")
+  rows = []
   for name in names:
     for program in programs:
       result = measure_fl(sim, name, args.rounds, program, args.rounds_per_call)
       log(f"{result['backend']} ({program}): {result['fl_samples_per_s']:.0f} samples/s, "
           f"{result['round_s']:.3f} s/round, compile {result['compile_s']:.1f} s")
-      fl_results.append(result)
-  # One centralized measurement, shared by every backend's line.
-  samples_per_round = max(r["examples_per_round"] for r in fl_results)
-  central = centralized_limit(sim, samples_per_round, args.rounds, args.seed)
-  log(f"centralized limit (best of batches {', '.join(central['centralized_by_batch'])}: batch "
-      f"{central['centralized_batch']}): {central['centralized_samples_per_s']:.0f} samples/s")
-
-  rows = []
-  for result in fl_results:
-    row = {**result, **central, "ratio": result["fl_samples_per_s"] / central["centralized_samples_per_s"],
-           **context}
-    row = {k: row[k] for k in REQUIRED_KEYS + tuple(k for k in row if k not in REQUIRED_KEYS)}
-    rows.append(row)
-  emit_json_lines(rows, args.output)
+      row = {**result, **central, "ratio": result["fl_samples_per_s"] / central["centralized_samples_per_s"],
+             **context}
+      rows.append({k: row[k] for k in REQUIRED_KEYS + tuple(k for k in row if k not in REQUIRED_KEYS)})
+      emit_json_lines(rows[-1:])
+  if args.output:
+    emit_json_lines(rows, args.output, echo=False)
   return rows
 
 

@@ -20,7 +20,8 @@ def test_throughput_prints_one_json_line_per_backend(capsys, tmp_path):
   output = tmp_path / "throughput.jsonl"
   argv = ["--dataset", "synthetic", "--model", "mlp", "--num-clients", "4", "--clients-per-round", "2",
           "--rounds", "2", "--backends", "auto,sequential,vmap", "--round-programs", "host,fused",
-          "--rounds-per-call", "2", "--steps-per-call", "2", "--output", str(output)]
+          "--rounds-per-call", "2", "--steps-per-call", "2", "--centralized-loops", "host,device", "--output",
+          str(output)]
   rows = throughput.main(argv)
   lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
   assert len(lines) == 6

@@ -149,7 +149,8 @@ def check_command(command: list[str]) -> None:
 # Modules whose main() parses its arguments with argparse first thing (parse_only stops it there).
 ARGPARSE_MAINS = {"experiments.compare", "experiments.analyze", "experiments.launch", "benchmarks.throughput",
                   "benchmarks.method_overhead", "benchmarks.peer_torch", "benchmarks.scaling",
-                  "benchmarks.layer_profile"}
+                  "benchmarks.layer_profile", "benchmarks.program_size", "benchmarks.depth_union",
+                  "benchmarks.client_conv"}
 
 
 def check_module(name: str, argv: list[str]) -> None:

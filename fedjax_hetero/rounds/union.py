@@ -176,25 +176,9 @@ class UnionCohorts(ProgramCohorts):
 
   def train(self, spec: "RoundSpec", x: RoundRows, state: ServerState, starts: Sequence[Any], shares: Sequence[Any],
             data: RoundData) -> tuple[list[Any], tuple[Any, ...]]:
-    key, slots = round_key(spec.seed, x.index), self.capacity
-    # The round's sampled clients, packed group after group into the union's slots (padding: dropped scatters).
-    offsets = jnp.cumsum(jnp.stack([jnp.asarray(c.count, jnp.int32) for c in x.cohorts])) - jnp.stack(
-        [jnp.asarray(c.count, jnp.int32) for c in x.cohorts])
-    positions = [jnp.where(jnp.arange(len(c.clients)) < c.count, offsets[g] + jnp.arange(len(c.clients)), slots)
-                 for g, c in enumerate(x.cohorts)]
-
-    def packed(field, fill=0):
-      out = jnp.full((slots,), fill, jnp.asarray(getattr(x.cohorts[0], field)).dtype)
-      for c, p in zip(x.cohorts, positions):
-        out = out.at[p].set(getattr(c, field), mode="drop")
-      return out
-
-    clients, sizes = packed("clients"), packed("sizes")
-    group_of_slot = jnp.zeros((slots,), jnp.int32)
-    for g, p in enumerate(positions):
-      group_of_slot = group_of_slot.at[p].set(g, mode="drop")
-    masks = self._masks(spec)
-    held = jax.tree.map(lambda m: m[group_of_slot], masks)
+    key = round_key(spec.seed, x.index)
+    clients, sizes, group_of_slot, positions = pack_participants(x, self.capacity)
+    held = jax.tree.map(lambda m: m[group_of_slot], self._masks(spec))
     # Every group's start in the union's layout (zeros outside its window), whatever federation it belongs to.
     union = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._union_shapes)
     placed = [embed(start, _window_map(m), union) for start, m in zip(starts, spec.maps)]
@@ -207,23 +191,45 @@ class UnionCohorts(ProgramCohorts):
     trained = jax.lax.fori_loop(0, x.steps, lambda i, s: cohort.steps(trainer, s, data.images, data.labels, ids,
                                                                        mask, i, 1), begun)
     results, memory = [], list(state.memory)
-    for g, (group_trainer, rows) in enumerate(zip(spec.trainers, x.cohorts)):
-      take = jnp.minimum(positions[g], slots - 1)
-      real = rows.real > 0
-      window = _window_map(spec.maps[g])
-      final = jax.vmap(lambda v: extract(v, window))(jax.tree.map(lambda v: v[take], trained.variables))
-      final = jax.tree.map(lambda f, s: jnp.where(real.reshape((-1,) + (1,) * s.ndim), f, s), final, starts[g])
-      memory_rows = jax.tree.map(lambda m: jnp.take(m, rows.rows, axis=0, mode="clip"), state.memory[g])
-      own_start = cohort.start(group_trainer, 1, starts[g], data.index_table[rows.clients], rows.sizes, key,
-                               rows.clients, memory_rows, shares[g], rows.inputs, per_client_start=False)[0]
-      count = lambda a: jnp.where(real, a[take], 0.0)
-      states = own_start._replace(variables=final, opt_state=(), loss_sum=count(trained.loss_sum),
-                                  num_examples=count(trained.num_examples), num_steps=count(trained.num_steps))
-      result, new_rows, stacked_uploads = cohort.reduce(group_trainer, states, starts[g], memory_rows, shares[g],
-                                                        rows.weights, rows.real, per_client_start=False)
-      if memory[g]:
-        memory[g] = jax.tree.map(lambda m, new: m.at[rows.rows].set(new, mode="drop"), memory[g], new_rows)
-      results.append(cohort.with_stacked(result, cohort.pad_stacked(stacked_uploads, rows.count),
-                                         group_trainer.reductions))
+    for g, rows in enumerate(x.cohorts):
+      result, memory[g] = self._group_result(spec, g, rows, trained, jnp.minimum(positions[g], self.capacity - 1),
+                                             starts[g], shares[g], memory[g], key, data)
+      results.append(result)
     return results, tuple(memory)
 
+  def _group_result(self, spec: "RoundSpec", g: int, rows: Any, trained: Any, slots: jax.Array, start: Any,
+                    share: Any, memory: Any, key: jax.Array, data: RoundData) -> tuple[Any, Any]:
+    """Group ``g``'s clients (union ``slots``) taken back to the group's shape, finished and reduced by the group's
+    own trainer as the per-group program does: its result and its client memory with their rows written."""
+    trainer, real = spec.trainers[g], rows.real > 0
+    window = _window_map(spec.maps[g])
+    final = jax.vmap(lambda v: extract(v, window))(jax.tree.map(lambda v: v[slots], trained.variables))
+    final = jax.tree.map(lambda f, s: jnp.where(real.reshape((-1,) + (1,) * s.ndim), f, s), final, start)
+    memory_rows = jax.tree.map(lambda m: jnp.take(m, rows.rows, axis=0, mode="clip"), memory)
+    # The group's terms' round state (e.g. FedNova's), from its own start; its schedule is not used.
+    own = cohort.start(trainer, 1, start, data.index_table[rows.clients], rows.sizes, key, rows.clients, memory_rows,
+                       share, rows.inputs, per_client_start=False)[0]
+    count = lambda a: jnp.where(real, a[slots], 0.0)
+    states = own._replace(variables=final, opt_state=(), loss_sum=count(trained.loss_sum),
+                          num_examples=count(trained.num_examples), num_steps=count(trained.num_steps))
+    result, new_rows, stacked_uploads = cohort.reduce(trainer, states, start, memory_rows, share, rows.weights,
+                                                      rows.real, per_client_start=False)
+    if memory:
+      memory = jax.tree.map(lambda m, new: m.at[rows.rows].set(new, mode="drop"), memory, new_rows)
+    return cohort.with_stacked(result, cohort.pad_stacked(stacked_uploads, rows.count), trainer.reductions), memory
+
+
+def pack_participants(x: RoundRows, slots: int) -> tuple[jax.Array, jax.Array, jax.Array, list[jax.Array]]:
+  """The round's sampled clients packed group after group into ``slots`` (the rest padding: client 0 with no
+  sample): their ids, sample counts and groups, and per group the slot of each of its cohort's rows (``slots``
+  for padding rows, which the scatters drop)."""
+  counts = jnp.stack([jnp.asarray(c.count, jnp.int32) for c in x.cohorts])
+  offsets = jnp.cumsum(counts) - counts
+  positions = [jnp.where(jnp.arange(len(c.clients)) < c.count, offsets[g] + jnp.arange(len(c.clients)), slots)
+               for g, c in enumerate(x.cohorts)]
+  clients, sizes, group_of_slot = (jnp.zeros((slots,), jnp.int32) for _ in range(3))
+  for g, (c, p) in enumerate(zip(x.cohorts, positions)):
+    clients = clients.at[p].set(c.clients, mode="drop")
+    sizes = sizes.at[p].set(c.sizes, mode="drop")
+    group_of_slot = group_of_slot.at[p].set(g, mode="drop")
+  return clients, sizes, group_of_slot, positions

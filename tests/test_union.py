@@ -78,6 +78,7 @@ def test_depth_groups_on_the_union_are_the_per_group_program():
   assert_same_run(per_group(sim), sim, rounds=2)
 
 
+@pytest.mark.slow
 def test_an_uploading_term_is_reduced_in_the_groups_shape():
   """FedNova normalizes each client's delta by its steps after the round: the group's own finish runs it."""
   sim = width_simulation("HeteroNova")
@@ -85,6 +86,7 @@ def test_an_uploading_term_is_reduced_in_the_groups_shape():
   assert_same_run(per_group(sim), sim, rounds=1)
 
 
+@pytest.mark.slow
 def test_per_architecture_baselines_train_on_the_union_from_their_own_models():
   """FedAvg keeps one federation per group: each client starts from its group's own model in the union layout."""
   sim = width_simulation("FedAvg")

@@ -19,7 +19,6 @@ over ``batch``'s.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any, Callable, Sequence
 
@@ -135,9 +134,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         row = {**row, "width": width, "over_batch": round(row["ms_per_pass"] / measured["batch"]["ms_per_pass"], 2)}
         rows.append(row)
         emit_json_lines([row])
-  if args.output:
-    with open(args.output, "w") as f:
-      f.writelines(json.dumps(row) + "\n" for row in rows)
+  emit_json_lines(rows, args.output, echo=False)
   return rows
 
 

@@ -21,7 +21,6 @@ one JSON line per variant.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any, Sequence
 
@@ -37,6 +36,7 @@ from fedjax_hetero.data.store import normalize
 from fedjax_hetero.models import resnet
 from fedjax_hetero.models.common import convolution, scale_channels
 from fedjax_hetero.models.resnet import BasicBlock, block_name
+from benchmarks.common import emit_json_lines
 from fedjax_hetero.rounds import cohort
 
 DEPTHS = ("resnet26", "resnet22", "resnet18", "resnet14", "resnet10")  # deepest first
@@ -176,14 +176,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   rows = []
   for variant in args.variants.split(","):
     rows.append(measure(variant, args.width, args.clients_per_group, args.batch, args.steps))
-    print(json.dumps(rows[-1]), flush=True)
+    emit_json_lines(rows[-1:])
     # (TF32 products on a GPU: the patches form's sums differ from a convolution's in the fourth digit)
     if not np.isclose(rows[0]["loss_sum"], rows[-1]["loss_sum"], rtol=3e-3):
       raise SystemExit(f"error: {variant}'s training loss {rows[-1]['loss_sum']} differs from {rows[0]['variant']}'s "
                        f"{rows[0]['loss_sum']}: not the same computation")
-  if args.output:
-    with open(args.output, "w") as f:
-      f.writelines(json.dumps(row) + "\n" for row in rows)
+  emit_json_lines(rows, args.output, echo=False)
   return rows
 
 

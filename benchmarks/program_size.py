@@ -28,6 +28,8 @@ import re
 import time
 from typing import Any, Sequence
 
+from benchmarks.common import emit_json_lines
+
 INCO = "resnet10@0.125,resnet14@0.125,resnet18@0.125,resnet22@0.125,resnet26@0.125"
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?[\w.\-]+ = .*?\b([a-z][a-z0-9\-]*)\(")
@@ -135,14 +137,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   rows = []
   for driver in args.drivers.split(","):
     rows.append(measure(config, driver))
-    print(json.dumps(rows[-1]), flush=True)
+    emit_json_lines(rows[-1:])
   for row in rows[1:]:
     ratios = {f"{k}_ratio": round(row[k] / rows[0][k], 3) for k in ("ops_per_step", "compile_s", "compile_cpu_s")
               if rows[0][k]}
     print(json.dumps({"driver": row["driver"], "over": rows[0]["driver"], **ratios}), flush=True)
-  if args.output:
-    with open(args.output, "w") as f:
-      f.writelines(json.dumps(row) + "\n" for row in rows)
+  emit_json_lines(rows, args.output, echo=False)
   return rows
 
 

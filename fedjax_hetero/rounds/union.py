@@ -95,8 +95,7 @@ def _structural_reason(spec: "RoundSpec") -> str | None:
 def _probe_reason(spec: "RoundSpec") -> str | None:
   """Checks on random variables and a batch of two that every group's model computes what the masked union
   computes (logits, new batch statistics, gradient): None, or the first group that does not. One program, in
-  full float32 products (a GPU's default TF32 ones differ in the fourth digit), on the CPU, which compiles it
-  while the accelerator is free."""
+  full float32 products (a GPU's default TF32 ones differ in the fourth digit), on the CPU."""
   union_model = spec.groups[spec.global_index].model
   shape = tuple(spec.store.images.shape[1:])
   windows = [_window_map(m) for m in spec.maps]
@@ -138,17 +137,13 @@ def declared_exact(model) -> bool:
 
 
 @functools.lru_cache(maxsize=16)
-def _cached_reason(spec: "RoundSpec") -> str | None:
+def union_reason(spec: "RoundSpec") -> str | None:
+  """Why ``spec``'s cohorts cannot train as one masked union model (None: they can). The numeric probe runs once
+  per spec, for models `declared_exact` does not know."""
   why = _structural_reason(spec)
   if why is None and not all(declared_exact(g.model) for g in spec.groups):
     why = _probe_reason(spec)
   return why
-
-
-def union_reason(spec: "RoundSpec") -> str | None:
-  """Why ``spec``'s cohorts cannot train as one masked union model (None: they can). The numeric probe runs once
-  per spec, for models `declared_exact` does not know."""
-  return _cached_reason(spec)
 
 
 class UnionCohorts(ProgramCohorts):
@@ -169,20 +164,16 @@ class UnionCohorts(ProgramCohorts):
     return LocalTrainer(spec.groups[spec.global_index].model, spec.local, store.mean, store.std, (held_term(),),
                         flat_optimizer=self.flat_optimizer)
 
-  def _masks(self, spec: "RoundSpec") -> Variables:
-    """Every group's held mask, stacked ``[G, ...]`` (constants of the program)."""
-    union = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._union_shapes)
-    return jax.tree.map(lambda *m: jnp.stack(m), *(held_mask(m, union) for m in spec.maps))
 
   def train(self, spec: "RoundSpec", x: RoundRows, state: ServerState, starts: Sequence[Any], shares: Sequence[Any],
             data: RoundData) -> tuple[list[Any], tuple[Any, ...]]:
     key = round_key(spec.seed, x.index)
     clients, sizes, group_of_slot, positions = pack_participants(x, self.capacity)
-    held = jax.tree.map(lambda m: m[group_of_slot], self._masks(spec))
-    # Every group's start in the union's layout (zeros outside its window), whatever federation it belongs to.
+    per_slot = lambda trees: jax.tree.map(lambda *t: jnp.stack(t)[group_of_slot], *trees)
     union = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._union_shapes)
-    placed = [embed(start, _window_map(m), union) for start, m in zip(starts, spec.maps)]
-    client_starts = jax.tree.map(lambda *p: jnp.stack(p)[group_of_slot], *placed)
+    held = per_slot([held_mask(m, union) for m in spec.maps])  # (constants of the program)
+    # Every group's start in the union's layout (zeros outside its window), whatever federation it belongs to.
+    client_starts = per_slot([embed(start, _window_map(m), union) for start, m in zip(starts, spec.maps)])
     trainer = self._trainer(spec)
     schedule = max(1, spec.local.num_steps(data.index_table.shape[1]))
     keys = jax.vmap(lambda c: jax.random.fold_in(key, c))(clients)  # (as `cohort.start`: a client's own draws)

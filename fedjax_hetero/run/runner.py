@@ -228,23 +228,26 @@ class _Run:
     return (limit is not None and self.state.round < self.config.rounds
             and time.perf_counter() - self.wall_start >= limit)
 
-  def stop_for_time(self) -> None:
-    """Ends a run at --stop-after: its state saved, a resume hint; the summary says where it stopped."""
+  def _save_now(self, save: bool = True) -> int:
+    """Waits for a pending checkpoint and (with ``save``) saves the state of the last completed round if no
+    checkpoint holds it yet; returns that round."""
     self.manager.wait_until_finished()
     done = self.state.round
-    if done and self.manager.latest_step() != done and checkpoints.save(self.manager, self.state, force=True):
+    if save and done and self.manager.latest_step() != done and checkpoints.save(self.manager, self.state,
+                                                                                force=True):
       self.manager.wait_until_finished()
+    return done
+
+  def stop_for_time(self) -> None:
+    """Ends a run at --stop-after: its state saved, a resume hint; the summary says where it stopped."""
+    done = self._save_now()
     self.stopped_after = {"seconds": self.config.stop_after, "completed_round": done}
     self.log(f"--stop-after {self.config.stop_after:g} s: stopped after round {done} of {self.config.rounds}, "
              f"checkpoint saved; to continue, rerun the same command with --resume (results so far in {self.out})")
 
   def _interrupt(self, signum: int, clean: bool) -> None:
     """Ends a stopped run: its state saved (after a completed round), summary and plot written, a resume hint."""
-    self.manager.wait_until_finished()
-    done = self.state.round
-    if clean and done and self.manager.latest_step() != done and checkpoints.save(self.manager, self.state,
-                                                                                 force=True):
-      self.manager.wait_until_finished()
+    done = self._save_now(clean)
     self.finish(interrupted={"signal": signal.Signals(signum).name, "completed_round": done})
     self.log(f"interrupted after round {done} of {self.config.rounds} ({signal.Signals(signum).name}); "
              f"to continue, rerun the same command with --resume (results so far in {self.out})")

@@ -126,3 +126,32 @@ def test_mapping_headroom_releases_programs_then_names_the_limit(monkeypatch):
   counts = iter([(950, 1000), (940, 1000)])
   with pytest.warns(RuntimeWarning), pytest.raises(RuntimeError, match=r"vm.max_map_count.*release_programs"):
     compilation.mapping_headroom()
+
+
+# Small widths of the zoo's layer kinds (dense, convolution, BatchNorm, LayerNorm and attention); the golden
+# record holds the programs of a whole run, initialization included, to the bit on the CPU that made it.
+_INIT_MODELS = (("cnn", 0.5), ("mlp", 0.5), ("resnet10", 0.125), ("vit", 0.25))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,width", _INIT_MODELS, ids=[n for n, _ in _INIT_MODELS])
+def test_a_light_program_initializes_every_model_to_the_same_bits_as_jit(name, width):
+  """What `light_jit`'s lower optimization level may compile: a model's initialization (random draws, its first
+  forward pass) gives the bits `jax.jit` gives, so the golden record's first model is unchanged."""
+  from fedjax_hetero.models import build_model
+  model = build_model(name, 10, width)
+  key, sample = jax.random.key(3), jnp.zeros((1, 28, 28, 1), jnp.float32)
+  want = jax.jit(model.init)(key, sample)
+  have = compilation.light_jit(model.init)(key, sample)
+  assert jax.tree.structure(want) == jax.tree.structure(have)
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(have)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_light_program_inside_a_trace_is_a_plain_jit():
+  """jax allows compiler options on the outermost program only: traced inside another, a light program
+  becomes part of it."""
+  double = compilation.light_jit(lambda x: 2 * x)
+  assert float(double(jnp.float32(2))) == 4.0
+  assert float(jax.jit(lambda x: double(x) + 1)(jnp.float32(2))) == 5.0
+  assert float(jax.grad(lambda x: double(x))(jnp.float32(1))) == 2.0

@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fedjax_hetero import distributed
 from fedjax_hetero.client.local import ClientOutput, LocalState, LocalTrainer
-from fedjax_hetero.compilation import ChunkPrograms, compile_side_by_side, program_cache
+from fedjax_hetero.compilation import ChunkPrograms, compile_side_by_side, light_jit, program_cache
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.hetero.maps import Variables
 from fedjax_hetero.rounds import cohort
@@ -94,6 +94,12 @@ def _run_schedule(run_steps: ChunkPrograms, trainer: LocalTrainer, num_steps: in
   return state
 
 
+def _start_jit(trainer: LocalTrainer):
+  """`light_jit` for a program starting clients when the start only draws and copies (no term computes an
+  initial value, no ``begin`` changes it), else `jax.jit`."""
+  return light_jit if trainer.begin is None and all(t.init is None for t in trainer.terms) else jax.jit
+
+
 def _take(tree, index):
   return jax.tree.map(lambda x: x[index], tree)
 
@@ -109,7 +115,7 @@ def _summed(output: ClientOutput, reductions: tuple[str | None, ...], weight) ->
 @program_cache
 def _sequential_program(trainer: LocalTrainer, schedule_length: int):
 
-  @jax.jit
+  @_start_jit(trainer)
   def start_client(start, index_table, client, num_examples, round_key, memory_row, server, inputs):
     key = jax.random.fold_in(round_key, client)
     ids, mask = trainer.schedule(index_table[client], num_examples, key, schedule_length)
@@ -134,17 +140,17 @@ def _sequential_program(trainer: LocalTrainer, schedule_length: int):
   return start_client, run_steps, accumulate
 
 
-@jax.jit
+@light_jit
 def _take_row(tree, index):
   return _take(tree, index)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
+@functools.partial(light_jit, donate_argnums=0)
 def _set_row(tree, index, row):
   return jax.tree.map(lambda x, r: x.at[index].set(r), tree, row)
 
 
-@jax.jit
+@light_jit
 def copy_tree(tree):
   """Fresh buffers holding ``tree``'s values: what a caller keeps when it hands ``tree`` to `Backend.train`,
   which updates per-client memory in place."""
@@ -153,8 +159,8 @@ def copy_tree(tree):
 
 # One compiled program instead of a trace and a dispatch per leaf every round; its outputs are fresh
 # buffers each call, as the sequential backend's `accumulate` donates them.
-_zero_result = jax.jit(empty_group_result, static_argnums=(0, 4))
-_pad_stacked = jax.jit(pad_stacked)
+_zero_result = light_jit(empty_group_result, static_argnums=(0, 4))
+_pad_stacked = light_jit(pad_stacked)
 
 
 class SequentialBackend:
@@ -227,7 +233,7 @@ def _mapped_program(trainer: LocalTrainer, schedule_length: int, per_client_star
 
   start_spec = clients if per_client_start else whole
   start_specs = (start_spec, clients, clients, whole, clients, clients, whole, clients)
-  start_cohort = jax.jit(on_devices(start_local, start_specs, (clients, clients, clients)),
+  start_cohort = _start_jit(trainer)(on_devices(start_local, start_specs, (clients, clients, clients)),
                          out_shardings=(split, split, split) if mesh else None)
 
   def run_cohort_steps(states, images, labels, ids, mask, offset, count):
@@ -265,18 +271,18 @@ def _row_programs(mesh: Mesh | None):
   split = NamedSharding(mesh, PartitionSpec("clients")) if mesh else None
   replicated = NamedSharding(mesh, PartitionSpec()) if mesh else None
 
-  @functools.partial(jax.jit, out_shardings=split)
+  @functools.partial(light_jit, out_shardings=split)
   def take_rows(tree, rows):
     # Out-of-range rows (a padding client's memory row) clip to the last row; their results are dropped.
     return jax.tree.map(lambda x: jnp.take(x, rows, axis=0, mode="clip"), tree)
 
   # Host data the same on every process becomes a replicated global array without a collective (jit
   # copies a process's local input to its own devices), unlike `jax.device_put`, which checks equality.
-  replicate = jax.jit(lambda tree: tree, out_shardings=replicated)
+  replicate = light_jit(lambda tree: tree, out_shardings=replicated)
 
   # Donated and placed as it came in, so the update is in place: a round costs the cohort's rows, not a
   # copy of every client's. Padding clients carry an out-of-range row index and are dropped.
-  @functools.partial(jax.jit, donate_argnums=0, out_shardings=replicated)
+  @functools.partial(light_jit, donate_argnums=0, out_shardings=replicated)
   def scatter_rows(memory, rows, new_rows):
     return jax.tree.map(lambda m, r: m.at[rows].set(r, mode="drop"), memory, new_rows)
 

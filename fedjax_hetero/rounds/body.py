@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_hetero.compilation import light_jit
 from fedjax_hetero.models.evaluation import EVAL_BATCH, correct_predictions
 from fedjax_hetero.rounds.inputs import RoundRows
 from fedjax_hetero.rounds.state import ServerState, server_key
@@ -51,7 +52,7 @@ class RoundOutputs(NamedTuple):
   finite: tuple[Any, ...] = ()  # per federation: whether every weight of its model after the round is finite
 
 
-@jax.jit
+@light_jit
 def all_finite(tree: Any) -> jax.Array:
   """Whether every floating-point leaf of ``tree`` is finite."""
   leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]

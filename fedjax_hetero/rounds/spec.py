@@ -21,6 +21,7 @@ import numpy as np
 
 from fedjax_hetero.client import attack
 from fedjax_hetero.client.local import LocalTrainer
+from fedjax_hetero.compilation import light_jit
 from fedjax_hetero.config import FederationConfig, LocalConfig, check_federation
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.hetero.maps import SubmodelMap, Variables, complete, extract, identity_map, pick_global, separate
@@ -162,7 +163,7 @@ class RoundSpec:
 
   @functools.cached_property
   def _extract(self) -> tuple[Any, ...]:
-    return tuple(jax.jit(lambda v, offset, m=self.federations[f].maps[i]: extract(v, m, offset))
+    return tuple(light_jit(lambda v, offset, m=self.federations[f].maps[i]: extract(v, m, offset))
                  for f, i in zip(self.federation_of, self.member_of))
 
   # ------------------------------------------------------------------------------------ the round's functions
@@ -171,7 +172,7 @@ class RoundSpec:
     """Every federation starts from one initialization of the largest model."""
     sample = jnp.zeros((1,) + tuple(self.store.images.shape[1:]), jnp.float32)
     # One jitted program: eager init compiles a random kernel per leaf shape.
-    global_vars = jax.jit(self.groups[self.global_index].model.init)(jax.random.key(self.config.seed), sample)
+    global_vars = light_jit(self.groups[self.global_index].model.init)(jax.random.key(self.config.seed), sample)
     if self.maps is not self.base_maps:
       global_vars = complete(global_vars, self.base_maps, self.maps)
     models = []

@@ -8,7 +8,9 @@ RUNS.json holds ``{"runs": [[flag, ...], ...]}``, each run's flags (the coordina
 `experiments.launch` adds them, are appended to every run), and optionally ``"die": {"run": K, "process": I,
 "round": R, "after": DIR, "stamp": PATH}``: in run K, process I kills itself (SIGKILL, as a crash or an
 out-of-memory kill would) when it is about to train round R, once DIR exists (the previous round's checkpoint,
-which the processes finish saving in the background), after writing the time to PATH.
+which the processes finish saving in the background), after writing the time to PATH; and ``"signal": {"run": K,
+"process": I, "round": R, "name": "SIGTERM"}``: in run K, process I sends itself that signal as it is about to
+train round R (a scheduler stopping one host of the job).
 """
 
 from __future__ import annotations
@@ -41,13 +43,26 @@ def _die_before(process: int, round_number: int, after: str, stamp: str) -> None
   Simulation.run_call = run_call
 
 
+def _signal_before(process: int, round_number: int, name: str) -> None:
+  train = Simulation.run_call
+
+  def run_call(self, state, count, evaluate):
+    if jax.process_index() == process and state.round + 1 == round_number:
+      os.kill(os.getpid(), getattr(signal, name))
+    return train(self, state, count, evaluate)
+
+  Simulation.run_call = run_call
+
+
 def main(argv: list[str]) -> None:
   with open(argv[0]) as f:
     spec = json.load(f)
-  die = spec.get("die")
+  die, signalled = spec.get("die"), spec.get("signal")
   for index, flags in enumerate(spec["runs"]):
     if die and die["run"] == index:
       _die_before(die["process"], die["round"], die["after"], die["stamp"])
+    if signalled and signalled["run"] == index:
+      _signal_before(signalled["process"], signalled["round"], signalled["name"])
     cli.main("fashion_mnist", [*flags, *argv[1:]])
 
 

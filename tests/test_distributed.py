@@ -6,8 +6,10 @@ Three runs of processes, shared by the tests (module fixture `runs`), on a tiny 
   sharded backend equals the sequential one is tests/test_backends.py's);
 * `experiments.launch`, 2 processes x 2 devices: the same three sharded runs, HeteroAvg last: in it process 1
   kills itself (SIGKILL) before round 2;
-* `experiments.launch` again, resuming the killed run; the resumed run is the HeteroAvg run compared with the
-  others (its round 1 from the killed processes, its round 2 from the new ones).
+* `experiments.launch` 2 x 2 again, HeteroAvg, where process 1 gets a SIGTERM of its own before round 1: both
+  processes stop after round 1, together, with a checkpoint;
+* `experiments.launch` again, resuming the killed and the signalled runs; the resumed runs are the HeteroAvg
+  run compared with the others (round 1 from the stopped processes, round 2 from the new ones).
 
 Every run goes through ``experiments.fmnist``'s command line (`tests.distributed_run` runs several in one
 process, so that they share its start-up). The bad-input tests run in this process and start nothing.
@@ -88,30 +90,38 @@ def read_rows(out) -> list[dict]:
 def runs(tmp_path_factory):
   base = tmp_path_factory.mktemp("distributed")
   out = {(m, kind): base / f"{m}-{kind}" for m in GROUPS for kind in ("1x4", "2x2")}
-  killed, stamp = out["HeteroAvg", "2x2"], base / "died_at"
+  killed, stamp, signalled = out["HeteroAvg", "2x2"], base / "died_at", base / "HeteroAvg-2x2-signalled"
   last = ("InCoAvg", "FedCross", "HeteroAvg")
   specs = {
       "single": {"runs": [flags(m, "sharded", out[m, "1x4"]) for m in GROUPS]},
       "pair": {"runs": [flags(m, "sharded", out[m, "2x2"]) for m in last],
                "die": {"run": last.index("HeteroAvg"), "process": 1, "round": 2,
                        "after": str(killed / "checkpoints" / "1"), "stamp": str(stamp)}},
-      "resume": {"runs": [flags("HeteroAvg", "sharded", killed) + ["--resume"]]}}
+      "signalled": {"runs": [flags("HeteroAvg", "sharded", signalled)],
+                    "signal": {"run": 0, "process": 1, "round": 1, "name": "SIGTERM"}},
+      "resume": {"runs": [flags("HeteroAvg", "sharded", killed) + ["--resume"],
+                          flags("HeteroAvg", "sharded", signalled) + ["--resume"]]}}
   logs = {name: open(base / f"{name}.log", "w") for name in specs}
   start = lambda name, launched: start_driver(specs[name], base / f"{name}.json", launched, logs[name])
   # The single process and the pair side by side (the pair's processes wait for each other at every collective),
-  # the resumed pair as soon as the first pair has ended.
-  procs, ended, killed_rows = {"single": start("single", False), "pair": start("pair", True)}, {}, None
+  # then one launch after another: each pair alone, so a process's death is noticed in `DEATH_NOTICE_S`.
+  procs, ended, stopped_rows = {"single": start("single", False), "pair": start("pair", True)}, {}, {}
+  after = {"pair": "signalled", "signalled": "resume"}
   deadline = time.monotonic() + TIMEOUT_S
   try:
-    while len(ended) < 3:
+    while len(ended) < len(specs):
       if time.monotonic() > deadline:
         raise TimeoutError(f"the test's processes ran for more than {TIMEOUT_S} s")
-      for name, proc in procs.items():
+      for name, proc in list(procs.items()):
         if name not in ended and proc.poll() is not None:
           ended[name] = time.time()
-      if "pair" in ended and "resume" not in procs:
-        killed_rows = [r["round"] for r in read_rows(killed)]
-        procs["resume"] = start("resume", True)
+          if name in after:
+            folder = killed if name == "pair" else signalled
+            written = folder / "summary.json"
+            summary = json.loads(written.read_text()) if written.exists() else None
+            stopped_rows[name] = ([r["round"] for r in read_rows(folder)], summary,
+                                  sorted(os.listdir(folder / "checkpoints")))
+            procs[after[name]] = start(after[name], True)
       time.sleep(0.05)
   finally:
     for proc in procs.values():
@@ -123,8 +133,9 @@ def runs(tmp_path_factory):
   for name, proc in procs.items():
     with open(base / f"{name}.log") as f:
       results[name] = (proc.returncode, f.read(), ended[name])
-  return dict(out=out, killed=killed, killed_rows=killed_rows, stamp=stamp, single=results["single"],
-              pair=results["pair"], resumed=results["resume"])
+  return dict(out=out, killed=killed, killed_rows=stopped_rows["pair"][0], stamp=stamp, single=results["single"],
+              pair=results["pair"], resumed=results["resume"], signalled=signalled,
+              signalled_stop=stopped_rows["signalled"], signalled_launch=results["signalled"])
 
 
 def test_one_process_of_four_devices_runs_every_method(runs):
@@ -185,12 +196,27 @@ def test_resume_with_the_same_processes_completes_the_killed_run(runs):
   2 x 2 and 1 x 4 agree to (test_two_processes_of_two_devices_equal_one_of_four checks every number)."""
   status, output, _ = runs["resumed"]
   assert status == 0, output[-3000:]
-  assert "resumed from round 1" in output, output[-3000:]
-  resumed, straight = read_rows(runs["killed"]), read_rows(runs["out"]["HeteroAvg", "1x4"])
-  assert [r["round"] for r in resumed] == [1, 2]
-  for a, b in zip(resumed, straight):
-    assert (a["clients"], a["examples"], a["test_accuracy"]) == (b["clients"], b["examples"], b["test_accuracy"])
-    np.testing.assert_allclose(a["train_loss"], b["train_loss"], rtol=SAME_MESH_RTOL)
+  assert output.count("resumed from round 1") == 2, output[-3000:]
+  straight = read_rows(runs["out"]["HeteroAvg", "1x4"])
+  for folder in (runs["killed"], runs["signalled"]):
+    resumed = read_rows(folder)
+    assert [r["round"] for r in resumed] == [1, 2]
+    for a, b in zip(resumed, straight):
+      assert (a["clients"], a["examples"], a["test_accuracy"]) == (b["clients"], b["examples"], b["test_accuracy"])
+      np.testing.assert_allclose(a["train_loss"], b["train_loss"], rtol=SAME_MESH_RTOL)
+
+
+def test_a_sigterm_to_one_process_stops_every_process_after_the_same_call_with_a_checkpoint(runs):
+  """(The other process waited in a collective until the heartbeat timeout, and no summary was written.) The
+  processes agree on the stop at the end of the call; resume completes the run (next test)."""
+  status, output, _ = runs["signalled_launch"]
+  assert status == 128 + signal.SIGTERM, output[-3000:]
+  assert "launch: process" in output and "exited with status 143" in output, output[-3000:]
+  assert "SIGTERM reached another process: stopping after this call" in output, output[-3000:]  # process 0
+  assert "interrupted after round 1 of 2 (SIGTERM)" in output, output[-3000:]
+  rows, summary, saved = runs["signalled_stop"]  # (as the processes left the folder, before its resume)
+  assert rows == [1] and saved == ["1"]
+  assert summary["interrupted"] == {"signal": "SIGTERM", "completed_round": 1}
 
 
 def test_resume_with_another_process_count_is_refused(runs, tmp_path, capsys, no_compute):

@@ -202,3 +202,33 @@ def test_compare_names_a_damaged_summary(two_rounds, tmp_path):
   (tmp_path / "run" / "summary.json").write_text("")
   with pytest.raises(SystemExit, match=r"^error: .*summary.json is empty$"):
     compare.main([str(tmp_path / "run"), "--output", str(tmp_path / "c.png")])
+
+
+_CLOSED_LOOP = (
+    'Traceback (most recent call last):\n'
+    '  File "/usr/lib/python3.11/asyncio/base_events.py", line 806, in call_soon_threadsafe\n'
+    '    self._check_closed()\n'
+    '  File "/usr/lib/python3.11/asyncio/base_events.py", line 519, in _check_closed\n'
+    "    raise RuntimeError('Event loop is closed')\n"
+    'RuntimeError: Event loop is closed\n')
+
+
+def test_a_failed_restores_late_reads_print_nothing_and_every_other_line_passes():
+  """(A resume that skipped a damaged checkpoint printed these tracebacks, from tensorstore's threads, two of them
+  interleaved line by line.) Written in pieces of any size, they are dropped; a real traceback, and progress text
+  without a newline, pass as they come."""
+  import io
+
+  from fedjax_hetero.run.checkpoints import _ClosedLoopNoiseDropped
+  lines = _CLOSED_LOOP.splitlines(keepends=True)
+  interleaved = "".join(a + b for a, b in zip(lines, lines))
+  real = 'Traceback (most recent call last):\n  File "train.py", line 3, in <module>\nValueError: real\n'
+  for size in (1, 7, 37, len(interleaved)):
+    out = io.StringIO()
+    stream = _ClosedLoopNoiseDropped(out)
+    text = _CLOSED_LOOP + interleaved + real
+    for i in range(0, len(text), size):
+      stream.write(text[i:i + size])
+    assert out.getvalue() == real, size
+    stream.write("\rround 3/10")
+    assert out.getvalue().endswith("\rround 3/10")

@@ -122,6 +122,40 @@ def test_a_second_run_on_a_locked_folder_fails_at_once_and_kill_9_frees_the_fold
   assert [r["round"] for r in read_rows(out)] == list(range(1, done + 3))
 
 
+def kill_9_when(proc: subprocess.Popen, ready, limit: float = 180.0) -> None:
+  """SIGKILL to ``proc`` as soon as ``ready()`` holds (polled every 10 ms)."""
+  deadline = time.monotonic() + limit
+  while not ready():
+    if proc.poll() is not None or time.monotonic() > deadline:
+      raise AssertionError(f"the run ended or stalled before the moment: {proc.communicate()[1][-2000:]}")
+    time.sleep(0.01)
+  os.kill(proc.pid, signal.SIGKILL)
+  proc.communicate()
+
+
+@pytest.mark.slow
+def test_kill_9_at_any_moment_then_the_same_command_with_resume_or_start_reaches_the_uninterrupted_rows(tmp_path):
+  """A scheduler's restarts: kill -9 before config.json exists (the run is drawing its partition), and again in
+  the middle of a call after a checkpoint; each time the same command plus --resume-or-start goes on, and the
+  rows are the uninterrupted run's, bit for bit."""
+  command = ("--rounds", "6", "--eval-every", "1", "--checkpoint-every", "2")
+  straight, out = tmp_path / "straight", tmp_path / "restarted"
+  done = run_fmnist_cli(*TINY, *command, "--output-dir", str(straight))
+  assert done.returncode == 0, done.stderr[-3000:]
+  again = lambda: start_fmnist(*command, "--output-dir", str(out), "--resume-or-start")
+  kill_9_when(again(), lambda: (out / "partition.txt").exists())
+  assert not (out / "config.json").exists() and (out / results_folder.LOCK_FILE).exists()
+  kill_9_when(again(), lambda: (out / "metrics.jsonl").exists() and len(read_rows(out)) >= 3)
+  assert os.listdir(out / "checkpoints")
+  last = again()
+  _, err = last.communicate(timeout=600)
+  assert last.returncode == 0, err[-3000:]
+  rows, want = read_rows(out), read_rows(straight)
+  assert [r["round"] for r in rows] == list(range(1, 7))
+  for a, b in zip(rows, want):
+    assert (a["train_loss"], a["test_accuracy"]) == (b["train_loss"], b["test_accuracy"]), a["round"]
+
+
 # ------------------------------------------------------------------------------------------------ overwrite
 
 

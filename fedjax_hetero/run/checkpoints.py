@@ -20,7 +20,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
+import sys
 import tempfile
 import threading
 from typing import Any, Callable
@@ -56,6 +58,65 @@ class _QuietWriteFailures(logging.Filter):
 
 logging.getLogger("absl").addFilter(_QuietUnrankedSaves())
 logging.getLogger("absl").addFilter(_QuietWriteFailures())
+
+
+class _ClosedLoopNoiseDropped:
+  """``sys.stderr`` without the tracebacks of reads that end after their restore failed.
+
+  When one array of a damaged checkpoint fails to read, orbax raises and closes the asyncio loop of the restore
+  while tensorstore still completes its other reads; each completion then fails to reach the closed loop, and
+  tensorstore prints that ``RuntimeError: Event loop is closed`` traceback (from its own threads, interleaved
+  line by line, at any later moment). The restore's failure itself is reported in one line
+  (`restore_latest_intact`). Every other line passes unchanged, and a partial line waits only while it could
+  begin one of those tracebacks."""
+
+  _TRACEBACK = "Traceback (most recent call last):"
+  _FRAME = re.compile(r'  File ".*asyncio[/\\]base_events\.py", line \d+, in (call_soon_threadsafe|_check_closed)$')
+  _BODY = ("    self._check_closed()", "    raise RuntimeError('Event loop is closed')")
+  _END = "RuntimeError: Event loop is closed"
+
+  def __init__(self, stream):
+    self.stream, self._lock = stream, threading.Lock()
+    self._partial, self._held, self._open = "", 0, 0
+
+  def write(self, text: str) -> int:
+    with self._lock:
+      self._partial += text
+      *lines, self._partial = self._partial.split("\n")
+      out = "".join(self._line(line) for line in lines)
+      if self._partial and not self._could_begin_noise(self._partial):
+        out, self._partial = out + self._partial, ""
+      if out:
+        self.stream.write(out)
+    return len(text)
+
+  def _could_begin_noise(self, partial: str) -> bool:
+    fixed = (self._TRACEBACK, self._END, *self._BODY, '  File "')
+    return partial.startswith('  File "') or any(k.startswith(partial) for k in fixed)
+
+  def _line(self, line: str) -> str:
+    if line == self._TRACEBACK:
+      self._held += 1
+      return ""
+    if self._held and self._FRAME.match(line) and line.endswith("call_soon_threadsafe"):
+      self._held, self._open = self._held - 1, self._open + 1
+      return ""
+    if self._open and (self._FRAME.match(line) or line in self._BODY):
+      return ""
+    if self._open and line == self._END:
+      self._open -= 1
+      return ""
+    held, self._held = self._held, 0
+    return (self._TRACEBACK + "\n") * held + line + "\n"
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self.stream, name)
+
+
+def _drop_closed_loop_noise() -> None:
+  """Filters ``sys.stderr`` from now on (once per process): a failed restore's reads can end at any time."""
+  if not isinstance(sys.stderr, _ClosedLoopNoiseDropped):
+    sys.stderr = _ClosedLoopNoiseDropped(sys.stderr)
 
 
 class CheckpointWriteError(OSError):
@@ -264,6 +325,8 @@ def restore_latest_intact(output_dir: str, template: ServerState,
       if os.path.isdir(root) else []
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state_tree(template))
   failures: list[tuple[int, Exception]] = []
+  if steps:  # (before the first try: a failed read's noise can come before its error does)
+    _drop_closed_loop_noise()
   for step in steps:
     try:
       _check_step_files(root, step)

@@ -4,16 +4,20 @@ While a run trains, the first of those signals asks the training loop to stop af
 (`StopRequests.requested`); the runner then waits for a pending checkpoint, saves the state, writes the
 summary and plot of the rounds done, says how to resume and raises `Interrupted`, which the command line turns
 into exit status 130 (SIGINT) or 143 (SIGTERM) without a traceback. A second Ctrl-C abandons the round in
-progress at once (the runner keeps what the last completed round left). Handlers are installed only in the
-main thread of a single-process run: the processes of a multi-process run must stop at the same round, which
-a signal to one of them cannot promise, so there the signals keep their default action.
+progress at once (the runner keeps what the last completed round left). Handlers are installed in the main
+thread. The processes of a multi-process run must stop at the same round: at the end of every call they agree
+(`StopRequests.agree`, one small collective), so a signal to any one of them (a scheduler's SIGTERM to one
+host, the launcher's to all) stops every process after the same call, each saving its part of the checkpoint.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
-from typing import Callable
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -33,8 +37,8 @@ class Interrupted(KeyboardInterrupt):
 class StopRequests:
   """A context in which SIGINT and SIGTERM set ``requested`` (the signal number) instead of ending the process."""
 
-  def __init__(self, enabled: bool, log: Callable[[str], None]):
-    self.enabled = enabled and threading.current_thread() is threading.main_thread()
+  def __init__(self, log: Callable[[str], None]):
+    self.enabled = threading.current_thread() is threading.main_thread()
     self.log, self.requested, self._previous = log, None, {}
 
   def _handle(self, signum: int, frame) -> None:
@@ -52,3 +56,16 @@ class StopRequests:
   def __exit__(self, *exc) -> None:
     for signum, handler in self._previous.items():
       signal.signal(signum, handler)
+
+  def agree(self, time_up: Sequence[bool]) -> tuple[int | None, tuple[bool, ...]]:
+    """What every process does at the end of a call: stop on the signal any of them got (the highest number
+    when they differ), and which runs' --stop-after time is up on any of them (clocks differ by process).
+    Local values in a single-process run; one small collective otherwise."""
+    flags = np.asarray([self.requested or 0, *time_up], np.int32)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      flags = np.max(np.asarray(multihost_utils.process_allgather(flags)).reshape(-1, flags.size), axis=0)
+      if flags[0] and self.requested is None:
+        self.requested = int(flags[0])
+        self.log(f"{signal.Signals(self.requested).name} reached another process: stopping after this call")
+    return (int(flags[0]) or None), tuple(bool(f) for f in flags[1:])

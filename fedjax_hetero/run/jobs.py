@@ -228,13 +228,14 @@ class _Together:
     for run in self.runs:
       run.wall_start = time.perf_counter()
     try:
-      with StopRequests(jax.process_count() == 1, self.log) as stop:
-        while stop.requested is None and self._step() and not any(r.time_up() for r in self.runs):
-          pass
-      if stop.requested is not None:
-        self._interrupt(stop.requested)
-      for run in self.runs:
-        if run.time_up():
+      with StopRequests(self.log) as stop:
+        signum, late = stop.agree([False] * len(self.runs))
+        while signum is None and not any(late) and self._step():
+          signum, late = stop.agree([r.time_up() for r in self.runs])
+      if signum is not None:
+        self._interrupt(signum)
+      for run, up in zip(self.runs, late):
+        if up:
           run.stop_for_time()
     finally:
       for i, run in enumerate(self.runs):

@@ -200,22 +200,21 @@ class _Run:
     after the round in progress, writes what it has and raises `Interrupted`."""
     self.wall_start = time.perf_counter()
     try:
-      with StopRequests(jax.process_count() == 1, self.log) as stop:
+      with StopRequests(self.log) as stop:
         try:
-          while self.state.round < self.config.rounds and stop.requested is None:
+          signum, (late,) = stop.agree([False])
+          while self.state.round < self.config.rounds and signum is None and not late:
             error = self._round()
             if error is not None:
               self._recover(error)
-            if self.time_up():
-              break
+            signum, (late,) = stop.agree([self.time_up()])
         except KeyboardInterrupt:  # a second Ctrl-C, or one before the handlers: the round in progress is lost
           self._interrupt(signal.SIGINT, clean=False)
-      if stop.requested is not None and self.state.round < self.config.rounds:
-        self._interrupt(stop.requested, clean=True)
-      if stop.requested is not None:  # (the call in progress held the last rounds: nothing is left to resume)
-        self.log(f"{signal.Signals(stop.requested).name} came as the run ended: it finished its "
-                 f"{self.config.rounds} rounds")
-      elif self.time_up():
+      if signum is not None and self.state.round < self.config.rounds:
+        self._interrupt(signum, clean=True)
+      if signum is not None:  # (the call in progress held the last rounds: nothing is left to resume)
+        self.log(f"{signal.Signals(signum).name} came as the run ended: it finished its {self.config.rounds} rounds")
+      elif late:
         self.stop_for_time()
     finally:
       self.reporter.close()

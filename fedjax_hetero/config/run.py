@@ -22,6 +22,7 @@ from fedjax_hetero.config.declare import (Custom, Flag, Integer, Number, OneOf, 
 from fedjax_hetero.config.distributed import DistributedConfig
 from fedjax_hetero.config.federation import FederationConfig, check_federation
 from fedjax_hetero.config.methods import MethodConfig
+from fedjax_hetero.config.server import ServerOptimizerConfig
 from fedjax_hetero.validation import show
 
 # The names `fedjax_hetero.rounds.backends.make_backend` accepts (tests/test_config.py holds the two equal).
@@ -175,6 +176,7 @@ class RunConfig(Settings):
       None, "end the run at the end of the first call that passes SECONDS of training (from its first round), "
       "with a checkpoint, and exit with status 75; --resume continues it bit for bit (a protocol in pieces: "
       "Colab, a GPU rented by the hour)", Number(above=0), metavar="SECONDS")
+  server: ServerOptimizerConfig = ServerOptimizerConfig()
   dissimilarity: bool = setting(
       True, "log every round's gradient dissimilarity of the client updates, for the low and the high part, per "
       "group (any method; fedjax_hetero.methods.dissimilarity)", Flag())

@@ -25,7 +25,7 @@ from fedjax_hetero import data as fdata
 from fedjax_hetero.client.terms import term_cuts
 from fedjax_hetero.config import DataConfig, RunConfig, check_federation, declare
 from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.methods import Method, build_method, check_options, dissimilarity, get_entry
+from fedjax_hetero.methods import Method, adaptive, build_method, check_options, dissimilarity, get_entry
 from fedjax_hetero.rounds import ArchGroup, RoundSpec, Simulation, assign_groups, make_backend, make_simulation
 from fedjax_hetero.run import preflight
 
@@ -142,8 +142,10 @@ def partitioned_dataset(config: RunConfig, dataset: fdata.ArrayDataset | None = 
   return dataset, parts
 
 
-def with_metrics(config: RunConfig, method: Method) -> Method:
-  """The run's method with what the run measures besides (the gradient dissimilarity, ``--dissimilarity``)."""
+def with_run_settings(config: RunConfig, method: Method) -> Method:
+  """The run's method with what the run adds to any method: its server optimizer (``--server-optimizer``) and
+  what it measures besides (the gradient dissimilarity, ``--dissimilarity``)."""
+  method = adaptive.with_server_optimizer(method, config.server)
   return dissimilarity.tracked(method, config.method.fedimpro.cut) if config.dissimilarity else method
 
 
@@ -163,7 +165,7 @@ def build_simulation(config: RunConfig, dataset: fdata.ArrayDataset | None = Non
     groups.append(ArchGroup(spec, models.build_model(name, dataset.num_classes, width), clients))
   backend = make_backend(config.backend)
   terms = ", ".join(t.name for t in method.terms)
-  spec = RoundSpec.build(groups, store, config.client, with_metrics(config, method), config.federation,
+  spec = RoundSpec.build(groups, store, config.client, with_run_settings(config, method), config.federation,
                          jnp.asarray(dataset.test_images), jnp.asarray(dataset.test_labels))
   sim = make_simulation(spec, backend, config.round_program, config.rounds_per_call)
   split = config.data.partition_file or config.data.partition

@@ -35,7 +35,7 @@ from fedjax_hetero.rounds.many import ManyRuns, NotBatchable
 from fedjax_hetero.rounds.simulation import host_loop_reason, runs_in_program
 from fedjax_hetero.rounds.spec import RoundSpec
 from fedjax_hetero.run import preflight, results_folder, runner
-from fedjax_hetero.run.build import check_downloadable, run_method, with_metrics
+from fedjax_hetero.run.build import check_downloadable, run_method, with_run_settings
 from fedjax_hetero.run.guard import DivergenceError
 from fedjax_hetero.run.interruption import Interrupted, StopRequests
 
@@ -152,7 +152,7 @@ def swept(configs: Sequence[RunConfig], methods: Sequence[Method], given: Method
     method = given if given is not None and not any(p.startswith("method.") or p.removeprefix("client.") in read
                                                     for p in values) else \
         build_method(config.method.name, config.method, config.client, checked=False)
-    return spec.with_values(local=config.client, method=with_metrics(config, method), federation=config.federation)
+    return spec.with_values(local=config.client, method=with_run_settings(config, method), federation=config.federation)
 
   return [{p: float(value_at(c, p)) for p in paths} for c in configs], specialize
 

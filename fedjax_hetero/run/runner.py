@@ -33,7 +33,7 @@ from fedjax_hetero.rounds import ServerState, Simulation
 from fedjax_hetero.rounds.rows import NonFiniteLossError
 from fedjax_hetero.run import checkpoints, continuation, metrics_log, preflight, results_folder
 from fedjax_hetero.run import history as run_history
-from fedjax_hetero.run.build import build_simulation, id_list, partitioned_dataset, run_method, with_metrics
+from fedjax_hetero.run.build import build_simulation, id_list, partitioned_dataset, run_method, with_run_settings
 from fedjax_hetero.run.guard import DivergenceError, DivergenceWatch
 from fedjax_hetero.run.interruption import Interrupted, StopRequests
 from fedjax_hetero.run.plot import plot_accuracy
@@ -152,7 +152,7 @@ class _Run:
 
   def __init__(self, config: RunConfig, log: Log, method: Method, sim: Simulation, history: run_history.History,
                main: bool):
-    self.config, self.log, self.method, self.sim = config, log, method, sim  # (the method before `with_metrics`)
+    self.config, self.log, self.method, self.sim = config, log, method, sim  # (the method before `with_run_settings`)
     self.history, self.main = history, main
     self.out = config.output.dir
     self.metrics_path = os.path.join(self.out, "metrics.jsonl")
@@ -305,7 +305,7 @@ class _Run:
     checkpoints.drop_after(self.manager, best)
     # The rounds go on with the lower learning rate, which a method may read (SCAFFOLD's correction).
     self.method = method_for(self.config, self.method)
-    self.sim = self.sim.with_values(local=self.config.client, method=with_metrics(self.config, self.method))
+    self.sim = self.sim.with_values(local=self.config.client, method=with_run_settings(self.config, self.method))
     self.state = self.sim.place(checkpoints.restore(self.manager, best, self.sim.spec.state_shapes))
     self.history.rollbacks.append({"diverged_round": error.round, "to_round": best, "reason": str(error),
                                    "learning_rate": [old_lr, self.config.client.learning_rate]})

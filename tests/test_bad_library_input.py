@@ -269,3 +269,11 @@ def test_aggregation_is_invariant_to_the_order_of_clients(cohort, data):
   inverse = np.argsort(order)
   relabelled = A.cross_aggregate(jax.tree.map(lambda x: x[order], stacked), inverse[partners[order]], 0.7)
   assert_close(relabelled, jax.tree.map(lambda x: x[order], A.cross_aggregate(stacked, partners, 0.7)))
+
+
+@pytest.mark.parametrize("args", [(shapes(**WIDE), "cnn@0.5"), ("cnn@1", shapes(**NARROW))])
+def test_a_group_map_of_something_other_than_variables_names_the_argument(args):
+  """(A model spec string where variables go raised AttributeError deep in the flattening.)"""
+  which = "group_shapes" if isinstance(args[1], str) else "global_shapes"
+  with pytest.raises(TypeError, match=rf"build_group_map: {which} must be a model's variables .* got str 'cnn@"):
+    build_group_map(*args)

@@ -30,7 +30,7 @@ def test_compare_tables_and_plots_two_runs(tmp_path):
   assert os.path.getsize(plot) > 1000
   cut = compare.main(dirs + ["--up-to-round", "1"]).splitlines()
   assert cut[2].startswith(f"| {os.path.basename(dirs[0])} | FedAvg | 1 |")
-  with pytest.raises(SystemExit, match="no evaluation"):
+  with pytest.raises(SystemExit, match="--up-to-round must be at least 1, got 0"):
     compare.main(dirs + ["--up-to-round", "0"])
   with pytest.raises(SystemExit, match="2 labels for 1 runs"):
     compare.main(dirs[:1] + ["--labels", "a,b"])
@@ -155,6 +155,10 @@ def test_main_prints_the_paired_tables_from_results_folders(tmp_path):
   assert "| B | small | 1 | +6.00" in text and "| B | 1 | 90.00 | 70.00 | +20.00 | 3 | not reached |" in text
   with pytest.raises(SystemExit, match="--window must be at least 1"):
     compare.main(dirs + ["--baseline", "A", "--window", "0"])
+  for flag in ("--last", "--up-to-round"):  # (--last -2 divided by zero; --last 0 averaged every evaluation)
+    for value in ("0", "-2"):
+      with pytest.raises(SystemExit, match=f"error: {flag} must be at least 1, got {value}"):
+        compare.main(dirs + [flag, value])
 
 
 def test_variants_spread_over_seeds_few_evaluations_and_runs_that_share_no_round(tmp_path):

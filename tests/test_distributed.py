@@ -328,3 +328,22 @@ def test_a_sigterm_to_the_launcher_reaches_every_process_and_it_waits_for_them(t
     with pytest.raises(ProcessLookupError):
       os.kill(pid, 0)
   assert "launch: SIGTERM: waiting up to 20 s for the processes to stop" in err
+
+
+def test_a_launcher_killed_outright_takes_its_processes_with_it(tmp_path):
+  """(Its processes ran on as orphans.) SIGKILL leaves the launcher no handler: the kernel signals them."""
+  (tmp_path / "sleeper.py").write_text(SLEEPER)
+  env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}", "SLEEPER_DIR": str(tmp_path)}
+  launcher = subprocess.Popen([sys.executable, "-m", "experiments.launch", "--num-processes", "2", "--", "sleeper"],
+                              cwd=REPO, env=env, stderr=subprocess.DEVNULL)
+  deadline = time.monotonic() + 60
+  while len(list(tmp_path.glob("started-*"))) < 2 and time.monotonic() < deadline:
+    time.sleep(0.05)
+  pids = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("started-*"))
+  assert len(pids) == 2
+  launcher.kill()
+  launcher.wait()
+  deadline = time.monotonic() + 20
+  while len(list(tmp_path.glob("stopped-*"))) < 2 and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("stopped-*")) == pids

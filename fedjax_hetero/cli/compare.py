@@ -262,6 +262,9 @@ def main(argv: Sequence[str] | None = None) -> str:
   p.add_argument("--per-group", action="store_true", help="with --baseline: also pair every architecture "
                  "group's accuracy, not only the mean")
   args = p.parse_args(argv)
+  for flag, value in (("--last", args.last), ("--up-to-round", args.up_to_round), ("--window", args.window)):
+    if value is not None and value < 1:
+      raise SystemExit(f"error: {flag} must be at least 1, got {value}")
   labels = args.labels.split(",") if args.labels else [os.path.basename(os.path.normpath(d)) for d in args.run_dirs]
   if len(labels) != len(args.run_dirs):
     raise SystemExit(f"error: {len(labels)} labels for {len(args.run_dirs)} runs")
@@ -276,8 +279,6 @@ def main(argv: Sequence[str] | None = None) -> str:
     except ValueError as e:
       raise SystemExit(f"error: {e}") from None
   text = table(runs, args.last, args.target)
-  if args.window is not None and args.window < 1:
-    raise SystemExit("error: --window must be at least 1")
   spread = seeds_table(runs)
   if spread:
     text += "\n\nover the runs of each method (its seeds):\n" + spread

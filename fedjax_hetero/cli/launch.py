@@ -12,14 +12,15 @@ prefixed with ``[process I]`` (or written to ``--log-dir``). If a process exits 
 ``--grace`` seconds to stop by themselves (they normally fail at their next collective) and are then
 terminated; the launcher exits with that process's status, naming it. A SIGTERM or SIGHUP to the launcher is
 passed on to every process; the launcher waits up to ``--grace`` seconds for them to end and then terminates
-the rest, so no process outlives it. On Ctrl-C the processes, which the terminal signals too, get the same
-wait.
+the rest, so no process outlives it; on Linux a launcher killed outright (SIGKILL) has the kernel send every
+process SIGTERM. On Ctrl-C the processes, which the terminal signals too, get the same wait.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -107,6 +108,18 @@ def _describe(status: int) -> str:
   return f"exited with status {status}"
 
 
+def _end_with(launcher: int) -> None:
+  """Run in each process before it starts (Linux): the kernel sends it SIGTERM when the launcher dies, even by
+  SIGKILL, so it stops after its call (with a checkpoint) instead of running on as an orphan."""
+  try:
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+  except (OSError, AttributeError):  # not Linux: a launcher killed by SIGKILL leaves its processes running
+    return
+  if os.getppid() != launcher:  # it died before the request took effect
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def launch(args: argparse.Namespace) -> int:
   """Runs the processes to the end; returns the launcher's exit status (0 when every process succeeded)."""
   port = free_port()
@@ -114,18 +127,19 @@ def launch(args: argparse.Namespace) -> int:
   if args.log_dir:
     os.makedirs(args.log_dir, exist_ok=True)
   procs, pumps, logs = [], [], []
+  end_with_launcher = functools.partial(_end_with, os.getpid())
   for i in range(args.num_processes):
     cmd = [sys.executable, "-m", *args.command, "--coordinator", f"127.0.0.1:{port}",
            "--num-processes", str(args.num_processes), "--process-id", str(i)]
     if i == 0:
-      proc = subprocess.Popen(cmd, env=env)
+      proc = subprocess.Popen(cmd, env=env, preexec_fn=end_with_launcher)
     elif args.log_dir:
       log = open(os.path.join(args.log_dir, f"process_{i}.log"), "w")
       logs.append(log)
-      proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+      proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=end_with_launcher)
     else:
       proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              errors="replace")
+                              errors="replace", preexec_fn=end_with_launcher)
       pump = threading.Thread(target=_pump, args=(proc.stdout, sys.stdout, f"[process {i}] "), daemon=True)
       pump.start()
       pumps.append(pump)

@@ -180,6 +180,10 @@ def build_group_map(global_shapes: Variables, group_shapes: Variables, group_nam
   a rolled window on every axis where it is narrower (FedRolex). Raises ValueError naming the first
   leaf that is not a sub-slice of the global one.
   """
+  for name, tree in (("global_shapes", global_shapes), ("group_shapes", group_shapes)):
+    if not isinstance(tree, Mapping):
+      raise TypeError(f"build_group_map: {name} must be a model's variables (a nested dict of arrays or shapes, e.g. "
+                      f"model.init(...) or jax.eval_shape of it), got {type(tree).__name__} {tree!r:.60}")
   global_flat = _flat_shapes(global_shapes)
   links = []
   for path, shape in _flat_shapes(group_shapes).items():

@@ -105,6 +105,16 @@ def barrier(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
+def max_over_processes(values: np.ndarray) -> np.ndarray:
+  """The elementwise maximum of every process's ``values`` (the same shape on each; ``values`` itself in a
+  single-process run): e.g. whether any process was asked to stop."""
+  if jax.process_count() == 1:
+    return values
+  from jax.experimental import multihost_utils
+  gathered = np.asarray(multihost_utils.process_allgather(values))
+  return np.max(gathered.reshape((-1,) + values.shape), axis=0)
+
+
 @contextlib.contextmanager
 def exit_on_failure(enabled: bool) -> Iterator[None]:
   """In a multi-process run (``enabled``), an error leaving the block ends the process at once, with its

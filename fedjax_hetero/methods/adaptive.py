@@ -28,9 +28,6 @@ from fedjax_hetero.config.server import ServerOptimizerConfig
 from fedjax_hetero.methods.api import Method
 from fedjax_hetero.server.steps import ServerStep
 
-REDDI_PAPER = "Adaptive Federated Optimization (Reddi et al., ICLR 2021)"
-
-
 class AdaptiveState(NamedTuple):
   m: optax.Updates  # m_t, first moment of the pseudo-gradient
   v: optax.Updates  # v_t, second moment
@@ -68,7 +65,9 @@ def adaptive_apply(o: ServerOptimizerConfig) -> ServerStep:
 
   def update(carry, state, inputs, plan):
     params, delta = carry.model["params"], carry.delta["params"]
-    covered = aggregators.weighted_coverage(inputs.weights, inputs.federation.maps, carry.model, inputs.offset)
+    covered = carry.coverage  # (from the averaging step; computed here after one that leaves it out)
+    if covered is None:
+      covered = aggregators.weighted_coverage(inputs.weights, inputs.federation.maps, carry.model, inputs.offset)
     held = jax.tree.map(lambda c, d: (c > 0) | (d != 0), covered["params"], delta)
     direction, moved = tx.update(jax.tree.map(jnp.negative, delta), state)
     params = jax.tree.map(lambda p, u, h: jnp.where(h, p - o.lr * u, p), params, direction, held)

@@ -16,8 +16,9 @@ import signal
 import threading
 from typing import Callable, Sequence
 
-import jax
 import numpy as np
+
+from fedjax_hetero import distributed
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -61,11 +62,8 @@ class StopRequests:
     """What every process does at the end of a call: stop on the signal any of them got (the highest number
     when they differ), and which runs' --stop-after time is up on any of them (clocks differ by process).
     Local values in a single-process run; one small collective otherwise."""
-    flags = np.asarray([self.requested or 0, *time_up], np.int32)
-    if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
-      flags = np.max(np.asarray(multihost_utils.process_allgather(flags)).reshape(-1, flags.size), axis=0)
-      if flags[0] and self.requested is None:
-        self.requested = int(flags[0])
-        self.log(f"{signal.Signals(self.requested).name} reached another process: stopping after this call")
+    flags = distributed.max_over_processes(np.asarray([self.requested or 0, *time_up], np.int32))
+    if flags[0] and self.requested is None:  # (a signal another process got)
+      self.requested = int(flags[0])
+      self.log(f"{signal.Signals(self.requested).name} reached another process: stopping after this call")
     return (int(flags[0]) or None), tuple(bool(f) for f in flags[1:])

@@ -63,7 +63,7 @@ def test_paired_statistics_rounds_to_target_and_dissimilarity_columns():
     compare.paired_table(runs, "C")
   rows = compare.table(runs, last=2, target=0.8).splitlines()
   assert "rounds to 80% |" in rows[0] and "dissimilarity low / high" in rows[0]
-  assert rows[2].endswith("| not reached | nan / nan | 1.0 | 2 |") and rows[5].endswith("| 2 | 1.50 / 3.00 | 1.0 | 2 |")
+  assert rows[2].endswith("| not reached | - / - | 1.0 | 2 |") and rows[5].endswith("| 2 | 1.50 / 3.00 | 1.0 | 2 |")
 
 
 def test_runs_that_would_be_merged_in_a_paired_table_are_an_error():
@@ -102,7 +102,7 @@ def test_paired_pooled_interval_best_and_rounds_ahead():
   line = compare.paired_table(paired_runs(), "A").splitlines()[2]
   assert line == (f"| B | 2 | +5.56 [{50 / 9 - half:+.2f}, {50 / 9 + half:+.2f}] | 56% of 9 | +15.00 | "
                   "s0: +4.00, s1: +7.50 |")
-  assert compare.interval(np.array([3.0]))[0] == 3.0 and np.isnan(compare.interval(np.array([3.0]))[1])
+  assert compare.interval(np.array([3.0])) == (3.0, None, None)  # one pair: no spread, no interval
 
 
 def test_windowed_means():
@@ -187,3 +187,31 @@ def test_variants_spread_over_seeds_few_evaluations_and_runs_that_share_no_round
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
   text = compare.main([str(tmp_path / label) for label, _, _ in apart] + ["--baseline", "FedAvg"])
   assert "no run pairs with FedAvg's: none has the seed of one of its runs and a round both evaluated" in text
+
+
+def test_a_single_shared_round_has_no_interval_and_nothing_prints_nan(tmp_path):
+  """One round pair has no spread: the interval says so instead of [+nan, +nan] (probe 107), in the paired and
+  the per-group table; two seeds sharing one round each are two pairs, which do have an interval."""
+  one = [fake_run("A", 0, [0.5], groups={"small": [0.4]}), fake_run("B", 0, [0.6], groups={"small": [0.45]})]
+  assert compare.paired_table(one, "A").splitlines()[2] == (
+      "| B | 1 | +10.00 [n/a: 1 shared round] | 100% of 1 | +10.00 | s0: +10.00 |")
+  assert compare.group_table(one, "A").splitlines()[2] == (
+      "| B | small | 1 | +5.00 [n/a: 1 shared round] | 100% of 1 | +5.00 |")
+  two_seeds = one + [fake_run("A", 1, [0.5]), fake_run("B", 1, [0.7])]
+  assert "+15.00 [+5.20, +24.80] | 100% of 2 |" in compare.paired_table(two_seeds, "A")
+  apart_in_time = [fake_run("A", 0, [0.5, None, 0.6]), fake_run("B", 0, [None, 0.7, 0.8])]  # share round 3 only
+  dirs = [write_run(tmp_path, *run) for run in apart_in_time]
+  text = compare.main(dirs + ["--baseline", "A", "--per-group", "--target", "0.55"])
+  assert "| B | 1 | +20.00 [n/a: 1 shared round] | 100% of 1 | +20.00 | s0: +20.00 |" in text
+  assert "n/a: 1 shared round" in text and "nan" not in text and "inf" not in text
+
+
+def test_a_statistic_without_values_shows_a_dash_not_a_number():
+  """A one-round run has no "rounds 2+" seconds (probe 114: it showed 0), and a run that logged no gradient
+  dissimilarity beside one that did has no mean of it (it showed nan / nan): both show "-", as missing values
+  do elsewhere in the tables."""
+  lines = compare.table([fake_run("A", 0, [0.5]), fake_run("B", 0, [0.6, 0.7])], last=3).splitlines()
+  assert lines[2] == "| A_s0 | A | 1 | 50.00 | 50.00 | 50.00 (of 1) | 1.0 | - |"
+  assert lines[3] == "| B_s0 | B | 2 | 70.00 | 70.00 | 65.00 (of 2) | 1.0 | 1 |"
+  spread = compare.table([fake_run("A", 0, [0.5]), fake_run("B", 0, [0.6], dissimilarity=0.5)], last=3)
+  assert "| 50.00 (of 1) | - / - | 1.0 | - |" in spread and "| 60.00 (of 1) | 0.50 / 1.00 | 1.0 | - |" in spread

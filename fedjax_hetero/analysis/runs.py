@@ -83,9 +83,10 @@ def dissimilarity_per_round(rows: Sequence[dict[str, Any]], part: str) -> list[t
   return out
 
 
-def mean_dissimilarity(rows: Sequence[dict[str, Any]], part: str) -> float:
+def mean_dissimilarity(rows: Sequence[dict[str, Any]], part: str) -> float | None:
+  """The part's gradient dissimilarity averaged over the rounds that logged it (None if none did)."""
   values = [v for _, v in dissimilarity_per_round(rows, part)]
-  return float(np.mean(values)) if values else float("nan")
+  return float(np.mean(values)) if values else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,10 +149,13 @@ def pairings(runs: Runs, baseline: str, part: str = "mean") -> list[Pairing]:
   return out
 
 
-def interval(diffs: np.ndarray, z: float = 1.96) -> tuple[float, float, float]:
-  """(mean, low, high): the mean with a normal 95% interval over the pairs (nan bounds for a single pair)."""
+def interval(diffs: np.ndarray, z: float = 1.96) -> tuple[float, float | None, float | None]:
+  """(mean, low, high): the mean with a normal 95% interval over the pairs (None bounds for a single pair,
+  which has no spread)."""
   mean = float(diffs.mean())
-  half = z * float(diffs.std(ddof=1)) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
+  if len(diffs) < 2:
+    return mean, None, None
+  half = z * float(diffs.std(ddof=1)) / math.sqrt(len(diffs))
   return mean, mean - half, mean + half
 
 

@@ -6,7 +6,8 @@ Each RUN_DIR is a results folder of ``python -m experiments.<dataset>``
 (``summary.json`` + ``metrics.jsonl``). The table lists, per run, the method,
 rounds, final and best mean accuracy, the accuracy averaged over the last few
 evaluations (less noisy than the final one; "(of N)" where a run has fewer), and the training wall time:
-round 1's apart (it compiles the programs), then the sum of the later rounds'. Where a method has several
+round 1's apart (it compiles the programs), then the sum of the later rounds' ("-" for a run of one round:
+a value the runs do not give shows as "-" in every table). Where a method has several
 runs (seeds), a second table gives the mean ± std over them of the final and best accuracy; runs of one
 method that differ in a setting (the values of a ``--sweep``) are variants of it, ``METHOD [setting=value]``,
 in every table.
@@ -18,7 +19,8 @@ lengths at equal rounds; ``--target 0.87`` adds the first round each run reached
 with the baseline's runs of the same seed, round by round at the rounds both
 evaluated, and the table gives the mean per-round difference in accuracy points
 with a 95% interval (normal, over the per-round pairs of all seeds; neighbouring
-rounds are correlated, so read it as a lower bound on the uncertainty), the
+rounds are correlated, so read it as a lower bound on the uncertainty; a single
+pair has none: "n/a: 1 shared round"), the
 fraction of rounds ahead, the best accuracy minus the baseline's best (both at
 the rounds both evaluated; averaged over the seeds), and each seed's mean
 difference. A second table gives the mean difference per window of rounds
@@ -73,14 +75,15 @@ def table(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]], last
     tail = accs[-last:]
     reached = "" if target is None else f" {rounds_to(rows, target) or 'not reached'} |"
     if spread:
-      low, high = (mean_dissimilarity(rows, part) for part in ("low", "high"))
-      reached += f" {low:.2f} / {high:.2f} |"
+      low, high = (shown(mean_dissimilarity(rows, part), ".2f") for part in ("low", "high"))
+      reached += f" {low} / {high} |"
     few = f" (of {len(tail)})" if len(tail) < last else ""
     first = next((f"{r['round_seconds']:.1f}" for r in rows if r["round"] == 1), "-")
-    later = sum(r["round_seconds"] for r in rows if r["round"] > 1)
+    later_seconds = [r["round_seconds"] for r in rows if r["round"] > 1]
+    later = shown(sum(later_seconds) if later_seconds else None, ".0f")
     lines.append(f"| {label} | {method_of(summary)} | {rows[-1]['round']} | "
                  f"{100 * accs[-1]:.2f} | {100 * max(accs):.2f} | {100 * sum(tail) / len(tail):.2f}{few} |{reached} "
-                 f"{first} | {later:.0f} |")
+                 f"{first} | {later} |")
   return "\n".join(lines)
 
 
@@ -99,15 +102,21 @@ def seeds_table(runs: Runs) -> str:
   return "\n".join(lines) if len(lines) > 2 else ""
 
 
+def shown(value: float | None, spec: str) -> str:
+  """``value`` formatted, or "-" where the runs give none (e.g. the later rounds of a one-round run)."""
+  return "-" if value is None else format(value, spec)
+
+
 def signed(value: float | None) -> str:
-  return "-" if value is None else f"{value:+.2f}"
+  return shown(value, "+.2f")
 
 
 def stats_cells(pairing: Pairing) -> str:
   """The cells shared by the paired tables: mean difference [95% interval] | rounds ahead | best - best."""
   pooled = pairing.pooled
   mean, low, high = interval(pooled)
-  return (f"{mean:+.2f} [{low:+.2f}, {high:+.2f}] | {np.mean(pooled > 0):.0%} of {len(pooled)} | "
+  bounds = "n/a: 1 shared round" if low is None or high is None else f"{low:+.2f}, {high:+.2f}"
+  return (f"{mean:+.2f} [{bounds}] | {np.mean(pooled > 0):.0%} of {len(pooled)} | "
           f"{np.mean(pairing.best):+.2f}")
 
 

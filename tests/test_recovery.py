@@ -17,12 +17,13 @@ from fedjax_hetero.config import DivergenceConfig
 from fedjax_hetero.data import synthetic_dataset
 from fedjax_hetero.methods import Method
 from fedjax_hetero.rounds import mapping
+from fedjax_hetero.rounds.rows import NonFiniteLossError
 from fedjax_hetero.rounds.state import ServerState
 from fedjax_hetero.run import checkpoints, results_folder, runner
 from fedjax_hetero.run.guard import DivergenceError, DivergenceWatch
 from fedjax_hetero.run.runner import run_experiment
 from fedjax_hetero.server import ServerStep, apply_delta, mean_delta
-from tests.test_runner import base_config, read_rows, restore
+from tests.test_runner import GROUPS, base_config, read_rows, restore
 
 # End to end (`pytest -m "not slow"` leaves it out). One worker runs the module, so its module-scoped runs train
 # once (scripts/test.sh: --dist loadgroup).
@@ -174,15 +175,18 @@ def test_rollback_restores_the_best_checkpoint_with_a_lower_learning_rate(datase
     assert json.load(f)["client"]["learning_rate"] == pytest.approx(1e-3)
 
 
-def test_rollback_gives_up_after_its_limit(dataset, healthy, tmp_path):
+def test_rollback_gives_up_after_its_limit_and_advises_a_lower_learning_rate(dataset, healthy, tmp_path):
   out = tmp_path / "limit"
   diverging, _ = healthy_then_diverging(out, healthy, on_divergence="rollback", divergence_max_rollbacks=1)
-  with pytest.raises(DivergenceError):
+  with pytest.raises(DivergenceError) as info:
     run_experiment(diverging, dataset, log=lambda _: None)
   with open(out / "summary.json") as f:
     summary = json.load(f)
   assert len(summary["rollbacks"]) == 1 and summary["rollbacks"][0]["learning_rate"] == [1e6, 5e5]
   assert summary["stopped_by_divergence"] is not None
+  message = str(info.value)
+  assert "after 1 rollback (--divergence-max-rollbacks 1), the last to learning rate 500000" in message, message
+  assert "--lr 250000" in message and "--on-divergence rollback" not in message, message
 
 
 # ------------------------------------------------------------------------------------------ damaged files
@@ -337,6 +341,51 @@ def test_a_model_turned_non_finite_by_a_server_step_is_never_evaluated_saved_or_
   root = os.path.join(config.output.dir, "checkpoints")
   steps = sorted(int(name) for name in os.listdir(root) if name.isdigit()) if os.path.isdir(root) else []
   assert steps == list(range(1, from_round)), "the round whose model is NaN is not saved (nor kept as best)"
+
+
+@pytest.mark.parametrize("sign", ["model", "loss"])
+def test_a_run_stopped_by_a_non_finite_value_with_the_guard_off_writes_its_summary_and_plot(sign, dataset, healthy,
+                                                                                           tmp_path):
+  out = tmp_path / "off"
+  if sign == "model":  # a library user's server step: NonFiniteModelError in round 3
+    config, method, first_bad = base_config(out, method="Poisoned", checkpoint_every=1, on_divergence="off"), \
+        poisoned(3), 3
+  else:  # a learning rate that overflows the loss in round 4 (after the healthy three)
+    config, method, first_bad = healthy_then_diverging(out, healthy)[0].replace(
+        on_divergence="off", optimizer="sgd", learning_rate=1e30), None, 4
+    for name in ("summary.json", "accuracy.png"):  # the healthy run's
+      os.remove(out / name)
+  with pytest.raises(NonFiniteLossError, match=rf"^round {first_bad}: .*results of rounds 1-{first_bad - 1} in "):
+    run_experiment(config, dataset, log=lambda _: None, method=method)
+  with open(out / "summary.json") as f:
+    summary = json.load(f)
+  stopped = summary["stopped_by_divergence"]
+  assert stopped["round"] == first_bad and stopped["reason"].startswith(f"round {first_bad}: "), stopped
+  assert summary["final_round"] == first_bad - 1 and summary["best_mean_accuracy"] is not None
+  assert (out / "accuracy.png").stat().st_size > 0
+
+
+def resumed_with_nothing_to_train(config, dataset) -> tuple[dict, list[str]]:
+  logs = []
+  summary = run_experiment(config, dataset, log=logs.append)
+  [said] = [line for line in logs if "nothing to train" in line]
+  return summary, said
+
+
+def test_a_resume_with_nothing_left_evaluates_a_last_round_the_schedule_left_out_then_keeps_the_summary(dataset,
+                                                                                                         tmp_path):
+  out = tmp_path / "stopped"
+  run_experiment(base_config(out, rounds=4, checkpoint_every=1, stop_after=1e-9), dataset, log=lambda _: None)
+  assert [r["test_accuracy"] for r in read_rows(out)] == [None], "stopped after round 1, which eval_every 2 skips"
+  summary, said = resumed_with_nothing_to_train(base_config(out, rounds=1, checkpoint_every=1, resume=True), dataset)
+  assert "evaluated its last round" in said, said
+  [row] = read_rows(out)
+  assert summary["final_accuracy"] == row["test_accuracy"] and set(row["test_accuracy"]) == {*GROUPS, "mean"}
+  assert summary["best_round"] == 1 and summary["stopped_after"] is None
+  kept = (out / "summary.json").read_text()
+  again, said = resumed_with_nothing_to_train(base_config(out, rounds=1, checkpoint_every=1, resume=True), dataset)
+  assert "evaluated" not in said and (out / "summary.json").read_text() == kept, "a finished run's summary stays"
+  assert again == json.loads(kept)
 
 
 def test_a_resume_that_would_do_nothing_or_cannot_restore_says_so_before_training(dataset, two_rounds, tmp_path):

@@ -21,7 +21,11 @@ if TYPE_CHECKING:
 
 
 class NonFiniteLossError(FloatingPointError):
-  """Local training diverged; names the round and architecture group."""
+  """Local training diverged; names the round (``round``, 1-based) and architecture group."""
+
+  def __init__(self, message: str, round_: int | None = None):
+    super().__init__(message)
+    self.round = round_
 
 
 class NonFiniteModelError(NonFiniteLossError):
@@ -50,7 +54,7 @@ def group_loss(round_index: int, group: str, loss_sum: float, num_examples: floa
   """A group's mean training loss in round ``round_index`` (0-based); `NonFiniteLossError` if it is not finite."""
   loss = float(loss_sum) / max(float(num_examples), 1.0)
   if not math.isfinite(loss):
-    raise NonFiniteLossError(f"round {round_index + 1}: training loss of group {group} is {loss}")
+    raise NonFiniteLossError(f"round {round_index + 1}: training loss of group {group} is {loss}", round_index + 1)
   return loss
 
 
@@ -81,7 +85,8 @@ def call_row(spec: "RoundSpec", call: Call, i: int, outputs: "RoundOutputs", sec
   for f, finite in zip(spec.federations, outputs.finite):
     if not bool(finite):
       raise NonFiniteModelError(f"round {r + 1}: the model of group(s) {', '.join(names[g] for g in f.members)} has "
-                                f"non-finite weights after {spec.method.name}'s server step (the losses were finite)")
+                                f"non-finite weights after {spec.method.name}'s server step (the losses were finite)",
+                                r + 1)
   server: dict[str, Any] = {}
   for f in spec.federations:
     if any(len(cohorts[g]) for g in f.members):

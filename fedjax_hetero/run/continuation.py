@@ -7,8 +7,9 @@ this command may continue it; `prepare_folder` makes the folder (or clears it fo
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 
@@ -66,3 +67,17 @@ def check_rounds_left(config: RunConfig) -> None:
   if done > config.rounds:
     raise ValueError(f"--rounds {config.rounds}: the run in {config.output.dir!r} has trained {done} rounds already; "
                      f"pass --rounds above {done} to continue it (its results stay as they are)")
+
+
+def finished_summary(output_dir: str, last_row: dict[str, Any]) -> dict[str, Any] | None:
+  """The folder's summary.json if it is that of a run finished at ``last_row`` (not stopped or interrupted before
+  it, its final accuracy that row's), else None: a resume with nothing to train keeps it as it is."""
+  path = os.path.join(output_dir, "summary.json")
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    saved = json.load(f)
+  finished = (isinstance(saved, dict) and saved.get("final_round") == last_row["round"]
+              and saved.get("final_accuracy") == last_row["test_accuracy"]
+              and not any(saved.get(key) for key in ("interrupted", "stopped_after", "stopped_by_divergence")))
+  return saved if finished else None

@@ -24,7 +24,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from fedjax_hetero.config.run import DivergenceConfig
+from fedjax_hetero.config.run import DivergenceConfig, RunConfig
 
 
 class DivergenceError(FloatingPointError):
@@ -34,6 +34,30 @@ class DivergenceError(FloatingPointError):
     super().__init__(message)
     self.round = round_
     self.group = group
+
+
+def diverged_round(error: Exception, default: int) -> int:
+  """The round a non-finite value's error names (`rounds.rows.NonFiniteLossError`), else ``default``."""
+  return getattr(error, "round", None) or default
+
+
+def stop_advice(config: RunConfig, rollbacks_tried: int, best: int | None, checkpoint_dir: str) -> str:
+  """What the error of a run the guard stopped advises: a rollback while the run tried none (--on-divergence
+  stop), a lower learning rate once its rollbacks ran out (``config`` holds the rate the last one left)."""
+  if best is None:
+    return "no checkpoint with an evaluation was saved, so there is nothing to keep or roll back to"
+  kept = f"the best checkpoint (round {best}) is kept in {checkpoint_dir}"
+  guard, rate = config.divergence, config.client.learning_rate
+  if guard.action == "stop":
+    return f"{kept}: --on-divergence rollback restarts from it with a lower learning rate"
+  lower = f"--lr {rate * guard.rollback_lr_factor:g}"
+  if not rollbacks_tried:
+    return (f"{kept}; --divergence-max-rollbacks 0 allows no rollback: raise it, or lower the learning rate "
+            f"(e.g. {lower} --resume)")
+  return (f"it diverged again after {rollbacks_tried} rollback{'s' if rollbacks_tried != 1 else ''} "
+          f"(--divergence-max-rollbacks {guard.max_rollbacks}), the last to learning rate {rate:g}: lower it "
+          f"further, e.g. {lower} --resume (from the latest checkpoint) or {lower} --overwrite (from the start); "
+          f"{kept}")
 
 
 def at_chance(accuracy: float, num_classes: int) -> bool:

@@ -34,7 +34,7 @@ from fedjax_hetero.rounds.rows import NonFiniteLossError
 from fedjax_hetero.run import checkpoints, continuation, metrics_log, preflight, results_folder
 from fedjax_hetero.run import history as run_history
 from fedjax_hetero.run.build import build_simulation, id_list, partitioned_dataset, run_method, with_run_settings
-from fedjax_hetero.run.guard import DivergenceError, DivergenceWatch
+from fedjax_hetero.run.guard import DivergenceError, DivergenceWatch, diverged_round, stop_advice
 from fedjax_hetero.run.interruption import Interrupted, StopRequests
 from fedjax_hetero.run.plot import plot_accuracy
 from fedjax_hetero.run.reporting import Reporter
@@ -160,6 +160,7 @@ class _Run:
     self.state: ServerState | None = None
     self.wall_start = 0.0
     self.stopped_after: dict[str, Any] | None = None  # where --stop-after ended this process's training
+    self.kept_summary: dict[str, Any] | None = None  # a finished run's summary, kept by a resume that adds nothing
     self.reporter = Reporter(config, sim.spec.method.name, log, main)
 
   def begin(self, state: ServerState, changed: str | None) -> None:
@@ -179,10 +180,21 @@ class _Run:
     if state.round < self.config.rounds:
       self.history.next_segment(self.config, state.round + 1, reason)
     elif state.round:
-      self.log(f"{self.out}: the run has its {state.round} rounds already; nothing to train (a larger --rounds "
-               "continues it)")
+      self.kept_summary = self._nothing_to_train(state)
     self.state = state
     self._rewrite()
+
+  def _nothing_to_train(self, state: ServerState) -> dict[str, Any] | None:
+    """A resume with no round left: its last round, now the final one, evaluated if --eval-every left it out (a
+    run stopped early, resumed with --rounds as done); returns the folder's summary when it has nothing to add."""
+    last, rounds = self.rows[-1], f"{state.round} round{'s' if state.round != 1 else ''}"
+    if last["test_accuracy"] is None:
+      self.rows[-1] = {**last, "test_accuracy": self.sim.evaluate(state)}
+      self.log(f"{self.out}: the run has its {rounds} already; nothing to train: evaluated its last round, which "
+               "--eval-every had left out (a larger --rounds continues it)")
+      return None
+    self.log(f"{self.out}: the run has its {rounds} already; nothing to train (a larger --rounds continues it)")
+    return continuation.finished_summary(self.out, last)
 
   def _rewrite(self) -> None:
     """config.json and metrics.jsonl as they stand, and the guard and best accuracy rebuilt from the rows."""
@@ -262,10 +274,17 @@ class _Run:
     return self.accept(state, rows)
 
   def diverged(self, error: NonFiniteLossError) -> DivergenceError:
-    """A non-finite loss of the next call as the divergence it shows (raised when the guard is off)."""
-    if self.config.divergence.action == "off":
-      raise error
-    return DivergenceError(str(error), self.state.round + 1, None)
+    """A non-finite loss or model of the next call as the divergence it shows. With the guard off the run stops
+    here: its summary and plot are written, and the error is raised, naming where they are."""
+    round_ = diverged_round(error, self.state.round + 1)
+    if self.config.divergence.action != "off":
+      return DivergenceError(str(error), round_, None)
+    self.manager.wait_until_finished()
+    self.finish({"round": round_, "group": None, "reason": str(error),
+                 "best_checkpoint": checkpoints.best_step(self.manager)})
+    done = self.state.round
+    where = f"results of rounds 1-{done} in {self.out}" if done else f"no round completed; summary in {self.out}"
+    raise type(error)(f"{error} ({where})", round_) from None
 
   def accept(self, state: ServerState, rows: list[dict[str, Any]]) -> DivergenceError | None:
     """A call's new state and rows logged and checkpointed (see `_round`)."""
@@ -316,14 +335,15 @@ class _Run:
   def _stop(self, error: DivergenceError, best: int | None) -> None:
     """Ends a diverged run: the summary says where and why, and the error names the best checkpoint."""
     self.finish({"round": error.round, "group": error.group, "reason": str(error), "best_checkpoint": best})
-    where = (f"; the best checkpoint (round {best}) is kept in {self.manager.directory}: --on-divergence rollback "
-             "restarts from it with a lower learning rate" if best is not None else
-             "; no checkpoint with an evaluation was saved, so there is nothing to keep or roll back to")
-    raise DivergenceError(f"{error}{where}", error.round, error.group) from None
+    advice = stop_advice(self.config, len(self.history.rollbacks), best, self.manager.directory)
+    raise DivergenceError(f"{error}; {advice}", error.round, error.group) from None
 
   def finish(self, stopped: dict[str, Any] | None = None, interrupted: dict[str, Any] | None = None
              ) -> dict[str, Any]:
-    """Writes summary.json and accuracy.png (process 0); returns the summary."""
+    """Writes summary.json and accuracy.png (process 0); returns the summary (a finished run's, as it was, when
+    a resume had nothing to add: `_nothing_to_train`)."""
+    if self.kept_summary is not None and stopped is None and interrupted is None:
+      return self.kept_summary
     summary = {**self.summary(stopped), "interrupted": interrupted, "stopped_after": self.stopped_after}
     if self.main:
       with open(os.path.join(self.out, "summary.json"), "w") as f:

@@ -17,8 +17,10 @@ import os
 import re
 from typing import Any
 
-from fedjax_hetero.config import RunConfig
+from fedjax_hetero.config import RunConfig, declare
 from fedjax_hetero.config.run import FLAGS
+
+_LEAVES_BY_PATH = {leaf.path: leaf for leaf in FLAGS.values()}
 from fedjax_hetero.run import history
 
 
@@ -104,8 +106,7 @@ def _check_layout(tree: dict[str, Any], lines: dict[str, int]) -> None:
                      f"{where}. Write them under their sections, or write the whole file as flag names")
 
 
-def read_config(path: str) -> RunConfig:
-  """The `RunConfig` of a JSON (``.json``) or YAML (``.yaml``/``.yml``) file; ValueError naming the file."""
+def _read(path: str) -> tuple[Any, dict[str, int]]:
   flag = f"--config {path!r}"
   if not os.path.isfile(path):
     raise ValueError(f"{flag} is not a file")
@@ -117,12 +118,35 @@ def read_config(path: str) -> RunConfig:
     raise ValueError(f"{flag}: {e}") from None
   if not isinstance(tree, dict):
     raise ValueError(f"{flag} must hold a mapping of settings, got {type(tree).__name__}")
+  return tree, lines
+
+
+def known_lines(path: str | None) -> dict[str, int]:
+  """The line of each setting of the config file ``path`` (by dotted path), for the messages that name it; empty
+  without a file or for one that cannot be read (`read_config` has said why)."""
+  if path is None:
+    return {}
+  try:
+    _, lines = _read(path)
+  except ValueError:
+    return {}
+  return {(FLAGS[key].path if key in FLAGS else key): line for key, line in lines.items()}
+
+
+def read_config(path: str) -> RunConfig:
+  """The `RunConfig` of a JSON (``.json``) or YAML (``.yaml``/``.yml``) file; ValueError naming the file. A
+  method option the file's method does not read stays in it, for the build step to refuse."""
+  flag = f"--config {path!r}"
+  tree, lines = _read(path)
   for key in (history.SEGMENTS, history.ROLLBACKS, history.PROCESSES):
     tree.pop(key, None)
   ignored: list[str] = []
+  names = {leaf.cli: f"{key} (line {lines[key]})" for key, leaf in
+           ((key, FLAGS.get(key) or _LEAVES_BY_PATH.get(key)) for key in lines) if leaf is not None and lines[key]}
   try:
     _check_layout(tree, lines)
-    config = history.upgrade(tree, ignored)
+    with declare.named_from(names):
+      config = history.upgrade(tree, ignored, own_options_only=False)
   except (TypeError, ValueError) as e:
     raise ValueError(f"{flag}: {e}") from None
   if ignored:

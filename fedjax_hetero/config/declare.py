@@ -8,7 +8,8 @@ Everything else about a setting is derived from that field:
 * its command-line flag: ``--`` and the flag name with dashes, unless the declaration spells it
   (``spelling="--lr"``);
 * its ``config.json`` key: its dotted path in the tree (``client.learning_rate``);
-* the check run when the dataclass is built (`validate`), whose message names the command-line flag;
+* the check run when the dataclass is built (`validate`), whose message names the command-line flag, or where the
+  value came from if not from a flag (`named_from`: a preset, a config file's line, a sweep);
 * its entry in ``--help`` and in docs/cli.md (`fedjax_hetero.cli.flags`).
 
 A config dataclass derives from `Settings`, declares every field with `setting` (or as a nested `Settings`
@@ -18,13 +19,17 @@ package but `fedjax_hetero.validation`, so that every config module can use it.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import dataclasses
-from typing import Any, Callable, ClassVar, Iterator, NamedTuple
+from typing import Any, Callable, ClassVar, Iterator, Mapping, NamedTuple
 
 from fedjax_hetero.validation import check_bool, check_choice, check_integer, check_number, check_text
 
 _KEY = "fedjax_hetero.setting"
+# Command-line flag -> how messages name that setting while its value comes from elsewhere (`named_from`).
+_NAMES: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar("fedjax_hetero_setting_names", default={})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,18 +155,36 @@ def field_named(owner: type, name: str) -> dataclasses.Field:
   return next(f for f in dataclasses.fields(owner) if f.name == name)
 
 
+@contextlib.contextmanager
+def named_from(names: Mapping[str, str]) -> Iterator[None]:
+  """Within it, messages name the settings of ``names`` (command-line flag -> name) by that name: a setting a
+  preset, a config file or a sweep gave is reported as, e.g., ``clients_per_round (from --preset inco-cpu)``,
+  not as a flag the user never passed."""
+  token = _NAMES.set({**_NAMES.get(), **names})
+  try:
+    yield
+  finally:
+    _NAMES.reset(token)
+
+
+def in_messages(flag: str) -> str:
+  """How a message names the setting whose command-line flag is ``flag`` (see `named_from`)."""
+  return _NAMES.get().get(flag, flag)
+
+
 def cli_name(owner: Any, name: str) -> str:
-  """The command-line flag of field ``name`` of the config class (or instance) ``owner``: ``--lr``."""
+  """How a message names field ``name`` of the config class (or instance) ``owner``: its command-line flag
+  (``--lr``), or where its value came from (`named_from`)."""
   owner = owner if isinstance(owner, type) else type(owner)
-  return spelling(owner, field_named(owner, name))
+  return in_messages(spelling(owner, field_named(owner, name)))
 
 
 def validate(config: Any) -> None:
-  """Runs every declared field's check on ``config``; ValueError naming the command-line flag."""
+  """Runs every declared field's check on ``config``; ValueError naming the setting (`cli_name`)."""
   for field in dataclasses.fields(config):
     decl = declaration(field)
     if decl is not None:
-      decl.check(spelling(type(config), field), getattr(config, field.name), field.default is None)
+      decl.check(in_messages(spelling(type(config), field)), getattr(config, field.name), field.default is None)
     elif is_settings(field.default) and not isinstance(getattr(config, field.name), type(field.default)):
       value = getattr(config, field.name)
       raise ValueError(f"{field.name} must be a {type(field.default).__name__}, got {type(value).__name__}")

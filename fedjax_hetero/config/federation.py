@@ -9,7 +9,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fedjax_hetero.config.declare import Custom, Integer, Number, OneOf, Settings, cli_name, setting, validate
+from fedjax_hetero.config.declare import (Custom, Integer, Number, OneOf, Settings, cli_name, in_messages, setting,
+                                          validate)
 from fedjax_hetero.validation import SEED_MAX
 
 WEIGHTINGS = ("uniform", "num_samples")  # of a client's delta in the server's mean
@@ -76,11 +77,11 @@ def check_federation(federation: FederationConfig, num_clients: int, group_names
   """Raises ValueError, naming the flags, if the clients, architecture groups and cohort size do not fit
   together, or (given the built ``method``, a `methods.Method`) do not fit the method: one group for a method
   that trains one, two clients per round for the stacked sharing (FedCross)."""
-  clients_flag, per_round_flag = "--num-clients", cli_name(FederationConfig, "clients_per_round")
-  groups_flag, per_round = "--groups", federation.clients_per_round
+  clients_flag, per_round_flag = in_messages("--num-clients"), cli_name(FederationConfig, "clients_per_round")
+  groups_flag, per_round = in_messages("--groups"), federation.clients_per_round
   if num_clients < len(group_names):
-    raise ValueError(f"{clients_flag} {num_clients} is fewer than the {len(group_names)} architecture groups "
-                     f"({groups_flag}); every group needs a client")
+    raise ValueError(f"{clients_flag} {num_clients} is fewer than the {len(group_names)} architecture groups of "
+                     f"{groups_flag}; every group needs a client")
   if per_round > num_clients:
     raise ValueError(f"{per_round_flag} {per_round} exceeds {clients_flag} {num_clients}")
   fraction = federation.malicious_fraction
@@ -96,7 +97,7 @@ def check_federation(federation: FederationConfig, num_clients: int, group_names
     return
   if method.one_group and len(group_names) != 1:
     raise ValueError(f"{method.name} trains one architecture group, got {len(group_names)} "
-                     f"({', '.join(group_names)}) {method.one_group}; pass one (e.g. {groups_flag} cnn)")
+                     f"({', '.join(group_names)}) {method.one_group}; pass one (e.g. --groups cnn)")
   if method.sharing.stacked and per_round < 2:
     raise ValueError(f"{per_round_flag} must be >= 2 for {method.name}: it cross-aggregates one middleware model "
                      f"per client of a round, got {per_round}")

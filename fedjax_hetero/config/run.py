@@ -18,7 +18,7 @@ from fedjax_hetero import models
 from fedjax_hetero.config.client import LocalConfig
 from fedjax_hetero.config.data import DataConfig
 from fedjax_hetero.config.declare import (Custom, Flag, Integer, Number, OneOf, Settings, Text, cli_name, flag_table,
-                                          leaves, setting, validate)
+                                          in_messages, leaves, setting, validate)
 from fedjax_hetero.config.distributed import DistributedConfig
 from fedjax_hetero.config.federation import FederationConfig, check_federation
 from fedjax_hetero.config.methods import MethodConfig
@@ -258,5 +258,6 @@ _SPELLINGS = {**{leaf.path: leaf.cli for leaf in leaves(RunConfig())},
 
 
 def cli_flag(path: str) -> str:
-  """The command-line flag of the setting at dotted path ``path`` (``client.learning_rate`` -> ``--lr``)."""
-  return _SPELLINGS[path]
+  """How a message names the setting at dotted path ``path``: its command-line flag (``client.learning_rate`` ->
+  ``--lr``), or where its value came from (`declare.named_from`)."""
+  return in_messages(_SPELLINGS[path])

@@ -29,9 +29,6 @@ from fedjax_hetero.methods import Method, adaptive, build_method, check_options,
 from fedjax_hetero.rounds import ArchGroup, RoundSpec, Simulation, assign_groups, make_backend, make_simulation
 from fedjax_hetero.run import preflight
 
-GROUPS_FLAG = declare.cli_name(RunConfig, "groups")
-
-
 def run_method(config: RunConfig, method: Method | None = None) -> Method:
   """The run's method, checked against the config: built from the catalog by ``config.method`` (its name and
   option families), or ``method`` itself (a method declared by value, whose name the config must carry).
@@ -77,10 +74,11 @@ def _check_models(config: RunConfig, method: Method) -> None:
       for term in method.terms:
         term_cuts(term, wrapped)
     except ValueError as e:
-      raise ValueError(f"{GROUPS_FLAG}, group {spec}: {e}") from None
+      raise ValueError(f"{declare.cli_name(RunConfig, 'groups')}, group {spec}: {e}") from None
     if getattr(wrapped, "scaler", False) and widest != 1:
       raise ValueError(f"{method.name}'s Scaler divides each group's outputs by its width, which is its rate of the "
-                       f"global model only when the widest group has width 1; {GROUPS_FLAG} widest is {widest:g} "
+                       f"global model only when the widest group has width 1; the widest of "
+                       f"{declare.cli_name(RunConfig, 'groups')} is {widest:g} "
                        "(add a width-1 group, or --no-heterofl-scaler)")
 
 

@@ -92,10 +92,11 @@ def read(output_dir: str, log: Callable[[str], None] = print) -> SavedRun | None
   return None
 
 
-def upgrade(tree: dict[str, Any], ignored: list[str]) -> RunConfig:
+def upgrade(tree: dict[str, Any], ignored: list[str], own_options_only: bool = True) -> RunConfig:
   """A `RunConfig` from a saved tree of this or an older layout: a flat one (one value per flag), or the nested
   one with a flat method (``method.fedfa_graft``, ``method.prox_mu``/``fedprox_mu``). Unknown names go to
-  ``ignored``; options of families the run's method does not read are dropped (older configs kept them all)."""
+  ``ignored``; unless ``own_options_only`` is False (a user's config file, checked later), options of families
+  the run's method does not read are dropped (older configs kept them all)."""
   preset = None
   sections = [f.name for f in dataclasses.fields(RunConfig) if dataclasses.is_dataclass(f.default)]
   sections_only = [name for name in sections if name not in FLAGS]  # a flat layout has "method", a flag
@@ -112,7 +113,8 @@ def upgrade(tree: dict[str, Any], ignored: list[str]) -> RunConfig:
     raise ValueError(f"{', '.join(repr(name) for name in malformed)} must be an object of settings")
   tree = dict(tree)
   tree["method"] = _upgraded_method(dict(tree.get("method", {})), preset)
-  return _own_options_only(from_dict(tree, ignored))
+  config = from_dict(tree, ignored)
+  return _own_options_only(config) if own_options_only else config
 
 
 def _upgraded_method(method: dict[str, Any], fedgen_preset: str | None) -> dict[str, Any]:

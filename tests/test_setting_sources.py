@@ -1,0 +1,110 @@
+"""A setting's source travels with it into every message: a value a preset, a config file or a sweep gave is
+named as theirs, never as a flag the user did not pass (`fedjax_hetero.config.declare.named_from`); and what a
+file or a sweep says is either used or refused, never dropped in silence."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+
+from fedjax_hetero.cli import run as cli
+
+
+def fails(capsys, dataset: str, argv: list[str]) -> str:
+  with pytest.raises(SystemExit) as exit_:
+    cli.main(dataset, argv)
+  assert exit_.value.code == 2
+  message = capsys.readouterr().err.strip()
+  assert message.startswith("error: ") and "\n" not in message, message
+  return message
+
+
+def written(tmp_path, name: str, text: str) -> str:
+  path = tmp_path / name
+  path.write_text(text)
+  return str(path)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--preset", "inco-cpu", "--num-clients", "7"],
+     "error: clients_per_round (from --preset inco-cpu) 10 exceeds --num-clients 7"),
+    (["--preset", "inco-cpu", "--num-clients", "3"],
+     "error: --num-clients 3 is fewer than the 5 architecture groups of groups (from --preset inco-cpu); every group "
+     "needs a client"),
+])
+def test_a_presets_value_is_named_as_the_presets(capsys, tmp_path, no_compute, argv, expected):
+  assert fails(capsys, "fashion_mnist", argv + ["--output-dir", str(tmp_path / "o")]) == expected
+
+
+def test_a_config_files_value_is_named_with_its_line(capsys, tmp_path, no_compute):
+  both = written(tmp_path, "both.yaml", "num_clients: 4\nclients_per_round: 9\n")
+  assert fails(capsys, "synthetic", ["--config", both]) == (
+      f"error: --config {both!r}: clients_per_round (line 2) 9 exceeds num_clients (line 1) 4")
+  one = written(tmp_path, "one.yaml", "federation:\n  clients_per_round: 9\n")
+  assert fails(capsys, "synthetic", ["--config", one, "--num-clients", "4", "--output-dir", str(tmp_path / "o")]) == (
+      f"error: federation.clients_per_round (from --config {one}, line 2) 9 exceeds --num-clients 4")
+
+
+@pytest.mark.parametrize("sweep, message", [
+    ("client.learning_rate=0.1,-1", r"client.learning_rate \(from --sweep\) must be a finite number > 0, got -1.0"),
+    ("data.alpha=0.5,-1", r"data.alpha \(from --sweep\) must be a finite number > 0, got -1.0"),
+])
+def test_a_swept_value_is_named_as_the_sweeps(capsys, tmp_path, no_compute, sweep, message):
+  assert re.fullmatch("error: " + message, fails(capsys, "synthetic", [
+      "--output-dir", str(tmp_path / "o"), "--sweep", sweep]))
+
+
+def test_a_flag_beside_the_sweep_of_its_setting_is_refused_not_ignored(capsys, tmp_path, no_compute):
+  assert fails(capsys, "synthetic", ["--output-dir", str(tmp_path / "o"), "--sweep", "client.learning_rate=0.1,0.2",
+                                     "--lr", "0.05"]) == (
+      "error: --sweep client.learning_rate gives every run its value: drop --lr, or add its value to the sweep's")
+
+
+def test_the_hosts_integers_sweep_as_docs_many_runs_says(tmp_path):
+  from fedjax_hetero.run.jobs import parse_sweep, runs_of
+  config, *_ = cli.parse(["--output-dir", str(tmp_path / "o")], "synthetic")
+  runs = runs_of(config, None, [parse_sweep("federation.sample_seed=1,2", config),
+                                parse_sweep("divergence.max_rollbacks=2,3", config)])
+  assert [(r.federation.sample_seed, type(r.federation.sample_seed)) for r in runs] == [(1, int)] * 2 + [(2, int)] * 2
+  assert [r.divergence.max_rollbacks for r in runs] == [2, 3, 2, 3]
+  with pytest.raises(ValueError, match=r"expected federation.sample_seed=V1,V2,... with integers"):
+    parse_sweep("federation.sample_seed=1,2.5", config)
+
+
+def test_a_files_option_its_method_does_not_read_is_refused_with_its_line(capsys, tmp_path, no_compute):
+  nested = written(tmp_path, "nested.yaml", "method:\n  name: HeteroAvg\n  prox:\n    mu: 0.5\n")
+  assert fails(capsys, "synthetic", ["--config", nested, "--output-dir", str(tmp_path / "o")]).startswith(
+      f"error: method.prox.mu (from --config {nested}, line 4) applies to FedProx, ")
+  flat = written(tmp_path, "flat.yaml", "method: HeteroAvg\nprox_mu: 0.5\n")
+  assert "method.prox.mu (from --config" in fails(capsys, "synthetic", ["--config", flat, "--output-dir",
+                                                                        str(tmp_path / "o")])
+
+
+@pytest.mark.parametrize("name, text", [("nested.yaml", "method:\n  name: HeteroAvg\n  prox:\n    mu: 0.5\n"),
+                                        ("flat.yaml", "method: HeteroAvg\nprox_mu: 0.5\n")])
+def test_a_files_option_reaches_the_method_given_as_a_flag_or_is_dropped_saying_so(tmp_path, name, text):
+  path = written(tmp_path, name, text)
+  config, _, args, _ = cli.parse(["--config", path, "--method", "FedProx", "--output-dir", str(tmp_path / "o")],
+                                 "synthetic")
+  assert (config.method.name, config.method.prox.mu, args.notes) == ("FedProx", 0.5, [])
+  config, _, args, _ = cli.parse(["--config", path, "--method", "FedAvg", "--output-dir", str(tmp_path / "o")],
+                                 "synthetic")
+  assert config.method.prox.mu == 0.1
+  assert args.notes == [f"note: method.prox.mu 0.5 of --config {path} is left at its default 0.1: --method FedAvg "
+                        "does not read it"]
+
+
+def test_resuming_from_a_copied_folders_config_json_asks_which_folder(capsys, tmp_path, no_compute):
+  original, copy = tmp_path / "original", tmp_path / "copy"
+  os.makedirs(copy)
+  config, *_ = cli.parse(["--output-dir", str(original)], "synthetic")
+  (copy / "config.json").write_text(json.dumps({"output": {"dir": str(original)}, "rounds": config.rounds}))
+  (copy / "metrics.jsonl").write_text("")
+  os.makedirs(original)
+  assert fails(capsys, "synthetic", ["--config", str(copy / "config.json"), "--resume"]) == (
+      f"error: --config '{copy / 'config.json'}' lies in the run folder '{copy}' but names '{original}' as its "
+      f"run's (a copied folder?); pass --output-dir {copy} to resume the run there, or --output-dir {original} for "
+      "the one it names")

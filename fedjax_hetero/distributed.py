@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import traceback
 from typing import Iterator
@@ -113,6 +114,52 @@ def max_over_processes(values: np.ndarray) -> np.ndarray:
   from jax.experimental import multihost_utils
   gathered = np.asarray(multihost_utils.process_allgather(values))
   return np.max(gathered.reshape((-1,) + values.shape), axis=0)
+
+
+# How a collective fails when another process is gone (jax 0.10's texts, under several exception types): gloo's
+# connection to it (CPU collectives), or jax's coordination service, which names the silent process by its id.
+_GLOO_FAILED = re.compile(r"Gloo \w+ failed")
+_GLOO_CAUSES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
+                "Timed out")
+_SILENT_TASK = re.compile(r"Task (\d+) heartbeat timeout|stopped sending heartbeats\):\s*(\d+)")
+
+
+def lost_process(error: BaseException, process: int, processes: int) -> str | None:
+  """The one line (without ``error:``) for a collective of process ``process`` of ``processes`` that failed
+  because another process is gone (killed, crashed), naming that process where the error or the process count
+  tells which, and how to resume; None for any other error."""
+  texts = []
+  while error is not None and len(texts) < 8:
+    texts.append(str(error))
+    error = error.__cause__ or error.__context__
+  text = "\n".join(texts)
+  silent = _SILENT_TASK.search(text)
+  if silent and int(silent.group(1) or silent.group(2)) == process:  # (this process was too slow: not a loss)
+    return None
+  if silent:
+    lost, how = f"process {silent.group(1) or silent.group(2)}", "jax's coordination service: its heartbeats stopped"
+  elif _GLOO_FAILED.search(text):
+    lost = f"process {1 - process}" if processes == 2 else "another process"
+    how = "gloo: " + next((c for c in _GLOO_CAUSES if c in text), "its connection failed") + ", in a collective"
+  else:
+    return None
+  return (f"process {process} of {processes}: {lost} stopped ({how}); it was killed or crashed (see its output). "
+          "To continue, start the run again with --resume, every process: it goes on from the last checkpoint "
+          "they all saved")
+
+
+@contextlib.contextmanager
+def lost_process_named() -> Iterator[None]:
+  """In a multi-process run, a collective that fails because another process is gone ends this process at once
+  with `lost_process`'s line and status `FAILED`, instead of gloo's or jax's text (or a traceback)."""
+  try:
+    yield
+  except Exception as e:  # noqa: BLE001 - the types that carry these failures vary (ValueError, JaxRuntimeError, ...)
+    line = lost_process(e, jax.process_index(), jax.process_count()) if jax.process_count() > 1 else None
+    if line is None:
+      raise
+    print(f"error: {line}", file=sys.stderr)
+    _exit_now(FAILED)
 
 
 @contextlib.contextmanager

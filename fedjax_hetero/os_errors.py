@@ -2,7 +2,7 @@
 
 Libraries wrap the `OSError` that stopped them (orbax in its own exceptions, matplotlib in a `ValueError`
 at times), so `describe` looks down an error's chain of causes for the first one that says which file and
-which errno.
+which errno. `StdoutLog` prints the CLI's lines on a stdout whose reader may go away (``| head``).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import sys
 from typing import Iterator
 
 
@@ -19,7 +20,8 @@ _ADVICE = {errno.ENOSPC: "free some space or choose another --output-dir",
            errno.EROFS: "the file system is mounted read-only; choose another --output-dir",
            errno.EACCES: "check the permissions (and for chattr +i: lsattr)",
            errno.EPERM: "check the permissions (and for chattr +i: lsattr)",
-           errno.ENAMETOOLONG: "a path component may hold at most 255 bytes"}
+           errno.ENAMETOOLONG: "a path component may hold at most 255 bytes",
+           errno.EPIPE: "the reader of a pipe went away, as stdout's does with `| head`"}
 
 
 def _chain(error: BaseException) -> Iterator[BaseException]:
@@ -80,4 +82,39 @@ def describe(error: BaseException, context: str = "") -> str:
   if isinstance(error, OSError) and error.errno is None:
     return _first_line(error)
   path = failed_path(error)
-  return f"{path}: {reason(error)}" if path else reason(error) + (f" {context}" if context else "")
+  if path:
+    return f"{path}: {reason(error)}"
+  broken_pipe = (root_os_error(error) or OSError()).errno == errno.EPIPE  # (the reader's doing, not the context's)
+  return reason(error) + (f" {context}" if context and not broken_pipe else "")
+
+
+class StdoutLog:
+  """The CLI's lines on stdout (a `print` flushed at once), surviving a reader that goes away (``| head -1``).
+
+  At the first broken pipe, ``stdout_closed`` turns true: a training run then stops as on SIGPIPE, its state
+  saved (`interruption.StopRequests.agree`); stdout's descriptor is pointed at /dev/null (so that no later
+  flush, Python's at exit included, fails again) and the lines that follow, the run's resume hint among them,
+  go to stderr. The line that met the closed pipe is dropped: its reader wanted no more."""
+
+  def __init__(self):
+    self.stdout_closed = False
+
+  def __call__(self, line: str) -> None:
+    if self.stdout_closed:
+      print(line, file=sys.stderr, flush=True)
+      return
+    try:
+      print(line, flush=True)
+    except BrokenPipeError:
+      self.stdout_closed = True
+      point_at_devnull(sys.stdout)
+
+
+def point_at_devnull(stream) -> None:
+  """Points ``stream``'s descriptor at /dev/null: what it still buffers, and writes to come, go nowhere."""
+  try:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, stream.fileno())
+    os.close(devnull)
+  except (OSError, ValueError):  # (a stream without a descriptor: nothing flushes to the closed pipe later)
+    pass

@@ -164,7 +164,7 @@ BAD_FLAGS = [
 @pytest.mark.parametrize("args, fragment", BAD_FLAGS, ids=[a for a, _ in BAD_FLAGS])
 def test_the_cli_rejects_bad_values_before_loading_data(args, fragment, tmp_path, capsys, monkeypatch, no_compute):
   save_partition_file(str(tmp_path / "three.npz"), some_parts(3))
-  monkeypatch.setattr(cli, "run_checked", lambda *_: pytest.fail("the run started"))
+  monkeypatch.setattr(cli, "run_checked", lambda *_, **__: pytest.fail("the run started"))
   argv = shlex.split(f"--groups cnn@0.25 --num-clients 10 --no-progress --compile-cache off "
                      f"--output-dir {tmp_path}/out {args}".format(tmp=tmp_path))
   with pytest.raises(SystemExit) as info:
@@ -217,7 +217,7 @@ def test_sample_seed_changes_the_cohorts_alone():
 
 def test_inco_authors_cpu_preset(monkeypatch, tmp_path, capsys):
   configs = []
-  monkeypatch.setattr(cli, "run_checked", lambda c, *_: configs.append(c) or {
+  monkeypatch.setattr(cli, "run_checked", lambda c, *_, **__: configs.append(c) or {
       "final_accuracy": {}, "best_mean_accuracy": None, "train_seconds_all_rounds": 0.0})
   split = str(tmp_path / "split.npz")
   save_partition_file(split, some_parts(100, used=1000))

@@ -54,7 +54,7 @@ BAD_FLAGS = [
     ("--clients-per-round 11", "--clients-per-round 11 exceeds --num-clients 10"),
     ("--num-clients 0", "--num-clients must be an integer >= 1, got 0"),
     ("--num-clients -3", "--num-clients must be an integer >= 1, got -3"),
-    ("--num-clients 1 --clients-per-round 1", "--num-clients 1 is fewer than the 2 architecture groups (--groups)"),
+    ("--num-clients 1 --clients-per-round 1", "--num-clients 1 is fewer than the 2 architecture groups of --groups"),
     ("--classes-per-client 0 --partition shards", "--classes-per-client must be an integer >= 1, got 0"),
     ("--rounds 0", "--rounds must be an integer >= 1, got 0"),
     ("--eval-every 0", "--eval-every must be an integer >= 1, got 0"),
@@ -141,7 +141,7 @@ BAD_FLAGS = [
 ]
 
 
-def _must_not_run(config, *_):
+def _must_not_run(config, *_, **__):
   raise AssertionError("the CLI started a run with a bad input")
 
 
@@ -173,7 +173,7 @@ def test_the_cli_rejects_a_bad_flag_before_loading_data(args, fragment, tmp_path
 def test_every_case_is_listed_once_and_the_base_run_is_valid(tmp_path, capsys, monkeypatch):
   assert len({args for args, _ in BAD_FLAGS}) == len(BAD_FLAGS)
   configs = []
-  monkeypatch.setattr(cli, "run_checked", lambda config, *_: configs.append(config) or {
+  monkeypatch.setattr(cli, "run_checked", lambda config, *_, **__: configs.append(config) or {
       "final_accuracy": {}, "best_mean_accuracy": None, "train_seconds_all_rounds": 0.0})
   cli.main("fashion_mnist", shlex.split(fill(BASE_ARGS, tmp_path)))
   assert len(configs) == 1 and configs[0].data.max_test_samples == 50

@@ -364,7 +364,7 @@ def test_cli_flags_reach_the_method_and_bad_ones_stop_before_compute(tmp_path, c
   base = ["--groups", "resnet10,resnet14", "--num-clients", "10", "--rounds", "1", "--no-progress",
           "--compile-cache", "off", "--output-dir", str(tmp_path / "out")]
   configs = []
-  monkeypatch.setattr(cli, "run_checked", lambda config, *_: configs.append(config) or {
+  monkeypatch.setattr(cli, "run_checked", lambda config, *_, **__: configs.append(config) or {
       "final_accuracy": {}, "best_mean_accuracy": None, "train_seconds_all_rounds": 0.0})
   cli.main("fashion_mnist", base + ["--method", "fedfa", "--no-fedfa-graft", "--fedfa-norm", "rms",
                                                          "--fedfa-percentile", "90"])

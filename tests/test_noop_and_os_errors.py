@@ -11,6 +11,7 @@ import json
 import os
 import shlex
 import subprocess
+import sys
 
 import pytest
 
@@ -18,6 +19,7 @@ from fedjax_hetero import os_errors
 from fedjax_hetero.cli import run as cli
 from fedjax_hetero.data import synthetic_dataset
 from fedjax_hetero.run.runner import run_experiment
+from tests.helpers import REPO
 from tests.test_bad_input import BASE_ARGS
 from tests.test_runner import base_config
 
@@ -177,3 +179,33 @@ def test_a_round_without_a_local_step_reports_no_loss_or_speed_and_a_collapsed_w
   preflight._warn_collapsed_layers(RunConfig.from_flags(groups=("cnn@0.01", "cnn@0.5")), (28, 28, 1), 10, logs.append)
   assert logs == ["warning: group cnn@0.01: width 0.01 leaves 3 layer(s) with a single unit (['params']['conv1'], "
                   "['params']['conv2'], ['params']['fc1']); its model has 90 parameters and may not learn at all"]
+
+
+def test_a_broken_pipe_names_the_pipe_not_the_output_folder():
+  """(A closed stdout read "Broken pipe (EPIPE) (writing in --output-dir ...)": the folder was never at fault.)"""
+  line = os_errors.describe(BrokenPipeError(32, "Broken pipe"), "(writing in --output-dir '/runs/x')")
+  assert "--output-dir" not in line and line.startswith("Broken pipe (EPIPE; the reader of a pipe went away"), line
+
+
+@pytest.mark.slow
+def test_a_run_whose_stdout_is_closed_stops_after_its_round_and_resumes(tmp_path):
+  """``... | head -1``: the reader goes away after the first line. The run stops after the round in progress as on
+  a signal (exit status 141, SIGPIPE's), says so on stderr, and --resume finishes it."""
+  out = tmp_path / "out"
+  program = "import sys; from fedjax_hetero.cli.run import main; main('synthetic', sys.argv[1:])"
+  command = [sys.executable, "-c", program,
+             *shlex.split(f"--groups mlp@0.5 --num-clients 4 --clients-per-round 2 --no-progress --eval-every 1 "
+                          f"--checkpoint-every 1 --output-dir {out} --rounds 4")]
+  reader = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  assert reader.stdout.readline().startswith("synthetic: ")
+  reader.stdout.close()  # (head -1 exits)
+  err = reader.stderr.read()
+  assert reader.wait(timeout=300) == 141, err
+  assert "Traceback" not in err and "--output-dir" not in err and "Exception ignored" not in err, err
+  assert "stdout was closed (broken pipe): stopping after this call, as on SIGPIPE" in err, err
+  assert "(SIGPIPE); to continue, rerun the same command with --resume" in err, err
+  summary = json.loads((out / "summary.json").read_text())
+  assert summary["interrupted"]["signal"] == "SIGPIPE", summary
+  resumed = subprocess.run(command + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert resumed.returncode == 0, resumed.stderr
+  assert json.loads((out / "summary.json").read_text())["final_round"] == 4

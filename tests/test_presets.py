@@ -16,7 +16,7 @@ def captured(monkeypatch):
   """Runs `cli.main` without compute; returns the configs it would have run."""
   configs = []
 
-  def fake_run(config, *_):
+  def fake_run(config, *_, **__):
     configs.append(config)
     return {"final_accuracy": {}, "best_mean_accuracy": None, "train_seconds_all_rounds": 0.0}
 

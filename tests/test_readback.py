@@ -5,6 +5,7 @@ checkpoint's recorded round its folder's name. Each error names the file (and li
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -183,6 +184,24 @@ def test_a_checkpoint_whose_round_is_not_its_folder_name_is_skipped_as_damaged(d
   assert any("checkpoints/3 cannot be restored (ValueError: it records round 2, but its folder is named 3)" in line
              for line in logs), logs
   assert "resumed from round 1" in logs
+  same_history(config, straight, dataset)
+
+
+@pytest.mark.parametrize("leftover", ["3.orbax-checkpoint-tmp", "3.orbax-checkpoint-tmp-1795791056"])
+def test_the_unfinished_save_of_a_killed_run_is_removed_quietly_on_resume(dataset, straight, two_rounds, tmp_path,
+                                                                          caplog, leftover):
+  """(kill -9 during a save leaves orbax's temporary folder, as below; the resume printed orbax's warnings about it.)"""
+  config = copy_of(two_rounds, tmp_path / "run", rounds=4)
+  unfinished = tmp_path / "run" / "checkpoints" / leftover
+  (unfinished / "default.orbax-checkpoint-tmp").mkdir(parents=True)
+  (unfinished / "_CHECKPOINT_METADATA").write_text('{"item_handlers": null, "metrics": {}, "custom_metadata": {}}')
+  logs = []
+  with caplog.at_level("WARNING"):
+    run_experiment(config, dataset, log=logs.append)
+  assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING], "orbax warned"
+  assert not unfinished.exists()
+  assert logs[1:3] == [f"removed {unfinished}: a checkpoint save that did not finish (the process ended during it)",
+                      "resumed from round 2"], logs
   same_history(config, straight, dataset)
 
 

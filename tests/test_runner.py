@@ -310,7 +310,7 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(dataset, tmp_
 
 
 def test_cli_reports_divergence_as_an_error(monkeypatch, capsys, tmp_path):
-  def diverge(config, *_):
+  def diverge(config, *_, **__):  # (the CLI passes its log by name)
     raise NonFiniteLossError("round 7: training loss of group cnn@0.5 is nan")
 
   monkeypatch.setattr(cli, "run_checked", diverge)

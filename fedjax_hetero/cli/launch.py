@@ -30,6 +30,8 @@ import threading
 import time
 from typing import IO, Iterator, Sequence
 
+from fedjax_hetero.os_errors import point_at_devnull
+
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 COORDINATOR_FLAGS = ("--coordinator", "--num-processes", "--process-id", "--distributed")
 POLL_SECONDS = 0.1
@@ -94,9 +96,17 @@ def process_env(devices: int, base: dict[str, str] | None = None) -> dict[str, s
 
 
 def _pump(stream: IO[str], out: IO[str], prefix: str) -> None:
+  """``stream``'s lines to ``out``, prefixed; once ``out`` is closed (``| head``) the lines are read and dropped,
+  so that the process never blocks on a full pipe."""
   for line in stream:
-    out.write(prefix + line)
-    out.flush()
+    if out is None:
+      continue
+    try:
+      out.write(prefix + line)
+      out.flush()
+    except BrokenPipeError:
+      point_at_devnull(out)  # (what it still buffers would fail again at exit)
+      out = None
 
 
 def _describe(status: int) -> str:
@@ -184,9 +194,12 @@ def _supervise(procs: list[subprocess.Popen], grace: float) -> int:
   if failed is None:
     return 0
   others = [f"process {i} {_describe(p.returncode)}" for i, p in enumerate(procs) if i != failed]
-  print(f"launch: failed: process {failed} {_describe(procs[failed].returncode)}"
-        + (f" ({'; '.join(others)})" if others else ""), file=sys.stderr, flush=True)
   code = procs[failed].returncode
+  # (The others may have had no chance to say it: jax ends a process waiting on a dead one with its own abort.)
+  resume = ("; to continue, launch again with --resume added to the run's flags: it goes on from the last "
+            "checkpoint every process saved") if code < 0 else ""
+  print(f"launch: failed: process {failed} {_describe(code)}" + (f" ({'; '.join(others)})" if others else "")
+        + resume, file=sys.stderr, flush=True)
   return code if code > 0 else 1
 
 

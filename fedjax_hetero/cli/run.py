@@ -17,19 +17,19 @@ from typing import Any, Callable, NoReturn, Sequence
 from fedjax_hetero import distributed, os_errors
 from fedjax_hetero import data as fdata
 from fedjax_hetero.cli import flags
-from fedjax_hetero.cli.config_file import read_config
+from fedjax_hetero.cli.config_file import known_lines, read_config
 from fedjax_hetero.cli.datasets import DATASETS, defaults_for
 from fedjax_hetero.cli.flags import methods_help
 from fedjax_hetero.cli.presets import PRESETS, Preset, get_preset, paper_deviations, values_for
 from fedjax_hetero.compilation import CACHE_ENV, enable_persistent_cache
-from fedjax_hetero.config import DistributedConfig, FedGenConfig, RunConfig, as_dict, flatten
+from fedjax_hetero.config import DistributedConfig, FedGenConfig, RunConfig, as_dict, declare, flatten
 from fedjax_hetero.config.run import FLAGS
 from fedjax_hetero.config.distributed import from_flags as distributed_settings
 from fedjax_hetero.config.options import FEDGEN_PRESETS
 from fedjax_hetero.methods import get_entry
 from fedjax_hetero.run.build import run_method
 from fedjax_hetero.run.interruption import Interrupted
-from fedjax_hetero.run.jobs import parse_sweep, run_jobs, runs_of
+from fedjax_hetero.run.jobs import parse_sweep, run_jobs, runs_of, sweep_names
 from fedjax_hetero.run.preflight import check_settings
 from fedjax_hetero.run.runner import run_checked
 
@@ -69,6 +69,12 @@ def run_defaults(argv: Sequence[str] | None, dataset: str) -> tuple[RunConfig, P
     raise ValueError(f"--config {known.config!r} holds the settings of the run in {defaults.output.dir!r} (they name "
                      "it as their folder); pass --output-dir for a new run from them, or --resume to continue "
                      "that run")
+  if (known.config is not None and _copied_run_folder(known.config, defaults)
+      and any(_given(argv, f) for f in ("--resume", "--resume-or-start")) and not _given(argv, "--output-dir")):
+    folder = os.path.dirname(known.config) or "."
+    raise ValueError(f"--config {known.config!r} lies in the run folder {folder!r} but names {defaults.output.dir!r} "
+                     f"as its run's (a copied folder?); pass --output-dir {folder} to resume the run there, or "
+                     f"--output-dir {defaults.output.dir} for the one it names")
   chosen = None if known.preset is None else get_preset(known.preset)
   if chosen is not None:
     method = known.method or chosen.values.get("method", defaults.method.name)
@@ -100,9 +106,12 @@ def _flags_given(parser: argparse.ArgumentParser, argv: Sequence[str] | None) ->
   return {dest for dest in dests if getattr(probe, dest) is not unset}
 
 
-def _without_unread_options(config: RunConfig, sources: dict[str, str]) -> RunConfig:
-  """The method options a file or preset set for a method the run does not have (``--method`` chose another) back
-  at their defaults: they were that method's, not this run's (an option given as a flag stays, to be refused)."""
+def _without_unread_options(config: RunConfig, sources: dict[str, str], method_given: bool,
+                            notes: list[str]) -> RunConfig:
+  """The method options a preset set for a method the run does not have back at their defaults (a preset's values
+  apply to the methods that read them), and a config file's too when ``--method`` chose another method than the
+  file's (each one dropped says so in ``notes``). A file's option its own method does not read stays, and so does
+  one given as a flag: the build step refuses them (`methods.check_options`)."""
   entry = get_entry(config.method.name, missing_ok=True)
   if entry is None:
     return config
@@ -110,13 +119,26 @@ def _without_unread_options(config: RunConfig, sources: dict[str, str]) -> RunCo
   for kind in config.method.families():
     if kind in entry.options:
       continue
-    paths = {leaf.path for leaf in FLAGS.values() if leaf.owner is kind}
-    reset.update({FLAGS_BY_PATH[path].flag: FLAGS_BY_PATH[path].default for path in paths if path in sources})
+    for leaf in (leaf for leaf in FLAGS.values() if leaf.owner is kind and leaf.path in sources):
+      source = sources[leaf.path]
+      if source.startswith("--config") and not method_given:
+        continue
+      reset[leaf.flag] = leaf.default
+      if source.startswith("--config"):
+        notes.append(f"note: {leaf.path} {flatten(config)[leaf.path]!r} of {source} is left at its default "
+                     f"{leaf.default!r}: --method {config.method.name} does not read it")
   return config.replace(**reset) if reset else config
 
 
 def _given(argv: Sequence[str] | None, flag: str) -> bool:
   return any(arg == flag or arg.startswith(flag + "=") for arg in (sys.argv[1:] if argv is None else argv))
+
+
+def _copied_run_folder(path: str, config: RunConfig) -> bool:
+  """Whether a config file is the config.json of a run folder other than the one it names (e.g. a copy)."""
+  folder = os.path.dirname(os.path.abspath(path))
+  in_a_run = os.path.basename(path) == "config.json" and os.path.exists(os.path.join(folder, "metrics.jsonl"))
+  return in_a_run and not (os.path.isdir(config.output.dir) and os.path.samefile(folder, config.output.dir))
 
 
 def _names_its_own_folder(path: str, config: RunConfig) -> bool:
@@ -200,21 +222,44 @@ def parse(argv: Sequence[str] | None, dataset: str, description: str | None = No
   given = _flags_given(parser, argv)
   if args.seeds and "seed" in given:
     fail("--seed and --seeds exclude each other: --seeds gives every run its seed")
-  # Where each setting not given as a flag came from, for the messages about it (`preflight.check_settings`).
+  # Where each setting not given as a flag came from, for the messages about it (`preflight.check_settings`), and
+  # how messages name it (`declare.named_from`).
+  args.flags_given = given
   args.setting_sources = {path: source for path, source in sources.items()
                           if path not in FLAGS_BY_PATH or FLAGS_BY_PATH[path].flag not in given}
+  args.setting_names = setting_names(args.setting_sources, known_lines(args.config))
   if getattr(args, "coarse", False):
     args.dataset = f"{args.dataset}_coarse"
+  args.notes = []
   try:
-    config = _without_unread_options(flags.config_from_args(args), args.setting_sources)
-    processes = distributed_settings(*(getattr(args, name) for name in DISTRIBUTED_FLAGS))
-    processes.check_backend(config.backend)
-    config.data.check_paths()
-    config.output.check_paths()
-    _check_compile_cache(args.compile_cache)
+    with declare.named_from(args.setting_names):
+      config = _without_unread_options(flags.config_from_args(args), args.setting_sources, "method" in given,
+                                       args.notes)
+      processes = distributed_settings(*(getattr(args, name) for name in DISTRIBUTED_FLAGS))
+      processes.check_backend(config.backend)
+      config.data.check_paths()
+      config.output.check_paths()
+      _check_compile_cache(args.compile_cache)
   except ValueError as e:
     fail(str(e))
   return config, processes, args, chosen
+
+
+def setting_names(sources: dict[str, str], lines: dict[str, int]) -> dict[str, str]:
+  """Command-line flag -> how messages name that setting, for the settings a preset or a config file gave:
+  ``clients_per_round (from --preset inco-cpu)``, ``federation.clients_per_round (from --config run.yaml, line
+  3)``."""
+  names = {}
+  for path, source in sources.items():
+    leaf = FLAGS_BY_PATH.get(path)
+    if leaf is None:
+      continue
+    if source.startswith("--config"):
+      line = lines.get(path)
+      names[leaf.cli] = f"{path} (from {source}" + (f", line {line})" if line else ")")
+    else:
+      names[leaf.cli] = f"{leaf.flag} (from {source})"
+  return names
 
 
 def _describe_preset(chosen: Preset, config: RunConfig) -> str:
@@ -224,11 +269,12 @@ def _describe_preset(chosen: Preset, config: RunConfig) -> str:
   return f"preset {chosen.name}: {'REDUCED SCALE. ' if chosen.reduced else ''}{chosen.description}{note}"
 
 
-def _run(runs: Sequence[RunConfig], train: Callable[[], list[dict[str, Any]]], main_process: bool
-         ) -> list[dict[str, Any]]:
+def _run(runs: Sequence[RunConfig], train: Callable[[], list[dict[str, Any]]], main_process: bool,
+         log: Callable[[str], None] = print) -> list[dict[str, Any]]:
   """The summaries of ``train()`` (the runs ``runs``), printed; errors and signals end the command."""
   try:
-    summaries = train()
+    with distributed.lost_process_named():  # (a collective failing as another process died: one line naming it)
+      summaries = train()
   except Interrupted as e:  # the run wrote its folder and said how to resume
     raise SystemExit(e.exit_status) from None
   except (ValueError, fdata.DataNotFoundError, FloatingPointError) as e:
@@ -238,10 +284,10 @@ def _run(runs: Sequence[RunConfig], train: Callable[[], list[dict[str, Any]]], m
     fail(os_errors.describe(e, f"(writing in --output-dir {runs[0].output.dir!r}{where})"), 1)
   if main_process:
     for run, summary in zip(runs, summaries):
-      print(json.dumps({"final_accuracy": summary["final_accuracy"] or {},
-                        "best_mean_accuracy": summary["best_mean_accuracy"],
-                        "train_seconds": round(summary["train_seconds_all_rounds"], 1),
-                        "output_dir": run.output.dir}, indent=1), flush=True)
+      log(json.dumps({"final_accuracy": summary["final_accuracy"] or {},
+                      "best_mean_accuracy": summary["best_mean_accuracy"],
+                      "train_seconds": round(summary["train_seconds_all_rounds"], 1),
+                      "output_dir": run.output.dir}, indent=1))
   if any(summary.get("stopped_after") for summary in summaries):
     raise SystemExit(STOPPED_AFTER_STATUS)
   return summaries
@@ -254,6 +300,19 @@ def main(dataset: str = "fashion_mnist", argv: Sequence[str] | None = None, desc
   config, processes, args, chosen = parse(argv, dataset, description, coarse_labels)
   try:
     sweeps = [parse_sweep(text, config) for text in args.sweep]
+  except ValueError as e:
+    fail(str(e))
+  with declare.named_from({**args.setting_names, **sweep_names(sweeps)}):
+    return _main(config, processes, args, chosen, sweeps)
+
+
+def _main(config: RunConfig, processes: DistributedConfig, args: argparse.Namespace, chosen: Preset | None,
+          sweeps: list[tuple[str, tuple[float, ...]]]) -> dict[str, Any] | list[dict[str, Any]]:
+  try:
+    for name, _ in sweeps:
+      if FLAGS_BY_PATH[name].flag in args.flags_given:
+        raise ValueError(f"--sweep {name} gives every run its value: drop {FLAGS_BY_PATH[name].cli}, or add its "
+                         "value to the sweep's")
     if args.runs_per_program is not None and args.runs_per_program < 1:
       raise ValueError(f"--runs-per-program must be at least 1, got {args.runs_per_program}")
     runs = runs_of(config, args.seeds, sweeps) if sweeps else seed_runs(config, args.seeds)
@@ -275,16 +334,19 @@ def main(dataset: str = "fashion_mnist", argv: Sequence[str] | None = None, desc
     except OSError as e:
       fail(f"--compile-cache {args.compile_cache!r} cannot be used: {e}")
     main_process = distributed.is_main_process() if processes.enabled else True
+    log = os_errors.StdoutLog()  # (a closed stdout, as with `| head`, stops the run as SIGPIPE would)
     if chosen is not None and main_process:
-      print(_describe_preset(chosen, config), flush=True)
+      log(_describe_preset(chosen, config))
+    for note in args.notes if main_process else ():
+      log(note)
     if len(runs) == 1:
-      summaries = _run(runs, lambda: [run_checked(runs[0], methods[0])], main_process)
+      summaries = _run(runs, lambda: [run_checked(runs[0], methods[0], log=log)], main_process, log)
     else:
-      log = print if main_process else (lambda _: None)
-      summaries = _run(runs, lambda: run_jobs(runs, methods, log, args.runs_per_program), main_process)
+      jobs_log = log if main_process else (lambda _: None)
+      summaries = _run(runs, lambda: run_jobs(runs, methods, jobs_log, args.runs_per_program), main_process, log)
   if args.seeds and main_process:
-    print(f"paired by seed: python -m experiments.compare {' '.join(r.output.dir for r in runs)} "
-          "RUNS_OF_ANOTHER_METHOD --baseline " + config.method.name)
+    log(f"paired by seed: python -m experiments.compare {' '.join(r.output.dir for r in runs)} "
+        "RUNS_OF_ANOTHER_METHOD --baseline " + config.method.name)
   return summaries if len(runs) > 1 or args.seeds else summaries[0]
 
 

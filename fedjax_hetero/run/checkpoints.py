@@ -31,6 +31,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import serialization
 
+from fedjax_hetero import distributed
 from fedjax_hetero.os_errors import failed_path, reason, root_os_error
 from fedjax_hetero.rounds.state import ServerState
 from fedjax_hetero.validation import first_line
@@ -56,8 +57,18 @@ class _QuietWriteFailures(logging.Filter):
     return not ("orbax" in record.pathname and error is not None and _is_write_failure(error))
 
 
+class _QuietLostProcess(logging.Filter):
+  """A save whose cross-process barrier failed because another process is gone is logged by orbax's threads
+  with a traceback; the process then ends with one line naming the lost process (`distributed.lost_process`)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    error = record.exc_info[1] if record.exc_info else None
+    return not ("orbax" in record.pathname and error is not None and distributed.lost_process(error, 0, 2))
+
+
 logging.getLogger("absl").addFilter(_QuietUnrankedSaves())
 logging.getLogger("absl").addFilter(_QuietWriteFailures())
+logging.getLogger("absl").addFilter(_QuietLostProcess())
 
 
 class _ClosedLoopNoiseDropped:
@@ -313,14 +324,32 @@ def _check_step_files(root: str, step: int) -> None:
       raise ValueError(f"it records round {recorded}, but its folder is named {step}")
 
 
+# The temporary folder of a save that did not finish (a process killed during it): orbax's ``3.orbax-checkpoint-tmp``
+# (some versions add ``-<timestamp>``), renamed to ``3`` only once the whole checkpoint is written.
+_UNFINISHED_SAVE = re.compile(r"^\d+\.orbax-checkpoint-tmp(-\d+)?$")
+
+
+def _remove_unfinished_saves(root: str, log: Callable[[str], None]) -> None:
+  """Removes what interrupted saves left in ``root``, one line each (orbax warned about it at the next save of
+  the round, or kept it for good)."""
+  for name in sorted(os.listdir(root)):
+    path = os.path.join(root, name)
+    if _UNFINISHED_SAVE.match(name):
+      shutil.rmtree(path, ignore_errors=True)
+      if not os.path.exists(path):  # (one that cannot be removed: orbax's next save of the round names the cause)
+        log(f"removed {path}: a checkpoint save that did not finish (the process ended during it)")
+
+
 def restore_latest_intact(output_dir: str, template: ServerState,
                           warn: Callable[[str], None]) -> ServerState | None:
   """The newest checkpoint of a results folder that restores, read without a manager (which would fail to open
-  on a damaged one). Each newer one that does not restore is named in a warning and moved to
-  ``damaged_checkpoints/`` beside ``checkpoints/`` (kept for inspection; its rounds are trained again). None if
-  there is no checkpoint; if none restores, raises ValueError and moves nothing (a failure shared by all of
-  them is not damage)."""
+  on a damaged one), once the leftovers of saves that did not finish are removed. Each newer one that does not
+  restore is named in a warning and moved to ``damaged_checkpoints/`` beside ``checkpoints/`` (kept for
+  inspection; its rounds are trained again). None if there is no checkpoint; if none restores, raises ValueError
+  and moves nothing (a failure shared by all of them is not damage)."""
   root = _root(output_dir)
+  if os.path.isdir(root) and jax.process_index() == 0:
+    _remove_unfinished_saves(root, warn)
   steps = sorted((int(name) for name in os.listdir(root) if name.isdigit()), reverse=True) \
       if os.path.isdir(root) else []
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state_tree(template))

@@ -61,7 +61,11 @@ class StopRequests:
   def agree(self, time_up: Sequence[bool]) -> tuple[int | None, tuple[bool, ...]]:
     """What every process does at the end of a call: stop on the signal any of them got (the highest number
     when they differ), and which runs' --stop-after time is up on any of them (clocks differ by process).
-    Local values in a single-process run; one small collective otherwise."""
+    Local values in a single-process run; one small collective otherwise. A closed stdout (``| head``: the log
+    is an `os_errors.StdoutLog`) stops the run as SIGPIPE would."""
+    if self.requested is None and getattr(self.log, "stdout_closed", False):
+      self.requested = signal.SIGPIPE
+      self.log("stdout was closed (broken pipe): stopping after this call, as on SIGPIPE")
     flags = distributed.max_over_processes(np.asarray([self.requested or 0, *time_up], np.int32))
     if flags[0] and self.requested is None:  # (a signal another process got)
       self.requested = int(flags[0])

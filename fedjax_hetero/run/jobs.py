@@ -49,10 +49,11 @@ SHARED = {"--dataset": lambda c: c.data.dataset, "--data-dir": lambda c: c.data.
 
 
 def sweep_refusal(leaf: declare.Leaf) -> str | None:
-  """Why ``--sweep`` does not take the setting ``leaf`` (None: it does): every number sweeps."""
+  """Why ``--sweep`` does not take the setting ``leaf`` (None: it does): every number sweeps, and the host's seeds."""
   if leaf.path == "federation.seed":
     return "the seed goes by --seeds"
-  if isinstance(leaf.setting.check, Number):
+  on_the_host = leaf.path in HOST_SETTINGS or leaf.path.startswith("divergence.")  # (counts of the host's loop)
+  if isinstance(leaf.setting.check, Number) or (on_the_host and isinstance(leaf.setting.check, declare.Integer)):
     return None
   if isinstance(leaf.setting.check, declare.Integer):
     return "it is a count: the shapes and loops of the runs' program follow it"
@@ -75,16 +76,24 @@ def parse_sweep(text: str, config: RunConfig) -> tuple[str, tuple[float, ...]]:
   why = sweep_refusal(leaves[name])
   if why:
     raise ValueError(f"--sweep {name}: {why}; every numeric setting sweeps (and the seed, by --seeds)")
+  integer = isinstance(leaves[name].setting.check, declare.Integer)
   try:
-    parsed = tuple(float(v) for v in values.split(",") if v.strip())
+    parsed = tuple((int if integer else float)(v) for v in values.split(",") if v.strip())
   except ValueError:
-    raise ValueError(f"--sweep {text!r}: expected {name}=V1,V2,... with numbers") from None
+    raise ValueError(f"--sweep {text!r}: expected {name}=V1,V2,... with {'integers' if integer else 'numbers'}"
+                     ) from None
   if not parsed or len(set(parsed)) != len(parsed):
     raise ValueError(f"--sweep {text!r}: expected distinct values")
   if (traced(name) or name == "federation.malicious_fraction") and len({v == 0 for v in parsed}) > 1:
     raise ValueError(f"--sweep {name}: zero and non-zero values make different programs (a zero turns its part "
                      "off); sweep the zero in a job of its own")
   return name, parsed
+
+
+def sweep_names(sweeps: Sequence[tuple[str, Sequence[float]]]) -> dict[str, str]:
+  """How messages name the swept settings (`declare.named_from`): ``client.learning_rate (from --sweep)``."""
+  leaves = {leaf.path: leaf for leaf in declare.leaves(RunConfig())}
+  return {leaves[name].cli: f"{name} (from --sweep)" for name, _ in sweeps}
 
 
 def runs_of(config: RunConfig, seeds: Sequence[int] | None, sweeps: Sequence[tuple[str, Sequence[float]]] = ()

@@ -37,6 +37,12 @@ def tree(shapes, fill=1.0):
   return traverse_util.unflatten_dict({tuple(p.split("/")): np.full(s, fill, np.float32) for p, s in shapes.items()})
 
 
+def with_int(shapes, path):
+  """``tree(shapes)`` with the leaf at ``path`` an int32 counter (e.g. a model's step)."""
+  flat = {**traverse_util.flatten_dict(tree(shapes), sep="/"), path: np.arange(np.prod(shapes[path]), dtype=np.int32)}
+  return traverse_util.unflatten_dict(flat, sep="/")
+
+
 def put(shapes, path, shape):
   return {**shapes, path: shape}
 
@@ -86,6 +92,7 @@ GOOD = {
     "fedcross_aggregate": dict(uploaded=UP, partners=PARTNERS, alpha=0.9),
     "select_partners": dict(uploaded=UP, round_idx=3),
     "propeller_aggregate": dict(uploaded=UP, propellers=PROPELLERS, alpha=0.5),
+    "fedfa_aggregate": dict(global_model=GV, client_models=SUMS, client_weights=W, client_maps=MAPS),
 }
 
 
@@ -180,6 +187,20 @@ CASES = [
     ("negative weight", call("fedavg", weight=-3.0), r"weight is -3.0"),
     ("vector weight", call("fedavg", weight=np.ones(3)), r"weight must be a scalar"),
     ("float offset", call("hetero_avg", offset=0.5), r"offset must hold integers"),
+    # --- integer leaves: averaging them came back float32 in silence (probe 81)
+    ("an int32 leaf", call("hetero_avg", global_vars=with_int(GLOBAL, BN)),
+     r"^global_vars leaf batch_stats/bn/mean is int32; the aggregators take floating-point weights"),
+    ("an int32 leaf", call("hetero_avg_weights", global_vars=with_int(GLOBAL, BIAS)),
+     r"^global_vars leaf params/hidden1/bias is int32"),
+    ("an int32 leaf", call("heterogeneous_mean_delta", global_like=with_int(GLOBAL, BN)),
+     r"^global_like leaf \S+ is int"),
+    ("an int32 leaf", call("heterogeneous_sums", global_like=with_int(GLOBAL, BN)), r"^global_like leaf \S+ is int"),
+    ("an int32 leaf", call("fednova_delta", global_like=with_int(GLOBAL, BN)), r"^global_like leaf \S+ is int32"),
+    ("an int32 leaf", call("scaffold_server_control", control=with_int(params_only(GLOBAL), BIAS)),
+     r"^control leaf params/hidden1/bias is int32"),
+    ("an int32 fallback leaf", call("masked_mean", fallback=with_int(GLOBAL, BN)), r"^fallback leaf \S+ is int32"),
+    ("an int32 leaf", call("fedavg", variables=with_int(GLOBAL, BN)), r"^variables leaf batch_stats/bn/mean is int32"),
+    ("an int32 leaf", call("fedfa_aggregate", global_model=with_int(GLOBAL, BN)), r"^global_model leaf \S+ is int32"),
     # --- FedCross: partner indices, alpha, stacked models
     ("partner index K", call("cross_aggregate", partners=np.array([1, 3, 0])),
      r"partners holds 3 at \(1,\); indices must be in \[0, 3\)"),
@@ -225,6 +246,22 @@ def test_the_table_probes_every_checked_aggregator_once_or_more():
 @pytest.mark.parametrize("name", sorted(GOOD))
 def test_the_good_calls_pass(name):
   call(name)()
+
+
+@pytest.mark.parametrize("name", sorted(set(GOOD) - {"cross_aggregate", "fedcross_aggregate", "select_partners",
+                                                     "propeller_aggregate", "weighted_coverage"}))
+def test_averaging_keeps_each_leafs_float_dtype(name):
+  """float16 models came back float32 (the weights' dtype won); every model-like output keeps the model's."""
+  half = lambda x: jax.tree.map(lambda leaf: np.asarray(leaf, np.float16), x)
+  models = {"variables", "delta_sum", "weighted_sums", "fallback", "global_vars", "global_like", "control",
+            "global_model", "client_models", "group_sums", "group_delta_sums", "group_weight_sums",
+            "group_normalized_sums", "group_control_delta_sums"}
+  got = _run(name, {key: half(value) for key, value in GOOD[name].items() if key in models})
+  if name == "fedfa_aggregate":
+    got = got[0]  # (model, stats)
+  if name == "heterogeneous_sums":
+    got = got[0]  # (numerator, denominator): the denominator is a weight
+  assert {leaf.dtype for leaf in jax.tree.leaves(got)} == {np.dtype(np.float16)}
 
 
 def test_edge_cases_that_stay_allowed():

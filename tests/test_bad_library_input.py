@@ -141,6 +141,9 @@ MISUSE = [
     ("inco: unknown variant", call(A.inco, zeros(**WIDE), (), "best"), r"unknown InCo variant 'best'"),
     ("check_pairs: unknown leaf", call(A.check_pairs, [(("params", "w"), ("params", "v"))], zeros(**WIDE)),
      r"cross-layer pair names params/v, which is not a leaf of the model"),
+    ("check_pairs: an int32 leaf", call(A.check_pairs, [(("params", "w"), ("params", "v"))],
+                                        {"params": {"w": np.zeros(3, np.int32), "v": np.zeros(3, np.float32)}}),
+     r"^cross-layer pair leaf params/w is int32; the aggregators take floating-point weights"),
 ]
 
 
@@ -269,6 +272,62 @@ def test_aggregation_is_invariant_to_the_order_of_clients(cohort, data):
   inverse = np.argsort(order)
   relabelled = A.cross_aggregate(jax.tree.map(lambda x: x[order], stacked), inverse[partners[order]], 0.7)
   assert_close(relabelled, jax.tree.map(lambda x: x[order], A.cross_aggregate(stacked, partners, 0.7)))
+
+
+def nan_like(tree):
+  return jax.tree.map(lambda x: np.full_like(x, np.nan), tree)
+
+
+def assert_same_and_finite(got, want):
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    assert np.isfinite(np.asarray(x)).all()
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# Every rule that weighs groups: (model, group sums or models, group weights, group maps) -> its result.
+GROUP_RULES = {
+    "hetero_avg": lambda model, sums, weights, maps: A.hetero_avg(model, sums, weights, maps),
+    "hetero_avg_weights": lambda model, sums, weights, maps: A.hetero_avg_weights(model, sums, weights, maps),
+    "heterogeneous_mean_delta": lambda model, sums, weights, maps: A.heterogeneous_mean_delta(sums, weights, maps,
+                                                                                              model),
+    "heterogeneous_sums": lambda model, sums, weights, maps: A.heterogeneous_sums(sums, weights, maps, model),
+    "fednova_delta": lambda model, sums, weights, maps: A.fednova_delta(sums, weights, [2 * w for w in weights], maps,
+                                                                        model),
+    "scaffold_server_control": lambda model, sums, weights, maps: A.scaffold_server_control(model, sums, weights,
+                                                                                            maps),
+    "fedfa_aggregate": lambda model, sums, weights, maps: A.fedfa_aggregate(model, sums, weights, maps)[0],
+}  # (FedFA's stats count every cohort client's zero-norm kernels, as its mu counts their norms: not compared)
+
+
+@pytest.mark.parametrize("name", sorted(GROUP_RULES))
+def test_a_group_of_zero_weight_contributes_nothing_even_when_it_holds_nan(name):
+  """0 * NaN is NaN: a group without weight whose sums held NaN made every element it shares NaN (probe 94)."""
+  rng = np.random.default_rng(0)
+  model = random_tree(GLOBAL_SHAPES, rng)
+  sums = [nan_like(random_tree(GROUP_SHAPES[0], rng)), random_tree(GROUP_SHAPES[1], rng)]
+  rule = GROUP_RULES[name]
+  assert_same_and_finite(rule(model, sums, [0.0, 2.0], GROUP_MAPS), rule(model, sums[1:], [2.0], GROUP_MAPS[1:]))
+
+
+def test_fedavg_and_fedfa_ignore_a_traced_zero_weight_under_jit():
+  """Their sums are their own (unlike the per-group rules' and the engine's), so they select them out under jit."""
+  rng = np.random.default_rng(2)
+  model = random_tree(GLOBAL_SHAPES, rng)
+  fedavg = jax.jit(A.fedavg)
+  assert_same_and_finite(fedavg(model, nan_like(model), np.float32(0.0)), model)
+  weighted = random_tree(GROUP_SHAPES[1], rng)
+  fedfa = jax.jit(lambda first, weights: A.fedfa_aggregate(model, [first, weighted], weights, GROUP_MAPS)[0])
+  weights, narrow = [np.float32(0.0), np.float32(2.0)], random_tree(GROUP_SHAPES[0], rng)
+  assert_same_and_finite(fedfa(nan_like(narrow), weights), fedfa(jax.tree.map(np.zeros_like, narrow), weights))
+
+
+def test_zero_weight_nan_changes_neither_fedavg_nor_fednova_steps():
+  rng = np.random.default_rng(1)
+  model = random_tree(GLOBAL_SHAPES, rng)
+  assert_same_and_finite(A.fedavg(model, nan_like(model), 0.0), model)  # documented: unchanged without clients
+  sums = [random_tree(GROUP_SHAPES[0], rng), random_tree(GROUP_SHAPES[1], rng)]
+  traced = jax.jit(lambda a_sums: A.fednova_delta(sums, [0.0, 2.0], a_sums, GROUP_MAPS, model))  # (NaN: not checked)
+  assert_same_and_finite(traced([np.float32(np.nan), np.float32(3.0)]), traced([np.float32(0.0), np.float32(3.0)]))
 
 
 @pytest.mark.parametrize("args", [(shapes(**WIDE), "cnn@0.5"), ("cnn@1", shapes(**NARROW))])

@@ -13,6 +13,7 @@ import math
 from typing import Any, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from fedjax_hetero.hetero.maps import SubmodelMap
@@ -167,16 +168,29 @@ def check_weight_tree(name: str, tree: Any) -> None:
                        "weights must be finite and >= 0")
 
 
-def check_float_tree(name: str, tree: Any) -> None:
-  """Every leaf is floating point (an integer leaf would be averaged with truncation) and, when concrete,
-  finite (a NaN weight has no norm, share or mean to aggregate)."""
+def check_floating(name: str, tree: Any) -> None:
+  """Every leaf is floating point (bfloat16 included): a mean of integer or bool leaves (a step counter) would
+  come back float or truncated, and the aggregators never change a leaf's dtype. Static: jitted callers pay
+  nothing."""
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    where = "/".join(_key_name(k) for k in path) or "(the array)"
-    if not np.issubdtype(_dtype(leaf), np.floating):
-      raise ValueError(f"{name} leaf {where} is {_dtype(leaf)}; the aggregators take floating-point weights")
+    if not jnp.issubdtype(_dtype(leaf), jnp.floating):
+      raise ValueError(f"{name} leaf {_path_name(path)} is {_dtype(leaf)}; the aggregators take floating-point "
+                       "weights only: take integer and bool leaves (e.g. a step counter) out of the tree and keep "
+                       "them yourself")
+
+
+def check_float_tree(name: str, tree: Any) -> None:
+  """Every leaf is floating point (`check_floating`) and, when concrete, finite (a NaN weight has no norm,
+  share or mean to aggregate)."""
+  check_floating(name, tree)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     if is_concrete(leaf) and not np.isfinite(np.asarray(leaf)).all():
-      raise ValueError(f"{name} leaf {where} holds a non-finite value (NaN or inf); the aggregators take finite "
-                       "weights")
+      raise ValueError(f"{name} leaf {_path_name(path)} holds a non-finite value (NaN or inf); the aggregators "
+                       "take finite weights")
+
+
+def _path_name(path: Any) -> str:
+  return "/".join(_key_name(k) for k in path) or "(the array)"
 
 
 def _dtype(value: Any) -> np.dtype:

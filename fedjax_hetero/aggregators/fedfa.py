@@ -28,6 +28,10 @@ Decisions where the paper is silent (spec fedfa.md §7):
   upload does not shrink everyone else's kernel. ``stats["fallbacks"]`` counts
   them.
 - Elements no client covers keep their old value (Alg. 1 would divide by 0).
+- As in `hetero_avg`: the new model keeps each leaf's dtype, integer leaves are refused,
+  and a group (client) of weight 0 adds nothing to the sums, even NaN: `scalable_sums` where
+  the weight is not traced, `scalable_aggregate` always (its sums are its own). Its clients'
+  trimmed norms still count in the cohort mean ``mu_l`` (the paper's cohort; NaN never does).
 
 Exact with per-group sums: alpha_c = mu_l / n_c with ``mu_l`` the cohort mean,
 so ``sum_c N_c alpha_c M_c = mu_l * sum_c N_c M_c / n_c`` (+ the alpha = 1 part
@@ -48,6 +52,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from fedjax_hetero.aggregators import checks
+from fedjax_hetero.aggregators.hetero_avg import is_weightless
 from fedjax_hetero.hetero.maps import Path, SubmodelMap, Variables, coverage, embed, flatten
 
 NORMS = ("l2", "rms")
@@ -124,6 +129,7 @@ def scalable_sums(global_like: Variables, group_maps: Sequence[SubmodelMap], wei
   pairs and the number of zero-norm fallbacks.
   """
   checks.check_groups("global_like", global_like, group_maps, group_weights, offset, "weight_sums", weight_sums)
+  checks.check_floating("global_like", global_like)
   checks.check_lengths({"weight_sums": weight_sums, "scaled_sums": scaled_sums, "fallback_sums": fallback_sums,
                         "norms": norms, "valid": valid})
   global_kernels = kernels(global_like)
@@ -157,7 +163,9 @@ def _scalable_sums(global_like, group_maps, weight_sums, group_weights, scaled_s
   zeros = jax.tree.map(jnp.zeros_like, global_like)
   plain, scaled, fallback = zeros, zeros, zeros
   add = lambda a, b: jax.tree.map(jnp.add, a, b)
-  for group_map, sums, s, f in zip(group_maps, weight_sums, scaled_sums, fallback_sums):
+  for group_map, weight, sums, s, f in zip(group_maps, group_weights, weight_sums, scaled_sums, fallback_sums):
+    if is_weightless(weight):
+      continue
     plain = add(plain, embed(sums, group_map, global_like, offset))
     scaled = add(scaled, embed(s, group_map, global_like, offset))
     fallback = add(fallback, embed(f, group_map, global_like, offset))
@@ -195,6 +203,8 @@ def scalable_aggregate(global_model: Variables, client_models: Sequence[Variable
   _check_norm(norm, percentile)
   checks.check_groups("global_model", global_model, client_maps, client_weights, offset, "client_models",
                       client_models)
+  checks.check_floating("global_model", global_model)
+  checks.check_floating("client_models", client_models)
   return _scalable_aggregate(global_model, list(client_models), [jnp.asarray(w, jnp.float32) for w in client_weights],
                              tuple(client_maps), float(percentile), norm, offset)
 
@@ -202,13 +212,13 @@ def scalable_aggregate(global_model: Variables, client_models: Sequence[Variable
 @functools.partial(jax.jit, static_argnames=("client_maps", "percentile", "norm"))
 def _scalable_aggregate(global_model, client_models, client_weights, client_maps, percentile, norm, offset):
   parts = [_client_parts(m, percentile, norm) for m in client_models]
-  scale = lambda tree, w: jax.tree.map(lambda x: w * x, tree)
+  scale = lambda tree, w: jax.tree.map(lambda x: jnp.where(w > 0, w * x, jnp.zeros_like(x)), tree)  # (0 * NaN is NaN)
   numerator, denominator, stats = _scalable_sums(
       global_model, client_maps, [scale(m, w) for m, w in zip(client_models, client_weights)], client_weights,
       [scale(p.scaled, w) for p, w in zip(parts, client_weights)],
       [scale(p.fallback, w) for p, w in zip(parts, client_weights)],
       [jax.tree.map(lambda n: n[None], p.norms) for p in parts], [jnp.ones((1,), bool)] * len(parts), offset)
   covered = jax.tree.map(lambda d: d > 0, denominator)
-  new = jax.tree.map(lambda c, n, d, old: jnp.where(c, n / jnp.where(c, d, 1.0), old), covered, numerator,
-                     denominator, global_model)
+  new = jax.tree.map(lambda c, n, d, old: jnp.where(c, n / jnp.where(c, d, 1.0), old).astype(old.dtype), covered,
+                     numerator, denominator, global_model)
   return new, stats

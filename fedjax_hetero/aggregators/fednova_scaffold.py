@@ -3,7 +3,9 @@
 Like `hetero_avg`, every rule takes each architecture group's weighted sums of
 client uploads, the groups' total weights and their `SubmodelMap`s, and works
 element-wise over exactly the sampled clients that own an element; with one
-group and the identity map they are the homogeneous rules of the papers.
+group and the identity map they are the homogeneous rules of the papers. As there, results keep
+the model's dtypes, integer leaves are refused, and a group whose weight is known to be 0
+contributes nothing (under jit with a traced weight of 0, its sums must be finite).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_hetero.aggregators import checks
-from fedjax_hetero.aggregators.hetero_avg import _heterogeneous_mean_delta, _heterogeneous_sums, _weighted_coverage
+from fedjax_hetero.aggregators.hetero_avg import (_heterogeneous_mean_delta, _heterogeneous_sums, _weighted_coverage,
+                                                  is_weightless)
 from fedjax_hetero.hetero.maps import SubmodelMap, Variables
 
 
@@ -34,15 +37,17 @@ def fednova_delta(group_normalized_sums: Sequence[Variables], group_weights: Seq
   checks.check_groups("global_like", global_like, group_maps, group_weights, offset, "group_normalized_sums",
                       group_normalized_sums)
   checks.check_weights("group_a_sums", group_a_sums, positive_total=False)
+  checks.check_floating("global_like", global_like)
   numerator, denominator = _heterogeneous_sums(group_normalized_sums, group_weights, group_maps, global_like, offset)
-  tau_numerator = _weighted_coverage(group_a_sums, group_maps, global_like, offset)
+  a_sums = [0.0 if is_weightless(w) else a for a, w in zip(group_a_sums, group_weights)]  # (0 * NaN is NaN)
+  tau_numerator = _weighted_coverage(a_sums, group_maps, global_like, offset)
 
-  def leaf(n, d, t):
+  def leaf(n, d, t, like):
     covered = d > 0
     safe = jnp.where(covered, d, 1.0)
-    return jnp.where(covered, (t / safe) * (n / safe), 0.0)
+    return jnp.where(covered, (t / safe) * (n / safe), 0.0).astype(jnp.result_type(like))
 
-  return jax.tree.map(leaf, numerator, denominator, tau_numerator)
+  return jax.tree.map(leaf, numerator, denominator, tau_numerator, global_like)
 
 
 def scaffold_server_control(control: Variables, group_control_delta_sums: Sequence[Variables],
@@ -54,5 +59,6 @@ def scaffold_server_control(control: Variables, group_control_delta_sums: Sequen
   the maps act on whatever subtree they are given."""
   checks.check_groups("control", control, group_maps, group_weights, offset, "group_control_delta_sums",
                       group_control_delta_sums)
+  checks.check_floating("control", control)
   delta = _heterogeneous_mean_delta(group_control_delta_sums, group_weights, group_maps, control, offset)
   return jax.tree.map(jnp.add, control, delta)

@@ -6,6 +6,16 @@ w_c * u_c`` (group-shaped), and the total weight ``W_g = sum_{c in g} w_c``;
 summing inside a group first is exact because all clients of a group own the
 same elements.
 
+Dtypes: a result leaf keeps the dtype of the model leaf it replaces (float16 stays
+float16); integer and bool leaves, which have no mean of their own dtype, are refused
+(`checks.check_floating`).
+
+A group whose weight is known (not traced) to be 0 contributes nothing: its sums are not
+read, so NaN there cannot poison the mean (``0 * NaN`` is NaN). A traced weight of 0
+needs finite sums (the engine's are zeros): selecting them out under jit would put an op
+between the engine's arithmetic on the sums and the mean, which changes how XLA:CPU
+fuses and contracts it, and so the last bits of FlexiFed's and FedFA's numbers.
+
 The public functions check their inputs (`checks`) and raise ValueError on misuse;
 the private ones behind them compute.
 """
@@ -16,16 +26,18 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fedjax_hetero.aggregators import checks
 from fedjax_hetero.hetero.maps import SubmodelMap, Variables, coverage, embed
 
 
-
 def masked_mean(weighted_sums: Variables, weight_sums: Variables, fallback: Variables) -> Variables:
-  """``sum / weight`` where weight > 0, else ``fallback`` (nobody covered it)."""
+  """``sum / weight`` where weight > 0, else ``fallback`` (nobody covered it), in the fallback's dtype."""
   checks.check_like("weight_sums", weight_sums, "weighted_sums", weighted_sums)
   checks.check_like("fallback", fallback, "weighted_sums", weighted_sums)
+  checks.check_floating("weighted_sums", weighted_sums)
+  checks.check_floating("fallback", fallback)
   checks.check_weight_tree("weight_sums", weight_sums)
   return _masked_mean(weighted_sums, weight_sums, fallback)
 
@@ -33,7 +45,7 @@ def masked_mean(weighted_sums: Variables, weight_sums: Variables, fallback: Vari
 def _masked_mean(weighted_sums, weight_sums, fallback):
   def leaf(total, weight, old):
     covered = weight > 0
-    return jnp.where(covered, total / jnp.where(covered, weight, 1.0), old)
+    return jnp.where(covered, total / jnp.where(covered, weight, 1.0), old).astype(jnp.result_type(old))
 
   return jax.tree.map(leaf, weighted_sums, weight_sums, fallback)
 
@@ -47,14 +59,23 @@ def heterogeneous_sums(group_sums: Sequence[Variables], group_weights: Sequence[
   windows of rolling maps (FedRolex).
   """
   checks.check_groups("global_like", global_like, group_maps, group_weights, offset, "group_sums", group_sums)
+  checks.check_floating("global_like", global_like)
   return _heterogeneous_sums(group_sums, group_weights, group_maps, global_like, offset)
 
 
 def _heterogeneous_sums(group_sums, group_weights, group_maps, global_like, offset):
   numerator = jax.tree.map(jnp.zeros_like, global_like)
-  for sums, group_map in zip(group_sums, group_maps):
+  for sums, weight, group_map in zip(group_sums, group_weights, group_maps):
+    if is_weightless(weight):
+      continue
     numerator = jax.tree.map(jnp.add, numerator, embed(sums, group_map, global_like, offset))
   return numerator, _weighted_coverage(group_weights, group_maps, global_like, offset)
+
+
+def is_weightless(weight) -> bool:
+  """Whether ``weight`` is known (not traced) to be 0: its group's sums are then not read at all."""
+  return checks.is_concrete(weight) and float(np.asarray(weight)) == 0.0
+
 
 
 def weighted_coverage(group_weights: Sequence[jax.Array], group_maps: Sequence[SubmodelMap],
@@ -81,6 +102,7 @@ def heterogeneous_mean_delta(group_delta_sums: Sequence[Variables], group_weight
   """
   checks.check_groups("global_like", global_like, group_maps, group_weights, offset, "group_delta_sums",
                       group_delta_sums)
+  checks.check_floating("global_like", global_like)
   return _heterogeneous_mean_delta(group_delta_sums, group_weights, group_maps, global_like, offset)
 
 
@@ -95,6 +117,7 @@ def hetero_avg(global_vars: Variables, group_delta_sums: Sequence[Variables], gr
   """HeteroAvg on deltas: ``w <- w + mean_{c owns l} Δ_c`` per element (InCo Sec. 3.1)."""
   checks.check_groups("global_vars", global_vars, group_maps, group_weights, offset, "group_delta_sums",
                       group_delta_sums)
+  checks.check_floating("global_vars", global_vars)
   delta = _heterogeneous_mean_delta(group_delta_sums, group_weights, group_maps, global_vars, offset)
   return jax.tree.map(jnp.add, global_vars, delta)
 
@@ -108,6 +131,7 @@ def hetero_avg_weights(global_vars: Variables, group_weight_sums: Sequence[Varia
   """
   checks.check_groups("global_vars", global_vars, group_maps, group_weights, offset, "group_weight_sums",
                       group_weight_sums)
+  checks.check_floating("global_vars", global_vars)
   numerator, denominator = _heterogeneous_sums(group_weight_sums, group_weights, group_maps, global_vars, offset)
   return _masked_mean(numerator, denominator, global_vars)
 
@@ -115,9 +139,12 @@ def hetero_avg_weights(global_vars: Variables, group_weight_sums: Sequence[Varia
 def fedavg(variables: Variables, delta_sum: Variables, weight: jax.Array) -> Variables:
   """FedAvg (McMahan et al. 2017, Alg. 1): ``w <- w + sum_c w_c Δ_c / sum_c w_c``.
 
-  Unchanged when no client took part (``weight == 0``).
+  Unchanged when no client took part (``weight == 0``, traced or not), whatever ``delta_sum`` holds.
   """
   checks.check_like("delta_sum", delta_sum, "variables", variables)
+  checks.check_floating("variables", variables)
   checks.check_weight("weight", weight)
-  scale = jnp.where(weight > 0, 1.0 / jnp.where(weight > 0, weight, 1.0), 0.0)
-  return jax.tree.map(lambda w, d: w + scale * d, variables, delta_sum)
+  took_part = weight > 0
+  scale = 1.0 / jnp.where(took_part, weight, 1.0)
+  return jax.tree.map(lambda w, d: jnp.where(took_part, w + scale * d, w).astype(jnp.result_type(w)), variables,
+                      delta_sum)

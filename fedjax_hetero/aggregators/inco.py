@@ -62,6 +62,7 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
+from fedjax_hetero.aggregators import checks
 from fedjax_hetero.hetero.maps import flatten
 
 Array = jax.Array
@@ -184,7 +185,7 @@ def cross_layer_update(g_k: Array, g_0: Array, variant: str = "code", granularit
 
 
 def check_pairs(pairs: Sequence[Pair], tree: Any) -> None:
-  """Raises ValueError unless every pair names two leaves of ``tree`` with equal shapes.
+  """Raises ValueError unless every pair names two floating-point leaves of ``tree`` with equal shapes.
 
   ``tree`` may hold arrays or `jax.ShapeDtypeStruct`s (e.g. from `jax.eval_shape`).
   """
@@ -198,6 +199,7 @@ def check_pairs(pairs: Sequence[Pair], tree: Any) -> None:
     for path in (target, source):
       if tuple(path) not in flat:
         raise ValueError(f"cross-layer pair names {'/'.join(path)}, which is not a leaf of the model")
+    checks.check_floating("cross-layer pair", traverse_util.unflatten_dict({tuple(p): flat[tuple(p)] for p in pair}))
     if flat[tuple(target)].shape != flat[tuple(source)].shape:
       raise ValueError(f"cross-layer pair {'/'.join(target)} <- {'/'.join(source)} has unequal shapes "
                        f"{flat[tuple(target)].shape} and {flat[tuple(source)].shape}")

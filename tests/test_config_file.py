@@ -29,6 +29,8 @@ def written(tmp_path, name: str, text: str) -> str:
      r"unknown setting\(s\) 'method.prox.muu' \(line 5\) \(did you mean 'method.prox.mu'\?\)"),
     ("unknown.json", '{\n "rounds": 3,\n "learning_rat": 0.1\n}',
      r"unknown setting\(s\) 'learning_rat' \(line 3\) \(did you mean 'learning_rate'\?\)"),
+    ("spelling.json", '{"lr": 0.02}',
+     r"unknown setting\(s\) 'lr' \(line 1\) \(did you mean 'learning_rate'\? --lr is its command-line flag\)"),
     ("broken.yaml", "method:\n  name: [FedProx\nrounds: 3\n", r"not valid YAML \(line 3, column 7: expected ','"),
     ("broken.json", '{\n "rounds": 3,\n}', r"not valid JSON \(line 3, column 1: Expecting property name"),
 ])

@@ -48,12 +48,12 @@ def test_the_loss_sign_counts_from_a_uniform_guess_then_from_the_lowest_loss_abo
   assert watch.check(row(1, loss=2.0)) is None
   error = watch.check(row(2, loss=20.5))
   assert (error.round, error.group) == (2, "g")
-  assert "round 2: training loss of group g rose to 20.5, above 10x its lowest (2)" in str(error)
+  assert "round 2: training loss of group g rose to 20.5, above 20 = 10 x (its lowest (2))" in str(error)
   assert watch.check(row(3, loss=0.05)) is None
   floor = math.log(10) / 2
   assert watch.check(row(4, loss=10 * floor - 0.01)) is None, "a converged run's noise is measured from the floor"
   error = watch.check(row(5, loss=10 * floor + 0.01))
-  assert f"above 10x ln 10 / 2 = {floor:.4g}, the floor under its lowest (0.05)" in str(error)
+  assert f"above {10 * floor:.4g} = 10 x (ln 10 / 2 = {floor:.4g}, the floor under its lowest (0.05))" in str(error)
   first = DivergenceWatch(DivergenceConfig(loss_factor=10), num_classes=10).check(row(1, loss=1e29))
   assert f"ln 10 = {math.log(10):.4g}, a uniform guess's loss" in str(first)
 

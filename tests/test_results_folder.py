@@ -248,6 +248,6 @@ def test_a_job_checks_every_runs_folder_before_its_first_run_trains(tmp_path, no
   os.makedirs(runs[1].output.dir)
   with open(os.path.join(runs[1].output.dir, "notes.txt"), "w") as f:
     f.write("someone's")
-  with pytest.raises(ValueError, match=rf"output directory '{runs[1].output.dir}' is not empty"):
+  with pytest.raises(ValueError, match=rf"output directory '{runs[1].output.dir}' holds no run"):
     run_jobs(runs, log=lambda _: None)
   assert not os.path.exists(runs[0].output.dir)

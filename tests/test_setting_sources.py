@@ -97,14 +97,52 @@ def test_a_files_option_reaches_the_method_given_as_a_flag_or_is_dropped_saying_
                         "does not read it"]
 
 
-def test_resuming_from_a_copied_folders_config_json_asks_which_folder(capsys, tmp_path, no_compute):
+@pytest.mark.parametrize("action", [["--resume"], ["--overwrite"], ["--resume-or-start"], []])
+def test_a_copied_folders_config_json_asks_which_folder(capsys, tmp_path, no_compute, action):
   original, copy = tmp_path / "original", tmp_path / "copy"
   os.makedirs(copy)
   config, *_ = cli.parse(["--output-dir", str(original)], "synthetic")
   (copy / "config.json").write_text(json.dumps({"output": {"dir": str(original)}, "rounds": config.rounds}))
   (copy / "metrics.jsonl").write_text("")
   os.makedirs(original)
-  assert fails(capsys, "synthetic", ["--config", str(copy / "config.json"), "--resume"]) == (
+  (original / "metrics.jsonl").write_text("")
+  assert fails(capsys, "synthetic", ["--config", str(copy / "config.json"), *action]) == (
       f"error: --config '{copy / 'config.json'}' lies in the run folder '{copy}' but names '{original}' as its "
-      f"run's (a copied folder?); pass --output-dir {copy} to resume the run there, or --output-dir {original} for "
-      "the one it names")
+      f"run's (a copied folder?); pass --output-dir {copy} for the run there, or --output-dir {original} for the "
+      "one it names (with --resume to continue it, or another --output-dir for a new run)")
+  assert os.listdir(original) == ["metrics.jsonl"], "--overwrite cleared the folder the file names"
+
+
+def test_a_partial_config_file_keeps_the_datasets_defaults_for_what_it_leaves_out(tmp_path):
+  fmnist, *_ = cli.parse(["--output-dir", str(tmp_path / "o")], "fashion_mnist")
+  path = written(tmp_path, "part.yaml", "rounds: 1\nclient: {learning_rate: 0.05}\n")
+  config, *_ = cli.parse(["--config", path, "--output-dir", str(tmp_path / "o")], "fashion_mnist")
+  assert (config.rounds, config.client.learning_rate) == (1, 0.05)
+  assert config.replace(rounds=fmnist.rounds, learning_rate=fmnist.client.learning_rate) == fmnist, (
+      "the dataset's eval_every and the run's batch size were lost")
+  flat = written(tmp_path, "flat.json", '{"dataset": "cifar10", "rounds": 2}')
+  config, *_ = cli.parse(["--config", flat, "--output-dir", str(tmp_path / "o")], "fashion_mnist")
+  cifar, *_ = cli.parse(["--output-dir", str(tmp_path / "o")], "cifar10")
+  assert config == cifar.replace(rounds=2), "the dataset the file names gives the defaults"
+
+
+def test_a_sweep_over_a_files_value_says_it_replaces_it(capsys, tmp_path, no_compute):
+  path = written(tmp_path, "lr.yaml", "client: {learning_rate: 0.05}\n")
+  with pytest.raises(AssertionError, match="compute started"):  # (the fixture stops the runs once they start)
+    cli.main("synthetic", ["--config", path, "--output-dir", str(tmp_path / "o"), "--num-clients", "10", "--sweep",
+                           "client.learning_rate=0.01,0.02"])
+  assert f"note: --sweep client.learning_rate replaces its value 0.05 of --config {path}\n" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("action", [[], ["--resume"], ["--resume-or-start"]])
+def test_a_folder_of_other_files_is_refused_with_advice_that_works(capsys, tmp_path, no_compute, action):
+  folder = tmp_path / "notes"
+  folder.mkdir()
+  (folder / "notes.txt").write_text("mine")
+  from fedjax_hetero.run.runner import run_experiment
+  config, *_ = cli.parse(["--output-dir", str(folder), *action], "synthetic")
+  with pytest.raises(ValueError, match=rf"^output directory '{folder}' holds no run \(no config.json, metrics.jsonl, "
+                                       r"checkpoints/\) but notes.txt; a run starts only in an empty folder: move "
+                                       r"those away or choose another --output-dir$"):
+    run_experiment(config, log=lambda _: None)
+  assert os.listdir(folder) == ["notes.txt"]

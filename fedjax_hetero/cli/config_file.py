@@ -2,7 +2,8 @@
 
 The file holds the config tree in the layout of ``config.json`` (``{"client": {"learning_rate": 0.01}, ...}``,
 whose history is ignored); a file of flag names alone (``{"learning_rate": 0.01}``, the layout older versions
-saved) reads too. Settings not in it keep the library's defaults, and older layouts are upgraded as ``--resume``
+saved) reads too. Settings not in it keep the dataset's defaults (those ``python -m experiments.<dataset>``
+starts from), and older layouts are upgraded as ``--resume``
 upgrades them (`fedjax_hetero.run.history.upgrade`). The file is read strictly: an unknown key, a key given
 twice, or a flag name beside the nested layout is an error naming the key and its line. What a file says about
 resuming or overwriting is dropped: those say what one command does, not what the run is.
@@ -86,7 +87,13 @@ def _at(lines: dict[str, int], path: str) -> str:
   return f" (line {lines[path]})" if lines.get(path) else ""
 
 
+# A command-line spelling without its dashes (``lr``, ``prox-mu``) -> the key a file writes for it.
+_KEYS_OF_SPELLINGS = {leaf.cli.lstrip("-"): leaf.flag for leaf in FLAGS.values()}
+
+
 def _close_to(name: str) -> str:
+  if name in _KEYS_OF_SPELLINGS:
+    return f" (did you mean {_KEYS_OF_SPELLINGS[name]!r}? --{name} is its command-line flag)"
   known = set(FLAGS) | {leaf.path for leaf in FLAGS.values()}
   close = difflib.get_close_matches(name, known, n=1)
   return f" (did you mean {close[0]!r}?)" if close else ""
@@ -133,9 +140,22 @@ def known_lines(path: str | None) -> dict[str, int]:
   return {(FLAGS[key].path if key in FLAGS else key): line for key, line in lines.items()}
 
 
-def read_config(path: str) -> RunConfig:
-  """The `RunConfig` of a JSON (``.json``) or YAML (``.yaml``/``.yml``) file; ValueError naming the file. A
-  method option the file's method does not read stays in it, for the build step to refuse."""
+def named_dataset(path: str) -> str | None:
+  """The dataset a config file names (``data.dataset``, or ``dataset`` in a flat file), None if none or if the
+  file cannot be read (`read_config` says why)."""
+  try:
+    tree, _ = _read(path)
+  except ValueError:
+    return None
+  data = tree.get("data")
+  named = data.get("dataset") if isinstance(data, dict) else tree.get("dataset")
+  return named if isinstance(named, str) else None
+
+
+def read_config(path: str, base: RunConfig | None = None) -> RunConfig:
+  """The `RunConfig` of a JSON (``.json``) or YAML (``.yaml``/``.yml``) file, every setting it leaves out as in
+  ``base`` (the command's dataset defaults; the library's if None); ValueError naming the file. A method option
+  the file's method does not read stays in it, for the build step to refuse."""
   flag = f"--config {path!r}"
   tree, lines = _read(path)
   for key in (history.SEGMENTS, history.ROLLBACKS, history.PROCESSES):
@@ -146,7 +166,7 @@ def read_config(path: str) -> RunConfig:
   try:
     _check_layout(tree, lines)
     with declare.named_from(names):
-      config = history.upgrade(tree, ignored, own_options_only=False)
+      config = history.upgrade(tree, ignored, own_options_only=False, base=base)
   except (TypeError, ValueError) as e:
     raise ValueError(f"{flag}: {e}") from None
   if ignored:

@@ -17,7 +17,7 @@ from typing import Any, Callable, NoReturn, Sequence
 from fedjax_hetero import distributed, os_errors
 from fedjax_hetero import data as fdata
 from fedjax_hetero.cli import flags
-from fedjax_hetero.cli.config_file import known_lines, read_config
+from fedjax_hetero.cli.config_file import known_lines, named_dataset, read_config
 from fedjax_hetero.cli.datasets import DATASETS, defaults_for
 from fedjax_hetero.cli.flags import methods_help
 from fedjax_hetero.cli.presets import PRESETS, Preset, get_preset, paper_deviations, values_for
@@ -62,19 +62,24 @@ def run_defaults(argv: Sequence[str] | None, dataset: str) -> tuple[RunConfig, P
   known = _pre_parse(argv, dataset)
   if known.config is not None and known.preset is not None:
     raise ValueError("--config and --preset exclude each other: a config file holds a whole run")
-  defaults = defaults_for(known.dataset).config() if known.config is None else read_config(known.config)
-  sources = {} if known.config is None else {path: f"--config {known.config}" for path in _changed(defaults)}
+  if known.config is None:
+    defaults, sources = defaults_for(known.dataset).config(), {}
+  else:  # the file's settings over its dataset's defaults (--dataset's, if given)
+    dataset = known.dataset if _given(argv, "--dataset") else named_dataset(known.config) or known.dataset
+    defaults = read_config(known.config, defaults_for(dataset).config())
+    sources = {path: f"--config {known.config}" for path in known_lines(known.config) if path in FLAGS_BY_PATH}
   if (known.config is not None and _names_its_own_folder(known.config, defaults)
       and not any(_given(argv, f) for f in ("--output-dir", "--resume", "--resume-or-start", "--overwrite"))):
     raise ValueError(f"--config {known.config!r} holds the settings of the run in {defaults.output.dir!r} (they name "
                      "it as their folder); pass --output-dir for a new run from them, or --resume to continue "
                      "that run")
   if (known.config is not None and _copied_run_folder(known.config, defaults)
-      and any(_given(argv, f) for f in ("--resume", "--resume-or-start")) and not _given(argv, "--output-dir")):
+      and not _given(argv, "--output-dir")):  # (--overwrite would have cleared the folder it names)
     folder = os.path.dirname(known.config) or "."
     raise ValueError(f"--config {known.config!r} lies in the run folder {folder!r} but names {defaults.output.dir!r} "
-                     f"as its run's (a copied folder?); pass --output-dir {folder} to resume the run there, or "
-                     f"--output-dir {defaults.output.dir} for the one it names")
+                     f"as its run's (a copied folder?); pass --output-dir {folder} for the run there, or "
+                     f"--output-dir {defaults.output.dir} for the one it names (with --resume to continue it, or "
+                     "another --output-dir for a new run)")
   chosen = None if known.preset is None else get_preset(known.preset)
   if chosen is not None:
     method = known.method or chosen.values.get("method", defaults.method.name)
@@ -90,11 +95,6 @@ def run_defaults(argv: Sequence[str] | None, dataset: str) -> tuple[RunConfig, P
 
 # Dotted path -> its setting's leaf (flag name, default, owner).
 FLAGS_BY_PATH = {leaf.path: leaf for leaf in FLAGS.values()}
-
-
-def _changed(config: RunConfig) -> list[str]:
-  now, default = flatten(config), flatten(RunConfig())
-  return [path for path in now if now[path] != default[path]]
 
 
 def _flags_given(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> set[str]:
@@ -115,17 +115,17 @@ def _without_unread_options(config: RunConfig, sources: dict[str, str], method_g
   entry = get_entry(config.method.name, missing_ok=True)
   if entry is None:
     return config
-  reset = {}
+  reset, values = {}, flatten(config)
   for kind in config.method.families():
     if kind in entry.options:
       continue
     for leaf in (leaf for leaf in FLAGS.values() if leaf.owner is kind and leaf.path in sources):
       source = sources[leaf.path]
-      if source.startswith("--config") and not method_given:
+      if values[leaf.path] == leaf.default or (source.startswith("--config") and not method_given):
         continue
       reset[leaf.flag] = leaf.default
       if source.startswith("--config"):
-        notes.append(f"note: {leaf.path} {flatten(config)[leaf.path]!r} of {source} is left at its default "
+        notes.append(f"note: {leaf.path} {values[leaf.path]!r} of {source} is left at its default "
                      f"{leaf.default!r}: --method {config.method.name} does not read it")
   return config.replace(**reset) if reset else config
 
@@ -313,6 +313,9 @@ def _main(config: RunConfig, processes: DistributedConfig, args: argparse.Namesp
       if FLAGS_BY_PATH[name].flag in args.flags_given:
         raise ValueError(f"--sweep {name} gives every run its value: drop {FLAGS_BY_PATH[name].cli}, or add its "
                          "value to the sweep's")
+      if name in args.setting_sources:
+        args.notes.append(f"note: --sweep {name} replaces its value {flatten(config)[name]!r} of "
+                          f"{args.setting_sources[name]}")
     if args.runs_per_program is not None and args.runs_per_program < 1:
       raise ValueError(f"--runs-per-program must be at least 1, got {args.runs_per_program}")
     runs = runs_of(config, args.seeds, sweeps) if sweeps else seed_runs(config, args.seeds)

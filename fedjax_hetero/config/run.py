@@ -228,26 +228,26 @@ def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
   return out
 
 
-def from_dict(tree: dict[str, Any], ignored: list[str] | None = None) -> RunConfig:
-  """A `RunConfig` from its nested dict (e.g. a results folder's config.json); validates it. Names this
-  version does not know are skipped and, if ``ignored`` is given, appended to it."""
-  return _build(RunConfig, tree, "", [] if ignored is None else ignored)
+def from_dict(tree: dict[str, Any], ignored: list[str] | None = None, base: RunConfig | None = None) -> RunConfig:
+  """A `RunConfig` from its nested dict (e.g. a results folder's config.json), every setting it leaves out
+  (a section's too) as in ``base`` (the library's defaults); validates it. Names this version does not know are
+  skipped and, if ``ignored`` is given, appended to it."""
+  return _build(RunConfig() if base is None else base, tree, "", [] if ignored is None else ignored)
 
 
-def _build(cls: type, values: dict[str, Any], prefix: str, ignored: list[str]) -> Any:
-  fields = {f.name: f for f in dataclasses.fields(cls)}
-  kwargs = {}
+def _build(base: Any, values: dict[str, Any], prefix: str, ignored: list[str]) -> Any:
+  fields = {f.name: f for f in dataclasses.fields(base)}
+  kwargs = {name: getattr(base, name) for name in fields}
   for name, value in values.items():
     if name not in fields:
       ignored.append(prefix + name)
       continue
-    default = fields[name].default
-    if dataclasses.is_dataclass(default) and isinstance(value, dict):
-      value = _build(type(default), value, f"{prefix}{name}.", ignored)
+    if dataclasses.is_dataclass(kwargs[name]) and isinstance(value, dict):
+      value = _build(kwargs[name], value, f"{prefix}{name}.", ignored)
     elif isinstance(value, list):  # JSON turns tuples (the architecture groups) into lists
       value = tuple(value)
     kwargs[name] = value
-  return cls(**kwargs)
+  return type(base)(**kwargs)
 
 
 # Flag name -> its declared setting in the tree, for every setting of a run.

@@ -48,6 +48,7 @@ def history(config: RunConfig, log: Log) -> tuple[RunConfig, run_history.History
       log(f"{output.dir}: its run was stopped before it saved its settings (no config.json); starting it")
       config = dataclasses.replace(config, output=dataclasses.replace(output, resume=False))
     elif output.resume and not output.resume_or_start:
+      results_folder.check_no_foreign_files(output.dir)
       raise ValueError(f"--resume: {output.dir!r} holds no run to continue (no config.json); start it without "
                        "--resume, or pass --resume-or-start to continue a run where there is one and start it "
                        "where there is none")

@@ -107,7 +107,8 @@ class DivergenceWatch:
       reference, named = self._loss_reference(group)
       if error is None and loss > self.config.loss_factor * reference:
         error = DivergenceError(f"round {r}: training loss of group {group} rose to {loss:.4g}, above "
-                                f"{self.config.loss_factor:g}x {named} (--divergence-loss-factor)", r, group)
+                                f"{self.config.loss_factor * reference:.4g} = {self.config.loss_factor:g} x "
+                                f"({named}) (--divergence-loss-factor)", r, group)
       self.lowest_loss[group] = min(self.lowest_loss.get(group, math.inf), loss)
     for group, accuracy in (row.get("test_accuracy") or {}).items():
       if group == "mean":

@@ -92,11 +92,14 @@ def read(output_dir: str, log: Callable[[str], None] = print) -> SavedRun | None
   return None
 
 
-def upgrade(tree: dict[str, Any], ignored: list[str], own_options_only: bool = True) -> RunConfig:
+def upgrade(tree: dict[str, Any], ignored: list[str], own_options_only: bool = True,
+            base: RunConfig | None = None) -> RunConfig:
   """A `RunConfig` from a saved tree of this or an older layout: a flat one (one value per flag), or the nested
   one with a flat method (``method.fedfa_graft``, ``method.prox_mu``/``fedprox_mu``). Unknown names go to
   ``ignored``; unless ``own_options_only`` is False (a user's config file, checked later), options of families
-  the run's method does not read are dropped (older configs kept them all)."""
+  the run's method does not read are dropped (older configs kept them all). Settings the tree leaves out are
+  ``base``'s (the library's defaults)."""
+  base = RunConfig() if base is None else base
   preset = None
   sections = [f.name for f in dataclasses.fields(RunConfig) if dataclasses.is_dataclass(f.default)]
   sections_only = [name for name in sections if name not in FLAGS]  # a flat layout has "method", a flag
@@ -106,14 +109,14 @@ def upgrade(tree: dict[str, Any], ignored: list[str], own_options_only: bool = T
     preset = flags.pop("fedgen_preset", None)
     method = {k: flags.pop(k) for k in ("prox_mu", "fedprox_mu") if k in flags}
     ignored += sorted(set(flags) - set(FLAGS))
-    tree = as_dict(RunConfig.from_flags(**{k: v for k, v in flags.items() if k in FLAGS}))
+    tree = as_dict(base.replace(**{k: v for k, v in flags.items() if k in FLAGS}))
     tree["method"].update(method)
   malformed = [name for name in sections if name in tree and not isinstance(tree[name], dict)]
   if malformed:
     raise ValueError(f"{', '.join(repr(name) for name in malformed)} must be an object of settings")
   tree = dict(tree)
   tree["method"] = _upgraded_method(dict(tree.get("method", {})), preset)
-  config = from_dict(tree, ignored)
+  config = from_dict(tree, ignored, base)
   return _own_options_only(config) if own_options_only else config
 
 

@@ -163,13 +163,24 @@ def check_fresh(output_dir: str, overwrite: bool) -> None:
   entries = _entries(output_dir)
   if not entries or never_started(output_dir):
     return
-  if not overwrite:
-    raise ValueError(f"output directory {output_dir!r} is not empty; pass --resume to continue it or --overwrite "
-                     "to start over")
-  if not set(entries) & set(RUN_ENTRIES):
+  if overwrite and not set(entries) & set(RUN_ENTRIES):
     raise ValueError(f"{cli_flag('output.overwrite')} deletes only a results folder, and {output_dir!r} holds no run "
                      f"(no {', '.join(RUN_ENTRIES[:3])}/) but {_listing(entries)}; move those away or choose "
                      "another folder")
+  check_no_foreign_files(output_dir)
+  if not overwrite:
+    raise ValueError(f"output directory {output_dir!r} is not empty; pass --resume to continue it or --overwrite "
+                     "to start over")
+
+
+def check_no_foreign_files(output_dir: str) -> None:
+  """ValueError if the folder holds files but no run (nor a run's first files): no run can start or go on in it,
+  and none deletes them."""
+  entries = _entries(output_dir)
+  if entries and not set(entries) & set(RUN_ENTRIES) and not never_started(output_dir):
+    raise ValueError(f"output directory {output_dir!r} holds no run (no {', '.join(RUN_ENTRIES[:3])}/) but "
+                     f"{_listing(entries)}; a run starts only in an empty folder: move those away or choose another "
+                     "--output-dir")
 
 
 def clear_for_overwrite(output_dir: str) -> None:

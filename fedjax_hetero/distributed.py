@@ -118,7 +118,8 @@ def max_over_processes(values: np.ndarray) -> np.ndarray:
 
 # How a collective fails when another process is gone (jax 0.10's texts, under several exception types): gloo's
 # connection to it (CPU collectives), or jax's coordination service, which names the silent process by its id.
-_GLOO_FAILED = re.compile(r"Gloo \w+ failed")
+# Gloo names the collective in several spellings ("AllGather", "all-reduce", "collective permute").
+_GLOO_FAILED = re.compile(r"\bGloo [\w -]{1,40}? failed\b", re.IGNORECASE)
 _GLOO_CAUSES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
                 "Timed out")
 _SILENT_TASK = re.compile(r"Task (\d+) heartbeat timeout|stopped sending heartbeats\):\s*(\d+)")
@@ -181,11 +182,14 @@ def exit_on_failure(enabled: bool) -> Iterator[None]:
       print(e.code, file=sys.stderr)
     _exit_now(0 if e.code is None else e.code if isinstance(e.code, int) else FAILED)
   except BaseException as e:  # noqa: BLE001 - every failure must end the process, not only the expected ones
-    traceback.print_exc()
-    who = describe() or "this process"
-    print(f"error: {who}: {first_line(e, 400)}" + (
+    # A collective that lost a process, wherever it failed, is `lost_process`'s one line, as in `lost_process_named`.
+    lost = lost_process(e, jax.process_index(), jax.process_count()) if jax.process_count() > 1 else None
+    if lost is None:
+      traceback.print_exc()
+    line = lost or f"{describe() or 'this process'}: {first_line(e, 400)}" + (
         "; a collective operation failed: another process has probably exited (see its output)"
-        if isinstance(e, jax.errors.JaxRuntimeError) else ""), file=sys.stderr)
+        if isinstance(e, jax.errors.JaxRuntimeError) else "")
+    print(f"error: {line}", file=sys.stderr)
     _exit_now(FAILED)
 
 

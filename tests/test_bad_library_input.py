@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from fedjax_hetero import aggregators as A
 from fedjax_hetero.config import DataConfig, FedGenConfig, FederationConfig, LocalConfig, OutputConfig, RunConfig
 from fedjax_hetero.data import class_counts, dirichlet, iid_imbalanced, partition
-from fedjax_hetero.hetero import build_group_map, coverage, embed, extract, graft, pick_global
+from fedjax_hetero.hetero import build_group_map, complete, coverage, embed, extract, graft, identity_map, pick_global
 
 # ----------------------------------------------------------------------------------------------- the library
 
@@ -336,3 +336,29 @@ def test_a_group_map_of_something_other_than_variables_names_the_argument(args):
   which = "group_shapes" if isinstance(args[1], str) else "global_shapes"
   with pytest.raises(TypeError, match=rf"build_group_map: {which} must be a model's variables .* got str 'cnn@"):
     build_group_map(*args)
+
+
+# Trees whose leaves are not arrays (probe P61: shape tuples for arrays raised AttributeError deep in the flattening).
+NOT_ARRAYS = [("a shape tuple", (4, 3)), ("a list", [[0.0] * 3] * 4), ("an int", 3), ("None", None)]
+LEAF_CALLS = [  # (description, call with the bad tree ``t``, the argument the message must name, what it expects)
+    ("build_group_map global", lambda t: build_group_map(t, shapes(**NARROW)), "build_group_map: global_shapes",
+     "an array or a jax.ShapeDtypeStruct"),
+    ("build_group_map group", lambda t: build_group_map(shapes(**WIDE), t), "build_group_map: group_shapes",
+     "an array or a jax.ShapeDtypeStruct"),
+    ("identity_map", identity_map, r"identity_map: tree", "an array or a jax.ShapeDtypeStruct"),
+    ("pick_global", lambda t: pick_global([shapes(**WIDE), t], ["a", "b"]), r"pick_global: group_shapes\[1\] \(b\)",
+     "an array or a jax.ShapeDtypeStruct"),
+    ("extract", lambda t: extract(t, MAP), "extract: global_vars", "an array"),
+    ("embed group_vars", lambda t: embed(t, MAP, zeros(**WIDE)), "embed: group_vars", "an array"),
+    ("embed global_like", lambda t: embed(zeros(**NARROW), MAP, t), "embed: global_like",
+     "an array or a jax.ShapeDtypeStruct"),
+    ("coverage", lambda t: coverage(MAP, t), "coverage: global_like", "an array or a jax.ShapeDtypeStruct"),
+    ("complete", lambda t: complete(t, [MAP], [MAP]), "complete: global_vars", "an array")]
+
+
+@pytest.mark.parametrize("leaf", [leaf for _, leaf in NOT_ARRAYS], ids=[name for name, _ in NOT_ARRAYS])
+@pytest.mark.parametrize("make_call, argument, expected", [c[1:] for c in LEAF_CALLS], ids=[c[0] for c in LEAF_CALLS])
+def test_a_tree_whose_leaf_is_not_an_array_names_the_argument_and_the_leaf(make_call, argument, expected, leaf):
+  tree = {"params": {"w": leaf, "b": np.zeros(3, np.float32)}}
+  with pytest.raises(TypeError, match=rf"^{argument} leaf params/w is {type(leaf).__name__} .*; expected {expected}"):
+    make_call(tree)

@@ -127,10 +127,6 @@ def flatten(tree: Variables) -> dict[Path, Any]:
   return traverse_util.flatten_dict(_as_dict(tree))
 
 
-def _flat_shapes(tree: Variables) -> dict[Path, tuple[int, ...]]:
-  return {path: tuple(leaf.shape) for path, leaf in flatten(tree).items()}
-
-
 def _name(path: Path) -> str:
   return "/".join(path)
 
@@ -138,8 +134,31 @@ def _name(path: Path) -> str:
 # Input checks of the public functions: structure and shapes only, so they run while tracing and add nothing
 # to a jitted program.
 
-def _shape(leaf: Any) -> tuple[int, ...]:
-  return tuple(leaf.shape) if hasattr(leaf, "shape") else tuple(np.shape(leaf))
+ARRAYS, SHAPES = "an array", "an array or a jax.ShapeDtypeStruct"  # what a tree's leaves may be (`_leaf_shapes`)
+
+
+def _leaf_shapes(function: str, name: str, tree: Mapping, expected: str) -> dict[Path, tuple[int, ...]]:
+  """Every leaf's shape of the argument ``name`` of ``function``, once each leaf is what ``expected`` says: an
+  array, or, where only shapes are used (`SHAPES`), also a `jax.ShapeDtypeStruct`."""
+  shapes = {}
+  for path, leaf in flatten(tree).items():
+    is_array = hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+    if not is_array or (expected == ARRAYS and isinstance(leaf, jax.ShapeDtypeStruct)):
+      shape_given = isinstance(leaf, tuple) and all(isinstance(n, int) for n in leaf)
+      hint = f" (for a shape, jax.ShapeDtypeStruct({leaf}, jnp.float32))" if shape_given and expected == SHAPES else ""
+      raise TypeError(f"{function}: {name} leaf {_name(path)} is {type(leaf).__name__} {leaf!r:.40}; expected "
+                      f"{expected}{hint}, as in a model's variables (model.init(...)"
+                      f"{' or jax.eval_shape of it' if expected == SHAPES else ''})")
+    shapes[path] = tuple(leaf.shape)
+  return shapes
+
+
+def _variables_shapes(function: str, name: str, tree: Variables) -> dict[Path, tuple[int, ...]]:
+  """`_leaf_shapes` of a tree of arrays or shapes, once it is a tree."""
+  if not isinstance(tree, Mapping):
+    raise TypeError(f"{function}: {name} must be a model's variables (a nested dict of arrays or shapes, e.g. "
+                    f"model.init(...) or jax.eval_shape of it), got {type(tree).__name__} {tree!r:.60}")
+  return _leaf_shapes(function, name, tree, SHAPES)
 
 
 def _check_map(group_map: Any) -> None:
@@ -147,23 +166,26 @@ def _check_map(group_map: Any) -> None:
     raise ValueError(f"group_map must be a SubmodelMap, got a {type(group_map).__name__}")
 
 
-def _check_tree(name: str, tree: Variables, expected: Mapping[Path, tuple[int, ...]], whose: str) -> None:
-  """Every leaf of ``tree`` is one of ``expected``, at its shape (a subtree may leave leaves out)."""
+def _check_tree(function: str, name: str, tree: Variables, leaves: str, expected: Mapping[Path, tuple[int, ...]],
+                whose: str) -> None:
+  """Every leaf of ``tree`` is one of ``expected``, at its shape (a subtree may leave leaves out), and is what
+  ``leaves`` says (`_leaf_shapes`)."""
   if not isinstance(tree, Mapping):
     raise ValueError(f"{name} must be a nested dict of arrays, got a {type(tree).__name__}")
-  for path, leaf in flatten(tree).items():
+  for path, shape in _leaf_shapes(function, name, tree, leaves).items():
     if path not in expected:
       raise ValueError(f"{name} has leaf {_name(path)}, which {whose} does not have")
-    if _shape(leaf) != tuple(expected[path]):
-      raise ValueError(f"{name} leaf {_name(path)} has shape {_shape(leaf)}; {whose} has {tuple(expected[path])}")
+    if shape != tuple(expected[path]):
+      raise ValueError(f"{name} leaf {_name(path)} has shape {shape}; {whose} has {tuple(expected[path])}")
 
 
-def _check_global_tree(name: str, tree: Variables, group_map: SubmodelMap) -> None:
-  _check_tree(name, tree, dict(group_map.global_shapes), "the global model of group_map")
+def _check_global_tree(function: str, name: str, tree: Variables, group_map: SubmodelMap, leaves: str) -> None:
+  _check_tree(function, name, tree, leaves, dict(group_map.global_shapes), "the global model of group_map")
 
 
-def _check_client_tree(name: str, tree: Variables, group_map: SubmodelMap) -> None:
-  _check_tree(name, tree, {link.client: link.window.shape for link in group_map.pull}, "the client model of group_map")
+def _check_client_tree(function: str, name: str, tree: Variables, group_map: SubmodelMap) -> None:
+  _check_tree(function, name, tree, ARRAYS, {link.client: link.window.shape for link in group_map.pull},
+              "the client model of group_map")
 
 
 def _check_offset(offset: Any) -> None:
@@ -180,13 +202,9 @@ def build_group_map(global_shapes: Variables, group_shapes: Variables, group_nam
   a rolled window on every axis where it is narrower (FedRolex). Raises ValueError naming the first
   leaf that is not a sub-slice of the global one.
   """
-  for name, tree in (("global_shapes", global_shapes), ("group_shapes", group_shapes)):
-    if not isinstance(tree, Mapping):
-      raise TypeError(f"build_group_map: {name} must be a model's variables (a nested dict of arrays or shapes, e.g. "
-                      f"model.init(...) or jax.eval_shape of it), got {type(tree).__name__} {tree!r:.60}")
-  global_flat = _flat_shapes(global_shapes)
+  global_flat = _variables_shapes("build_group_map", "global_shapes", global_shapes)
   links = []
-  for path, shape in _flat_shapes(group_shapes).items():
+  for path, shape in _variables_shapes("build_group_map", "group_shapes", group_shapes).items():
     if path not in global_flat:
       raise ValueError(f"{group_name}: layer {_name(path)} does not exist in the global model; "
                        "every group must be a depth/width subset of the largest model")
@@ -201,6 +219,7 @@ def build_group_map(global_shapes: Variables, group_shapes: Variables, group_nam
 
 def identity_map(tree: Variables) -> SubmodelMap:
   """The map of a model onto itself (one architecture is its own federation)."""
+  _variables_shapes("identity_map", "tree", tree)
   return build_group_map(tree, tree)
 
 
@@ -270,6 +289,9 @@ def complete(global_vars: Variables, base_maps: Sequence[SubmodelMap], group_map
              offset=0) -> Variables:
   """``global_vars`` with the global leaves that ``group_maps`` (`separate`'s) add: each copy starts as
   the group's leaf extracted through its map before separation, ``base_maps[g]``."""
+  if not isinstance(global_vars, Mapping):
+    raise ValueError(f"global_vars must be a nested dict of arrays, got a {type(global_vars).__name__}")
+  _leaf_shapes("complete", "global_vars", global_vars, ARRAYS)
   flat = flatten(global_vars)
   for base, group_map in zip(base_maps, group_maps):
     origin = {link.client: link for link in base.pull}
@@ -282,7 +304,10 @@ def complete(global_vars: Variables, base_maps: Sequence[SubmodelMap], group_map
 
 def pick_global(group_shapes: Sequence[Variables], names: Sequence[str]) -> int:
   """Index of the group every other group embeds into (the largest one)."""
-  sizes = [sum(math.prod(s) for s in _flat_shapes(t).values()) for t in group_shapes]
+  if len(names) != len(group_shapes):
+    raise ValueError(f"pick_global: names needs one name per group ({len(group_shapes)}), got {len(names)}")
+  sizes = [sum(math.prod(s) for s in _variables_shapes("pick_global", f"group_shapes[{i}] ({name})", t).values())
+           for i, (t, name) in enumerate(zip(group_shapes, names))]
   biggest = max(range(len(sizes)), key=sizes.__getitem__)
   for tree, name in zip(group_shapes, names):
     build_group_map(group_shapes[biggest], tree, name)  # raises if it does not embed
@@ -295,7 +320,7 @@ def extract(global_vars: Variables, group_map: SubmodelMap, offset=0) -> Variabl
   Takes any subtree of the global variables (e.g. ``params`` only) and returns the matching subtree.
   """
   _check_map(group_map)
-  _check_global_tree("global_vars", global_vars, group_map)
+  _check_global_tree("extract", "global_vars", global_vars, group_map, ARRAYS)
   _check_offset(offset)
   flat = flatten(global_vars)
   out = {link.client: link.window.take(flat[link.global_], offset) for link in group_map.pull if link.global_ in flat}
@@ -305,8 +330,8 @@ def extract(global_vars: Variables, group_map: SubmodelMap, offset=0) -> Variabl
 def embed(group_vars: Variables, group_map: SubmodelMap, global_like: Variables, offset=0) -> Variables:
   """Global-shaped tree: every global leaf is the sum of the client leaves pushed into it (zeros if none)."""
   _check_map(group_map)
-  _check_client_tree("group_vars", group_vars, group_map)
-  _check_global_tree("global_like", global_like, group_map)
+  _check_client_tree("embed", "group_vars", group_vars, group_map)
+  _check_global_tree("embed", "global_like", global_like, group_map, SHAPES)
   _check_offset(offset)
   flat = flatten(group_vars)
   pushes = _pushes(group_map)
@@ -321,7 +346,7 @@ def embed(group_vars: Variables, group_map: SubmodelMap, global_like: Variables,
 def coverage(group_map: SubmodelMap, global_like: Variables, dtype=jnp.float32, offset=0) -> Variables:
   """Global-shaped count of the client elements pushed into every element (0/1 without grafting)."""
   _check_map(group_map)
-  _check_global_tree("global_like", global_like, group_map)
+  _check_global_tree("coverage", "global_like", global_like, group_map, SHAPES)
   _check_offset(offset)
   pushes = _pushes(group_map)
   out = {}

@@ -16,6 +16,9 @@ Three signs, each named with its round and architecture group:
 `DivergenceWatch` is pure host-side bookkeeping over the metrics rows `Simulation.run_round` returns,
 so the guard costs nothing on the device. What to do about it (stop, or roll back to the best
 checkpoint with a lower learning rate) is the runner's part: `DivergenceConfig.action` (in `fedjax_hetero.config`).
+A model that a server's step made non-finite from finite client losses gets no rollback
+(`DivergenceError.in_server_step`): that lowers the clients' learning rate, and the server step would break the
+model again; the stop names the server side (`server_step_advice`).
 """
 
 from __future__ import annotations
@@ -24,16 +27,29 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
+from fedjax_hetero.config.declare import cli_name
 from fedjax_hetero.config.run import DivergenceConfig, RunConfig
+from fedjax_hetero.config.server import ServerOptimizerConfig
+from fedjax_hetero.rounds.rows import NonFiniteLossError, NonFiniteModelError
+
+# The server optimizer's learning rate is tuned on a grid of powers of ten (Reddi et al. 2021): advise the next one.
+SERVER_LR_STEP = 10
 
 
 class DivergenceError(FloatingPointError):
-  """A run diverged; the message names the round, the group and the sign."""
+  """A run diverged; the message names the round, the group and the sign. ``in_server_step``: a server's step
+  made the model non-finite while the clients' losses were finite (`rounds.rows.NonFiniteModelError`)."""
 
-  def __init__(self, message: str, round_: int, group: str | None):
+  def __init__(self, message: str, round_: int, group: str | None, in_server_step: bool = False):
     super().__init__(message)
     self.round = round_
     self.group = group
+    self.in_server_step = in_server_step
+
+  @classmethod
+  def of_non_finite(cls, error: NonFiniteLossError, round_: int) -> "DivergenceError":
+    """The divergence that a non-finite loss or model of round ``round_`` shows."""
+    return cls(str(error), round_, None, in_server_step=isinstance(error, NonFiniteModelError))
 
 
 def diverged_round(error: Exception, default: int) -> int:
@@ -41,9 +57,14 @@ def diverged_round(error: Exception, default: int) -> int:
   return getattr(error, "round", None) or default
 
 
-def stop_advice(config: RunConfig, rollbacks_tried: int, best: int | None, checkpoint_dir: str) -> str:
-  """What the error of a run the guard stopped advises: a rollback while the run tried none (--on-divergence
-  stop), a lower learning rate once its rollbacks ran out (``config`` holds the rate the last one left)."""
+def stop_advice(config: RunConfig, rollbacks_tried: int, best: int | None, checkpoint_dir: str,
+                error: DivergenceError | None = None) -> str:
+  """What the error of a run the guard stopped advises: for a model that the server's step broke (``error``), the
+  server side; else a rollback while the run tried none (--on-divergence stop), a lower learning rate once its
+  rollbacks ran out (``config`` holds the rate the last one left)."""
+  if error is not None and error.in_server_step:
+    kept = "" if best is None else f"; the best checkpoint (round {best}) is kept in {checkpoint_dir}"
+    return server_step_advice(config) + kept
   if best is None:
     return "no checkpoint with an evaluation was saved, so there is nothing to keep or roll back to"
   kept = f"the best checkpoint (round {best}) is kept in {checkpoint_dir}"
@@ -58,6 +79,18 @@ def stop_advice(config: RunConfig, rollbacks_tried: int, best: int | None, check
           f"(--divergence-max-rollbacks {guard.max_rollbacks}), the last to learning rate {rate:g}: lower it "
           f"further, e.g. {lower} --resume (from the latest checkpoint) or {lower} --overwrite (from the start); "
           f"{kept}")
+
+
+def server_step_advice(config: RunConfig) -> str:
+  """What to do about a model that the server's step made non-finite from finite client losses."""
+  none_tried = ", so none was tried" if config.divergence.action == "rollback" else ""
+  said = ("the server's step made the model non-finite from finite client losses, which a rollback to a lower "
+          f"client learning rate (--lr) would not mend{none_tried}")
+  if config.server.optimizer != "none":
+    lower = f"{cli_name(ServerOptimizerConfig, 'lr')} {config.server.lr / SERVER_LR_STEP:g}"
+    return (f"{said}: lower the server optimizer's learning rate (e.g. {lower} --resume), or check the method's "
+            "server steps")
+  return f"{said}: check the method's server step (a user's method), or its server-side settings"
 
 
 def at_chance(accuracy: float, num_classes: int) -> bool:

@@ -278,7 +278,7 @@ class _Run:
     here: its summary and plot are written, and the error is raised, naming where they are."""
     round_ = diverged_round(error, self.state.round + 1)
     if self.config.divergence.action != "off":
-      return DivergenceError(str(error), round_, None)
+      return DivergenceError.of_non_finite(error, round_)
     self.manager.wait_until_finished()
     self.finish({"round": round_, "group": None, "reason": str(error),
                  "best_checkpoint": checkpoints.best_step(self.manager)})
@@ -314,7 +314,7 @@ class _Run:
     self.manager.wait_until_finished()
     best = checkpoints.best_step(self.manager)
     if (self.config.divergence.action == "stop" or len(self.history.rollbacks) >= self.config.divergence.max_rollbacks
-        or best is None):
+        or best is None or error.in_server_step):  # (a lower --lr does not mend the server's step: `guard`)
       self._stop(error, best)
     old_lr = self.config.client.learning_rate
     self.config = dataclasses.replace(self.config, client=dataclasses.replace(
@@ -335,7 +335,7 @@ class _Run:
   def _stop(self, error: DivergenceError, best: int | None) -> None:
     """Ends a diverged run: the summary says where and why, and the error names the best checkpoint."""
     self.finish({"round": error.round, "group": error.group, "reason": str(error), "best_checkpoint": best})
-    advice = stop_advice(self.config, len(self.history.rollbacks), best, self.manager.directory)
+    advice = stop_advice(self.config, len(self.history.rollbacks), best, self.manager.directory, error)
     raise DivergenceError(f"{error}; {advice}", error.round, error.group) from None
 
   def finish(self, stopped: dict[str, Any] | None = None, interrupted: dict[str, Any] | None = None

@@ -1,5 +1,5 @@
-"""Analysis figures: InCo update histograms and cross-layer tracking, FedCross client bubbles and similarity (a
-run's own accuracy curves: `fedjax_hetero.run.plot`).
+"""Analysis figures: InCo update histograms and cross-layer tracking, FedCross client bubbles and similarity, runs'
+accuracy against their cumulative bytes and FLOPs (a run's own accuracy curves: `fedjax_hetero.run.plot`).
 
 All functions draw on a bare Agg `Figure` (no pyplot global state, so nothing
 to close and no backend switch), save a PNG and return its path.
@@ -214,4 +214,41 @@ def plot_inco_tracking(rows: Sequence[Mapping[str, Any]], path: str, title: str 
                 title_fontsize=8, frameon=False, ncol=1 if len(layers) <= 20 else 2)
   fig.suptitle(title or "InCo cross-layer step per target layer")
   fig.savefig(path, format="png", dpi=100, bbox_inches="tight")
+  return path
+
+
+# The x axes of `plot_accuracy_against_costs`: the running total of a metrics row's costs, and its label.
+COST_AXES = (("bytes", "bytes sent and received, cumulative (down + up)", "B"),
+             ("client_flops", "client training FLOPs, cumulative", "FLOP"))
+
+
+def plot_accuracy_against_costs(runs: Sequence[tuple[str, Sequence[Mapping[str, Any]]]], path: str,
+                                title: str = "mean test accuracy", styles: Sequence[Mapping[str, Any]] | None = None
+                                ) -> str:
+  """Mean test accuracy against the cumulative bytes (left) and client training FLOPs (right) of every run
+  (``(label, metrics.jsonl rows)``, `fedjax_hetero.rounds.costs`), one line each (``styles``: its plot keywords);
+  returns `path`. ValueError if no run logged costs."""
+  from matplotlib.ticker import EngFormatter
+
+  from fedjax_hetero.analysis.runs import accuracy_by_cost
+
+  if not any(accuracy_by_cost(rows, "bytes") for _, rows in runs):
+    raise ValueError("none of the runs logged costs at an evaluated round (runs written before cost accounting "
+                     "have none): rerun them to plot accuracy against bytes and FLOPs")
+  fig = _figure(13.0, 4.5)
+  axes = fig.subplots(1, len(COST_AXES))
+  for ax, (key, label, unit) in zip(axes, COST_AXES):
+    for index, (name, rows) in enumerate(runs):
+      points = accuracy_by_cost(rows, key)
+      if points:
+        style = dict(styles[index]) if styles else {}
+        ax.plot([x for x, _ in points], [100 * a for _, a in points], marker=".", lw=1.5, label=name, **style)
+    ax.set_xlabel(label)
+    ax.xaxis.set_major_formatter(EngFormatter(unit=unit))
+    ax.set_ylabel("mean test accuracy (%)")
+    ax.grid(alpha=0.3)
+  axes[0].legend(loc="lower right")
+  fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
   return path

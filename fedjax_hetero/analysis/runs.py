@@ -83,6 +83,23 @@ def dissimilarity_per_round(rows: Sequence[dict[str, Any]], part: str) -> list[t
   return out
 
 
+def cumulative_costs(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+  """The running cost totals after the last row (`fedjax_hetero.rounds.costs`): bytes down, up and both, client
+  FLOPs; None for a run that logged none (older runs)."""
+  return (rows[-1].get("costs") or {}).get("cumulative") if rows else None
+
+
+def accuracy_by_cost(rows: Sequence[dict[str, Any]], key: str) -> list[tuple[float, float]]:
+  """(the running total ``key`` after the round, e.g. ``bytes`` or ``client_flops``, mean accuracy) at every
+  evaluated round that logged it."""
+  out = []
+  for r in rows:
+    total = ((r.get("costs") or {}).get("cumulative") or {}).get(key)
+    if r.get("test_accuracy") and total is not None:
+      out.append((float(total), r["test_accuracy"]["mean"]))
+  return out
+
+
 def mean_dissimilarity(rows: Sequence[dict[str, Any]], part: str) -> float | None:
   """The part's gradient dissimilarity averaged over the rounds that logged it (None if none did)."""
   values = [v for _, v in dissimilarity_per_round(rows, part)]

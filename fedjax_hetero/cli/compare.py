@@ -11,6 +11,9 @@ a value the runs do not give shows as "-" in every table). Where a method has se
 runs (seeds), a second table gives the mean ± std over them of the final and best accuracy; runs of one
 method that differ in a setting (the values of a ``--sweep``) are variants of it, ``METHOD [setting=value]``,
 in every table.
+Where the runs logged their costs (`fedjax_hetero.rounds.costs`), the first table gives each run's cumulative
+bytes (down + up) and client training FLOPs beside its accuracy, up to the rounds compared; ``--cost-output
+PATH`` plots mean accuracy against both (docs/costs.md).
 ``--up-to-round R`` cuts every run at round R, to compare runs of different
 lengths at equal rounds; ``--target 0.87`` adds the first round each run reached
 87% mean accuracy.
@@ -52,10 +55,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fedjax_hetero.analysis.runs import (Pairing, Runs, attack_of, base_method_of, check_unique, default_window,
-                                         dissimilarity_per_round, evaluated, final_pair, groups_of, interval, load_run,
-                                         mean_dissimilarity, method_of, paired_points, pairings, rounds_to,
-                                         runs_by_method, seed_of, up_to_round, windowed_means, with_variants)
+from fedjax_hetero.analysis.plots import plot_accuracy_against_costs
+from fedjax_hetero.analysis.runs import (Pairing, Runs, attack_of, base_method_of, check_unique, cumulative_costs,
+                                         default_window, dissimilarity_per_round, evaluated, final_pair, groups_of,
+                                         interval, load_run, mean_dissimilarity, method_of, paired_points, pairings,
+                                         rounds_to, runs_by_method, seed_of, up_to_round, windowed_means,
+                                         with_variants)
 
 STATS_HEADER = "mean per-round difference (points) [95% interval] | rounds ahead | best - best (points)"
 
@@ -65,15 +70,20 @@ def table(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]], last
   to = f" rounds to {100 * target:g}% |" if target is not None else ""
   spread = " dissimilarity low / high (mean over rounds) |" if any(r.get("dissimilarity") for _, _, rows in runs
                                                                     for r in rows) else ""
-  lines = [f"| run | method | rounds | final mean acc (%) | best (%) | mean of last {last} evals (%) |{to}{spread} "
-           "round 1 (s, compiling) | rounds 2+ (s) |",
-           "|---|---|---|---|---|---|" + ("---|" if to else "") + ("---|" if spread else "") + "---|---|"]
+  costs = " bytes down + up | client FLOPs |" if any(cumulative_costs(rows) for _, _, rows in runs) else ""
+  lines = [f"| run | method | rounds | final mean acc (%) | best (%) | mean of last {last} evals (%) |{costs}{to}"
+           f"{spread} round 1 (s, compiling) | rounds 2+ (s) |",
+           "|---|---|---|---|---|---|" + ("---|---|" if costs else "") + ("---|" if to else "") +
+           ("---|" if spread else "") + "---|---|"]
   for label, summary, rows in runs:
     accs = [a for _, a in evaluated(rows)]
     if not accs:
       raise SystemExit(f"error: run {label!r} has no evaluation in the rounds compared")
     tail = accs[-last:]
     reached = "" if target is None else f" {rounds_to(rows, target) or 'not reached'} |"
+    if costs:
+      totals = cumulative_costs(rows) or {}
+      reached = f" {si(totals.get('bytes'), 'B')} | {si(totals.get('client_flops'), 'FLOP')} |" + reached
     if spread:
       low, high = (shown(mean_dissimilarity(rows, part), ".2f") for part in ("low", "high"))
       reached += f" {low} / {high} |"
@@ -105,6 +115,16 @@ def seeds_table(runs: Runs) -> str:
 def shown(value: float | None, spec: str) -> str:
   """``value`` formatted, or "-" where the runs give none (e.g. the later rounds of a one-round run)."""
   return "-" if value is None else format(value, spec)
+
+
+def si(value: float | None, unit: str) -> str:
+  """``value`` with an SI prefix, three significant digits (``1.23 GB``), or "-" where the run gives none."""
+  if value is None:
+    return "-"
+  for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+    if abs(value) >= scale:
+      return f"{value / scale:.3g} {prefix}{unit}"
+  return f"{value:.3g} {unit}"
 
 
 def signed(value: float | None) -> str:
@@ -207,6 +227,17 @@ def drop_table(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]],
   return "\n".join(lines)
 
 
+def run_styles(runs: Runs) -> list[dict[str, Any]]:
+  """One colour per method, one line style per run of it (e.g. per seed)."""
+  methods = list(dict.fromkeys(method_of(summary) for _, summary, _ in runs))
+  styles, seen = [], {}
+  for _, summary, _ in runs:
+    method = method_of(summary)
+    repeat = seen[method] = seen.get(method, -1) + 1
+    styles.append(dict(color=f"C{methods.index(method) % 10}", ls=("-", "--", ":", "-.")[repeat % 4]))
+  return styles
+
+
 def plot(runs, path: str, title: str) -> str:
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
@@ -216,13 +247,7 @@ def plot(runs, path: str, title: str) -> str:
   fig = Figure(figsize=(7 + 4.5 * len(parts), 4.5))
   FigureCanvasAgg(fig)
   axes = fig.subplots(1, 1 + len(parts), squeeze=False)[0]
-  # One colour per method, one line style per run of it (e.g. per seed).
-  methods = list(dict.fromkeys(method_of(summary) for _, summary, _ in runs))
-  styles, seen = [], {}
-  for _, summary, _ in runs:
-    method = method_of(summary)
-    repeat = seen[method] = seen.get(method, -1) + 1
-    styles.append(dict(color=f"C{methods.index(method) % 10}", ls=("-", "--", ":", "-.")[repeat % 4]))
+  styles = run_styles(runs)
   ax = axes[0]
   for (label, _, rows), style in zip(runs, styles):
     points = evaluated(rows)
@@ -260,6 +285,8 @@ def main(argv: Sequence[str] | None = None) -> str:
   p.add_argument("--labels", default=None, help="comma-separated, one per run (default: the folder names)")
   p.add_argument("--output", default=None, help="write the accuracy plot here")
   p.add_argument("--title", default="mean test accuracy")
+  p.add_argument("--cost-output", default=None, help="write a plot of mean accuracy against the runs' cumulative "
+                 "bytes (down + up) and client training FLOPs here")
   p.add_argument("--last", type=int, default=3, help="evaluations averaged in the 'last' column")
   p.add_argument("--up-to-round", type=int, default=None, help="cut every run at this round (default: no cut)")
   p.add_argument("--target", type=float, default=None, help="add the first round reaching this mean accuracy "
@@ -311,6 +338,13 @@ def main(argv: Sequence[str] | None = None) -> str:
   print(text)
   if args.output:
     print(f"wrote {plot(runs, args.output, args.title)}")
+  if args.cost_output:
+    try:
+      written = plot_accuracy_against_costs([(label, rows) for label, _, rows in runs], args.cost_output, args.title,
+                                            run_styles(runs))
+    except ValueError as e:
+      raise SystemExit(f"error: --cost-output: {e}") from None
+    print(f"wrote {written}")
   return text
 
 

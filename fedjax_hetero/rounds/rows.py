@@ -2,7 +2,8 @@
 
 A row is what ``metrics.jsonl`` holds per round: the training loss (mean over the groups that trained, and per
 group), the drawn clients, the examples seen, the round's seconds and samples/s, the server steps' metrics,
-the gradient dissimilarity when tracked, and the test accuracy of evaluation rounds.
+the gradient dissimilarity when tracked, the clients and examples of every group, and the test accuracy of
+evaluation rounds. A run's rows also hold their costs (`rounds.costs`, added by the runner).
 """
 
 from __future__ import annotations
@@ -94,5 +95,9 @@ def call_row(spec: "RoundSpec", call: Call, i: int, outputs: "RoundOutputs", sec
                      **{k: v for p in call.plans[i] for k, v in p.log.items()}})
   examples = sum(float(outputs.num_examples[g]) for g in trained)
   row = round_row(r, losses, chosen.draws, examples, seconds, server)
+  # (what the run's cost accounting reads: `rounds.costs.costed_row`)
+  row["clients_per_group"] = {names[g]: len(cohorts[g]) for g in range(len(names))}
+  row["examples_per_group"] = {names[g]: round(float(outputs.num_examples[g])) if len(cohorts[g]) else 0
+                               for g in range(len(names))}
   row["test_accuracy"] = accuracies(outputs.correct, names, len(spec.test_labels)) if r + 1 in evaluate else None
   return row

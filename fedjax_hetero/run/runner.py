@@ -29,7 +29,7 @@ from fedjax_hetero import distributed
 from fedjax_hetero import data as fdata
 from fedjax_hetero.config import RunConfig, as_dict
 from fedjax_hetero.methods import Method, build_method
-from fedjax_hetero.rounds import ServerState, Simulation
+from fedjax_hetero.rounds import ServerState, Simulation, costs
 from fedjax_hetero.rounds.rows import NonFiniteLossError
 from fedjax_hetero.run import checkpoints, continuation, metrics_log, preflight, results_folder
 from fedjax_hetero.run import history as run_history
@@ -162,6 +162,7 @@ class _Run:
     self.stopped_after: dict[str, Any] | None = None  # where --stop-after ended this process's training
     self.kept_summary: dict[str, Any] | None = None  # a finished run's summary, kept by a resume that adds nothing
     self.reporter = Reporter(config, sim.spec.method.name, log, main)
+    self.static_costs = costs.static_costs(sim.spec)  # (per client and group: a rollback's learning rate keeps them)
 
   def begin(self, state: ServerState, changed: str | None) -> None:
     """Restores the latest intact checkpoint on --resume, and writes config.json and the metrics kept."""
@@ -290,6 +291,7 @@ class _Run:
     """A call's new state and rows logged and checkpointed (see `_round`)."""
     best_before = self.best
     for row in rows:
+      row = costs.costed_row(row, self.static_costs, self.rows[-1] if self.rows else None)
       self.rows.append(row)
       if self.main:
         with open(self.metrics_path, "a") as f:
@@ -374,6 +376,7 @@ class _Run:
         "processes": jax.process_count(),
         "devices": jax.device_count(),
         "parameters_per_group": {g.name: m.num_owned() for g, m in zip(spec.groups, spec.maps)},
+        "costs": costs.summary_costs(self.static_costs, rows),
         "segments": self.history.spans(final_round),
         "rollbacks": list(self.history.rollbacks),
         "stopped_by_divergence": stopped,

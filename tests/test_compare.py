@@ -215,3 +215,26 @@ def test_a_statistic_without_values_shows_a_dash_not_a_number():
   assert lines[3] == "| B_s0 | B | 2 | 70.00 | 70.00 | 65.00 (of 2) | 1.0 | 1 |"
   spread = compare.table([fake_run("A", 0, [0.5]), fake_run("B", 0, [0.6], dissimilarity=0.5)], last=3)
   assert "| 50.00 (of 1) | - / - | 1.0 | - |" in spread and "| 60.00 (of 1) | 0.50 / 1.00 | 1.0 | - |" in spread
+
+
+def test_an_unwritable_plot_folder_a_closed_stdout_and_an_unfinished_run_are_one_line_each(tmp_path, capsys):
+  """(Probes: a plot into a missing folder and `compare ... | head -1` ended in tracebacks after the table; a
+  killed run's folder asked whether it was a results folder, with no way forward.)"""
+  import subprocess
+  import sys
+  dirs = [write_run(tmp_path, *fake_run("A", 0, [0.5, 0.6])), write_run(tmp_path, *fake_run("B", 0, [0.4, 0.7]))]
+  made = tmp_path / "new" / "sub" / "plot.png"
+  compare.main(dirs + ["--output", str(made)])
+  assert made.exists(), "the plot's folder is made, as a run's --output-dir is"
+  (tmp_path / "file").write_text("")
+  with pytest.raises(SystemExit, match=r"^error: --output '.*file/plot.png': .*\(E(NOTDIR|EXIST)"):
+    compare.main(dirs + ["--output", str(tmp_path / "file" / "plot.png")])
+  piped = subprocess.run(f"{sys.executable} -m fedjax_hetero.cli compare {' '.join(dirs)} --output "
+                         f"{tmp_path / 'p.png'} | head -1", shell=True, capture_output=True, text=True)
+  assert "Traceback" not in piped.stderr and (tmp_path / "p.png").exists(), piped.stderr
+  killed = tmp_path / "killed"
+  killed.mkdir()
+  (killed / "metrics.jsonl").write_text(json.dumps({"round": 1}) + "\n")
+  with pytest.raises(SystemExit, match=r"holds a run that has not finished .* --output-dir .*killed --resume, then "
+                                       "compare$"):
+    compare.main([dirs[0], str(killed)])

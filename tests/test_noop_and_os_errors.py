@@ -13,6 +13,7 @@ import shlex
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from fedjax_hetero import os_errors
@@ -173,7 +174,10 @@ def test_a_round_without_a_local_step_reports_no_loss_or_speed_and_a_collapsed_w
   from fedjax_hetero.run import preflight
   from fedjax_hetero.run.reporting import evaluation_line
 
-  row = {"round": 3, "train_loss": 0.0, "samples_per_s": 0.0, "examples": 0, "test_accuracy": {"g": 0.1, "mean": 0.1}}
+  from fedjax_hetero.rounds.rows import round_row
+
+  row = {**round_row(2, {}, np.zeros(0, np.int64), 0, 1.0, {}), "test_accuracy": {"g": 0.1, "mean": 0.1}}
+  assert (row["train_loss"], row["train_loss_per_group"]) == (None, {}), "metrics.jsonl logged a loss of 0.0"
   assert evaluation_line(row, 10) == "round 3/10: no local step taken, mean accuracy 10.00% (g 10.00)"
   logs = []
   preflight._warn_collapsed_layers(RunConfig.from_flags(groups=("cnn@0.01", "cnn@0.5")), (28, 28, 1), 10, logs.append)

@@ -23,6 +23,10 @@ Runs = Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]]  # (label, sum
 
 def load_run(run_dir: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
   summary_path, metrics_path = os.path.join(run_dir, "summary.json"), os.path.join(run_dir, "metrics.jsonl")
+  if not os.path.exists(summary_path) and os.path.exists(metrics_path):
+    raise SystemExit(f"error: {run_dir!r} holds a run that has not finished (no summary.json yet; a killed run's "
+                     f"rows are in its metrics.jsonl): finish it, e.g. python -m experiments.fmnist --config "
+                     f"{os.path.join(run_dir, 'config.json')} --output-dir {run_dir} --resume, then compare")
   for path in (summary_path, metrics_path):
     if not os.path.exists(path):
       raise SystemExit(f"error: {path} not found; is {run_dir!r} a finished results folder?")

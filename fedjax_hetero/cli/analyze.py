@@ -219,7 +219,8 @@ def run_histograms(args: argparse.Namespace) -> list[str]:
     state, (metrics,) = run.sim.run_rounds(state, 1)
     after = _host_leaves(spec.server_variables(state), paths)
     deltas_by_round[state.round] = {label: a - b for (_, label), a, b in zip(layers, after, before)}
-    _log(f"round {state.round}: train loss {metrics['train_loss']:.4f}")
+    loss = metrics["train_loss"]
+    _log(f"round {state.round}: " + ("no local step taken" if loss is None else f"train loss {loss:.4f}"))
   png = os.path.join(args.run_dir, "update_histograms.png")
   analysis.plot_update_histograms(deltas_by_round, png, title=f"{spec.method.name}: server updates of rounds "
                                   f"{first}-{state.round} (continued from the round-{first - 1} checkpoint)")

@@ -55,6 +55,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from fedjax_hetero import os_errors
 from fedjax_hetero.analysis.plots import plot_accuracy_against_costs
 from fedjax_hetero.analysis.runs import (Pairing, Runs, attack_of, base_method_of, check_unique, cumulative_costs,
                                          default_window, dissimilarity_per_round, evaluated, final_pair, groups_of,
@@ -301,6 +302,12 @@ def main(argv: Sequence[str] | None = None) -> str:
   for flag, value in (("--last", args.last), ("--up-to-round", args.up_to_round), ("--window", args.window)):
     if value is not None and value < 1:
       raise SystemExit(f"error: {flag} must be at least 1, got {value}")
+  for flag, path in ((f, p) for f, p in (("--output", args.output), ("--cost-output", args.cost_output)) if p):
+    try:  # (before the tables: a plot's folder that cannot be made is one line, not a traceback after them)
+      os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    except OSError as e:
+      raise SystemExit(f"error: {flag} {path!r}: {os_errors.describe(e)}") from None
+  say = os_errors.StdoutLog()  # (`compare ... | head`: the plots are still written, the rest goes to stderr)
   labels = args.labels.split(",") if args.labels else [os.path.basename(os.path.normpath(d)) for d in args.run_dirs]
   if len(labels) != len(args.run_dirs):
     raise SystemExit(f"error: {len(labels)} labels for {len(args.run_dirs)} runs")
@@ -335,16 +342,16 @@ def main(argv: Sequence[str] | None = None) -> str:
   if drops:
     text += ("\n\naccuracy drop under the backdoor attack (clean final - attacked final, same method and seed):\n"
              + drops)
-  print(text)
+  say(text)
   if args.output:
-    print(f"wrote {plot(runs, args.output, args.title)}")
+    say(f"wrote {plot(runs, args.output, args.title)}")
   if args.cost_output:
     try:
       written = plot_accuracy_against_costs([(label, rows) for label, _, rows in runs], args.cost_output, args.title,
                                             run_styles(runs))
     except ValueError as e:
       raise SystemExit(f"error: --cost-output: {e}") from None
-    print(f"wrote {written}")
+    say(f"wrote {written}")
   return text
 
 

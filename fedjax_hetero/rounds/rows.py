@@ -61,8 +61,9 @@ def group_loss(round_index: int, group: str, loss_sum: float, num_examples: floa
 
 def round_row(round_index: int, losses: Mapping[str, float], draws: np.ndarray, examples: float, seconds: float,
               server_metrics: Mapping[str, Any]) -> dict[str, Any]:
-  """The metrics row of round ``round_index`` (0-based) from its groups' losses (groups that trained only)."""
-  row = {"round": round_index + 1, "train_loss": sum(losses.values()) / max(len(losses), 1),
+  """The metrics row of round ``round_index`` (0-based) from its groups' losses (groups that took a local step
+  only; None for a round in which none did: a 0 would read as a measured loss)."""
+  row = {"round": round_index + 1, "train_loss": sum(losses.values()) / len(losses) if losses else None,
          "train_loss_per_group": dict(losses), "clients": [int(c) for c in draws], "examples": int(examples),
          "round_seconds": seconds, "samples_per_s": examples / seconds, **server_metrics}
   return row
@@ -82,7 +83,8 @@ def call_row(spec: "RoundSpec", call: Call, i: int, outputs: "RoundOutputs", sec
   r, names = call.first + i, [g.name for g in spec.groups]
   chosen, cohorts, _ = call.drawn[i]
   trained = [g for g in range(len(spec.groups)) if len(cohorts[g])]
-  losses = {names[g]: group_loss(r, names[g], outputs.loss_sum[g], outputs.num_examples[g]) for g in trained}
+  losses = {names[g]: group_loss(r, names[g], outputs.loss_sum[g], outputs.num_examples[g]) for g in trained
+            if float(outputs.num_examples[g]) > 0}  # (a group whose clients took no step has no loss)
   for f, finite in zip(spec.federations, outputs.finite):
     if not bool(finite):
       raise NonFiniteModelError(f"round {r + 1}: the model of group(s) {', '.join(names[g] for g in f.members)} has "

@@ -19,9 +19,7 @@ import re
 from typing import Any
 
 from fedjax_hetero.config import RunConfig, declare
-from fedjax_hetero.config.run import FLAGS
-
-_LEAVES_BY_PATH = {leaf.path: leaf for leaf in FLAGS.values()}
+from fedjax_hetero.config.run import FLAGS, FLAGS_BY_PATH
 from fedjax_hetero.run import history
 
 
@@ -162,7 +160,7 @@ def read_config(path: str, base: RunConfig | None = None) -> RunConfig:
     tree.pop(key, None)
   ignored: list[str] = []
   names = {leaf.cli: f"{key} (line {lines[key]})" for key, leaf in
-           ((key, FLAGS.get(key) or _LEAVES_BY_PATH.get(key)) for key in lines) if leaf is not None and lines[key]}
+           ((key, FLAGS.get(key) or FLAGS_BY_PATH.get(key)) for key in lines) if leaf is not None and lines[key]}
   try:
     _check_layout(tree, lines)
     with declare.named_from(names):

@@ -23,9 +23,9 @@ from fedjax_hetero.cli.flags import methods_help
 from fedjax_hetero.cli.presets import PRESETS, Preset, get_preset, paper_deviations, values_for
 from fedjax_hetero.compilation import CACHE_ENV, enable_persistent_cache
 from fedjax_hetero.config import DistributedConfig, FedGenConfig, RunConfig, as_dict, declare, flatten
-from fedjax_hetero.config.run import FLAGS
 from fedjax_hetero.config.distributed import from_flags as distributed_settings
 from fedjax_hetero.config.options import FEDGEN_PRESETS
+from fedjax_hetero.config.run import FLAGS, FLAGS_BY_PATH
 from fedjax_hetero.methods import get_entry
 from fedjax_hetero.run.build import run_method
 from fedjax_hetero.run.interruption import Interrupted
@@ -93,8 +93,6 @@ def run_defaults(argv: Sequence[str] | None, dataset: str) -> tuple[RunConfig, P
   return defaults, chosen, sources
 
 
-# Dotted path -> its setting's leaf (flag name, default, owner).
-FLAGS_BY_PATH = {leaf.path: leaf for leaf in FLAGS.values()}
 
 
 def _flags_given(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> set[str]:
@@ -138,7 +136,7 @@ def _copied_run_folder(path: str, config: RunConfig) -> bool:
   """Whether a config file is the config.json of a run folder other than the one it names (e.g. a copy)."""
   folder = os.path.dirname(os.path.abspath(path))
   in_a_run = os.path.basename(path) == "config.json" and os.path.exists(os.path.join(folder, "metrics.jsonl"))
-  return in_a_run and not (os.path.isdir(config.output.dir) and os.path.samefile(folder, config.output.dir))
+  return in_a_run and not _names_its_own_folder(path, config)
 
 
 def _names_its_own_folder(path: str, config: RunConfig) -> bool:

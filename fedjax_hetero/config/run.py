@@ -250,8 +250,9 @@ def _build(base: Any, values: dict[str, Any], prefix: str, ignored: list[str]) -
   return type(base)(**kwargs)
 
 
-# Flag name -> its declared setting in the tree, for every setting of a run.
+# Flag name -> its declared setting in the tree, for every setting of a run; and dotted path -> the same.
 FLAGS = flag_table(RunConfig())
+FLAGS_BY_PATH = {leaf.path: leaf for leaf in FLAGS.values()}
 # Dotted path -> command-line flag, of every setting of a run and of a process's (under ``distributed.``).
 _SPELLINGS = {**{leaf.path: leaf.cli for leaf in leaves(RunConfig())},
               **{f"distributed.{leaf.path}": leaf.cli for leaf in leaves(DistributedConfig())}}

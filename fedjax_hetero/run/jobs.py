@@ -30,6 +30,7 @@ from fedjax_hetero import distributed
 from fedjax_hetero import data as fdata
 from fedjax_hetero.config import RunConfig, declare
 from fedjax_hetero.config.declare import Number, substituted, value_at
+from fedjax_hetero.config.run import FLAGS_BY_PATH
 from fedjax_hetero.methods import Method, build_method, get_entry
 from fedjax_hetero.rounds.many import ManyRuns, NotBatchable
 from fedjax_hetero.rounds.simulation import host_loop_reason, runs_in_program
@@ -92,8 +93,7 @@ def parse_sweep(text: str, config: RunConfig) -> tuple[str, tuple[float, ...]]:
 
 def sweep_names(sweeps: Sequence[tuple[str, Sequence[float]]]) -> dict[str, str]:
   """How messages name the swept settings (`declare.named_from`): ``client.learning_rate (from --sweep)``."""
-  leaves = {leaf.path: leaf for leaf in declare.leaves(RunConfig())}
-  return {leaves[name].cli: f"{name} (from --sweep)" for name, _ in sweeps}
+  return {FLAGS_BY_PATH[name].cli: f"{name} (from --sweep)" for name, _ in sweeps}
 
 
 def runs_of(config: RunConfig, seeds: Sequence[int] | None, sweeps: Sequence[tuple[str, Sequence[float]]] = ()

@@ -7,7 +7,8 @@ Steps (each a subprocess, so each whole-process time is real; each capped so tha
 a step that fails or passes its cap is reported as such, never dropped silently; the table is printed from
 whatever finished):
 
-1. the decision probes (about a minute): per-client convolutions (`benchmarks.client_conv`, 10 clients, @0.25),
+1. the decision probes (about two minutes): XLA's GPU options (`FLAG_SETS`) on the InCo depths' union step, the
+   chosen set then used by every later step; per-client convolutions (`benchmarks.client_conv`, 10 clients, @0.25),
    the InCo depths' one local step as a masked union against per-group steps (`benchmarks.depth_union`), and
    how a cohort of 10 clients shares the GPU (`benchmarks.client_mapping`);
 2. the peer workload (`benchmarks.peer_torch`: HeteroAvg, ResNet10...26, 100 clients, 10 per round, one epoch
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -37,6 +39,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INCO = "resnet10@{w},resnet14@{w},resnet18@{w},resnet22@{w},resnet26@{w}"
 SMOKE_GROUPS = "resnet10@0.125,resnet14@0.125"  # --smoke: two small groups, so that a CPU gets through
 SMOKE_SLOWER = 4  # --smoke: step time limits multiplied by this (a CPU compiles ResNets' device loops slowly)
+# XLA's GPU options tried by the flags probe (step 1): loops and conditionals captured in CUDA graphs beside the
+# default command buffer types, and no convolution autotuning. (--xla_gpu_enable_llvm_module_compilation_parallelism
+# is gone from jax 0.11.2's XLA: "Unknown flag in XLA_FLAGS", measured on an H200.)
+FLAG_SETS = {
+    "default": "",
+    "command_buffers": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
+    "no_autotune": "--xla_gpu_autotune_level=0",
+}
+STEP_SLACK = 1.05  # the flags probe keeps the sets within 5% of the fastest step, then takes the quickest compile
 TARGETS = {"peer@0.25": 25.0, "peer@1": 10.0, "first_round_s": 15.0, "throughput": 0.6, "demo_s": 12.0,
            "inco_projected_min": 5.0, "many_runs_8": 5.0}
 
@@ -45,6 +56,7 @@ class Suite:
   def __init__(self, out: str, budget_s: float, smoke: bool):
     self.out, self.budget_s, self.smoke, self.start = out, budget_s, smoke, time.perf_counter()
     self.notes: list[str] = []
+    self.env: dict[str, str] = {}  # for every later step (the flags probe's XLA_FLAGS)
 
   def left(self) -> float:
     return self.budget_s - (time.perf_counter() - self.start)
@@ -54,12 +66,17 @@ class Suite:
     timeout = max(1.0, min(timeout * (SMOKE_SLOWER if self.smoke else 1), self.left()))
     t0 = time.perf_counter()
     with open(os.path.join(self.out, f"{name}.log"), "w") as log:
+      # A session of its own, killed whole on timeout: a step's own subprocesses (peer_torch's sides) would
+      # otherwise outlive it and hold the GPU's memory through the next steps.
+      process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
+                                 env={**os.environ, "PYTHONPATH": ROOT, **self.env, **(env or {})})
       try:
-        done = subprocess.run(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, timeout=timeout,
-                              env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
-        status, stdout = done.returncode, done.stdout
-      except subprocess.TimeoutExpired as e:
-        status, stdout = 124, (e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or "")
+        stdout, _ = process.communicate(timeout=timeout)
+        status = process.returncode
+      except subprocess.TimeoutExpired:
+        _kill_session(process)
+        stdout, _ = process.communicate()
+        status = 124
     print(f"[suite] {name}: exit {status} after {time.perf_counter() - t0:.0f} s ({self.left():.0f} s left)",
           file=sys.stderr, flush=True)
     with open(os.path.join(self.out, f"{name}.jsonl"), "w") as f:
@@ -67,6 +84,14 @@ class Suite:
     if status:
       self.notes.append(f"{name}: exit {status}" + (" (time budget)" if status == 124 else "") + f", see {name}.log")
     return status, stdout
+
+
+def _kill_session(process: subprocess.Popen) -> None:
+  """SIGKILL to ``process`` and every process it started (its session, `start_new_session`)."""
+  try:
+    os.killpg(process.pid, signal.SIGKILL)
+  except ProcessLookupError:
+    pass
 
 
 def json_rows(stdout: str) -> list[dict[str, Any]]:
@@ -85,6 +110,26 @@ def probes(suite: Suite) -> dict[str, Any]:
   _, mapping = suite.run("client_mapping", [sys.executable, "-m", "benchmarks.client_mapping", "--models", model,
                                             "--clients", clients, "--steps", "4" if small else "10"], 60)
   return {"client_conv": json_rows(conv), "depth_union": json_rows(union), "client_mapping": json_rows(mapping)}
+
+
+def xla_flags(suite: Suite) -> dict[str, Any]:
+  """The InCo depths' union step (`benchmarks.depth_union --variants union`) under each of `FLAG_SETS`, each in a
+  process of its own (XLA reads its options once); the chosen set goes to every later step through XLA_FLAGS."""
+  size = ["--width", "0.125", "--clients-per-group", "1", "--batch", "16", "--steps", "2"] if suite.smoke else []
+  rows = {}
+  for name, flags in FLAG_SETS.items():
+    env = {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()}
+    status, out = suite.run(f"flags_{name}", [sys.executable, "-m", "benchmarks.depth_union", "--variants", "union",
+                                              *size], 60, env)
+    row = next(iter(json_rows(out)), None)
+    if status == 0 and row:
+      rows[name] = {"flags": flags, "compile_s": row["compile_s"], "ms_per_step": row["ms_per_step"]}
+  fastest = min((r["ms_per_step"] for r in rows.values()), default=None)
+  kept = {n: r for n, r in rows.items() if r["ms_per_step"] <= STEP_SLACK * fastest} if rows else {}
+  chosen = min(kept, key=lambda n: kept[n]["compile_s"]) if kept else "default"
+  suite.env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FLAG_SETS[chosen]}".strip()
+  print(f"[suite] XLA flags for the later steps: {chosen} ({FLAG_SETS[chosen] or 'none'})", file=sys.stderr)
+  return {"rows": rows, "chosen": chosen}
 
 
 def peer(suite: Suite, width: str, program: str, rounds: int, sides: str, cap: float, tag: str = "") -> dict[str, Any]:
@@ -143,8 +188,8 @@ def inco_protocol(suite: Suite, seconds: float) -> dict[str, Any]:
   seen: list[tuple[float, int]] = []  # (seconds since start, rows written) at every change
   t0 = time.perf_counter()
   with open(os.path.join(suite.out, "inco_protocol.log"), "w") as log:
-    process = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                               env={**os.environ, "PYTHONPATH": ROOT})
+    process = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                               env={**os.environ, "PYTHONPATH": ROOT, **suite.env})
     limit = min(seconds * (SMOKE_SLOWER if suite.smoke else 1), suite.left())
     while process.poll() is None and time.perf_counter() - t0 < limit:
       time.sleep(0.5)
@@ -156,7 +201,7 @@ def inco_protocol(suite: Suite, seconds: float) -> dict[str, Any]:
       try:
         process.wait(timeout=5)
       except subprocess.TimeoutExpired:
-        process.kill()
+        _kill_session(process)
         process.wait()
   rows = _metrics(metrics)
   print(f"[suite] inco_protocol: {len(rows)} rounds in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
@@ -208,9 +253,13 @@ def table(results: dict[str, Any], notes: list[str], smoke: bool = False) -> str
     lines.append(f"| peer workload @{width} ({p['program']}), first round (s) | {fmt(first)} | "
                  f"{fmt(p['torch'].get('first_round_s'))} | {fmt(first)} s | <= {TARGETS['first_round_s']:g} s | "
                  f"{verdict(first, TARGETS['first_round_s'], True)} |")
+    phases = (p["ours"].get("compile_s") or {}).get("round_1")
+    if phases:
+      lines.append(f"| peer workload @{width}: by the end of round 1, seconds of tracing / lowering / XLA compile | "
+                   f"{phases['trace']} / {phases['lower']} / {phases['backend_compile']} | — | — | — | — |")
   warm = results.get("peer_warm", {}).get("ours", {}).get("first_round_s")
-  lines.append(f"| peer workload @0.25, first round from a warm persistent cache (s) | {fmt(warm)} | — | {fmt(warm)} s "
-               f"| <= 3 s | {verdict(warm, 3.0, True)} |")
+  lines.append(f"| peer workload @0.25, first round from a warm persistent cache (s) | {fmt(warm)} | — | "
+               f"{fmt(warm)} s | <= 3 s | {verdict(warm, 3.0, True)} |")
   by_program = {r["round_program"]: r for r in results["throughput"]}
   ratio = by_program.get("fused", {}).get("ratio")
   lines.append(f"| FedAvg CNN throughput / centralized limit | {fmt(ratio, 2)} | — | {fmt(ratio, 2)} | >= 0.6 | "
@@ -226,6 +275,10 @@ def table(results: dict[str, Any], notes: list[str], smoke: bool = False) -> str
   lines.append(f"| InCo protocol (500 rounds x 5 epochs, widths 1), projected minutes ({inco['rounds_done']} rounds "
                f"run) | {fmt(inco['projected_min'])} | — | {fmt(inco['projected_min'])} min | <= 5 min | "
                f"{verdict(inco['projected_min'], TARGETS['inco_projected_min'], True)} |")
+  flags = results.get("flags", {})
+  for name, row in flags.get("rows", {}).items():
+    lines.append(f"| XLA flags {name}{' (chosen)' if name == flags['chosen'] else ''}: InCo union step @0.25, "
+                 f"ms/step (compile s) | {row['ms_per_step']} ({row['compile_s']}) | — | — | — | — |")
   probe = results.get("probes", {})
   for row in probe.get("client_conv", []):
     lines.append(f"| per-client 3x3 conv, {row['clients']} clients, {row['side']}x{row['side']}x{row['channels']}: "
@@ -248,11 +301,13 @@ def main(argv: list[str] | None = None) -> str:
   p.add_argument("--budget-s", type=float, default=470.0, help="the whole suite's time budget")
   p.add_argument("--smoke", action="store_true", help="toy sizes on any platform (checks the script)")
   p.add_argument("--round-program", default="union", help="our driver in the peer rows (union, fused, host)")
-  p.add_argument("--skip", default="", help="comma-separated steps to leave out: probes, throughput, peer1, many_runs")
+  p.add_argument("--skip", default="", 
+                 help="comma-separated steps to leave out: flags, probes, throughput, peer1, many_runs")
   args = p.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
   suite, skip = Suite(args.out, args.budget_s, args.smoke), set(args.skip.split(","))
-  results: dict[str, Any] = {"probes": {} if "probes" in skip else probes(suite), "peer": {}}
+  results: dict[str, Any] = {"flags": {} if "flags" in skip else xla_flags(suite)}
+  results.update({"probes": {} if "probes" in skip else probes(suite), "peer": {}})
   results["peer"]["0.25"] = peer(suite, "0.25", args.round_program, 4, "both", 150)
   # The same program again, from the persistent cache the first run filled (gpu_suite.sh's fresh directory).
   results["peer_warm"] = peer(suite, "0.25", args.round_program, 2, "jax", 45, "_warm")

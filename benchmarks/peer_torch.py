@@ -263,6 +263,7 @@ def run_jax(args: argparse.Namespace) -> dict[str, Any]:
   from fedjax_hetero.rounds import make_backend
   from fedjax_hetero.run.build import build_simulation
 
+  compile_s = _compile_phases()
   cache = enable_persistent_cache()  # as the CLI does (FEDJAX_HETERO_CACHE_DIR, or ~/.cache/fedjax_hetero/xla)
   groups = [spec for spec, _, _ in parse_groups(args.groups)]
   extra = {"steps_per_call": args.steps_per_call} if args.steps_per_call else {}
@@ -278,10 +279,12 @@ def run_jax(args: argparse.Namespace) -> dict[str, Any]:
   except (ValueError, fdata.DataNotFoundError) as e:
     raise SystemExit(f"error: {e}") from None
   state = sim.init_state()
+  setup_compile_s = dict(compile_s)
   round_s, examples, drawn, trained = [], [], [], []
   # Round 1 alone (it compiles), then the rest in as few calls as the simulation makes (the round program's
   # rows each carry their call's mean round time).
   state, first = sim.run_rounds(state, 1, consume=True)
+  first_compile_s = dict(compile_s)
   state, rest = sim.run_rounds(state, args.rounds - 1, consume=True) if args.rounds > 1 else (state, [])
   for r, m in enumerate(first + rest):
     trained.append(sorted(m["train_loss_per_group"]))
@@ -304,7 +307,27 @@ def run_jax(args: argparse.Namespace) -> dict[str, Any]:
           "device": f"{jax.default_backend()} x{jax.device_count()}", "backend": backend,
           "round_program": (f"{sim.cohorts.name if sim.cohorts.name == 'union' else 'fused'}, "
                             f"{sim.rounds_per_call} rounds per call" if sim.cohorts.in_program else "host loop"),
-          "steps_per_call": config.client.steps_per_call, "cpu_count": os.cpu_count(), "compile_cache": cache}
+          "steps_per_call": config.client.steps_per_call, "cpu_count": os.cpu_count(), "compile_cache": cache,
+          # Cumulative seconds of jax's trace / lowering / XLA compile: by the end of the setup, of round 1, of the run.
+          "compile_s": {"setup": setup_compile_s, "round_1": first_compile_s, "end": dict(compile_s)}}
+
+
+def _compile_phases() -> dict[str, float]:
+  """Seconds jax spends tracing, lowering and compiling from now on (persistent cache hits count their lowering),
+  summed in place in the returned dict: where a first round's time goes."""
+  from jax import monitoring
+
+  events = {"/jax/core/compile/jaxpr_trace_duration": "trace",
+            "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+            "/jax/core/compile/backend_compile_duration": "backend_compile"}
+  phases = dict.fromkeys(events.values(), 0.0)
+
+  def listen(event: str, seconds: float, **kwargs) -> None:
+    if event in events:
+      phases[events[event]] = round(phases[events[event]] + seconds, 2)
+
+  monitoring.register_event_duration_secs_listener(listen)
+  return phases
 
 
 def _child_argv(args: argparse.Namespace, side: str) -> list[str]:

@@ -237,4 +237,29 @@ def test_an_unwritable_plot_folder_a_closed_stdout_and_an_unfinished_run_are_one
   (killed / "metrics.jsonl").write_text(json.dumps({"round": 1}) + "\n")
   with pytest.raises(SystemExit, match=r"holds a run that has not finished .* --output-dir .*killed --resume, then "
                                        "compare$"):
-    compare.main([dirs[0], str(killed)])
+    compare.main([dirs[0], str(killed)])  # (no config.json either: not a run compare can read)
+
+
+def test_an_unfinished_run_is_compared_up_to_its_last_row_with_a_note(tmp_path):
+  """Held-out probe 68: a run still training (or killed) could not be compared until it finished."""
+  finished = write_run(tmp_path, *fake_run("A", 0, [0.5, 0.6, 0.7]))
+  label, summary, rows = fake_run("B", 0, [0.4, 0.65])
+  running = tmp_path / "running"
+  running.mkdir()
+  (running / "config.json").write_text(json.dumps({**summary["config"], "method": {"name": "B"}}))
+  (running / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  text = compare.main([finished, str(running), "--baseline", "A"])
+  assert "| running | B | 2 | 65.00 | 65.00 |" in text
+  assert "note: running has not finished (no summary.json): its rows up to round 2 are compared" in text
+  assert "| B | 1 | -2.50 [" in text, "paired with A at the two rounds both evaluated"
+
+
+def test_runs_that_end_at_different_rounds_get_a_note_naming_the_cut_that_equals_them(tmp_path):
+  """Held-out probes 66 and 69: a 5-round run beside a 3-round run showed final and best accuracies of different
+  rounds side by side, with nothing saying so."""
+  runs = [fake_run("A", 0, [0.5, 0.6, 0.7, 0.8, 0.9]), fake_run("B", 0, [0.6, 0.7, 0.75])]
+  dirs = [write_run(tmp_path, *run) for run in runs]
+  text = compare.main(dirs)
+  assert ("note: the runs end at different rounds (A_s0 5, B_s0 3): their final, best and last columns are not at "
+          "the same rounds; --up-to-round 3 compares them at equal rounds") in text
+  assert "note:" not in compare.main(dirs + ["--up-to-round", "3"])

@@ -146,3 +146,18 @@ def test_a_folder_of_other_files_is_refused_with_advice_that_works(capsys, tmp_p
                                        r"those away or choose another --output-dir$"):
     run_experiment(config, log=lambda _: None)
   assert os.listdir(folder) == ["notes.txt"]
+
+
+@pytest.mark.slow
+def test_a_resume_keeps_the_learning_rate_an_earlier_resume_gave(tmp_path, capsys):
+  out = tmp_path / "out"
+  args = ["--groups", "mlp@0.5", "--num-clients", "4", "--clients-per-round", "2", "--no-progress",
+          "--output-dir", str(out)]
+  cli.main("synthetic", args + ["--rounds", "1"])
+  cli.main("synthetic", args + ["--rounds", "2", "--resume", "--lr", "0.003"])
+  capsys.readouterr()
+  cli.main("synthetic", args + ["--rounds", "3", "--resume"])  # the run's first command again
+  assert "keeping client.learning_rate 0.003, the run's latest" in capsys.readouterr().out
+  with open(out / "config.json") as f:
+    segments = [(s["from_round"], s["settings"]["client.learning_rate"]) for s in json.load(f)["segments"]]
+  assert len(segments) == 2 and segments[1] == (2, 0.003), "the third round went back to the first command's rate"

@@ -22,7 +22,18 @@ Runs = Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]]  # (label, sum
 
 
 def load_run(run_dir: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+  """A results folder's summary and rows. A run that has not finished (killed, stopped, still training: no
+  summary.json yet) is read from its config.json and the rows so far, its summary marked ``"unfinished": True``."""
   summary_path, metrics_path = os.path.join(run_dir, "summary.json"), os.path.join(run_dir, "metrics.jsonl")
+  config_path = os.path.join(run_dir, "config.json")
+  if not os.path.exists(summary_path) and os.path.exists(metrics_path) and os.path.exists(config_path):
+    try:
+      config, rows = results_folder.read_json_object(config_path), metrics_log.read_rows(metrics_path)
+    except (ValueError, OSError) as e:
+      raise SystemExit(f"error: {os_errors.describe(e) if isinstance(e, OSError) else e}") from None
+    method = config.get("method")
+    return {"method": method.get("name") if isinstance(method, dict) else method, "config": config,
+            "unfinished": True}, rows
   if not os.path.exists(summary_path) and os.path.exists(metrics_path):
     raise SystemExit(f"error: {run_dir!r} holds a run that has not finished (no summary.json yet; a killed run's "
                      f"rows are in its metrics.jsonl): finish it, e.g. python -m experiments.fmnist --config "

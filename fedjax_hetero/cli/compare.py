@@ -14,8 +14,9 @@ in every table.
 Where the runs logged their costs (`fedjax_hetero.rounds.costs`), the first table gives each run's cumulative
 bytes (down + up) and client training FLOPs beside its accuracy, up to the rounds compared; ``--cost-output
 PATH`` plots mean accuracy against both (docs/costs.md).
-``--up-to-round R`` cuts every run at round R, to compare runs of different
-lengths at equal rounds; ``--target 0.87`` adds the first round each run reached
+A run that has not finished (killed, stopped by ``--stop-after``, or still training) is compared up to its
+last row, with a note saying so. ``--up-to-round R`` cuts every run at round R, to compare runs of different
+lengths at equal rounds (runs that end at different rounds get a note under the table saying so); ``--target 0.87`` adds the first round each run reached
 87% mean accuracy.
 
 ``--baseline METHOD`` adds paired statistics: every other method's runs are paired
@@ -96,6 +97,17 @@ def table(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]], last
                  f"{100 * accs[-1]:.2f} | {100 * max(accs):.2f} | {100 * sum(tail) / len(tail):.2f}{few} |{reached} "
                  f"{first} | {later} |")
   return "\n".join(lines)
+
+
+def length_note(runs: Runs) -> str:
+  """A note under the table when the runs end at different rounds: their final, best and last columns then
+  compare different rounds."""
+  ends = {label: rows[-1]["round"] for label, _, rows in runs if rows}
+  if len(set(ends.values())) < 2:
+    return ""
+  listed = ", ".join(f"{label} {end}" for label, end in ends.items())
+  return (f"\nnote: the runs end at different rounds ({listed}): their final, best and last columns are not at the "
+          f"same rounds; --up-to-round {min(ends.values())} compares them at equal rounds")
 
 
 def seeds_table(runs: Runs) -> str:
@@ -321,7 +333,11 @@ def main(argv: Sequence[str] | None = None) -> str:
       check_unique(runs)
     except ValueError as e:
       raise SystemExit(f"error: {e}") from None
-  text = table(runs, args.last, args.target)
+  text = table(runs, args.last, args.target) + length_note(runs)
+  for label, summary, rows in runs:
+    if summary.get("unfinished"):
+      text += (f"\nnote: {label} has not finished (no summary.json): its rows up to round "
+               f"{rows[-1]['round'] if rows else 0} are compared")
   spread = seeds_table(runs)
   if spread:
     text += "\n\nover the runs of each method (its seeds):\n" + spread

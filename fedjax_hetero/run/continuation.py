@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import jax
 
-from fedjax_hetero.config import RunConfig
+from fedjax_hetero.config import RunConfig, flatten
 from fedjax_hetero.run import history as run_history
 from fedjax_hetero.run import metrics_log, results_folder
 
@@ -24,6 +24,26 @@ def saved_config(output_dir: str, log: Log = print) -> RunConfig | None:
   """The config a results folder was written with (older layouts too), or None (see `history.read`)."""
   saved = run_history.read(output_dir, log)
   return None if saved is None else saved.config
+
+
+def keep_latest_local_training(config: RunConfig, chosen: frozenset[str], log: Log) -> RunConfig:
+  """On a resume, each local-training setting that this command does not choose (``chosen``: dotted paths its flags
+  or config file give) keeps the value the folder's run trained with last: a ``--lr`` passed to an earlier resume
+  stays when the run is resumed again with its first command. A chosen value still changes it."""
+  if not (config.output.resume or config.output.resume_or_start):
+    return config
+  saved = saved_config(config.output.dir, log=lambda _: None)
+  if saved is None:
+    return config
+  before, now = flatten(saved), flatten(config)
+  kept = {path: before[path] for path in sorted(run_history.LOCAL_OPTIMIZER - chosen)
+          if path in before and before[path] != now[path]}
+  if not kept:
+    return config
+  log("; ".join(f"keeping {path} {value!r}, the run's latest (this command leaves it at {now[path]!r}; give it to "
+                "change it)" for path, value in kept.items()))
+  client = dataclasses.replace(config.client, **{path.split(".", 1)[1]: value for path, value in kept.items()})
+  return dataclasses.replace(config, client=client)
 
 
 def prepare_folder(config: RunConfig) -> None:

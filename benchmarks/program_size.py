@@ -17,12 +17,14 @@ and compiled, and its optimized HLO read:
 
 The counts and their ratios between drivers carry over from a CPU to an accelerator (the same program is
 compiled, though each backend fuses differently); absolute compile times do not. Prints one JSON line per
-driver, then the ratios to the first driver.
+driver, then the ratios to the first driver. ``--by-source N`` first prints, per driver, the N lines of the library
+under which the most ops were traced (before XLA's optimization): where a program's size comes from.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import re
 import time
@@ -90,7 +92,30 @@ def step_loop(text: str) -> tuple[int, int, int]:
   return ops, heavy, sum(len(v) for v in computations.values())
 
 
-def measure(config: Any, driver: str) -> dict[str, Any]:
+def ops_by_source(mlir: str) -> collections.Counter:
+  """Ops of a lowered module (before XLA's optimization; constants left out) under each line of the library:
+  an op counts for every fedjax_hetero line on its call stack, so a line's count includes what it calls."""
+  definitions = dict(re.findall(r"^#(loc\d+) = loc\((.*)\)\s*$", mlir, re.M))
+  frames: dict[str, list[str]] = {}
+
+  def stack(ref: str) -> list[str]:
+    if ref not in frames:
+      frames[ref] = []  # (a cycle guard while it resolves)
+      body = definitions.get(ref, "")
+      at = re.match(r'^"([^"]+)":(\d+)', body)
+      frames[ref] = ([f"fedjax_hetero/{at.group(1).split('fedjax_hetero/', 1)[1]}:{at.group(2)}"]
+                     if at and "fedjax_hetero/" in at.group(1) else [] if at else
+                     [f for sub in re.findall(r"#(loc\d+)", body) for f in stack(sub)])
+    return frames[ref]
+
+  counts: collections.Counter = collections.Counter()
+  for op in re.finditer(r"= (?:stablehlo|chlo)\.(\w+).*loc\(#(loc\d+)\)\s*$", mlir, re.M):
+    if op.group(1) != "constant":
+      counts.update(set(stack(op.group(2))))
+  return counts
+
+
+def measure(config: Any, driver: str, by_source: int = 0) -> dict[str, Any]:
   import jax
   import numpy as np
 
@@ -106,6 +131,9 @@ def measure(config: Any, driver: str) -> dict[str, Any]:
   call = plan_call(spec, state, 1, (), slots, 1)
   args = ((state.models, state.steps), state.memory, call.inputs, np.int32(1), RoundData.of(spec))
   lowered = sim.program(call.statics).lower(*args)
+  if by_source:
+    for frame, ops in ops_by_source(lowered.as_text(debug_info=True)).most_common(by_source):
+      print(f"{driver}: {ops:7,d} ops under {frame}", flush=True)
   wall, cpu = time.perf_counter(), time.process_time()
   compiled = lowered.compile()
   wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
@@ -125,6 +153,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   p.add_argument("--max-train-samples", type=int, default=None, help="class-balanced training subset")
   p.add_argument("--drivers", default="fused,union", help="comma-separated: fused, union")
   p.add_argument("--output", default=None, help="also write the JSON lines to this file")
+  p.add_argument("--by-source", type=int, default=0, metavar="N", help="also print the N library source lines "
+                 "under which the most ops of each program were traced (before XLA's optimization)")
   args = p.parse_args(argv)
 
   from fedjax_hetero.config import RunConfig
@@ -136,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
       max_train_samples=args.max_train_samples, progress=False, dissimilarity=False, backend="vmap")
   rows = []
   for driver in args.drivers.split(","):
-    rows.append(measure(config, driver))
+    rows.append(measure(config, driver, args.by_source))
     emit_json_lines(rows[-1:])
   for row in rows[1:]:
     ratios = {f"{k}_ratio": round(row[k] / rows[0][k], 3) for k in ("ops_per_step", "compile_s", "compile_cpu_s")

@@ -125,3 +125,18 @@ def test_many_runs_prints_a_row_per_number_of_runs_and_a_table(capsys):
   assert all(r["samples_per_s"] > 0 and r["timed_s"] > 0 for r in rows)
   assert rows[1]["memory_estimate_mib"] > 0
   assert "| 1 alone |" in out and "| 2 |" in out
+
+
+def test_program_size_counts_each_op_under_every_library_line_on_its_stack():
+  import inspect
+
+  import jax.numpy as jnp
+
+  from benchmarks.program_size import ops_by_source
+  from fedjax_hetero.rounds import body
+
+  counts = ops_by_source(body.all_finite.lower([jnp.ones(3), jnp.ones(2), jnp.ones(4)]).as_text(debug_info=True))
+  lines, first = inspect.getsourcelines(body.all_finite.__wrapped__)
+  per_leaf = first + next(i for i, text in enumerate(lines) if "isfinite" in text)
+  assert counts[f"fedjax_hetero/rounds/body.py:{per_leaf}"] >= 6, counts  # an isfinite and a reduction per leaf
+  assert all(frame.startswith("fedjax_hetero/") for frame in counts)

@@ -15,9 +15,9 @@ Where the runs logged their costs (`fedjax_hetero.rounds.costs`), the first tabl
 bytes (down + up) and client training FLOPs beside its accuracy, up to the rounds compared; ``--cost-output
 PATH`` plots mean accuracy against both (docs/costs.md).
 A run that has not finished (killed, stopped by ``--stop-after``, or still training) is compared up to its
-last row, with a note saying so. ``--up-to-round R`` cuts every run at round R, to compare runs of different
-lengths at equal rounds (runs that end at different rounds get a note under the table saying so); ``--target 0.87`` adds the first round each run reached
-87% mean accuracy.
+last row, with a note saying so. Runs that end at different rounds get a note under the table;
+``--up-to-round R`` cuts every run at round R, to compare them at equal rounds. ``--target 0.87`` adds the
+first round each run reached 87% mean accuracy.
 
 ``--baseline METHOD`` adds paired statistics: every other method's runs are paired
 with the baseline's runs of the same seed, round by round at the rounds both

@@ -318,9 +318,9 @@ def _main(config: RunConfig, processes: DistributedConfig, args: argparse.Namesp
     if args.runs_per_program is not None and args.runs_per_program < 1:
       raise ValueError(f"--runs-per-program must be at least 1, got {args.runs_per_program}")
     runs = runs_of(config, args.seeds, sweeps) if sweeps else seed_runs(config, args.seeds)
-    given_paths = frozenset({FLAGS[name].path for name in args.flags_given if name in FLAGS} |
-                       {path for path, source in args.setting_sources.items() if source.startswith("--config")} |
-                       {name for name, _ in sweeps})
+    given_paths = frozenset({FLAGS[name].path for name in args.flags_given if name in FLAGS}
+                            | {path for path, source in args.setting_sources.items() if source.startswith("--config")}
+                            | {name for name, _ in sweeps})
     runs = [keep_latest_local_training(run, given_paths, args.notes.append) for run in runs]
     for run in runs:
       check_settings(run, args.setting_sources)

@@ -32,7 +32,10 @@ def keep_latest_local_training(config: RunConfig, chosen: frozenset[str], log: L
   stays when the run is resumed again with its first command. A chosen value still changes it."""
   if not (config.output.resume or config.output.resume_or_start):
     return config
-  saved = saved_config(config.output.dir, log=lambda _: None)
+  try:
+    saved = saved_config(config.output.dir, log=lambda _: None)
+  except (ValueError, OSError):  # (an unreadable folder: the resume's own checks say so, or repair it)
+    return config
   if saved is None:
     return config
   before, now = flatten(saved), flatten(config)

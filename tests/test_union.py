@@ -64,6 +64,7 @@ def test_held_mask_holds_exactly_the_groups_elements():
     jax.tree.map(np.testing.assert_array_equal, held, extract(union, group_map))
 
 
+@pytest.mark.slow
 def test_width_groups_on_the_union_are_the_per_group_program():
   sim = width_simulation()
   assert isinstance(sim.cohorts, UnionCohorts) and sim.cohorts.in_program and sim.cohorts.name == "union"
@@ -118,6 +119,7 @@ def test_the_families_declared_exact_pass_the_numeric_probe(family):
   assert _probe_reason(sim.spec) is None
 
 
+@pytest.mark.slow
 def test_a_model_whose_zeros_leak_keeps_the_per_group_program():
   """LayerNorm's statistics see the missing channels: the numeric probe finds the difference."""
   reason = union_reason(width_simulation(norm="layer", round_program="fused").spec)

@@ -229,6 +229,8 @@ def test_an_unwritable_plot_folder_a_closed_stdout_and_an_unfinished_run_are_one
   (tmp_path / "file").write_text("")
   with pytest.raises(SystemExit, match=r"^error: --output '.*file/plot.png': .*\(E(NOTDIR|EXIST)"):
     compare.main(dirs + ["--output", str(tmp_path / "file" / "plot.png")])
+  with pytest.raises(SystemExit, match=r"^error: --output '/proc/plot.png': "):  # a folder that takes no file (probe 60)
+    compare.main(dirs + ["--output", "/proc/plot.png"])
   piped = subprocess.run(f"{sys.executable} -m fedjax_hetero.cli compare {' '.join(dirs)} --output "
                          f"{tmp_path / 'p.png'} | head -1", shell=True, capture_output=True, text=True)
   assert "Traceback" not in piped.stderr and (tmp_path / "p.png").exists(), piped.stderr
@@ -242,16 +244,23 @@ def test_an_unwritable_plot_folder_a_closed_stdout_and_an_unfinished_run_are_one
 
 def test_an_unfinished_run_is_compared_up_to_its_last_row_with_a_note(tmp_path):
   """Held-out probe 68: a run still training (or killed) could not be compared until it finished."""
-  finished = write_run(tmp_path, *fake_run("A", 0, [0.5, 0.6, 0.7]))
+  label, summary, rows = fake_run("A", 0, [0.5, 0.6, 0.7])
+  summary["config"]["method"] = {"name": "A"}  # (as a real summary.json's config)
+  finished = write_run(tmp_path, label, summary, rows)
   label, summary, rows = fake_run("B", 0, [0.4, 0.65])
   running = tmp_path / "running"
   running.mkdir()
-  (running / "config.json").write_text(json.dumps({**summary["config"], "method": {"name": "B"}}))
+  (running / "config.json").write_text(json.dumps({**summary["config"], "method": {"name": "B"}, "rollbacks": [],
+                                                   "segments": [{"from_round": 1}], "processes": 1}))
   (running / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
   text = compare.main([finished, str(running), "--baseline", "A"])
   assert "| running | B | 2 | 65.00 | 65.00 |" in text
   assert "note: running has not finished (no summary.json): its rows up to round 2 are compared" in text
   assert "| B | 1 | -2.50 [" in text, "paired with A at the two rounds both evaluated"
+  (running / "config.json").write_text(json.dumps({**summary["config"], "method": {"name": "A"}, "rollbacks": [],
+                                                   "segments": [{"from_round": 1}], "processes": 1}))
+  assert "| running | A | 2 |" in compare.main([finished, str(running)]), (
+      "the folder's history (segments, rollbacks) made its run a variant of its method (held-out probe 53)")
 
 
 def test_runs_that_end_at_different_rounds_get_a_note_naming_the_cut_that_equals_them(tmp_path):

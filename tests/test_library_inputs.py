@@ -127,6 +127,8 @@ MISUSE = [
     ("Simulation: local as a dict", call(simulation, local={"learning_rate": 0.1}), r"^local must be a LocalConfig"),
     ("Simulation: the backend by name", call(make_simulation, simulation().spec, "vmap"),
      r"^backend must be a Backend"),
+    ("Simulation: a negative count of rounds", call(lambda sim: sim.run_rounds(None, -1), simulation()),
+     r"^count must be an integer >= 0, got -1"),  # (held-out probe 52: no rows, no word)
     # build_model
     ("build_model: one class", call(build_model, "cnn", 1), r"^num_classes must be an integer >= 2, got 1"),
     ("build_model: classes as text", call(build_model, "cnn", "10"), r"^num_classes must be an integer >= 2, got '10'"),

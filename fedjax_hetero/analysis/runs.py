@@ -17,6 +17,7 @@ import numpy as np
 
 from fedjax_hetero import os_errors
 from fedjax_hetero.run import metrics_log, results_folder
+from fedjax_hetero.run.history import PROCESSES, ROLLBACKS, SEGMENTS
 
 Runs = Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]]  # (label, summary.json, metrics.jsonl rows)
 
@@ -31,6 +32,7 @@ def load_run(run_dir: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
       config, rows = results_folder.read_json_object(config_path), metrics_log.read_rows(metrics_path)
     except (ValueError, OSError) as e:
       raise SystemExit(f"error: {os_errors.describe(e) if isinstance(e, OSError) else e}") from None
+    config = {k: v for k, v in config.items() if k not in (SEGMENTS, ROLLBACKS, PROCESSES)}  # (as summary.json's)
     method = config.get("method")
     return {"method": method.get("name") if isinstance(method, dict) else method, "config": config,
             "unfinished": True}, rows

@@ -360,13 +360,18 @@ def main(argv: Sequence[str] | None = None) -> str:
              + drops)
   say(text)
   if args.output:
-    say(f"wrote {plot(runs, args.output, args.title)}")
+    try:
+      say(f"wrote {plot(runs, args.output, args.title)}")
+    except OSError as e:
+      raise SystemExit(f"error: --output {args.output!r}: {os_errors.describe(e)}") from None
   if args.cost_output:
     try:
       written = plot_accuracy_against_costs([(label, rows) for label, _, rows in runs], args.cost_output, args.title,
                                             run_styles(runs))
     except ValueError as e:
       raise SystemExit(f"error: --cost-output: {e}") from None
+    except OSError as e:
+      raise SystemExit(f"error: --cost-output {args.cost_output!r}: {os_errors.describe(e)}") from None
     say(f"wrote {written}")
   return text
 

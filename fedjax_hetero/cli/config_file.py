@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import os
 import re
@@ -92,6 +93,10 @@ _KEYS_OF_SPELLINGS = {leaf.cli.lstrip("-"): leaf.flag for leaf in FLAGS.values()
 def _close_to(name: str) -> str:
   if name in _KEYS_OF_SPELLINGS:
     return f" (did you mean {_KEYS_OF_SPELLINGS[name]!r}? --{name} is its command-line flag)"
+  if name in FLAGS_BY_PATH:  # a dotted path as one key: the file's layouts nest it, or name the flag
+    nested = functools.reduce(lambda inner, key: f"{key}: {{{inner}}}", reversed(name.split(".")[:-1]),
+                              f"{name.split('.')[-1]}: ...")
+    return f" (a dotted path is not a key: nest it as {nested}, or use its flag name {FLAGS_BY_PATH[name].flag!r})"
   known = set(FLAGS) | {leaf.path for leaf in FLAGS.values()}
   close = difflib.get_close_matches(name, known, n=1)
   return f" (did you mean {close[0]!r}?)" if close else ""
@@ -172,4 +177,9 @@ def read_config(path: str, base: RunConfig | None = None) -> RunConfig:
     raise ValueError(f"{flag}: unknown setting(s) {unknown}; `python -m experiments.fmnist --help` and docs/cli.md "
                      "list the settings (config.json keys and flag names)")
   action = dict(resume=False, resume_or_start=False, overwrite=False)
-  return dataclasses.replace(config, output=dataclasses.replace(config.output, **action))
+  # A path in a file starting with ~ means the home folder, as it would on the command line (no shell expands it).
+  home = lambda p: os.path.expanduser(p) if isinstance(p, str) else p
+  data = dataclasses.replace(config.data, data_dir=home(config.data.data_dir),
+                             partition_file=home(config.data.partition_file))
+  return dataclasses.replace(config, data=data, output=dataclasses.replace(config.output, dir=home(config.output.dir),
+                                                                           **action))

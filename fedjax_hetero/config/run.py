@@ -14,6 +14,8 @@ import dataclasses
 import os
 from typing import Any
 
+import numpy as np
+
 from fedjax_hetero import models
 from fedjax_hetero.config.client import LocalConfig
 from fedjax_hetero.config.data import DataConfig
@@ -212,7 +214,17 @@ class RunConfig(Settings):
 
 
 def as_dict(config: Any) -> dict[str, Any]:
-  return dataclasses.asdict(config)
+  """The config's tree of plain Python values (a numpy scalar given as a setting becomes its int or float), as
+  config.json and summary.json hold it."""
+  return dataclasses.asdict(config, dict_factory=lambda pairs: {key: _plain(value) for key, value in pairs})
+
+
+def _plain(value: Any) -> Any:
+  if isinstance(value, np.generic):
+    return value.item()
+  if isinstance(value, (list, tuple)):
+    return type(value)(_plain(v) for v in value)
+  return value
 
 
 def flatten(config: Any, prefix: str = "") -> dict[str, Any]:

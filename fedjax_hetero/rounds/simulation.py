@@ -153,6 +153,7 @@ class Simulation:
     then all dropped. With ``consume`` the rounds update ``state``'s per-client memory in place (its buffers are
     donated), so ``state`` must not be used again; without it the memory is copied first, a cost that grows with
     the number of clients (SCAFFOLD's control variates, MOON's previous models), not with the rounds' work."""
+    check_integer("count", count, minimum=0)
     if not consume and jax.tree.leaves(state.memory):
       state = state._replace(memory=copy_tree(state.memory))
     rows: list[dict[str, Any]] = []

@@ -272,3 +272,12 @@ def test_runs_that_end_at_different_rounds_get_a_note_naming_the_cut_that_equals
   assert ("note: the runs end at different rounds (A_s0 5, B_s0 3): their final, best and last columns are not at "
           "the same rounds; --up-to-round 3 compares them at equal rounds") in text
   assert "note:" not in compare.main(dirs + ["--up-to-round", "3"])
+
+
+def test_runs_of_different_datasets_get_a_note(tmp_path):
+  """Held-out probe 31: a Fashion-MNIST run paired with a synthetic one printed a difference with no word."""
+  runs = [fake_run("A", 0, [0.5, 0.6]), fake_run("B", 0, [0.6, 0.7])]
+  for (_, summary, _), dataset in zip(runs, ("fashion_mnist", "synthetic")):
+    summary["config"]["data"] = {"dataset": dataset}
+  text = compare.main([write_run(tmp_path, *run) for run in runs] + ["--baseline", "A"])
+  assert "note: the runs trained on different datasets (A_s0 fashion_mnist, B_s0 synthetic)" in text

@@ -277,6 +277,15 @@ def test_resume_with_other_settings_fails_before_compute(dataset, straight, tmp_
     run_experiment(config, dataset, log=quiet)
 
 
+def test_a_resume_may_spell_the_method_in_another_case(straight):
+  """Held-out probe 10: --method fedavg started a run that --method FedAvg --resume was refused to continue."""
+  from fedjax_hetero.run import history
+
+  saved = history.read(straight[0].output.dir, quiet)
+  config = straight[0].replace(resume=True, rounds=6, method=straight[0].method.name.lower())
+  assert history.check_resume(saved, config, 1, quiet) is None
+
+
 # ------------------------------------------------------------------------------------------- NaN stop
 
 

@@ -161,3 +161,12 @@ def test_a_resume_keeps_the_learning_rate_an_earlier_resume_gave(tmp_path, capsy
   with open(out / "config.json") as f:
     segments = [(s["from_round"], s["settings"]["client.learning_rate"]) for s in json.load(f)["segments"]]
   assert len(segments) == 2 and segments[1] == (2, 0.003), "the third round went back to the first command's rate"
+
+
+def test_a_run_folders_config_json_accepts_output_dir_abbreviated_as_argparse_does(tmp_path):
+  """Held-out probe 59: --output (argparse's abbreviation of --output-dir) was refused with 'pass --output-dir'."""
+  original = tmp_path / "original"
+  os.makedirs(original)
+  (original / "config.json").write_text(json.dumps({"output": {"dir": str(original)}, "rounds": 3}))
+  config, *_ = cli.parse(["--config", str(original / "config.json"), "--output", str(tmp_path / "new")], "synthetic")
+  assert (config.output.dir, config.rounds) == (str(tmp_path / "new"), 3)

@@ -110,6 +110,16 @@ def length_note(runs: Runs) -> str:
           f"same rounds; --up-to-round {min(ends.values())} compares them at equal rounds")
 
 
+def dataset_note(runs: Runs) -> str:
+  """A note under the table when the runs trained on different datasets: their accuracies do not compare."""
+  datasets = {label: ((summary["config"].get("data") or {}).get("dataset") or summary["config"].get("dataset"))
+              for label, summary, _ in runs}
+  if len(set(datasets.values())) < 2:
+    return ""
+  listed = ", ".join(f"{label} {dataset}" for label, dataset in datasets.items())
+  return f"\nnote: the runs trained on different datasets ({listed}): their accuracies and differences do not compare"
+
+
 def seeds_table(runs: Runs) -> str:
   """Per method (or variant, e.g. a swept value) with several runs: the mean ± std over them of the final and
   the best mean accuracy (empty if no method has two runs)."""
@@ -333,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> str:
       check_unique(runs)
     except ValueError as e:
       raise SystemExit(f"error: {e}") from None
-  text = table(runs, args.last, args.target) + length_note(runs)
+  text = table(runs, args.last, args.target) + length_note(runs) + dataset_note(runs)
   for label, summary, rows in runs:
     if summary.get("unfinished"):
       text += (f"\nnote: {label} has not finished (no summary.json): its rows up to round "

@@ -130,7 +130,9 @@ def _without_unread_options(config: RunConfig, sources: dict[str, str], method_g
 
 
 def _given(argv: Sequence[str] | None, flag: str) -> bool:
-  return any(arg == flag or arg.startswith(flag + "=") for arg in (sys.argv[1:] if argv is None else argv))
+  """Whether ``flag`` is on the command line, spelled whole or abbreviated as argparse accepts (``--output``)."""
+  names = (arg.split("=", 1)[0] for arg in (sys.argv[1:] if argv is None else argv) if arg.startswith("--"))
+  return any(len(name) > 3 and flag.startswith(name) for name in names)
 
 
 def _copied_run_folder(path: str, config: RunConfig) -> bool:
@@ -190,6 +192,9 @@ def _seed_list(text: str) -> tuple[int, ...]:
     raise argparse.ArgumentTypeError(f"expected comma-separated integer seeds, got {text!r}") from None
   if not seeds or len(set(seeds)) != len(seeds):
     raise argparse.ArgumentTypeError(f"expected distinct seeds, got {text!r}")
+  out_of_range = [s for s in seeds if not 0 <= s < 2**32]
+  if out_of_range:  # (checked here: the runs' own check would name --seed, which the command does not give)
+    raise argparse.ArgumentTypeError(f"a seed must be an integer in [0, 4294967295], got {out_of_range[0]}")
   return seeds
 
 

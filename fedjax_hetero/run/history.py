@@ -154,8 +154,10 @@ def check_resume(saved: SavedRun, config: RunConfig, processes: int, log: Callab
                      f"{saved.history.processes} (its config.json); resume with --num-processes "
                      f"{saved.history.processes}, or pass --overwrite instead of --resume to start over")
   before, now = flatten(saved.config), flatten(config)
+  same_method = str(before.get("method.name")).lower() == str(now["method.name"]).lower()  # (names ignore case)
   changed = {path: f"{path}: {before[path]!r} -> {now[path]!r}" for path in now
-             if not path.startswith("output.") and path not in UNCHANGED_TRAJECTORY and before.get(path) != now[path]}
+             if not path.startswith("output.") and path not in UNCHANGED_TRAJECTORY and before.get(path) != now[path]
+             and not (path == "method.name" and same_method)}
   refused = [text for path, text in changed.items() if path not in LOCAL_OPTIMIZER]
   if refused:
     raise ValueError(f"cannot resume {out!r} with different settings ({'; '.join(refused)}); repeat the run's own "

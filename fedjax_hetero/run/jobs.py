@@ -83,7 +83,9 @@ def parse_sweep(text: str, config: RunConfig) -> tuple[str, tuple[float, ...]]:
   except ValueError:
     raise ValueError(f"--sweep {text!r}: expected {name}=V1,V2,... with {'integers' if integer else 'numbers'}"
                      ) from None
-  if not parsed or len(set(parsed)) != len(parsed):
+  if not parsed:
+    raise ValueError(f"--sweep {text!r}: expected {name}=V1,V2,... (the values to run it at)")
+  if len(set(parsed)) != len(parsed):
     raise ValueError(f"--sweep {text!r}: expected distinct values")
   if (traced(name) or name == "federation.malicious_fraction") and len({v == 0 for v in parsed}) > 1:
     raise ValueError(f"--sweep {name}: zero and non-zero values make different programs (a zero turns its part "

@@ -291,3 +291,15 @@ def test_an_output_folder_without_write_permission(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "access", lambda path, mode: access(path, mode) and os.fspath(path) != str(locked))
   with pytest.raises(ValueError, match=r"--output-dir '.*locked/run' cannot be written: no write permission"):
     OutputConfig(dir=str(locked / "run")).check_paths()
+
+
+def test_a_datasets_own_default_is_not_blamed_on_a_flag(tmp_path, capsys, no_compute):
+  """Held-out probe 22: cifar100's SGD momentum beside --optimizer adam was refused as '--momentum 0.5 ...; drop
+  it', a flag the user never gave (a momentum given as a flag still is)."""
+  args = ["--optimizer", "adam", "--data-dir", str(tmp_path), "--output-dir", str(tmp_path / "out")]
+  with pytest.raises(SystemExit):
+    cli.main("cifar100", args)
+  assert "momentum" not in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    cli.main("cifar100", args + ["--momentum", "0.9"])
+  assert "--momentum 0.9 has no effect without --optimizer sgd" in capsys.readouterr().err

@@ -229,6 +229,8 @@ def parse(argv: Sequence[str] | None, dataset: str, description: str | None = No
   # Where each setting not given as a flag came from, for the messages about it (`preflight.check_settings`), and
   # how messages name it (`declare.named_from`).
   args.flags_given = given
+  args.dataset_defaults = defaults_for(named_dataset(args.config) or dataset if args.config and "dataset" not in given
+                                       else args.dataset).config()
   args.setting_sources = {path: source for path, source in sources.items()
                           if path not in FLAGS_BY_PATH or FLAGS_BY_PATH[path].flag not in given}
   args.setting_names = setting_names(args.setting_sources, known_lines(args.config))
@@ -328,7 +330,7 @@ def _main(config: RunConfig, processes: DistributedConfig, args: argparse.Namesp
                             | {name for name, _ in sweeps})
     runs = [keep_latest_local_training(run, given_paths, args.notes.append) for run in runs]
     for run in runs:
-      check_settings(run, args.setting_sources)
+      check_settings(run, args.setting_sources, args.dataset_defaults)
       run.output.check_paths()
     # The build step: every run's method made and checked against its groups and cohort, before any data.
     methods = [run_method(run) for run in runs]

@@ -42,10 +42,10 @@ ACTS_ONLY_WITH: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 )
 
 
-def _would_do_nothing(config: Any) -> Iterator[tuple[str, str, str]]:
-  """(dotted path, why, the other way out) of each setting changed from its default that ``config`` would not
-  read."""
-  flat, defaults = flatten(config), flatten(type(config)())
+def _would_do_nothing(config: Any, base: Any = None) -> Iterator[tuple[str, str, str]]:
+  """(dotted path, why, the other way out) of each setting changed from its default (``base``'s value: the
+  dataset's defaults; the library's if None) that ``config`` would not read."""
+  flat, defaults = flatten(config), flatten(type(config)() if base is None else base)
   if config.data.partition_file is not None:
     for path in ("data." + name for name in PARTITION_FILE_OVERRIDES):
       if flat[path] != defaults[path]:
@@ -57,12 +57,13 @@ def _would_do_nothing(config: Any) -> Iterator[tuple[str, str, str]]:
       yield path, f"has no effect without {choice}", "add that, or "
 
 
-def check_settings(config: Any, sources: Mapping[str, str] = {}) -> None:
+def check_settings(config: Any, sources: Mapping[str, str] = {}, base: Any = None) -> None:
   """The config-only checks (see the module docstring); ValueError naming the setting where it was given.
   ``sources``: the dotted paths a config file or a preset set, and which (`fedjax_hetero.cli.run.parse`); the
-  others are the caller's (a flag, or the library's caller)."""
+  others are the caller's (a flag, or the library's caller). ``base``: the defaults the command started from (a
+  dataset's: its SGD momentum beside ``--optimizer adam`` was not the user's to drop)."""
   flat = flatten(config)
-  for path, why, other in _would_do_nothing(config):
+  for path, why, other in _would_do_nothing(config, base):
     source = sources.get(path, "")
     if source.startswith(("--preset", "--fedgen-preset")):
       continue  # the preset's value for a choice this run does not make: it reads nothing and asks nothing

@@ -170,3 +170,10 @@ def test_a_run_folders_config_json_accepts_output_dir_abbreviated_as_argparse_do
   (original / "config.json").write_text(json.dumps({"output": {"dir": str(original)}, "rounds": 3}))
   config, *_ = cli.parse(["--config", str(original / "config.json"), "--output", str(tmp_path / "new")], "synthetic")
   assert (config.output.dir, config.rounds) == (str(tmp_path / "new"), 3)
+
+
+def test_a_partition_error_names_a_swept_alpha_as_the_sweeps(capsys, tmp_path, no_compute):
+  """Held-out probe 24: the advice was 'raise alpha (--alpha)', a flag the sweep forbids beside it."""
+  assert fails(capsys, "synthetic", ["--groups", "mlp@0.25", "--num-clients", "20", "--clients-per-round", "2",
+                                     "--sweep", "data.alpha=0.5,0.001", "--output-dir", str(tmp_path / "o")]
+               ).count("raise alpha (data.alpha (from --sweep))") == 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+import re
 import socket
 import urllib.parse
 from typing import Callable
@@ -135,8 +136,11 @@ def partitioned_dataset(config: RunConfig, dataset: fdata.ArrayDataset | None = 
     channels = dataset.image_shape[-1]
     dataset = dataclasses.replace(dataset, mean=(0.0,) * channels, std=(1.0,) * channels)
   if d.partition_file is None:
-    parts = fdata.partition(dataset.train_labels, d.partition, d.num_clients, seed, alpha=d.alpha,
-                            classes_per_client=d.classes_per_client)
+    try:
+      parts = fdata.partition(dataset.train_labels, d.partition, d.num_clients, seed, alpha=d.alpha,
+                              classes_per_client=d.classes_per_client)
+    except ValueError as e:  # (the data layer names flags; a value a preset, file or sweep gave is named so)
+      raise ValueError(re.sub(r"--[a-z][a-z-]+", lambda m: declare.in_messages(m.group(0)), str(e))) from None
   return dataset, parts
 
 

@@ -57,3 +57,12 @@ def test_a_path_in_a_file_may_start_with_the_home_folder(tmp_path, monkeypatch):
   monkeypatch.setenv("HOME", str(tmp_path))
   config = read_config(written(tmp_path, "home.yaml", "output: {dir: ~/runs/a}\ndata: {data_dir: ~/data}\n"))
   assert (config.output.dir, config.data.data_dir) == (str(tmp_path / "runs" / "a"), str(tmp_path / "data"))
+
+
+def test_a_files_folder_actions_are_left_to_the_command(tmp_path):
+  """Held-out probe 6: a file's output.resume_unchecked asked for --resume, and with --resume asked again (a file's
+  resume is the command's to give, so it was always dropped)."""
+  config = read_config(written(tmp_path, "actions.yaml", "output: {resume: true, resume_unchecked: true, "
+                                                           "repair_metrics: true}\nrounds: 2\n"))
+  assert config.rounds == 2 and not (config.output.resume or config.output.resume_unchecked
+                                     or config.output.repair_metrics)

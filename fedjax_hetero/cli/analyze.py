@@ -76,6 +76,10 @@ class LoadedRun:
 def load_run(run_dir: str, data_dir: str | None = None) -> LoadedRun:
   """Rebuilds RUN_DIR's simulation from its config and restores its last checkpoint."""
   config = read_config(run_dir, data_dir)
+  partition_file = config.data.partition_file
+  if partition_file is not None and not os.path.isfile(partition_file):
+    raise ValueError(f"{run_dir}: its run read its clients from {partition_file!r} (data.partition_file in its "
+                     "config.json), which is gone: put the file back there to analyze the run")
   sim, _ = build.build_simulation(config, log=_log)
   state = restore_last(sim, config)
   _log(f"{run_dir}: {sim.spec.method.name}, restored round {state.round}")

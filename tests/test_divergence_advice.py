@@ -40,3 +40,14 @@ def test_a_model_broken_by_the_server_step_stops_without_rollback_naming_the_ser
     summary = json.load(f)
   assert summary["rollbacks"] == [] and summary["stopped_by_divergence"]["round"] == 3
   assert [r["round"] for r in read_rows(out)] == [1, 2]
+
+
+def test_a_run_that_diverges_before_any_evaluated_checkpoint_is_advised_a_lower_rate_from_the_start():
+  """Held-out probe 17: "nothing to keep or roll back to", and no way forward."""
+  from fedjax_hetero.config import RunConfig
+  from fedjax_hetero.run.guard import stop_advice
+
+  config = RunConfig.from_flags(dataset="synthetic", groups=("mlp",), learning_rate=0.1, on_divergence="rollback")
+  advice = stop_advice(config, rollbacks_tried=0, best=None, checkpoint_dir="unused")
+  factor = config.divergence.rollback_lr_factor
+  assert advice.endswith(f"start again with a lower learning rate, e.g. --lr {0.1 * factor:g} --overwrite"), advice

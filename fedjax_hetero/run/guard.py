@@ -66,7 +66,9 @@ def stop_advice(config: RunConfig, rollbacks_tried: int, best: int | None, check
     kept = "" if best is None else f"; the best checkpoint (round {best}) is kept in {checkpoint_dir}"
     return server_step_advice(config) + kept
   if best is None:
-    return "no checkpoint with an evaluation was saved, so there is nothing to keep or roll back to"
+    lower = f"--lr {config.client.learning_rate * config.divergence.rollback_lr_factor:g}"
+    return ("no checkpoint with an evaluation was saved, so there is nothing to keep or roll back to: start again "
+            f"with a lower learning rate, e.g. {lower} --overwrite")
   kept = f"the best checkpoint (round {best}) is kept in {checkpoint_dir}"
   guard, rate = config.divergence, config.client.learning_rate
   if guard.action == "stop":

@@ -186,3 +186,13 @@ def test_a_fedgen_preset_beside_a_files_fedgen_settings_is_refused(capsys, tmp_p
                                      str(tmp_path / "o")]) == (
       f"error: --fedgen-preset cifar10 would replace method.fedgen.generative_alpha, method.fedgen.noise_dim of "
       f"--config {path}: set FedGen's settings in the file or by the preset, not both")
+
+
+def test_a_partition_file_replaces_a_presets_training_subset_saying_so(tmp_path):
+  """Held-out probe 23: --preset fedimpro-cpu --partition-file was refused (the preset's max_train_samples and the
+  file exclude each other), and no flag could unset the preset's value."""
+  path = written(tmp_path, "parts.json", json.dumps([[3 * i, 3 * i + 1, 3 * i + 2] for i in range(10)]))
+  config, _, args, _ = cli.parse(["--preset", "fedimpro-cpu", "--partition-file", path, "--output-dir",
+                                  str(tmp_path / "o")], "fashion_mnist")
+  assert (config.data.partition_file, config.data.max_train_samples) == (path, None)
+  assert args.notes == ["note: --partition-file replaces max_train_samples 12000 of --preset fedimpro-cpu"]

@@ -243,6 +243,11 @@ def parse(argv: Sequence[str] | None, dataset: str, description: str | None = No
   if getattr(args, "coarse", False):
     args.dataset = f"{args.dataset}_coarse"
   args.notes = []
+  for first, second in (("partition_file", "max_train_samples"), ("test_first", "max_test_samples")):
+    source = args.setting_sources.get(FLAGS[second].path, "")
+    if first in given and second not in given and source.startswith("--preset"):  # (no flag could unset it)
+      args.notes.append(f"note: {FLAGS[first].cli} replaces {second} {getattr(args, second)} of {source}")
+      setattr(args, second, None)
   try:
     with declare.named_from(args.setting_names):
       config = _without_unread_options(flags.config_from_args(args), args.setting_sources, "method" in given,

@@ -230,7 +230,7 @@ def test_an_unwritable_plot_folder_a_closed_stdout_and_an_unfinished_run_are_one
   (tmp_path / "file").write_text("")
   with pytest.raises(SystemExit, match=r"^error: --output '.*file/plot.png': .*\(E(NOTDIR|EXIST)"):
     compare.main(dirs + ["--output", str(tmp_path / "file" / "plot.png")])
-  with pytest.raises(SystemExit, match=r"^error: --output '/proc/plot.png': "):  # a folder that takes no file (probe 60)
+  with pytest.raises(SystemExit, match=r"^error: --output '/proc/plot.png': "):  # (probe 60: no file goes there)
     compare.main(dirs + ["--output", "/proc/plot.png"])
   piped = subprocess.run(f"{sys.executable} -m fedjax_hetero.cli compare {' '.join(dirs)} --output "
                          f"{tmp_path / 'p.png'} | head -1", shell=True, capture_output=True, text=True)

@@ -31,7 +31,8 @@ def written(tmp_path, name: str, text: str) -> str:
      r"unknown setting\(s\) 'learning_rat' \(line 3\) \(did you mean 'learning_rate'\?\)"),
     ("spelling.json", '{"lr": 0.02}',
      r"unknown setting\(s\) 'lr' \(line 1\) \(did you mean 'learning_rate'\? --lr is its command-line flag\)"),
-    ("dotted.json", '{"client.learning_rate": 0.01,\n "method.prox.mu": 0.1}',  # (held-out probe 7: it suggested itself)
+    # (held-out probe 7: a dotted key suggested itself)
+    ("dotted.json", '{"client.learning_rate": 0.01,\n "method.prox.mu": 0.1}',
      r"'client.learning_rate' \(line 1\) \(a dotted path is not a key: nest it as client: \{learning_rate: \.\.\.\}, "
      r"or use its flag name 'learning_rate'\), 'method.prox.mu' \(line 2\) \(.*method: \{prox: \{mu: \.\.\.\}\}, "
      r"or use its flag name 'prox_mu'\)"),

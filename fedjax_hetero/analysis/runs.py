@@ -40,8 +40,8 @@ def load_run(run_dir: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
   if not os.path.exists(summary_path) and os.path.exists(metrics_path):
     raise SystemExit(f"error: {run_dir!r} holds a run that has not finished (no summary.json yet; a killed run's "
                      f"rows are in its metrics.jsonl): finish it, e.g. python -m experiments.fmnist --config "
-                     f"{shlex.quote(os.path.join(run_dir, 'config.json'))} --output-dir {shlex.quote(run_dir)} --resume, "
-                     "then compare")
+                     f"{shlex.quote(os.path.join(run_dir, 'config.json'))} --output-dir {shlex.quote(run_dir)} "
+                     "--resume, then compare")
   for path in (summary_path, metrics_path):
     if not os.path.exists(path):
       raise SystemExit(f"error: {path} not found; is {run_dir!r} a finished results folder?")

@@ -76,8 +76,7 @@ class LoadedRun:
 def load_run(run_dir: str, data_dir: str | None = None) -> LoadedRun:
   """Rebuilds RUN_DIR's simulation from its config and restores its last checkpoint."""
   config = read_config(run_dir, data_dir)
-  partition_file = config.data.partition_file
-  if partition_file is not None and not os.path.isfile(partition_file):
+  if (partition_file := config.data.partition_file) is not None and not os.path.isfile(partition_file):
     raise ValueError(f"{run_dir}: its run read its clients from {partition_file!r} (data.partition_file in its "
                      "config.json), which is gone: put the file back there to analyze the run")
   sim, _ = build.build_simulation(config, log=_log)
@@ -113,14 +112,9 @@ def run_cka(args: argparse.Namespace) -> list[str]:
   png = os.path.join(args.run_dir, "cka.png")
   analysis.plot_cka(matrices, png, names, title=f"{spec.method.name}, round {state.round}: linear CKA on {n} "
                     "test images")
-  record = {
-      "method": spec.method.name,
-      "round": state.round,
-      "num_examples": n,
-      "groups": names,
-      "cuts": {cut: {"matrix": np.asarray(m, np.float64).tolist(), "layer_similarity": analysis.layer_similarity(m)}
-               for cut, m in matrices.items()},
-  }
+  record = {"method": spec.method.name, "round": state.round, "num_examples": n, "groups": names,
+            "cuts": {cut: {"matrix": np.asarray(m, np.float64).tolist(),
+                           "layer_similarity": analysis.layer_similarity(m)} for cut, m in matrices.items()}}
   path = os.path.join(args.run_dir, "cka.json")
   with open(path, "w") as f:
     json.dump(record, f, indent=1)

@@ -57,18 +57,22 @@ def _pre_parse(argv: Sequence[str] | None, dataset: str) -> argparse.Namespace:
   return known
 
 
-def run_defaults(argv: Sequence[str] | None, dataset: str) -> tuple[RunConfig, Preset | None, dict[str, str]]:
+def run_defaults(argv: Sequence[str] | None, dataset: str
+                 ) -> tuple[RunConfig, Preset | None, dict[str, str], RunConfig]:
   """The defaults the parser starts from: the dataset's or a ``--config`` file's, a preset's values for the
-  method the run will have, and a FedGen preset; and the settings the file or preset set (dotted path -> which,
-  e.g. ``"--preset inco-cpu"``). ValueError naming the flag if one of those is bad."""
+  method the run will have, and a FedGen preset; the settings the file or preset set (dotted path -> which,
+  e.g. ``"--preset inco-cpu"``); and the run's dataset's own defaults. ValueError naming the flag if one of those
+  is bad."""
   known = _pre_parse(argv, dataset)
   if known.config is not None and known.preset is not None:
     raise ValueError("--config and --preset exclude each other: a config file holds a whole run")
   if known.config is None:
-    defaults, sources = defaults_for(known.dataset).config(), {}
+    dataset_defaults = defaults_for(known.dataset).config()
+    defaults, sources = dataset_defaults, {}
   else:  # the file's settings over its dataset's defaults (--dataset's, if given)
     dataset = known.dataset if _given(argv, "--dataset") else named_dataset(known.config) or known.dataset
-    defaults = read_config(known.config, defaults_for(dataset).config())
+    dataset_defaults = defaults_for(dataset).config()
+    defaults = read_config(known.config, dataset_defaults)
     sources = {path: f"--config {known.config}" for path in known_lines(known.config) if path in FLAGS_BY_PATH}
   if (known.config is not None and _names_its_own_folder(known.config, defaults)
       and not any(_given(argv, f) for f in ("--output-dir", "--resume", "--resume-or-start", "--overwrite"))):
@@ -97,7 +101,7 @@ def run_defaults(argv: Sequence[str] | None, dataset: str) -> tuple[RunConfig, P
     fedgen = FedGenConfig.preset(known.fedgen_preset)
     defaults = defaults.replace(**{f"fedgen_{k}": v for k, v in as_dict(fedgen).items()})
     sources.update({f"method.fedgen.{k}": f"--fedgen-preset {known.fedgen_preset}" for k in as_dict(fedgen)})
-  return defaults, chosen, sources
+  return defaults, chosen, sources, dataset_defaults
 
 
 
@@ -224,7 +228,7 @@ def parse(argv: Sequence[str] | None, dataset: str, description: str | None = No
     if _given(argv, old):
       fail(f"{old} was renamed: pass {new}")
   try:
-    defaults, chosen, sources = run_defaults(argv, dataset)
+    defaults, chosen, sources, dataset_defaults = run_defaults(argv, dataset)
   except ValueError as e:
     fail(str(e))
   parser = build_parser(defaults, description or defaults_for(dataset).description, coarse_labels)
@@ -235,8 +239,7 @@ def parse(argv: Sequence[str] | None, dataset: str, description: str | None = No
   # Where each setting not given as a flag came from, for the messages about it (`preflight.check_settings`), and
   # how messages name it (`declare.named_from`).
   args.flags_given = given
-  args.dataset_defaults = defaults_for(named_dataset(args.config) or dataset if args.config and "dataset" not in given
-                                       else args.dataset).config()
+  args.dataset_defaults = dataset_defaults
   args.setting_sources = {path: source for path, source in sources.items()
                           if path not in FLAGS_BY_PATH or FLAGS_BY_PATH[path].flag not in given}
   args.setting_names = setting_names(args.setting_sources, known_lines(args.config))

@@ -241,6 +241,26 @@ def test_a_full_disk_stops_the_run_in_one_line(tmp_path):
   assert lines[0].startswith("error: ") and "No space left on device (ENOSPC" in lines[0], lines
 
 
+def test_a_failed_write_task_that_asyncio_collects_later_logs_nothing_but_other_task_errors_still_show():
+  """(The full-disk run printed its one error line, then asyncio's traceback of a write task never retrieved.)"""
+  import logging
+  from fedjax_hetero.run import checkpoints  # noqa: F401 - installs the filter
+  shown = []
+  handler = logging.Handler()
+  handler.emit = shown.append
+  asyncio_log = logging.getLogger("asyncio")
+  asyncio_log.addHandler(handler)
+  task = ("Task exception was never retrieved\nfuture: <Task finished coro=<async_serialize_from_host() done, "
+          "defined at /site-packages/orbax/checkpoint/_src/serialization/serialization.py:126>>")
+  try:
+    for error in (ValueError('RESOURCE_EXHAUSTED: Error writing "w/0.0": No space left on device'),
+                  ValueError("a shape mismatch")):
+      asyncio_log.error(task, exc_info=(type(error), error, None))
+  finally:
+    asyncio_log.removeHandler(handler)
+  assert [r.exc_info[1].args[0] for r in shown] == ["a shape mismatch"]
+
+
 def test_a_job_checks_every_runs_folder_before_its_first_run_trains(tmp_path, no_compute):
   """(The second seed's occupied folder failed only after the first seed had trained.)"""
   from fedjax_hetero.run.jobs import run_jobs, runs_of

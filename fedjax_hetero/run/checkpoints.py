@@ -66,7 +66,17 @@ class _QuietLostProcess(logging.Filter):
     return not ("orbax" in record.pathname and error is not None and distributed.lost_process(error, 0, 2))
 
 
+class _QuietUnretrievedWriteFailures(logging.Filter):
+  """When a write fails, orbax's other write tasks can fail the same way after the manager has raised; asyncio
+  then logs each such task, when it is collected, as an exception never retrieved (at any later moment)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    error = record.exc_info[1] if record.exc_info else None
+    return not ("orbax" in record.getMessage() and error is not None and _is_write_failure(error))
+
+
 logging.getLogger("absl").addFilter(_QuietUnrankedSaves())
+logging.getLogger("asyncio").addFilter(_QuietUnretrievedWriteFailures())
 logging.getLogger("absl").addFilter(_QuietWriteFailures())
 logging.getLogger("absl").addFilter(_QuietLostProcess())
 

@@ -27,6 +27,8 @@ from typing import Any, Callable, ClassVar, Iterator, Mapping, NamedTuple
 
 from fedjax_hetero.validation import check_bool, check_choice, check_integer, check_number, check_text
 
+FLOAT32_MAX = 3.4028234663852886e38  # np.finfo(np.float32).max, without numpy here
+
 _KEY = "fedjax_hetero.setting"
 # Command-line flag -> how messages name that setting while its value comes from elsewhere (`named_from`).
 _NAMES: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar("fedjax_hetero_setting_names", default={})
@@ -52,6 +54,9 @@ class Number:
 
   def __call__(self, name: str, value: Any, optional: bool) -> None:
     check_number(name, value, self.minimum, self.maximum, above=self.above, below=self.below, optional=optional)
+    if value is not None and abs(value) > FLOAT32_MAX:  # the programs compute in float32: it would be inf
+      raise ValueError(f"{name} {value:g} is beyond float32's range (largest {FLOAT32_MAX:.4g}), which the runs "
+                       "compute in")
 
   parse = staticmethod(float)
 

@@ -9,6 +9,12 @@ depends on what another session left; a cache hit is the same executable, so no 
 Kept alive, the XLA:CPU executables of one process filled its memory mappings up to the kernel's limit
 (vm.max_map_count), where XLA's compiler segfaulted (see `fedjax_hetero.compilation.mapping_headroom`); so every
 module releases what it compiled.
+
+The tests compile hundreds of programs on tiny models, and LLVM's optimizations of the code XLA:CPU generates
+were half of each compile: the suite runs with them off (``--xla_backend_optimization_level=0``, XLA's graph
+passes unchanged), which takes a third off its time. The last bits of float results differ from the default
+level, so the golden record keeps one record per level (`tests.golden.signature`); set
+``FEDJAX_HETERO_TEST_FULL_OPTIMIZATION=1`` to run the suite at XLA's default level.
 """
 
 from __future__ import annotations
@@ -17,17 +23,25 @@ import os
 import shutil
 import tempfile
 
-import jax
-import pytest
+# XLA reads XLA_FLAGS once, when jax first computes: set here, before anything imports jax, it reaches this
+# process, the xdist workers and the subprocesses the tests start (they inherit the environment).
+FULL_OPTIMIZATION_ENV = "FEDJAX_HETERO_TEST_FULL_OPTIMIZATION"
+TEST_XLA_FLAG = "--xla_backend_optimization_level=0"
+if os.environ.get(FULL_OPTIMIZATION_ENV) != "1" and "--xla_backend_optimization_level" not in os.environ.get(
+    "XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAG}".strip()
+
+import jax  # noqa: E402 - after XLA_FLAGS
+import pytest  # noqa: E402
 
 try:
   from _pytest.nodeid import NodeId  # the pytest installed here (9.2), whose node ids are not _nodeid
 except ImportError:  # a pytest without it reads the tag xdist appends to _nodeid itself
   NodeId = None
 
-from fedjax_hetero.compilation import CACHE_ENV, release_programs
-from fedjax_hetero.methods import METHODS
-from fedjax_hetero.rounds import RoundSpec, Simulation
+from fedjax_hetero.compilation import CACHE_ENV, release_programs  # noqa: E402
+from fedjax_hetero.methods import METHODS  # noqa: E402
+from fedjax_hetero.rounds import RoundSpec, Simulation  # noqa: E402
 
 _SESSION_CACHE_ENV = "FEDJAX_HETERO_TEST_SESSION_CACHE"  # set by the controller, read by the xdist workers
 

@@ -10,12 +10,14 @@ every sequential entry stayed as it was.
 
 XLA:CPU compiles for the host's vector instructions, so float results differ in the last bits between CPUs
 (AVX2 against AVX-512: ~1e-7 relative after three rounds; MOON's contrastive loss under Adam turns such bits
-into percent-level differences). The file therefore holds one record per CPU signature (`cpu_signature`:
-the instruction-set extensions XLA and its kernels dispatch on). A machine with a record of its own is held
+into percent-level differences), and so do XLA:CPU's LLVM optimization levels. The file therefore holds one
+record per signature (`signature`: the instruction-set extensions XLA and its kernels dispatch on, and the level
+``XLA_FLAGS`` sets; the test suite runs at level 0, see tests/conftest.py). A machine with a record of its own is held
 to it bit for bit; another is compared with the first record within `TOLERANCE`. ``python -m tests.golden``
 adds (or replaces) the record of the machine it runs on; record on the commit *before* a change, so the
 record pins the old behaviour. The first record (cpu null) was made on the machines of the sessions before
 2026-11-25, whose signature was not recorded; the second on an AVX-512 AMD EPYC (Zen 4), from the same commit.
+The records at level 0 were made on a commit that reproduced the default level's record bit for bit.
 
 The setting: 6 synthetic clients of unequal sizes (`tiny_federation`), two depth groups of a small MLP
 (hidden 16-16 and 16-16-16, so InCo has a same-shape pair, hidden3 <- hidden2), 3 clients per round,
@@ -34,6 +36,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import sys
 from typing import Any
 
@@ -81,6 +84,13 @@ def cpu_signature() -> str:
   except OSError:
     pass
   return f"{platform.machine()}:{','.join(sorted(flags & SIMD_FLAGS))}"
+
+
+def signature() -> str:
+  """`cpu_signature`, with the LLVM optimization level XLA:CPU runs at when ``XLA_FLAGS`` sets one (the test
+  suite runs at level 0, tests/conftest.py): it changes the last bits of float results too."""
+  levels = re.findall(r"--xla_backend_optimization_level=(\d+)", os.environ.get("XLA_FLAGS", ""))
+  return cpu_signature() + (f" xla_backend_optimization_level={levels[-1]}" if levels else "")
 
 
 class PairedMLP(MLP):
@@ -160,15 +170,15 @@ def main(missing_only: bool = False) -> None:
       out = json.load(f)
     if out["jax"] != jax.__version__:
       raise SystemExit(f"the records were made with jax {out['jax']}; delete {GOLDEN_PATH} to start anew")
-  signature = cpu_signature()
-  own = next((r["runs"] for r in out["records"] if r["cpu"] == signature), {})
+  mine = signature()
+  own = next((r["runs"] for r in out["records"] if r["cpu"] == mine), {})
   runs = dict(own) if missing_only else {}
   for entry in entries():
     if key(*entry) in runs:
       continue
     print(key(*entry), file=sys.stderr, flush=True)
     runs[key(*entry)] = record(*entry)
-  out["records"] = [r for r in out["records"] if r["cpu"] != signature] + [{"cpu": signature, "runs": runs}]
+  out["records"] = [r for r in out["records"] if r["cpu"] != mine] + [{"cpu": mine, "runs": runs}]
   with open(GOLDEN_PATH, "w") as f:
     json.dump(out, f, indent=1)
 

@@ -20,7 +20,7 @@ from tests import golden
 
 with open(golden.GOLDEN_PATH) as f:
   RECORD = json.load(f)
-SIGNATURE = golden.cpu_signature()
+SIGNATURE = golden.signature()
 OWN = next((r for r in RECORD["records"] if r["cpu"] == SIGNATURE), None)
 # Why the whole module skips on another jax version; tests/conftest.py repeats it under the summary line.
 SKIP_REASON = (None if jax.__version__ == RECORD["jax"] else

@@ -171,7 +171,8 @@ SHARDED_SCRIPT = textwrap.dedent("""
 def test_sharded_matches_sequential_on_four_cpu_devices(sequential_run, tmp_path):
   out = str(tmp_path / "sharded.npz")
   # Its own compilation cache: executables built for a 4-device client must not be read by this 1-device process.
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+  env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4",
+         "JAX_PLATFORMS": "cpu",
          "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla_cache_4_devices")}
   script = SHARDED_SCRIPT.format(tests_dir=TESTS_DIR, repo_root=REPO_ROOT, out=out)
   proc = subprocess.run([sys.executable, "-c", script],

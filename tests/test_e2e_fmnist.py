@@ -16,7 +16,8 @@ def test_fmnist_cli_learns_and_writes_results(tmp_path):
   out = tmp_path / "run"
   proc = run_fmnist_cli("--groups", "cnn@0.5,cnn@0.25", "--max-train-samples", "4000", "--max-test-samples", "1000",
                         "--num-clients", "8", "--clients-per-round", "4", "--alpha", "1.0", "--epochs", "2", "--rounds",
-                        "4", "--eval-every", "2", "--output-dir", str(out), "--no-progress")
+                        "4", "--eval-every", "2", "--output-dir", str(out), "--no-progress",
+                        trains_long=True)
   assert proc.returncode == 0, proc.stderr[-3000:]
 
   rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

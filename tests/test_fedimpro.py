@@ -296,7 +296,8 @@ def test_resume_restores_the_statistics_bit_for_bit(tmp_path):
 def test_fedimpro_preset_smoke_run_on_fashion_mnist(tmp_path):
   out = tmp_path / "run"
   proc = run_fmnist_cli("--preset", "fedimpro-cpu", "--rounds", "2", "--max-train-samples", "1500",
-                        "--max-test-samples", "500", "--output-dir", str(out), "--no-progress")
+                        "--max-test-samples", "500", "--output-dir", str(out), "--no-progress",
+                        trains_long=True)
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
   assert [r["round"] for r in rows] == [1, 2]

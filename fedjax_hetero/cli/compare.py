@@ -73,10 +73,11 @@ def table(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]], last
   spread = " dissimilarity low / high (mean over rounds) |" if any(r.get("dissimilarity") for _, _, rows in runs
                                                                     for r in rows) else ""
   costs = " bytes down + up | client FLOPs |" if any(cumulative_costs(rows) for _, _, rows in runs) else ""
+  dropped = " sampled clients dropped |" if any("dropped" in r for _, _, rows in runs for r in rows) else ""
   lines = [f"| run | method | rounds | final mean acc (%) | best (%) | mean of last {last} evals (%) |{costs}{to}"
-           f"{spread} round 1 (s, compiling) | rounds 2+ (s) |",
+           f"{spread}{dropped} round 1 (s, compiling) | rounds 2+ (s) |",
            "|---|---|---|---|---|---|" + ("---|---|" if costs else "") + ("---|" if to else "") +
-           ("---|" if spread else "") + "---|---|"]
+           ("---|" if spread else "") + ("---|" if dropped else "") + "---|---|"]
   for label, summary, rows in runs:
     accs = [a for _, a in evaluated(rows)]
     if not accs:
@@ -89,6 +90,8 @@ def table(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]], last
     if spread:
       low, high = (shown(mean_dissimilarity(rows, part), ".2f") for part in ("low", "high"))
       reached += f" {low} / {high} |"
+    if dropped:
+      reached += f" {sum(len(r.get('dropped', ())) for r in rows)} of {sum(len(set(r['clients'])) for r in rows)} |"
     few = f" (of {len(tail)})" if len(tail) < last else ""
     first = next((f"{r['round_seconds']:.1f}" for r in rows if r["round"] == 1), "-")
     later_seconds = [r["round_seconds"] for r in rows if r["round"] > 1]

@@ -226,5 +226,6 @@ def read_config(path: str, base: RunConfig | None = None) -> RunConfig:
   home = lambda p: os.path.expanduser(p) if isinstance(p, str) else p
   data = dataclasses.replace(config.data, data_dir=home(config.data.data_dir),
                              partition_file=home(config.data.partition_file))
-  return dataclasses.replace(config, data=data, output=dataclasses.replace(config.output, dir=home(config.output.dir),
-                                                                           **action))
+  federation = dataclasses.replace(config.federation, availability_trace=home(config.federation.availability_trace))
+  return dataclasses.replace(config, data=data, federation=federation,
+                             output=dataclasses.replace(config.output, dir=home(config.output.dir), **action))

@@ -9,8 +9,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fedjax_hetero.config.declare import (Custom, Integer, Number, OneOf, Settings, cli_name, in_messages, setting,
-                                          validate)
+from fedjax_hetero.config.declare import (Custom, Integer, Number, OneOf, Settings, Text, cli_name, in_messages,
+                                          setting, validate)
 from fedjax_hetero.validation import SEED_MAX
 
 WEIGHTINGS = ("uniform", "num_samples")  # of a client's delta in the server's mean
@@ -30,6 +30,15 @@ def _check_probabilities(name: str, draw: Any) -> None:
   if len(probabilities) and not (np.all(np.isfinite(probabilities)) and np.all(probabilities >= 0)
                                  and abs(probabilities.sum() - 1) < 1e-6):
     raise ValueError(f"{name} must be non-negative probabilities summing to 1, got {tuple(draw)}")
+
+
+def _check_dropout(name: str, dropout: Any) -> None:
+  if not isinstance(dropout, (tuple, list)) or not all(isinstance(p, numbers.Real) and not isinstance(p, bool)
+                                                       for p in dropout):
+    raise ValueError(f"{name} must be a sequence of probabilities, got {dropout!r}")
+  bad = [p for p in dropout if not 0 <= p <= 1]  # (NaN fails both)
+  if bad:
+    raise ValueError(f"{name} takes probabilities in [0, 1], got {bad[0]}")
 
 
 def parse_probabilities(text: str) -> tuple[float, ...]:
@@ -58,6 +67,13 @@ class FederationConfig(Settings):
       (), "comma-separated probabilities, one per group: every round each client's group is drawn afresh from "
       "them (HeteroFL's dynamic a1-b1-... mode; e.g. 0.5,0.5); empty: every client keeps the group of its block",
       Custom(_check_probabilities, parse_probabilities), metavar="P,P,...")
+  client_dropout: tuple[float, ...] = setting(
+      (), "probability that a sampled client does not answer its round (the round aggregates those that do): one "
+      "for every group, or one per group in --groups order (e.g. 0.5,0.2,0: weak devices drop more); empty: every "
+      "sampled client answers", Custom(_check_dropout, parse_probabilities), metavar="P[,P,...]")
+  availability_trace: str | None = setting(
+      None, "a CSV file of 'client,round' lines (rounds from 1), each a sampled client that does not answer that "
+      "round; with --client-dropout, a client answers when neither drops it", Text(), metavar="PATH")
   malicious_fraction: float = setting(
       0.0, "fraction of all clients that attack, a fixed set drawn from --seed and listed in summary.json and "
       "partition.txt (0: no attack; FedFA's experiments: 0.01, 0.2)", Number(minimum=0, maximum=1))
@@ -93,11 +109,19 @@ def check_federation(federation: FederationConfig, num_clients: int, group_names
   if draw and len(draw) != len(group_names):
     raise ValueError(f"{cli_name(FederationConfig, 'group_draw')} needs one probability per architecture group "
                      f"({len(group_names)}), got {len(draw)}")
+  dropout = federation.client_dropout
+  if len(dropout) > 1 and len(dropout) != len(group_names):
+    raise ValueError(f"{cli_name(FederationConfig, 'client_dropout')} takes one probability, or one per architecture "
+                     f"group ({len(group_names)}), got {len(dropout)}")
   if method is None:
     return
   if method.one_group and len(group_names) != 1:
     raise ValueError(f"{method.name} trains one architecture group, got {len(group_names)} "
                      f"({', '.join(group_names)}) {method.one_group}; pass one (e.g. --groups cnn)")
+  if method.sharing.stacked and (any(dropout) or federation.availability_trace is not None):
+    flag = cli_name(FederationConfig, 'client_dropout' if any(dropout) else 'availability_trace')
+    raise ValueError(f"{flag}: {method.name} trains one middleware model per client of a round and cross-aggregates "
+                     "them all; a client that does not answer would leave its model out of the round")
   if method.sharing.stacked and per_round < 2:
     raise ValueError(f"{per_round_flag} must be >= 2 for {method.name}: it cross-aggregates one middleware model "
                      f"per client of a round, got {per_round}")

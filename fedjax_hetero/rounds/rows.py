@@ -2,8 +2,9 @@
 
 A row is what ``metrics.jsonl`` holds per round: the training loss (mean over the groups that trained, and per
 group), the drawn clients, the examples seen, the round's seconds and samples/s, the server steps' metrics,
-the gradient dissimilarity when tracked, the clients and examples of every group, and the test accuracy of
-evaluation rounds. A run's rows also hold their costs (`rounds.costs`, added by the runner).
+the gradient dissimilarity when tracked, the clients and examples of every group, the sampled clients that did
+not answer (under client availability), and the test accuracy of evaluation rounds. A run's rows also hold
+their costs (`rounds.costs`, added by the runner).
 """
 
 from __future__ import annotations
@@ -62,10 +63,10 @@ def group_loss(round_index: int, group: str, loss_sum: float, num_examples: floa
 def round_row(round_index: int, losses: Mapping[str, float], draws: np.ndarray, examples: float, seconds: float,
               server_metrics: Mapping[str, Any]) -> dict[str, Any]:
   """The metrics row of round ``round_index`` (0-based) from its groups' losses (groups that took a local step
-  only; None for a round in which none did: a 0 would read as a measured loss)."""
+  only; None for a round in which none did, and no speed either: a 0 would read as a measurement)."""
   row = {"round": round_index + 1, "train_loss": sum(losses.values()) / len(losses) if losses else None,
          "train_loss_per_group": dict(losses), "clients": [int(c) for c in draws], "examples": int(examples),
-         "round_seconds": seconds, "samples_per_s": examples / seconds, **server_metrics}
+         "round_seconds": seconds, "samples_per_s": examples / seconds if examples else None, **server_metrics}
   return row
 
 
@@ -101,5 +102,9 @@ def call_row(spec: "RoundSpec", call: Call, i: int, outputs: "RoundOutputs", sec
   row["clients_per_group"] = {names[g]: len(cohorts[g]) for g in range(len(names))}
   row["examples_per_group"] = {names[g]: round(float(outputs.num_examples[g])) if len(cohorts[g]) else 0
                                for g in range(len(names))}
+  if spec.availability.on:
+    groups = spec.groups_of_round(r)[chosen.dropped]
+    row["dropped"] = [int(c) for c in chosen.dropped]
+    row["dropped_per_group"] = {names[g]: int((groups == g).sum()) for g in range(len(names))}
   row["test_accuracy"] = accuracies(outputs.correct, names, len(spec.test_labels)) if r + 1 in evaluate else None
   return row

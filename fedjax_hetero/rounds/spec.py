@@ -23,11 +23,13 @@ from fedjax_hetero.client import attack
 from fedjax_hetero.client.local import LocalTrainer
 from fedjax_hetero.compilation import light_jit
 from fedjax_hetero.config import FederationConfig, LocalConfig, check_federation
+from fedjax_hetero.config.declare import cli_name
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.hetero.maps import SubmodelMap, Variables, complete, extract, identity_map, pick_global, separate
 from fedjax_hetero.methods.api import Method
 from fedjax_hetero.rounds.checks import check_simulation_inputs
 from fedjax_hetero.rounds.state import ServerState, server_key
+from fedjax_hetero.sampling.availability import Availability, availability, read_trace
 from fedjax_hetero.sampling.samplers import Participants, SamplingInfo
 from fedjax_hetero.server.steps import Federation, server_program
 
@@ -74,6 +76,15 @@ def _trainers(groups: Sequence[ArchGroup], store: FederatedStore, local: LocalCo
   return tuple(wrap(LocalTrainer(g.model, local, store.mean, store.std, method.terms, method.combine)) for g in groups)
 
 
+def _trace(config: FederationConfig, num_clients: int) -> list[tuple[int, int]]:
+  if config.availability_trace is None:
+    return []
+  try:
+    return read_trace(config.availability_trace, num_clients)
+  except ValueError as e:
+    raise ValueError(f"{cli_name(FederationConfig, 'availability_trace')} {config.availability_trace!r}: {e}") from None
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class RoundSpec:
   """Everything static about a simulation's rounds (see the module docstring); build it with `RoundSpec.build`."""
@@ -96,6 +107,7 @@ class RoundSpec:
   malicious_clients: np.ndarray  # the backdoor attack's clients (sorted ids; none without attack)
   trainers: tuple[Any, ...]  # per group: its `LocalTrainer` (or the attack's wrapper of one)
   sampling: SamplingInfo
+  availability: Availability  # which sampled clients answer a round
   seed: Any  # of the rounds' randomness: the config's, or one run's traced seed in a job of many runs
 
   @classmethod
@@ -127,11 +139,13 @@ class RoundSpec:
     malicious = attack.malicious_clients(store.num_clients, config.malicious_fraction, config.seed)
     parameter_count = sum(x.size for x in jax.tree.leaves(shapes[global_index]["params"]))
     sample_seed = config.seed if config.sample_seed is None else config.sample_seed
+    answering = availability(config.client_dropout, _trace(config, store.num_clients), len(groups), store.num_clients,
+                             sample_seed)
     spec = cls(groups, store, local, method, config, test_images, test_labels, maps, base_maps, global_index,
                federations, federation_of, tuple(federations[f].members.index(g) for g, f in enumerate(federation_of)),
                group_of_client, row_of_client, malicious, _trainers(groups, store, local, method, config, malicious),
                SamplingInfo(store.sizes, config.clients_per_round, sample_seed, config.weighting, parameter_count),
-               config.seed)
+               answering, config.seed)
     spec.state_shapes  # runs every step's and the sampler's checks (e.g. InCo's layer pairs) before any compute
     return spec
 
@@ -239,9 +253,14 @@ class RoundSpec:
 
   def participants(self, sampler_state: Any, round_index: int) -> tuple[Participants, list[np.ndarray],
                                                                         list[np.ndarray]]:
-    """The round's participants (the method's sampler) and, per architecture group, its cohort and weights."""
+    """The round's participants (the method's sampler; ``dropped``: those that did not answer) and, per
+    architecture group, its cohort (the participants that answered) and their weights."""
     chosen = self.method.sampler.sample(sampler_state, round_index, self.sampling)
     group_of_chosen = self.groups_of_round(round_index)[chosen.clients]
-    cohorts = [chosen.clients[group_of_chosen == g] for g in range(len(self.groups))]
-    weights = [chosen.weights[group_of_chosen == g] for g in range(len(self.groups))]
+    answered = np.ones(len(chosen.clients), bool)
+    if self.availability.on:
+      answered = self.availability.answers(chosen.clients, group_of_chosen, round_index)
+      chosen = chosen._replace(dropped=chosen.clients[~answered])
+    cohorts = [chosen.clients[(group_of_chosen == g) & answered] for g in range(len(self.groups))]
+    weights = [chosen.weights[(group_of_chosen == g) & answered] for g in range(len(self.groups))]
     return chosen, cohorts, weights

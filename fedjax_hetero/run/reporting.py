@@ -115,7 +115,8 @@ def evaluation_line(row: Row, rounds: int) -> str:
 def _training(row: Row, loss: str, speed: str) -> str:
   """The round's loss and speed; a round in which no client took a step has neither (its 0 is no measurement)."""
   if not row.get("examples"):
-    return "no local step taken"
+    answered_none = row.get("dropped") and len(row["dropped"]) == len(set(row["clients"]))
+    return "no sampled client answered" if answered_none else "no local step taken"
   return f"loss {row['train_loss']:{loss}}, {row['samples_per_s']:{speed}} samples/s"
 
 
@@ -145,7 +146,7 @@ class Reporter:
     if self.bar is not None:
       evaluated = next((r["test_accuracy"] for r in reversed(rows) if r.get("test_accuracy")), None)
       postfix = ({"loss": f"{row['train_loss']:.3f}", "samples/s": f"{row['samples_per_s']:.0f}"}
-                 if row.get("examples") else {"training": "no local step taken"})
+                 if row.get("examples") else {"training": _training(row, "", "")})
       self.bar.set_postfix({**postfix, **({"acc": f"{100 * evaluated['mean']:.2f}%"} if evaluated else {})},
                            refresh=False)
       self.bar.n = row["round"]

@@ -28,6 +28,8 @@ import os
 import shutil
 from typing import Any, Callable, Iterator
 
+import numpy as np
+
 from fedjax_hetero import distributed
 from fedjax_hetero.config import cli_flag
 from fedjax_hetero.data import fingerprint
@@ -42,6 +44,7 @@ RUN_ENTRIES = ("config.json", "metrics.jsonl", "checkpoints", "partition.txt", "
                "damaged_checkpoints", metrics_log.DROPPED_CHECKPOINTS)
 SETTINGS_FILES = ("config.json", "summary.json")
 FINGERPRINT_FILE = "data_fingerprint.json"
+TRACE = "availability_trace"  # the fingerprint's entry of the absences a trace file lists
 # What a run writes before config.json (`fedjax_hetero.run.runner.prepare`).
 BEFORE_SETTINGS = ("partition.txt", "partition.png", FINGERPRINT_FILE)
 UNREADABLE = ".unreadable"
@@ -295,6 +298,8 @@ def check_data(config: Any, spec: Any, log: Callable[[str], None]) -> None:
     return
   path = os.path.join(config.output.dir, FINGERPRINT_FILE)
   now = fingerprint.of_data(spec.store, spec.test_images, spec.test_labels)
+  if spec.availability.absent:  # (a trace is data too: another one would change the rounds)
+    now.update(fingerprint.of_arrays({TRACE: np.asarray(sorted(spec.availability.absent), np.int64)}))
   try:
     recorded = read_json_object(path) if config.output.resume else None
   except ValueError as e:
@@ -302,8 +307,9 @@ def check_data(config: Any, spec: Any, log: Callable[[str], None]) -> None:
   else:
     changed = fingerprint.differences(recorded, now) if recorded is not None else []
   if changed:
+    source = ("federation.availability_trace" if all(c.startswith(TRACE) for c in changed) else "data.data_dir")
     message = (f"the data differ from those the run in {config.output.dir!r} trained on ({'; '.join(changed)}; "
-               f"recorded in {path}); was {cli_flag('data.data_dir')} pointed at other files?")
+               f"recorded in {path}); was {cli_flag(source)} pointed at other files?")
     if not config.output.resume_unchecked:
       raise ValueError(f"cannot resume: {message} Point it at the run's data, or pass --overwrite instead of "
                        "--resume to start over")

@@ -383,4 +383,8 @@ class _Run:
         "config": as_dict(self.config),
         # The backdoor attack's malicious client ids (`fedjax_hetero.client.attack`), only when it is on.
         **({"malicious_clients": [int(c) for c in spec.malicious_clients]} if len(spec.malicious_clients) else {}),
+        # Under client availability: how many sampled clients did not answer, over all rounds and per group.
+        **({"clients_dropped": sum(len(r["dropped"]) for r in rows),
+            "clients_dropped_per_group": {g.name: sum(r["dropped_per_group"][g.name] for r in rows)
+                                          for g in spec.groups}} if spec.availability.on else {}),
     }

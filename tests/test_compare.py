@@ -291,3 +291,16 @@ def test_a_command_compare_prints_quotes_a_folder_with_a_space(tmp_path):
   (killed / "metrics.jsonl").write_text(json.dumps({"round": 1}) + "\n")
   with pytest.raises(SystemExit, match=f"--output-dir '{re.escape(str(killed))}' --resume"):
     compare.main([str(killed)])
+
+
+def test_the_plot_has_a_panel_per_group_with_per_group_and_wraps_into_rows(tmp_path):
+  from matplotlib.image import imread
+
+  from fedjax_hetero.analysis.plots import plot_accuracy_per_round
+
+  groups = {"narrow": [0.2, 0.3], "mid": [0.4, 0.5], "wide": [0.5, 0.7]}
+  runs = [fake_run("A", 0, [0.4, 0.5], dissimilarity=0.5, groups=groups)]
+  mean_only = imread(plot_accuracy_per_round(runs, str(tmp_path / "a.png"), "t", [{}]))
+  per_group = imread(plot_accuracy_per_round(runs, str(tmp_path / "b.png"), "t", [{}], list(groups)))
+  # 1 + 2 dissimilarity panels in a row; 1 + 3 groups + 2 in two rows of three, as wide
+  assert per_group.shape[1] == mean_only.shape[1] and per_group.shape[0] == 2 * mean_only.shape[0]

@@ -1,5 +1,6 @@
 """Analysis figures: InCo update histograms and cross-layer tracking, FedCross client bubbles and similarity, runs'
-accuracy against their cumulative bytes and FLOPs (a run's own accuracy curves: `fedjax_hetero.run.plot`).
+accuracy per round (`compare --output`) and against their cumulative bytes and FLOPs (a run's own accuracy curves:
+`fedjax_hetero.run.plot`).
 
 All functions draw on a bare Agg `Figure` (no pyplot global state, so nothing
 to close and no backend switch), save a PNG and return its path.
@@ -249,6 +250,45 @@ def plot_accuracy_against_costs(runs: Sequence[tuple[str, Sequence[Mapping[str, 
     ax.grid(alpha=0.3)
   axes[0].legend(loc="lower right")
   fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  return path
+
+
+def plot_accuracy_per_round(runs: Sequence[tuple[str, Any, Sequence[Mapping[str, Any]]]], path: str, title: str,
+                            styles: Sequence[Mapping[str, Any]], groups: Sequence[str] = ()) -> str:
+  """Every run's (``(label, summary, metrics.jsonl rows)``) mean test accuracy per round, then one panel per
+  architecture group of ``groups`` (its model's accuracy) and one per part of the gradient dissimilarity where the
+  runs logged it (`fedjax_hetero.methods.dissimilarity`); one line per run (``styles``: its plot keywords)."""
+  from fedjax_hetero.analysis.runs import dissimilarity_per_round, evaluated
+
+  parts = [p for p in ("low", "high") if any(p in g for _, _, rows in runs for r in rows
+                                              for g in (r.get("dissimilarity") or {}).values())]
+  panels = 1 + len(groups) + len(parts)
+  columns, rows_of_panels = min(panels, 3), math.ceil(panels / 3)
+  fig = _figure(7 + 4.5 * (columns - 1), 4.5 * rows_of_panels)
+  axes = fig.subplots(rows_of_panels, columns, squeeze=False).ravel()
+  for ax in axes[panels:]:
+    ax.set_visible(False)
+  for ax, part in zip(axes, ["mean", *groups]):
+    for (label, _, rows), style in zip(runs, styles):
+      points = evaluated(rows, part)
+      ax.plot([r for r, _ in points], [100 * a for _, a in points], marker=".", lw=1.5, label=label, **style)
+    ax.set_xlabel("round")
+    ax.set_ylabel("mean test accuracy (%)" if part == "mean" else "test accuracy (%)")
+    ax.set_title(title if part == "mean" else f"group {part}")
+    ax.grid(alpha=0.3)
+  axes[0].legend(loc="lower right")
+  for part, ax in zip(parts, axes[1 + len(groups):]):
+    for (label, _, rows), style in zip(runs, styles):
+      points = dissimilarity_per_round(rows, part)
+      if points:
+        ax.plot(*zip(*points), lw=1.2, label=label, **style)
+    ax.set_yscale("log")
+    ax.set_xlabel("round")
+    ax.set_ylabel("Σ p_c ‖d_c − d̄‖² / ‖d̄‖²")
+    ax.set_title(f"gradient dissimilarity, {part} part")
+    ax.grid(alpha=0.3)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   return path

@@ -34,7 +34,7 @@ fades. With ``--target`` a per-seed table gives each side's best accuracy and th
 first round each reached the target. ``--per-group`` adds the paired statistics
 (difference with its interval, rounds ahead, best - best) of every architecture
 group's accuracy (``test_accuracy`` in ``metrics.jsonl`` holds one per group
-beside the mean). Where runs log the gradient dissimilarity
+beside the mean), and the plot a panel per group. Where runs log the gradient dissimilarity
 (``fedjax_hetero.methods.dissimilarity``) the plot shows it per round beside the accuracy.
 
     python -m experiments.compare runs/repro/inco/*_s* --baseline HeteroAvg --window 20 --per-group
@@ -57,12 +57,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from fedjax_hetero import os_errors
-from fedjax_hetero.analysis.plots import plot_accuracy_against_costs
+from fedjax_hetero.analysis.plots import plot_accuracy_against_costs, plot_accuracy_per_round
 from fedjax_hetero.analysis.runs import (Pairing, Runs, attack_of, base_method_of, check_unique, cumulative_costs,
-                                         default_window, dissimilarity_per_round, evaluated, final_pair, groups_of,
-                                         interval, load_run, mean_dissimilarity, method_of, paired_points, pairings,
-                                         rounds_to, runs_by_method, seed_of, up_to_round, windowed_means,
-                                         with_variants)
+                                         default_window, evaluated, final_pair, groups_of, interval, load_run,
+                                         mean_dissimilarity, method_of, paired_points, pairings, rounds_to,
+                                         runs_by_method, seed_of, up_to_round, windowed_means, with_variants)
 
 STATS_HEADER = "mean per-round difference (points) [95% interval] | rounds ahead | best - best (points)"
 
@@ -264,40 +263,6 @@ def run_styles(runs: Runs) -> list[dict[str, Any]]:
   return styles
 
 
-def plot(runs, path: str, title: str) -> str:
-  from matplotlib.backends.backend_agg import FigureCanvasAgg
-  from matplotlib.figure import Figure
-
-  parts = [p for p in ("low", "high") if any(p in g for _, _, rows in runs for r in rows
-                                              for g in (r.get("dissimilarity") or {}).values())]
-  fig = Figure(figsize=(7 + 4.5 * len(parts), 4.5))
-  FigureCanvasAgg(fig)
-  axes = fig.subplots(1, 1 + len(parts), squeeze=False)[0]
-  styles = run_styles(runs)
-  ax = axes[0]
-  for (label, _, rows), style in zip(runs, styles):
-    points = evaluated(rows)
-    ax.plot([r for r, _ in points], [100 * a for _, a in points], marker=".", lw=1.5, label=label, **style)
-  ax.set_xlabel("round")
-  ax.set_ylabel("mean test accuracy (%)")
-  ax.set_title(title)
-  ax.grid(alpha=0.3)
-  ax.legend(loc="lower right")
-  for part, ax in zip(parts, axes[1:]):
-    for (label, _, rows), style in zip(runs, styles):
-      points = dissimilarity_per_round(rows, part)
-      if points:
-        ax.plot(*zip(*points), lw=1.2, label=label, **style)
-    ax.set_yscale("log")
-    ax.set_xlabel("round")
-    ax.set_ylabel("Σ p_c ‖d_c − d̄‖² / ‖d̄‖²")
-    ax.set_title(f"gradient dissimilarity, {part} part")
-    ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  return path
-
-
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
   """The module docstring as it is, and the defaults but None and False (their help says what they mean)."""
 
@@ -322,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> str:
   p.add_argument("--window", type=int, default=None, help="with --baseline: rounds per window of the windowed "
                  "differences (default: a quarter of the rounds compared)")
   p.add_argument("--per-group", action="store_true", help="with --baseline: also pair every architecture "
-                 "group's accuracy, not only the mean")
+                 "group's accuracy, not only the mean; with --output: also plot it, one panel per group")
   args = p.parse_args(argv)
   for flag, value in (("--last", args.last), ("--up-to-round", args.up_to_round), ("--window", args.window)):
     if value is not None and value < 1:
@@ -374,7 +339,8 @@ def main(argv: Sequence[str] | None = None) -> str:
   say(text)
   if args.output:
     try:
-      say(f"wrote {plot(runs, args.output, args.title)}")
+      groups = groups_of(runs) if args.per_group else ()
+      say(f"wrote {plot_accuracy_per_round(runs, args.output, args.title, run_styles(runs), groups)}")
     except OSError as e:
       raise SystemExit(f"error: --output {args.output!r}: {os_errors.describe(e)}") from None
   if args.cost_output:

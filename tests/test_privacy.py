@@ -21,7 +21,7 @@ from fedjax_hetero.hetero import build_group_map
 from fedjax_hetero.methods import METHODS, PER_GROUP, Method, build_method
 from fedjax_hetero.methods.privacy import clip_term, clipped, private_mean, with_privacy
 from fedjax_hetero.run import privacy_accounting
-from fedjax_hetero.run.jobs import run_together, runs_of
+from fedjax_hetero.run.jobs import parse_sweep, run_together, runs_of
 from fedjax_hetero.run.runner import run_experiment
 from fedjax_hetero.server import apply_delta, mean_delta
 from fedjax_hetero.server.steps import Carry
@@ -215,3 +215,17 @@ def test_a_users_method_runs_private_through_the_runner_on_both_drivers(tmp_path
   np.testing.assert_allclose([r["train_loss"] for r in rows["host"]], [r["train_loss"] for r in rows["fused"]],
                              rtol=1e-5)
   assert [r["privacy"] for r in rows["host"]] == [r["privacy"] for r in rows["fused"]]
+
+
+@pytest.mark.slow
+def test_a_sweep_of_the_noise_multiplier_runs_in_one_program_and_equals_its_runs_alone(tmp_path):
+  dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
+  base = config(tmp_path / "sweep", round_program="fused", rounds=2)
+  runs = runs_of(base, None, [parse_sweep("privacy.noise_multiplier=0.5,2", base)])
+  run_together(runs, dataset, log=lambda _: None)
+  for run, z in zip(runs, (0.5, 2.0)):
+    alone = run.replace(output_dir=run.output.dir + "_alone")
+    run_experiment(alone, dataset, log=lambda _: None)
+    assert measured(run.output.dir) == measured(alone.output.dir)
+    assert read_rows(run.output.dir)[-1]["privacy"]["epsilon"] == privacy_accounting.epsilon(
+        PrivacyConfig(clip=0.5, noise_multiplier=z), 3, 6, 2)

@@ -15,11 +15,12 @@ from fedjax_hetero.config.methods import (AGGREGATE_MODES, Averaging, ClusteredS
                                           FedFAOptions, HeteroFLOptions, MethodConfig, MomentumDistillation,
                                           NeFLOptions, Proximal)
 from fedjax_hetero.config.options import FedCrossConfig, FedGenConfig, FedINConfig, FedImproConfig
+from fedjax_hetero.config.privacy import PrivacyConfig
 from fedjax_hetero.config.run import (BACKEND_NAMES, FLAGS, DivergenceConfig, OutputConfig, RunConfig, as_dict,
                                       cli_flag, flatten, from_dict)
 
 __all__ = ["AGGREGATE_MODES", "Averaging", "BACKEND_NAMES", "ClusteredSampling", "Contrastive", "CrossLayer",
            "DataConfig", "DistributedConfig", "DivergenceConfig", "FLAGS", "FedCrossConfig", "FedFAOptions", "FedGenConfig",
            "FedINConfig", "FedImproConfig", "FederationConfig", "HeteroFLOptions", "LocalConfig", "MethodConfig",
-           "MomentumDistillation", "NORMALIZATIONS", "NeFLOptions", "OPTIMIZERS", "OutputConfig", "Proximal",
+           "MomentumDistillation", "NORMALIZATIONS", "NeFLOptions", "OPTIMIZERS", "OutputConfig", "PrivacyConfig", "Proximal",
            "RunConfig", "as_dict", "check_federation", "cli_flag", "declare", "flatten", "from_dict"]

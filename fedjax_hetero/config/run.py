@@ -24,6 +24,7 @@ from fedjax_hetero.config.declare import (Custom, Flag, Integer, Number, OneOf, 
 from fedjax_hetero.config.distributed import DistributedConfig
 from fedjax_hetero.config.federation import FederationConfig, check_federation
 from fedjax_hetero.config.methods import MethodConfig
+from fedjax_hetero.config.privacy import PrivacyConfig, check_privacy
 from fedjax_hetero.config.server import ServerOptimizerConfig
 from fedjax_hetero.validation import show
 
@@ -179,6 +180,7 @@ class RunConfig(Settings):
       "with a checkpoint, and exit with status 75; --resume continues it bit for bit (a protocol in pieces: "
       "Colab, a GPU rented by the hour)", Number(above=0), metavar="SECONDS")
   server: ServerOptimizerConfig = ServerOptimizerConfig()
+  privacy: PrivacyConfig = PrivacyConfig()
   dissimilarity: bool = setting(
       True, "log every round's gradient dissimilarity of the client updates, for the low and the high part, per "
       "group (any method; fedjax_hetero.methods.dissimilarity)", Flag())
@@ -188,6 +190,7 @@ class RunConfig(Settings):
   def __post_init__(self):
     validate(self)
     check_federation(self.federation, self.data.num_clients, self.groups)
+    check_privacy(self.privacy, self.federation)
 
   @classmethod
   def from_flags(cls, **flags: Any) -> "RunConfig":

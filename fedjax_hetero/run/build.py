@@ -26,7 +26,7 @@ from fedjax_hetero import data as fdata
 from fedjax_hetero.client.terms import term_cuts
 from fedjax_hetero.config import DataConfig, RunConfig, check_federation, declare
 from fedjax_hetero.data.store import FederatedStore
-from fedjax_hetero.methods import Method, adaptive, build_method, check_options, dissimilarity, get_entry
+from fedjax_hetero.methods import Method, adaptive, build_method, check_options, dissimilarity, get_entry, privacy
 from fedjax_hetero.rounds import ArchGroup, RoundSpec, Simulation, assign_groups, make_backend, make_simulation
 from fedjax_hetero.run import preflight
 
@@ -46,6 +46,7 @@ def run_method(config: RunConfig, method: Method | None = None) -> Method:
   check_federation(config.federation, config.data.num_clients, config.groups, method)
   _check_stacked(config, method)
   _check_models(config, method)
+  privacy.with_privacy(method, config.privacy, config.federation)  # (refused here, before any data is loaded)
   return method
 
 
@@ -145,8 +146,10 @@ def partitioned_dataset(config: RunConfig, dataset: fdata.ArrayDataset | None = 
 
 
 def with_run_settings(config: RunConfig, method: Method) -> Method:
-  """The run's method with what the run adds to any method: its server optimizer (``--server-optimizer``) and
-  what it measures besides (the gradient dissimilarity, ``--dissimilarity``)."""
+  """The run's method with what the run adds to any method: differential privacy (``--dp-clip``), its server
+  optimizer (``--server-optimizer``) and what it measures besides (the gradient dissimilarity, ``--dissimilarity``,
+  which reads the clipped updates)."""
+  method = privacy.with_privacy(method, config.privacy, config.federation)
   method = adaptive.with_server_optimizer(method, config.server)
   return dissimilarity.tracked(method, config.method.fedimpro.cut) if config.dissimilarity else method
 

@@ -63,7 +63,7 @@ def sweep_refusal(leaf: declare.Leaf) -> str | None:
 
 def traced(path: str) -> bool:
   """Whether a program of many runs takes the swept setting ``path`` as a traced value of each run's."""
-  return path.startswith(("client.", "method.")) or path == "federation.backdoor_scale"
+  return path.startswith(("client.", "method.", "privacy.")) or path == "federation.backdoor_scale"
 
 
 def parse_sweep(text: str, config: RunConfig) -> tuple[str, tuple[float, ...]]:

@@ -31,7 +31,7 @@ from fedjax_hetero.config import RunConfig, as_dict
 from fedjax_hetero.methods import Method, build_method
 from fedjax_hetero.rounds import ServerState, Simulation, costs
 from fedjax_hetero.rounds.rows import NonFiniteLossError
-from fedjax_hetero.run import checkpoints, continuation, metrics_log, preflight, results_folder
+from fedjax_hetero.run import checkpoints, continuation, metrics_log, preflight, privacy_accounting, results_folder
 from fedjax_hetero.run import history as run_history
 from fedjax_hetero.run.build import build_simulation, id_list, partitioned_dataset, run_method, with_run_settings
 from fedjax_hetero.run.guard import DivergenceError, DivergenceWatch, diverged_round, stop_advice
@@ -292,6 +292,7 @@ class _Run:
     best_before = self.best
     for row in rows:
       row = costs.costed_row(row, self.static_costs, self.rows[-1] if self.rows else None)
+      row = privacy_accounting.private_row(row, self.config, self.history.rollbacks)
       self.rows.append(row)
       if self.main:
         with open(self.metrics_path, "a") as f:
@@ -377,6 +378,7 @@ class _Run:
         "devices": jax.device_count(),
         "parameters_per_group": {g.name: m.num_owned() for g, m in zip(spec.groups, spec.maps)},
         "costs": costs.summary_costs(self.static_costs, rows),
+        **({"privacy": privacy_accounting.summary_privacy(self.config, rows)} if self.config.privacy.on else {}),
         "segments": self.history.spans(final_round),
         "rollbacks": list(self.history.rollbacks),
         "stopped_by_divergence": stopped,

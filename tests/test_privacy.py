@@ -95,6 +95,20 @@ def test_without_noise_the_update_is_the_sum_over_the_expected_holders_and_with_
     assert abs(noise[:, columns].std() / (2.0 * 0.5 / count) - 1) < 0.02
 
 
+def test_the_expected_holders_count_only_the_clients_expected_to_answer():
+  """Under --client-dropout the divisor is the expected count of the clients that answer, so the mean stays
+  unbiased (a group of 2 of 8 clients and one of 6, 4 per round)."""
+  import types
+
+  from fedjax_hetero.methods.privacy import expected_holders
+  federation = types.SimpleNamespace(store=types.SimpleNamespace(num_clients=8), members=(0, 1),
+                                     clients=(np.arange(2), np.arange(2, 8)))
+  assert expected_holders(federation, 4, ()) == [1.0, 3.0]
+  assert expected_holders(federation, 4, (), (0.5,)) == [0.5, 1.5]
+  assert expected_holders(federation, 4, (), (0.5, 0.0)) == [0.5, 3.0]
+  assert expected_holders(federation, 4, (0.25, 0.75), (0.0, 0.2)) == [1.0, 3.0 * 0.8]
+
+
 @pytest.mark.parametrize("accountant", ["without_replacement", "poisson"])
 def test_epsilon_equals_dp_accountings_own_composition_of_the_rounds(accountant):
   privacy = PrivacyConfig(clip=1.0, noise_multiplier=1.1, delta=1e-6, accountant=accountant)

@@ -11,9 +11,9 @@ hold e, and the sum is divided by a public number, the expected count of those c
 
     delta_e = (sum_{c holds e} Delta_{c,e} + N(0, z^2 C^2)) / E_e,     E_e = m * P(a client holds e),
 
-m being the clients per round and P the share of the clients whose group holds e (the group's share of the
-clients, or its --group-draw probability). With one architecture group, E_e = m: the number of clients that
-answered. A fixed divisor keeps the released update a function of the noised sum alone (the count of a round's
+m being the clients per round and P the chance that a client holds e and answers (the share of the clients in a
+group that holds e, or its --group-draw probability, times 1 - its --client-dropout). With one architecture group
+whose clients all answer, E_e = m: the number of clients that answered. A fixed divisor keeps the released update a function of the noised sum alone (the count of a round's
 holders would tell which groups took part, which the accountant does not model), and the mean unbiased. Every
 element some group holds gets noise every round, held this round or not. The noise's key comes from the
 federation's server key of the round: seeded, the same after a resume, bit for bit.
@@ -68,16 +68,20 @@ def gaussian_noise(key: jax.Array, like: Variables, std: Any) -> Variables:
   return treedef.unflatten([std * jax.random.normal(k, x.shape, jnp.float32) for k, x in zip(keys, leaves)])
 
 
-def expected_holders(federation, clients_per_round: int, group_draw: Sequence[float]) -> list[float]:
-  """Per member group of ``federation``, the expected count of its clients among a round's ``clients_per_round``:
-  its share of all clients, or its ``group_draw`` probability when groups are drawn every round."""
+def expected_holders(federation, clients_per_round: int, group_draw: Sequence[float],
+                     dropout: Sequence[float] = ()) -> list[float]:
+  """Per member group of ``federation``, the expected count of its clients that answer among a round's
+  ``clients_per_round``: its share of all clients, or its ``group_draw`` probability when groups are drawn every
+  round, times the chance its clients answer (``dropout``: one probability for every group, or one per group;
+  `sampling.availability`)."""
   total = federation.store.num_clients
-  return [clients_per_round * (group_draw[g] if group_draw else len(clients) / total)
+  answers = lambda g: 1.0 - (dropout[g] if len(dropout) > 1 else dropout[0] if dropout else 0.0)
+  return [clients_per_round * (group_draw[g] if group_draw else len(clients) / total) * answers(g)
           for g, clients in zip(federation.members, federation.clients)]
 
 
-def private_mean(clip: Any, noise_multiplier: Any, clients_per_round: int,
-                 group_draw: Sequence[float] = ()) -> ServerStep:
+def private_mean(clip: Any, noise_multiplier: Any, clients_per_round: int, group_draw: Sequence[float] = (),
+                 dropout: Sequence[float] = ()) -> ServerStep:
   """The noised mean of the clipped updates (see the module docstring): ``delta`` the noised sum over the
   expected holders ``E``, ``coverage`` E (> 0 wherever the noise went)."""
 
@@ -85,7 +89,7 @@ def private_mean(clip: Any, noise_multiplier: Any, clients_per_round: int,
     federation = inputs.federation
     total, _ = aggregators.heterogeneous_sums([r.delta_sum for r in inputs.results], inputs.weights,
                                               federation.maps, carry.model, inputs.offset)
-    counts = [jnp.float32(e) for e in expected_holders(federation, clients_per_round, group_draw)]
+    counts = [jnp.float32(e) for e in expected_holders(federation, clients_per_round, group_draw, dropout)]
     expected = aggregators.weighted_coverage(counts, federation.maps, carry.model, inputs.offset)
     if not is_off(noise_multiplier):
       noise = gaussian_noise(jax.random.fold_in(inputs.key, NOISE_STREAM), carry.model, noise_multiplier * clip)
@@ -126,6 +130,7 @@ def with_privacy(method: Method, privacy: PrivacyConfig, federation: FederationC
   if why is not None:
     raise ValueError(f"{cli_name(privacy, 'clip')}: {method.name} cannot be made differentially private by "
                      f"clipping and noising its clients' updates: {why} (docs/privacy.md)")
-  noised = private_mean(privacy.clip, privacy.noise_multiplier, federation.clients_per_round, federation.group_draw)
+  noised = private_mean(privacy.clip, privacy.noise_multiplier, federation.clients_per_round, federation.group_draw,
+                        federation.client_dropout)
   return dataclasses.replace(method, terms=method.terms + (clip_term(privacy.clip),),
                              server=tuple(noised if s.name == "mean" else s for s in method.server))

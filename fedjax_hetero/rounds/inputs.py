@@ -67,7 +67,8 @@ class Call(NamedTuple):
   first: int  # the call's first round (0-based)
   count: int  # its rounds
   inputs: CallInputs
-  drawn: list[tuple[Participants, list[np.ndarray], list[np.ndarray]]]  # per round: `RoundSpec.participants`
+  # per round: `RoundSpec.participants` (the sampler's, the cohorts and weights per group, those that did not answer)
+  drawn: list[tuple[Participants, list[np.ndarray], list[np.ndarray], np.ndarray]]
   plans: list[list[Plan]]  # per round: every server step's plan
   statics: tuple  # the steps' static plans, one for the whole call
 

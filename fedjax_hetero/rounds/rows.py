@@ -82,7 +82,7 @@ def call_row(spec: "RoundSpec", call: Call, i: int, outputs: "RoundOutputs", sec
   """The metrics row of the call's round ``i`` from its outputs (host values); `NonFiniteLossError` if a group
   that trained has a non-finite loss, `NonFiniteModelError` if a server's model has a non-finite weight."""
   r, names = call.first + i, [g.name for g in spec.groups]
-  chosen, cohorts, _ = call.drawn[i]
+  chosen, cohorts, _, dropped = call.drawn[i]
   trained = [g for g in range(len(spec.groups)) if len(cohorts[g])]
   losses = {names[g]: group_loss(r, names[g], outputs.loss_sum[g], outputs.num_examples[g]) for g in trained
             if float(outputs.num_examples[g]) > 0}  # (a group whose clients took no step has no loss)
@@ -103,8 +103,8 @@ def call_row(spec: "RoundSpec", call: Call, i: int, outputs: "RoundOutputs", sec
   row["examples_per_group"] = {names[g]: round(float(outputs.num_examples[g])) if len(cohorts[g]) else 0
                                for g in range(len(names))}
   if spec.availability.on:
-    groups = spec.groups_of_round(r)[chosen.dropped]
-    row["dropped"] = [int(c) for c in chosen.dropped]
+    groups = spec.groups_of_round(r)[dropped]
+    row["dropped"] = [int(c) for c in dropped]
     row["dropped_per_group"] = {names[g]: int((groups == g).sum()) for g in range(len(names))}
   row["test_accuracy"] = accuracies(outputs.correct, names, len(spec.test_labels)) if r + 1 in evaluate else None
   return row

@@ -252,15 +252,14 @@ class RoundSpec:
     return rng.choice(len(self.groups), size=self.store.num_clients, p=np.asarray(self.config.group_draw))
 
   def participants(self, sampler_state: Any, round_index: int) -> tuple[Participants, list[np.ndarray],
-                                                                        list[np.ndarray]]:
-    """The round's participants (the method's sampler; ``dropped``: those that did not answer) and, per
-    architecture group, its cohort (the participants that answered) and their weights."""
+                                                                        list[np.ndarray], np.ndarray]:
+    """The round's participants (the method's sampler), per architecture group its cohort (the participants that
+    answered) and their weights, and the participants that did not answer (`sampling.availability`)."""
     chosen = self.method.sampler.sample(sampler_state, round_index, self.sampling)
     group_of_chosen = self.groups_of_round(round_index)[chosen.clients]
     answered = np.ones(len(chosen.clients), bool)
     if self.availability.on:
       answered = self.availability.answers(chosen.clients, group_of_chosen, round_index)
-      chosen = chosen._replace(dropped=chosen.clients[~answered])
     cohorts = [chosen.clients[(group_of_chosen == g) & answered] for g in range(len(self.groups))]
     weights = [chosen.weights[(group_of_chosen == g) & answered] for g in range(len(self.groups))]
-    return chosen, cohorts, weights
+    return chosen, cohorts, weights, chosen.clients[~answered]

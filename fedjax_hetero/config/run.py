@@ -10,9 +10,11 @@ rules that need no model or method; the run's build step (`fedjax_hetero.run.bui
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -151,6 +153,22 @@ def _check_groups(name: str, groups: Any) -> None:
       raise ValueError(f"{name}: {e}") from None
 
 
+_COMBINATIONS_CHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar("fedjax_hetero_combinations_checked",
+                                                                          default=True)
+
+
+@contextlib.contextmanager
+def combinations_unchecked() -> Iterator[None]:
+  """Within it, a `RunConfig` checks each setting but not how they combine (a cohort larger than the clients):
+  the command line's defaults read from a config file, which the flags given may still change before the run's
+  config, checked whole, is made."""
+  token = _COMBINATIONS_CHECKED.set(False)
+  try:
+    yield
+  finally:
+    _COMBINATIONS_CHECKED.reset(token)
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig(Settings):
   TITLE = "run"
@@ -189,8 +207,9 @@ class RunConfig(Settings):
 
   def __post_init__(self):
     validate(self)
-    check_federation(self.federation, self.data.num_clients, self.groups)
-    check_privacy(self.privacy, self.federation)
+    if _COMBINATIONS_CHECKED.get():
+      check_federation(self.federation, self.data.num_clients, self.groups)
+      check_privacy(self.privacy, self.federation)
 
   @classmethod
   def from_flags(cls, **flags: Any) -> "RunConfig":

@@ -82,3 +82,13 @@ def test_yaml_reads_exponents_as_numbers_and_the_extension_in_any_case(tmp_path)
   assert read_config(written(tmp_path, "exp.YAML", "client: {learning_rate: 1e-3}\n")).client.learning_rate == 0.001
   with pytest.raises(ValueError, match=r"not valid JSON .*\(read as JSON: a YAML file's name ends in \.yaml\)"):
     read_config(written(tmp_path, "run.txt", "rounds: 3\n"))
+
+
+def test_an_unquoted_off_is_read_as_the_choice_off_where_a_setting_has_it(tmp_path):
+  """Held-out probe U4: YAML 1.1 reads an unquoted off as false, so divergence: {action: off} was refused as
+  "must be one of stop, rollback, off, got False"."""
+  assert read_config(written(tmp_path, "off.yaml", "divergence: {action: off}\n")).divergence.action == "off"
+  assert read_config(written(tmp_path, "flat.yaml", "on_divergence: OFF\n")).divergence.action == "off"
+  with pytest.raises(ValueError, match=r"divergence.action \(line 1\) must be one of stop, rollback, off, got False"):
+    read_config(written(tmp_path, "false.yaml", "divergence: {action: false}\n"))  # (false is not a word it lists)
+  assert read_config(written(tmp_path, "flag.yaml", "output: {progress: off}\n")).output.progress is False

@@ -46,6 +46,7 @@ def _yaml_tree(text: str) -> tuple[Any, dict[str, int]]:
   import yaml
 
   lines: dict[str, int] = {}
+  words: dict[str, str] = {}  # dotted path -> an unquoted word YAML 1.1 reads as true or false (on, off, yes, no)
 
   def walk(node: Any, prefix: str) -> None:
     if not isinstance(node, yaml.MappingNode):
@@ -55,17 +56,31 @@ def _yaml_tree(text: str) -> tuple[Any, dict[str, int]]:
       if path in lines:
         raise ValueError(f"{path!r} is given twice (lines {lines[path]} and {line})")
       lines[path] = line
+      if isinstance(value, yaml.ScalarNode) and value.tag.endswith(":bool") and value.style is None:
+        words[path] = value.value
       walk(value, path + ".")
 
   try:
     walk(yaml.compose(text, Loader=_loader()), "")
-    return yaml.load(text, Loader=_loader()), lines
+    return _choices_as_written(yaml.load(text, Loader=_loader()), words), lines
   except yaml.MarkedYAMLError as e:
     mark = e.problem_mark or e.context_mark
     where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
     raise ValueError(f"not valid YAML ({where}{e.problem or e.context})") from None
   except yaml.YAMLError as e:
     raise ValueError(f"not valid YAML ({str(e).splitlines()[0]})") from None
+
+
+def _choices_as_written(tree: Any, words: dict[str, str]) -> Any:
+  """``tree`` with an unquoted on/off/yes/no, which YAML 1.1 reads as true or false, read as the word where it is
+  one of its setting's choices (``divergence: {action: off}``)."""
+  for path, word in words.items():
+    leaf = FLAGS_BY_PATH.get(path) or FLAGS.get(path)
+    choices = getattr(leaf.setting.check, "choices", ()) if leaf is not None else ()
+    if word.lower() in choices:
+      *sections, key = path.split(".")
+      functools.reduce(lambda node, name: node[name], sections, tree)[key] = word.lower()
+  return tree
 
 
 def _json_tree(text: str) -> tuple[Any, dict[str, int]]:

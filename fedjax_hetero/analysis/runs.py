@@ -62,6 +62,40 @@ def up_to_round(rows: Sequence[dict[str, Any]], last_round: int | None) -> list[
   return [r for r in rows if last_round is None or r["round"] <= last_round]
 
 
+def last_shared_round(runs: Runs) -> int | None:
+  """The last round that every run evaluated (its mean accuracy), or None if they share none."""
+  shared = None
+  for _, _, rows in runs:
+    rounds = {r for r, _ in evaluated(rows)}
+    shared = rounds if shared is None else shared & rounds
+  return max(shared) if shared else None
+
+
+def ending_notes(runs: Runs) -> list[str]:
+  """A note for every run that did not end as a finished run: one with no summary.json yet (killed, still
+  training), one interrupted by a signal or stopped by ``--stop-after`` before its last round, and one stopped by
+  the divergence guard."""
+  notes = []
+  for label, summary, rows in runs:
+    last = rows[-1]["round"] if rows else 0
+    interrupted, stopped = summary.get("interrupted") or {}, summary.get("stopped_after") or {}
+    early = (interrupted or stopped).get("completed_round", 0) < (summary.get("config") or {}).get("rounds", math.inf)
+    why = ("no summary.json" if summary.get("unfinished") else
+           f"{interrupted.get('signal', 'a signal')} after round {interrupted.get('completed_round')}"
+           if interrupted and early else
+           f"--stop-after {stopped.get('seconds')} s after round {stopped.get('completed_round')}" if stopped and early
+           else None)
+    if why:
+      notes.append(f"note: {label} has not finished ({why}): its rows up to round {last} are compared")
+    diverged = summary.get("stopped_by_divergence")
+    if diverged:
+      reason = str(diverged.get("reason") or "")
+      reason = reason.split(": ", 1)[1] if reason.startswith("round ") and ": " in reason else reason
+      notes.append(f"note: {label} was stopped at round {diverged.get('round')}, when it diverged"
+                   f"{f' ({reason})' if reason else ''}: its rows up to round {last} are compared")
+  return notes
+
+
 def base_method_of(summary: dict[str, Any]) -> str:
   return summary.get("method") or summary["config"]["method"]  # older summaries: only the flat config's
 

@@ -14,10 +14,11 @@ in every table.
 Where the runs logged their costs (`fedjax_hetero.rounds.costs`), the first table gives each run's cumulative
 bytes (down + up) and client training FLOPs beside its accuracy, up to the rounds compared; ``--cost-output
 PATH`` plots mean accuracy against both (docs/costs.md).
-A run that has not finished (killed, stopped by ``--stop-after``, or still training) is compared up to its
-last row, with a note saying so. Runs that end at different rounds get a note under the table;
-``--up-to-round R`` cuts every run at round R, to compare them at equal rounds. ``--target 0.87`` adds the
-first round each run reached 87% mean accuracy.
+A run that has not finished (killed, interrupted by a signal, stopped by ``--stop-after``, or still training)
+is compared up to its last row, with a note saying so, and so is a run the divergence guard stopped (the note
+names the round). Runs that end at different rounds get a note under the table naming the last round all of
+them evaluated; ``--up-to-round R`` cuts every run at round R, to compare them at equal rounds. ``--target 0.87``
+(a fraction of 1) adds the first round each run reached 87% mean accuracy.
 
 ``--baseline METHOD`` adds paired statistics: every other method's runs are paired
 with the baseline's runs of the same seed, round by round at the rounds both
@@ -59,7 +60,8 @@ import numpy as np
 from fedjax_hetero import os_errors
 from fedjax_hetero.analysis.plots import plot_accuracy_against_costs, plot_accuracy_per_round
 from fedjax_hetero.analysis.runs import (Pairing, Runs, attack_of, base_method_of, check_unique, cumulative_costs,
-                                         default_window, evaluated, final_pair, groups_of, interval, load_run,
+                                         default_window, ending_notes, evaluated, final_pair, groups_of, interval,
+                                         last_shared_round, load_run,
                                          mean_dissimilarity, method_of, paired_points, pairings, rounds_to,
                                          runs_by_method, seed_of, up_to_round, windowed_means, with_variants)
 
@@ -108,8 +110,12 @@ def length_note(runs: Runs) -> str:
   if len(set(ends.values())) < 2:
     return ""
   listed = ", ".join(f"{label} {end}" for label, end in ends.items())
+  shared = last_shared_round(runs)
+  cut = ("no round was evaluated by all of them, so no --up-to-round compares them at equal rounds" if shared is None
+         else f"--up-to-round {shared} compares them at equal rounds" + (
+             " (the last round all of them evaluated)" if shared < min(ends.values()) else ""))
   return (f"\nnote: the runs end at different rounds ({listed}): their final, best and last columns are not at the "
-          f"same rounds; --up-to-round {min(ends.values())} compares them at equal rounds")
+          f"same rounds; {cut}")
 
 
 def dataset_note(runs: Runs) -> str:
@@ -292,6 +298,9 @@ def main(argv: Sequence[str] | None = None) -> str:
   for flag, value in (("--last", args.last), ("--up-to-round", args.up_to_round), ("--window", args.window)):
     if value is not None and value < 1:
       raise SystemExit(f"error: {flag} must be at least 1, got {value}")
+  if args.target is not None and not 0 < args.target <= 1:
+    example = args.target if 1 < args.target <= 100 else 87
+    raise SystemExit(f"error: --target {args.target:g} is a fraction of 1 ({example / 100:g} for {example:g}%)")
   for flag, path in ((f, p) for f, p in (("--output", args.output), ("--cost-output", args.cost_output)) if p):
     try:  # (before the tables: a plot's folder that cannot be made is one line, not a traceback after them)
       os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -312,10 +321,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     except ValueError as e:
       raise SystemExit(f"error: {e}") from None
   text = table(runs, args.last, args.target) + length_note(runs) + dataset_note(runs)
-  for label, summary, rows in runs:
-    if summary.get("unfinished"):
-      text += (f"\nnote: {label} has not finished (no summary.json): its rows up to round "
-               f"{rows[-1]['round'] if rows else 0} are compared")
+  text += "".join("\n" + note for note in ending_notes(runs))
   spread = seeds_table(runs)
   if spread:
     text += "\n\nover the runs of each method (its seeds):\n" + spread

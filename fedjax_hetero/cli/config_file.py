@@ -6,7 +6,8 @@ saved) reads too. Settings not in it keep the dataset's defaults (those ``python
 starts from), and older layouts are upgraded as ``--resume``
 upgrades them (`fedjax_hetero.run.history.upgrade`). The file is read strictly: an unknown key, a key given
 twice, or a flag name beside the nested layout is an error naming the key and its line. What a file says about
-resuming or overwriting is dropped: those say what one command does, not what the run is.
+resuming or overwriting is dropped: those say what one command does, not what the run is; so is a hand-written
+file's history (``segments``, ``rollbacks``, ``processes``). `file_notes` says what was dropped.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 import re
 from typing import Any
 
-from fedjax_hetero.config import RunConfig, declare
+from fedjax_hetero.config import RunConfig, declare, flatten
 from fedjax_hetero.config.run import FLAGS, FLAGS_BY_PATH
 from fedjax_hetero.run import history
 
@@ -46,20 +47,24 @@ def _yaml_tree(text: str) -> tuple[Any, dict[str, int]]:
   import yaml
 
   lines: dict[str, int] = {}
+  columns: dict[str, int] = {}
+  words: dict[str, str] = {}  # dotted path -> an unquoted word YAML 1.1 reads as true or false (on, off, yes, no)
 
   def walk(node: Any, prefix: str) -> None:
     if not isinstance(node, yaml.MappingNode):
       return
     for key, value in node.value:
-      path, line = f"{prefix}{key.value}", key.start_mark.line + 1
+      path, line, column = f"{prefix}{key.value}", key.start_mark.line + 1, key.start_mark.column + 1
       if path in lines:
-        raise ValueError(f"{path!r} is given twice (lines {lines[path]} and {line})")
-      lines[path] = line
+        raise ValueError(_given_twice(path, (lines[path], columns[path]), (line, column)))
+      lines[path], columns[path] = line, column
+      if isinstance(value, yaml.ScalarNode) and value.tag.endswith(":bool") and value.style is None:
+        words[path] = value.value
       walk(value, path + ".")
 
   try:
     walk(yaml.compose(text, Loader=_loader()), "")
-    return yaml.load(text, Loader=_loader()), lines
+    return _choices_as_written(yaml.load(text, Loader=_loader()), words), lines
   except yaml.MarkedYAMLError as e:
     mark = e.problem_mark or e.context_mark
     where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
@@ -68,35 +73,62 @@ def _yaml_tree(text: str) -> tuple[Any, dict[str, int]]:
     raise ValueError(f"not valid YAML ({str(e).splitlines()[0]})") from None
 
 
+def _choices_as_written(tree: Any, words: dict[str, str]) -> Any:
+  """``tree`` with an unquoted on/off/yes/no, which YAML 1.1 reads as true or false, read as the word where it is
+  one of its setting's choices (``divergence: {action: off}``)."""
+  for path, word in words.items():
+    leaf = FLAGS_BY_PATH.get(path) or FLAGS.get(path)
+    choices = getattr(leaf.setting.check, "choices", ()) if leaf is not None else ()
+    if word.lower() in choices:
+      *sections, key = path.split(".")
+      functools.reduce(lambda node, name: node[name], sections, tree)[key] = word.lower()
+  return tree
+
+
+def _given_twice(path: str, first: tuple[int, int], second: tuple[int, int]) -> str:
+  """The error for the key ``path`` written at (line, column) ``first`` and again at ``second``."""
+  where = (f"line {first[0]}, columns {first[1]} and {second[1]}" if first[0] == second[0] else
+           f"lines {first[0]} and {second[0]}")
+  return f"{path!r} is given twice ({where})"
+
+
+class _Pairs(list):
+  """A JSON object's (key, value) pairs as written, a key given twice included (to find it by its path)."""
+
+
 def _json_tree(text: str) -> tuple[Any, dict[str, int]]:
   """The JSON document and the line of each key (found in the text); ValueError on a key given twice."""
-  positions = {}  # key name -> the lines it is written on, in order
+  positions: dict[str, list[tuple[int, int]]] = {}  # key name -> (line, column) of each place it is written, in order
   for match in re.finditer(r'"((?:[^"\\]|\\.)*)"\s*:', text):
-    positions.setdefault(match.group(1), []).append(text.count("\n", 0, match.start()) + 1)
-
-  def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    seen = {}
-    for key, value in pairs:
-      if key in seen:
-        where = positions.get(key, [])
-        raise ValueError(f"{key!r} is given twice" + (f" (lines {where[0]} and {where[1]})" if len(where) > 1 else ""))
-      seen[key] = value
-    return seen
-
+    line_start = text.rfind("\n", 0, match.start()) + 1
+    positions.setdefault(match.group(1), []).append((text.count("\n", 0, match.start()) + 1,
+                                                     match.start() - line_start + 1))
   try:
-    tree = json.loads(text, object_pairs_hook=unique)
+    pairs = json.loads(text, object_pairs_hook=_Pairs)
   except json.JSONDecodeError as e:
     raise ValueError(f"not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
   lines, unread = {}, {key: iter(found) for key, found in positions.items()}
 
-  def walk(node: Any, prefix: str) -> None:  # (in the text's order, so each key takes its own next position)
-    if isinstance(node, dict):
-      for key, value in node.items():
-        lines[f"{prefix}{key}"] = next(unread.get(key, iter(())), 0)
-        walk(value, f"{prefix}{key}.")
+  # In the text's order, so each key takes its own next position; a list's objects are values: no lines.
+  def walk(node: Any, prefix: str, settings: bool = True) -> Any:
+    if isinstance(node, list) and not isinstance(node, _Pairs):
+      return [walk(item, prefix, settings=False) for item in node]
+    if not isinstance(node, _Pairs):
+      return node
+    tree: dict[str, Any] = {}
+    places: dict[str, tuple[int, int]] = {}
+    for key, value in node:
+      path, place = f"{prefix}{key}", next(unread.get(key, iter(())), (0, 0))
+      if key in tree:
+        raise ValueError(_given_twice(path, places[key], place) if place[0] and places[key][0] else
+                         f"{path!r} is given twice")
+      places[key] = place
+      if settings:
+        lines[path] = place[0]
+      tree[key] = walk(value, f"{path}.", settings)
+    return tree
 
-  walk(tree, "")
-  return tree, lines
+  return walk(pairs, ""), lines
 
 
 def _check_sections(tree: dict[str, Any], owner: type, prefix: str, lines: dict[str, int]) -> None:
@@ -123,9 +155,31 @@ def _at(lines: dict[str, int], path: str) -> str:
 _KEYS_OF_SPELLINGS = {leaf.cli.lstrip("-"): leaf.flag for leaf in FLAGS.values()}
 
 
-def _close_to(name: str) -> str:
+def _initials(name: str) -> str:
+  return "".join(part[0] for part in name.split("_") if part)
+
+
+def _close_in_nested_layout(name: str) -> list[str]:
+  """The full paths an unknown key of a nested file may have meant: in its own section a key it abbreviates or
+  spells out (``server.learning_rate``: ``server.lr``), else the same name in another section
+  (``client.clients_per_round``: ``federation.clients_per_round``), else the closest paths by spelling."""
+  section, _, leaf = name.rpartition(".")
+  own = [path for path in FLAGS_BY_PATH if path.rpartition(".")[0] == section]
+  short = [p for p in own if _initials(leaf) == p.rpartition(".")[2] or leaf == _initials(p.rpartition(".")[2])]
+  elsewhere = [path for path in FLAGS_BY_PATH if path.rpartition(".")[2] == leaf]
+  spelled = [f"{section}.{key}" if section else key
+             for key in difflib.get_close_matches(leaf, [p.rpartition(".")[2] for p in own], n=1)]
+  return short or elsewhere or spelled or difflib.get_close_matches(name, list(FLAGS_BY_PATH), n=1)
+
+
+def _close_to(name: str, nested: bool = False) -> str:
+  if name in _KEYS_OF_SPELLINGS and nested:
+    return f" (did you mean {FLAGS[_KEYS_OF_SPELLINGS[name]].path!r}? --{name} is its command-line flag)"
   if name in _KEYS_OF_SPELLINGS:
     return f" (did you mean {_KEYS_OF_SPELLINGS[name]!r}? --{name} is its command-line flag)"
+  if nested and name not in FLAGS_BY_PATH:  # (a nested file's keys are paths: a flag name there is refused)
+    close = _close_in_nested_layout(name)
+    return f" (did you mean {' or '.join(repr(path) for path in close)}?)" if close else ""
   if name in FLAGS_BY_PATH:  # a dotted path as one key: the file's layouts nest it, or name the flag
     nested = functools.reduce(lambda inner, key: f"{key}: {{{inner}}}", reversed(name.split(".")[:-1]),
                               f"{name.split('.')[-1]}: ...")
@@ -191,6 +245,59 @@ def named_dataset(path: str) -> str | None:
 
 
 _ACTIONS = ("resume", "resume_or_start", "overwrite", "resume_unchecked", "repair_metrics")
+_HISTORY = (history.SEGMENTS, history.ROLLBACKS, history.PROCESSES)
+
+
+def file_notes(path: str | None, config: RunConfig) -> list[str]:
+  """The ``note:`` lines for what `read_config` drops of the file ``path`` while the run ``config`` goes on: a
+  folder action it sets (the command's flags say what to do with the folder) and a hand-written file's history
+  keys (a results folder's own). A results folder's ``config.json`` (it has all of them) has its history and
+  actions, so they pass in silence; but if its local training changed from a round on (a resume with another
+  ``--lr``, a rollback), a new run from it trains every round with the latest values, and a note says so."""
+  if path is None:
+    return []
+  try:
+    tree, lines = _read(path)
+  except ValueError:
+    return []
+  flag = f"--config {path}"
+  if all(key in tree for key in _HISTORY):
+    return _segment_notes(flag, tree.get(history.SEGMENTS), config, path)
+  output = tree.get("output") if isinstance(tree.get("output"), dict) else {}
+  actions = [f"output.{key}" for key in _ACTIONS if output.get(key)] + [key for key in _ACTIONS if tree.get(key)]
+  past = [key for key in (history.SEGMENTS, history.ROLLBACKS) if key in tree]
+  named = lambda keys: ", ".join(key + _at(lines, key) for key in keys)
+  parts = []
+  if actions:
+    parts.append(f"drops {named(actions)}: the command's flags say what to do with the folder (" +
+                 ", ".join("--" + key.rpartition(".")[2].replace("_", "-") for key in actions) + ")")
+  if history.PROCESSES in tree:
+    parts.append(f"drops {named([history.PROCESSES])}: the command's flags say how many processes run it "
+                 "(--num-processes)")
+  if past:
+    parts.append(f"drops {named(past)}: a run's history, which its results folder's config.json records (to change "
+                 "a local-training setting from a round on, --resume the run with the new value)")
+  return [f"note: {flag} " + "; ".join(parts)] if parts else []
+
+
+def _segment_notes(flag: str, segments: Any, config: RunConfig, path: str) -> list[str]:
+  output = config.output
+  if (output.resume or output.resume_or_start) and os.path.realpath(output.dir) == os.path.realpath(
+      os.path.dirname(path) or "."):
+    return []  # (the run itself, continued: its history goes on)
+  if not isinstance(segments, list) or len(segments) < 2:
+    return []
+  settings = [(seg.get("from_round"), seg.get("settings") or {}) for seg in segments if isinstance(seg, dict)]
+  changed = sorted({key for _, values in settings for key in values
+                    if len({repr(v.get(key)) for _, v in settings}) > 1})
+  if not changed:
+    return []
+  now = flatten(config)
+  history_text = "; ".join(f"{key} " + ", ".join(f"{values.get(key)!r} from round {start}" for start, values in
+                                                 settings) for key in changed)
+  used = ", ".join(f"{key} {now.get(key)!r}" for key in changed)
+  return [f"note: {flag} records a run whose local training changed partway ({history_text}); this run trains "
+          f"every round with {used}"]
 
 
 def read_config(path: str, base: RunConfig | None = None) -> RunConfig:
@@ -199,7 +306,7 @@ def read_config(path: str, base: RunConfig | None = None) -> RunConfig:
   the file's method does not read stays in it, for the build step to refuse."""
   flag = f"--config {path!r}"
   tree, lines = _read(path)
-  for key in (history.SEGMENTS, history.ROLLBACKS, history.PROCESSES):
+  for key in _HISTORY:  # (what is dropped is told by `notes`)
     tree.pop(key, None)
   output = tree.get("output")
   if isinstance(output, dict):  # what to do with the folder is the command's, never the file's (docs/running.md)
@@ -218,7 +325,8 @@ def read_config(path: str, base: RunConfig | None = None) -> RunConfig:
   except (TypeError, ValueError) as e:
     raise ValueError(f"{flag}: {e}") from None
   if ignored:
-    unknown = ", ".join(f"{name!r}{_at(lines, name)}{_close_to(name)}" for name in sorted(ignored))
+    nested = any(isinstance(value, dict) for value in tree.values())
+    unknown = ", ".join(f"{name!r}{_at(lines, name)}{_close_to(name, nested)}" for name in sorted(ignored))
     raise ValueError(f"{flag}: unknown setting(s) {unknown}; `python -m experiments.fmnist --help` and docs/cli.md "
                      "list the settings (config.json keys and flag names)")
   action = dict.fromkeys(_ACTIONS, False)

@@ -18,7 +18,7 @@ from typing import Any, Callable, NoReturn, Sequence
 from fedjax_hetero import distributed, os_errors
 from fedjax_hetero import data as fdata
 from fedjax_hetero.cli import flags
-from fedjax_hetero.cli.config_file import known_lines, named_dataset, read_config
+from fedjax_hetero.cli.config_file import file_notes, known_lines, named_dataset, read_config
 from fedjax_hetero.cli.datasets import DATASETS, defaults_for
 from fedjax_hetero.cli.flags import methods_help
 from fedjax_hetero.cli.presets import PRESETS, Preset, get_preset, paper_deviations, values_for
@@ -259,6 +259,7 @@ def parse(argv: Sequence[str] | None, dataset: str, description: str | None = No
     with declare.named_from({**defaults_named, **args.setting_names}):
       config = _without_unread_options(flags.config_from_args(args), args.setting_sources, "method" in given,
                                        args.notes)
+      args.notes += file_notes(args.config, config)
       processes = distributed_settings(*(getattr(args, name) for name in DISTRIBUTED_FLAGS))
       processes.check_backend(config.backend)
       config.data.check_paths()

@@ -35,7 +35,10 @@ first round each reached the target. ``--per-group`` adds the paired statistics
 (difference with its interval, rounds ahead, best - best) of every architecture
 group's accuracy (``test_accuracy`` in ``metrics.jsonl`` holds one per group
 beside the mean). Where runs log the gradient dissimilarity
-(``fedjax_hetero.methods.dissimilarity``) the plot shows it per round beside the accuracy.
+(``fedjax_hetero.methods.dissimilarity``) the plot shows it per round beside the accuracy. Where runs evaluate
+every client (``--client-eval-fraction``, docs/client-evaluation.md), the first table gives the last evaluation's
+mean and worst 10% of the clients' held-out accuracy, the plot a panel of both per round, and ``--client-output
+PATH`` plots them per architecture group.
 
     python -m experiments.compare runs/repro/inco/*_s* --baseline HeteroAvg --window 20 --per-group
 
@@ -57,11 +60,12 @@ from typing import Any, Sequence
 import numpy as np
 
 from fedjax_hetero import os_errors
-from fedjax_hetero.analysis.plots import plot_accuracy_against_costs
+from fedjax_hetero.analysis.plots import plot_accuracy_against_costs, plot_client_accuracy, run_styles
+from fedjax_hetero.analysis.plots import plot_runs as plot
 from fedjax_hetero.analysis.runs import (Pairing, Runs, attack_of, base_method_of, check_unique, cumulative_costs,
-                                         default_window, dissimilarity_per_round, evaluated, final_pair, groups_of,
-                                         interval, load_run, mean_dissimilarity, method_of, paired_points, pairings,
-                                         rounds_to, runs_by_method, seed_of, up_to_round, windowed_means,
+                                         default_window, evaluated, final_pair, groups_of, interval,
+                                         last_client_accuracy, load_run, mean_dissimilarity, method_of, paired_points,
+                                         pairings, rounds_to, runs_by_method, seed_of, up_to_round, windowed_means,
                                          with_variants)
 
 STATS_HEADER = "mean per-round difference (points) [95% interval] | rounds ahead | best - best (points)"
@@ -74,10 +78,11 @@ def table(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]], last
                                                                     for r in rows) else ""
   costs = " bytes down + up | client FLOPs |" if any(cumulative_costs(rows) for _, _, rows in runs) else ""
   dropped = " sampled clients dropped |" if any("dropped" in r for _, _, rows in runs for r in rows) else ""
-  lines = [f"| run | method | rounds | final mean acc (%) | best (%) | mean of last {last} evals (%) |{costs}{to}"
-           f"{spread}{dropped} round 1 (s, compiling) | rounds 2+ (s) |",
-           "|---|---|---|---|---|---|" + ("---|---|" if costs else "") + ("---|" if to else "") +
-           ("---|" if spread else "") + ("---|" if dropped else "") + "---|---|"]
+  clients = (" clients' held-out acc: mean / worst 10% (%) |" if any(last_client_accuracy(rows) for _, _, rows in runs)
+             else "")
+  header = (f"| run | method | rounds | final mean acc (%) | best (%) | mean of last {last} evals (%) |{costs}{to}"
+            f"{spread}{dropped}{clients} round 1 (s, compiling) | rounds 2+ (s) |")
+  lines = [header, "|" + "---|" * (header.count("|") - 1)]
   for label, summary, rows in runs:
     accs = [a for _, a in evaluated(rows)]
     if not accs:
@@ -92,6 +97,9 @@ def table(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]], last
       reached += f" {low} / {high} |"
     if dropped:
       reached += f" {sum(len(r.get('dropped', ())) for r in rows)} of {sum(len(set(r['clients'])) for r in rows)} |"
+    if clients:
+      every = (last_client_accuracy(rows) or {}).get("all")
+      reached += f" {100 * every['mean']:.2f} / {100 * every['worst_10pct']:.2f} |" if every else " - |"
     few = f" (of {len(tail)})" if len(tail) < last else ""
     first = next((f"{r['round_seconds']:.1f}" for r in rows if r["round"] == 1), "-")
     later_seconds = [r["round_seconds"] for r in rows if r["round"] > 1]
@@ -253,51 +261,6 @@ def drop_table(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]],
   return "\n".join(lines)
 
 
-def run_styles(runs: Runs) -> list[dict[str, Any]]:
-  """One colour per method, one line style per run of it (e.g. per seed)."""
-  methods = list(dict.fromkeys(method_of(summary) for _, summary, _ in runs))
-  styles, seen = [], {}
-  for _, summary, _ in runs:
-    method = method_of(summary)
-    repeat = seen[method] = seen.get(method, -1) + 1
-    styles.append(dict(color=f"C{methods.index(method) % 10}", ls=("-", "--", ":", "-.")[repeat % 4]))
-  return styles
-
-
-def plot(runs, path: str, title: str) -> str:
-  from matplotlib.backends.backend_agg import FigureCanvasAgg
-  from matplotlib.figure import Figure
-
-  parts = [p for p in ("low", "high") if any(p in g for _, _, rows in runs for r in rows
-                                              for g in (r.get("dissimilarity") or {}).values())]
-  fig = Figure(figsize=(7 + 4.5 * len(parts), 4.5))
-  FigureCanvasAgg(fig)
-  axes = fig.subplots(1, 1 + len(parts), squeeze=False)[0]
-  styles = run_styles(runs)
-  ax = axes[0]
-  for (label, _, rows), style in zip(runs, styles):
-    points = evaluated(rows)
-    ax.plot([r for r, _ in points], [100 * a for _, a in points], marker=".", lw=1.5, label=label, **style)
-  ax.set_xlabel("round")
-  ax.set_ylabel("mean test accuracy (%)")
-  ax.set_title(title)
-  ax.grid(alpha=0.3)
-  ax.legend(loc="lower right")
-  for part, ax in zip(parts, axes[1:]):
-    for (label, _, rows), style in zip(runs, styles):
-      points = dissimilarity_per_round(rows, part)
-      if points:
-        ax.plot(*zip(*points), lw=1.2, label=label, **style)
-    ax.set_yscale("log")
-    ax.set_xlabel("round")
-    ax.set_ylabel("Σ p_c ‖d_c − d̄‖² / ‖d̄‖²")
-    ax.set_title(f"gradient dissimilarity, {part} part")
-    ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  return path
-
-
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
   """The module docstring as it is, and the defaults but None and False (their help says what they mean)."""
 
@@ -313,6 +276,8 @@ def main(argv: Sequence[str] | None = None) -> str:
   p.add_argument("--title", default="mean test accuracy")
   p.add_argument("--cost-output", default=None, help="write a plot of mean accuracy against the runs' cumulative "
                  "bytes (down + up) and client training FLOPs here")
+  p.add_argument("--client-output", default=None, help="write a plot of the clients' held-out accuracy (runs with "
+                 "--client-eval-fraction): per group and of all clients, the mean and the worst 10%% per round")
   p.add_argument("--last", type=int, default=3, help="evaluations averaged in the 'last' column")
   p.add_argument("--up-to-round", type=int, default=None, help="cut every run at this round (default: no cut)")
   p.add_argument("--target", type=float, default=None, help="add the first round reaching this mean accuracy "
@@ -327,7 +292,8 @@ def main(argv: Sequence[str] | None = None) -> str:
   for flag, value in (("--last", args.last), ("--up-to-round", args.up_to_round), ("--window", args.window)):
     if value is not None and value < 1:
       raise SystemExit(f"error: {flag} must be at least 1, got {value}")
-  for flag, path in ((f, p) for f, p in (("--output", args.output), ("--cost-output", args.cost_output)) if p):
+  outputs = (("--output", args.output), ("--cost-output", args.cost_output), ("--client-output", args.client_output))
+  for flag, path in ((f, p) for f, p in outputs if p):
     try:  # (before the tables: a plot's folder that cannot be made is one line, not a traceback after them)
       os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     except OSError as e:
@@ -386,6 +352,14 @@ def main(argv: Sequence[str] | None = None) -> str:
     except OSError as e:
       raise SystemExit(f"error: --cost-output {args.cost_output!r}: {os_errors.describe(e)}") from None
     say(f"wrote {written}")
+  if args.client_output:
+    try:
+      runs_rows = [(label, rows) for label, _, rows in runs]
+      say(f"wrote {plot_client_accuracy(runs_rows, args.client_output, styles=run_styles(runs))}")
+    except ValueError as e:
+      raise SystemExit(f"error: --client-output: {e}") from None
+    except OSError as e:
+      raise SystemExit(f"error: --client-output {args.client_output!r}: {os_errors.describe(e)}") from None
   return text
 
 

@@ -53,7 +53,7 @@ def plot_accuracy(rows: Sequence[Mapping[str, Any]], path: str, title: str) -> s
   ax.set_title(title)
   ax.grid(alpha=0.3)
   if ax.get_legend_handles_labels()[0]:  # (a run stopped before its first evaluation has no line)
-    ax.legend(loc="lower right")
+    ax.legend(loc="lower right", fontsize="small" if any(r.get("client_accuracy") for r in evaluated) else None)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   return path

@@ -17,7 +17,7 @@ client's on its held-out samples: `rounds.client_eval`). Two mappings:
 from __future__ import annotations
 
 import concurrent.futures
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import jax
 import jax.numpy as jnp

@@ -1,6 +1,6 @@
 """Analysis figures: InCo update histograms and cross-layer tracking, FedCross client bubbles and similarity, runs'
-accuracy per round (`compare --output`) and against their cumulative bytes and FLOPs (a run's own accuracy curves:
-`fedjax_hetero.run.plot`).
+accuracy per round (`compare --output`, with their clients' held-out accuracy) and against their cumulative bytes
+and FLOPs (a run's own accuracy curves: `fedjax_hetero.run.plot`).
 
 All functions draw on a bare Agg `Figure` (no pyplot global state, so nothing
 to close and no backend switch), save a PNG and return its path.
@@ -255,22 +255,51 @@ def plot_accuracy_against_costs(runs: Sequence[tuple[str, Sequence[Mapping[str, 
   return path
 
 
+def run_styles(runs: Sequence[tuple[str, Mapping[str, Any], Any]]) -> list[dict[str, Any]]:
+  """One colour per method, one line style per run of it (e.g. per seed)."""
+  from fedjax_hetero.analysis.runs import method_of
+
+  methods = list(dict.fromkeys(method_of(summary) for _, summary, _ in runs))
+  styles, seen = [], {}
+  for _, summary, _ in runs:
+    method = method_of(summary)
+    repeat = seen[method] = seen.get(method, -1) + 1
+    styles.append(dict(color=f"C{methods.index(method) % 10}", ls=("-", "--", ":", "-.")[repeat % 4]))
+  return styles
+
+
 def plot_accuracy_per_round(runs: Sequence[tuple[str, Any, Sequence[Mapping[str, Any]]]], path: str, title: str,
                             styles: Sequence[Mapping[str, Any]], groups: Sequence[str] = ()) -> str:
-  """Every run's (``(label, summary, metrics.jsonl rows)``) mean test accuracy per round, then one panel per
-  architecture group of ``groups`` (its model's accuracy) and one per part of the gradient dissimilarity where the
-  runs logged it (`fedjax_hetero.methods.dissimilarity`); one line per run (``styles``: its plot keywords)."""
-  from fedjax_hetero.analysis.runs import dissimilarity_per_round, evaluated
+  """``compare``'s figure of runs (``(label, summary, metrics.jsonl rows)``): mean test accuracy per round; then,
+  where runs log them, every client's held-out accuracy (the worst 10% of all clients, dashed, under their mean),
+  one panel per architecture group of ``groups`` (its model's accuracy), and the gradient dissimilarity of the low
+  and high parts (`fedjax_hetero.methods.dissimilarity`); one line per run (``styles``: its plot keywords), the
+  panels in rows of three. Returns `path`."""
+  from fedjax_hetero.analysis.runs import client_accuracy_per_round, dissimilarity_per_round, evaluated
 
   parts = [p for p in ("low", "high") if any(p in g for _, _, rows in runs for r in rows
                                               for g in (r.get("dissimilarity") or {}).values())]
-  panels = 1 + len(groups) + len(parts)
+  clients = int(any(r.get("client_accuracy") for _, _, rows in runs for r in rows))
+  panels = 1 + clients + len(groups) + len(parts)
   columns, rows_of_panels = min(panels, 3), math.ceil(panels / 3)
   fig = _figure(7 + 4.5 * (columns - 1), 4.5 * rows_of_panels)
   axes = fig.subplots(rows_of_panels, columns, squeeze=False).ravel()
   for ax in axes[panels:]:
     ax.set_visible(False)
-  for ax, part in zip(axes, ["mean", *groups]):
+  if clients:
+    ax = axes[1]
+    for (label, _, rows), style in zip(runs, styles):
+      for key, name in (("mean", "mean"), ("worst_10pct", "worst 10%")):
+        points = client_accuracy_per_round(rows, "all", key)
+        if points:
+          ax.plot(*zip(*[(r, 100 * a) for r, a in points]), marker=".", lw=1.2, label=f"{label} {name}",
+                  **{**style, **({"ls": "--"} if key != "mean" else {})})
+    ax.set_xlabel("round")
+    ax.set_ylabel("held-out accuracy (%)")
+    ax.set_title("every client with its group's model")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize="small")
+  for ax, part in zip([axes[0], *axes[1 + clients:]], ["mean", *groups]):
     for (label, _, rows), style in zip(runs, styles):
       points = evaluated(rows, part)
       ax.plot([r for r, _ in points], [100 * a for _, a in points], marker=".", lw=1.5, label=label, **style)
@@ -279,7 +308,7 @@ def plot_accuracy_per_round(runs: Sequence[tuple[str, Any, Sequence[Mapping[str,
     ax.set_title(title if part == "mean" else f"group {part}")
     ax.grid(alpha=0.3)
   axes[0].legend(loc="lower right")
-  for part, ax in zip(parts, axes[1 + len(groups):]):
+  for part, ax in zip(parts, axes[1 + clients + len(groups):]):
     for (label, _, rows), style in zip(runs, styles):
       points = dissimilarity_per_round(rows, part)
       if points:
@@ -289,6 +318,39 @@ def plot_accuracy_per_round(runs: Sequence[tuple[str, Any, Sequence[Mapping[str,
     ax.set_ylabel("Σ p_c ‖d_c − d̄‖² / ‖d̄‖²")
     ax.set_title(f"gradient dissimilarity, {part} part")
     ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  return path
+
+
+def plot_client_accuracy(runs: Sequence[tuple[str, Sequence[Mapping[str, Any]]]], path: str,
+                         title: str = "clients' held-out accuracy",
+                         styles: Sequence[Mapping[str, Any]] | None = None) -> str:
+  """Per-client evaluation (``client_accuracy`` in metrics.jsonl): one panel per architecture group and one for all
+  clients, each run's clients' mean (solid) and worst 10% (dashed) held-out accuracy per round, every run
+  (``(label, rows)``) in its colour (``styles``: its plot keywords). Returns `path`; ValueError if no run has it."""
+  from fedjax_hetero.analysis.runs import client_accuracy_per_round, last_client_accuracy
+
+  groups = list(dict.fromkeys(g for _, rows in runs for g in (last_client_accuracy(rows) or {})))
+  if not groups:
+    raise ValueError("none of the runs evaluated its clients (run with --client-eval-fraction)")
+  groups = [g for g in groups if g != "all"] + ["all"]
+  fig = _figure(4.2 * len(groups), 4.2)
+  axes = fig.subplots(1, len(groups), squeeze=False, sharey=True)[0]
+  for ax, group in zip(axes, groups):
+    for index, (label, rows) in enumerate(runs):
+      style = {"color": f"C{index % 10}", **(dict(styles[index]) if styles else {})}
+      for key, name in (("mean", "mean"), ("worst_10pct", "worst 10%")):
+        points = client_accuracy_per_round(rows, group, key)
+        if points:
+          ax.plot(*zip(*[(r, 100 * a) for r, a in points]), marker=".", lw=1.3, label=f"{label} {name}",
+                  **{**style, **({"ls": "--"} if key != "mean" else {})})
+    ax.set_title("all clients" if group == "all" else f"clients of {group}")
+    ax.set_xlabel("round")
+    ax.grid(alpha=0.3)
+  axes[0].set_ylabel("held-out accuracy (%)")
+  axes[-1].legend(loc="lower right", fontsize="small")
+  fig.suptitle(title)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   return path

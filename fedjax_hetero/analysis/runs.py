@@ -136,6 +136,18 @@ def dissimilarity_per_round(rows: Sequence[dict[str, Any]], part: str) -> list[t
   return out
 
 
+def client_accuracy_per_round(rows: Sequence[dict[str, Any]], group: str, key: str) -> list[tuple[int, float]]:
+  """(round, ``key`` of group ``group``'s clients' held-out accuracy: mean, worst_10pct or std; group "all": every
+  client) for every evaluation round with per-client evaluation (``client_accuracy``)."""
+  return [(r["round"], r["client_accuracy"][group][key]) for r in rows
+          if r.get("client_accuracy") and group in r["client_accuracy"]]
+
+
+def last_client_accuracy(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+  """The last evaluation's ``client_accuracy`` (None for a run without per-client evaluation)."""
+  return next((r["client_accuracy"] for r in reversed(rows) if r.get("client_accuracy")), None)
+
+
 def cumulative_costs(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
   """The running cost totals after the last row (`fedjax_hetero.rounds.costs`): bytes down, up and both, client
   FLOPs; None for a run that logged none (older runs)."""

@@ -36,7 +36,10 @@ first round each reached the target. ``--per-group`` adds the paired statistics
 (difference with its interval, rounds ahead, best - best) of every architecture
 group's accuracy (``test_accuracy`` in ``metrics.jsonl`` holds one per group
 beside the mean), and the plot a panel per group. Where runs log the gradient dissimilarity
-(``fedjax_hetero.methods.dissimilarity``) the plot shows it per round beside the accuracy.
+(``fedjax_hetero.methods.dissimilarity``) the plot shows it per round beside the accuracy. Where runs evaluate
+every client (``--client-eval-fraction``, docs/client-evaluation.md), the first table gives the last evaluation's
+mean and worst 10% of the clients' held-out accuracy, the plot a panel of both per round, and ``--client-output
+PATH`` plots them per architecture group.
 
     python -m experiments.compare runs/repro/inco/*_s* --baseline HeteroAvg --window 20 --per-group
 
@@ -58,12 +61,13 @@ from typing import Any, Sequence
 import numpy as np
 
 from fedjax_hetero import os_errors
-from fedjax_hetero.analysis.plots import plot_accuracy_against_costs, plot_accuracy_per_round
+from fedjax_hetero.analysis.plots import (plot_accuracy_against_costs, plot_accuracy_per_round, plot_client_accuracy,
+                                          run_styles)
 from fedjax_hetero.analysis.runs import (Pairing, Runs, attack_of, base_method_of, check_unique, cumulative_costs,
                                          default_window, ending_notes, evaluated, final_pair, groups_of, interval,
-                                         last_shared_round, load_run,
-                                         mean_dissimilarity, method_of, paired_points, pairings, rounds_to,
-                                         runs_by_method, seed_of, up_to_round, windowed_means, with_variants)
+                                         last_client_accuracy, last_shared_round, load_run, mean_dissimilarity,
+                                         method_of, paired_points, pairings, rounds_to, runs_by_method, seed_of,
+                                         up_to_round, windowed_means, with_variants)
 
 STATS_HEADER = "mean per-round difference (points) [95% interval] | rounds ahead | best - best (points)"
 
@@ -75,10 +79,11 @@ def table(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]], last
                                                                     for r in rows) else ""
   costs = " bytes down + up | client FLOPs |" if any(cumulative_costs(rows) for _, _, rows in runs) else ""
   dropped = " sampled clients dropped |" if any("dropped" in r for _, _, rows in runs for r in rows) else ""
-  lines = [f"| run | method | rounds | final mean acc (%) | best (%) | mean of last {last} evals (%) |{costs}{to}"
-           f"{spread}{dropped} round 1 (s, compiling) | rounds 2+ (s) |",
-           "|---|---|---|---|---|---|" + ("---|---|" if costs else "") + ("---|" if to else "") +
-           ("---|" if spread else "") + ("---|" if dropped else "") + "---|---|"]
+  clients = (" clients' held-out acc: mean / worst 10% (%) |" if any(last_client_accuracy(rows) for _, _, rows in runs)
+             else "")
+  header = (f"| run | method | rounds | final mean acc (%) | best (%) | mean of last {last} evals (%) |{costs}{to}"
+            f"{spread}{dropped}{clients} round 1 (s, compiling) | rounds 2+ (s) |")
+  lines = [header, "|" + "---|" * (header.count("|") - 1)]
   for label, summary, rows in runs:
     accs = [a for _, a in evaluated(rows)]
     if not accs:
@@ -93,6 +98,9 @@ def table(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]], last
       reached += f" {low} / {high} |"
     if dropped:
       reached += f" {sum(len(r.get('dropped', ())) for r in rows)} of {sum(len(set(r['clients'])) for r in rows)} |"
+    if clients:
+      every = (last_client_accuracy(rows) or {}).get("all")
+      reached += f" {100 * every['mean']:.2f} / {100 * every['worst_10pct']:.2f} |" if every else " - |"
     few = f" (of {len(tail)})" if len(tail) < last else ""
     first = next((f"{r['round_seconds']:.1f}" for r in rows if r["round"] == 1), "-")
     later_seconds = [r["round_seconds"] for r in rows if r["round"] > 1]
@@ -258,17 +266,6 @@ def drop_table(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]],
   return "\n".join(lines)
 
 
-def run_styles(runs: Runs) -> list[dict[str, Any]]:
-  """One colour per method, one line style per run of it (e.g. per seed)."""
-  methods = list(dict.fromkeys(method_of(summary) for _, summary, _ in runs))
-  styles, seen = [], {}
-  for _, summary, _ in runs:
-    method = method_of(summary)
-    repeat = seen[method] = seen.get(method, -1) + 1
-    styles.append(dict(color=f"C{methods.index(method) % 10}", ls=("-", "--", ":", "-.")[repeat % 4]))
-  return styles
-
-
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
   """The module docstring as it is, and the defaults but None and False (their help says what they mean)."""
 
@@ -284,6 +281,8 @@ def main(argv: Sequence[str] | None = None) -> str:
   p.add_argument("--title", default="mean test accuracy")
   p.add_argument("--cost-output", default=None, help="write a plot of mean accuracy against the runs' cumulative "
                  "bytes (down + up) and client training FLOPs here")
+  p.add_argument("--client-output", default=None, help="write a plot of the clients' held-out accuracy (runs with "
+                 "--client-eval-fraction): per group and of all clients, the mean and the worst 10%% per round")
   p.add_argument("--last", type=int, default=3, help="evaluations averaged in the 'last' column")
   p.add_argument("--up-to-round", type=int, default=None, help="cut every run at this round (default: no cut)")
   p.add_argument("--target", type=float, default=None, help="add the first round reaching this mean accuracy "
@@ -301,7 +300,8 @@ def main(argv: Sequence[str] | None = None) -> str:
   if args.target is not None and not 0 < args.target <= 1:
     example = args.target if 1 < args.target <= 100 else 87
     raise SystemExit(f"error: --target {args.target:g} is a fraction of 1 ({example / 100:g} for {example:g}%)")
-  for flag, path in ((f, p) for f, p in (("--output", args.output), ("--cost-output", args.cost_output)) if p):
+  outputs = (("--output", args.output), ("--cost-output", args.cost_output), ("--client-output", args.client_output))
+  for flag, path in ((f, p) for f, p in outputs if p):
     try:  # (before the tables: a plot's folder that cannot be made is one line, not a traceback after them)
       os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     except OSError as e:
@@ -358,6 +358,14 @@ def main(argv: Sequence[str] | None = None) -> str:
     except OSError as e:
       raise SystemExit(f"error: --cost-output {args.cost_output!r}: {os_errors.describe(e)}") from None
     say(f"wrote {written}")
+  if args.client_output:
+    try:
+      runs_rows = [(label, rows) for label, _, rows in runs]
+      say(f"wrote {plot_client_accuracy(runs_rows, args.client_output, styles=run_styles(runs))}")
+    except ValueError as e:
+      raise SystemExit(f"error: --client-output: {e}") from None
+    except OSError as e:
+      raise SystemExit(f"error: --client-output {args.client_output!r}: {os_errors.describe(e)}") from None
   return text
 
 

@@ -43,6 +43,11 @@ class DataConfig(Settings):
       None, "clients' sample indices from a file instead of --partition: an .npz with one integer array per client "
       "under the keys 0..K-1 (scripts/convert_inco_split.py writes one), or a .json list of lists; K must equal "
       "--num-clients; samples no client holds are not used", Text(), metavar="PATH")
+  client_eval_fraction: float = setting(
+      0.0, "per-client evaluation: hold out this fraction of every client's samples (ceil; drawn once from --seed), "
+      "and every --eval-every rounds report each client's accuracy on them with its group's model: the mean, worst "
+      "10% and spread per group (docs/client-evaluation.md); 0: off, every sample trains", Number(minimum=0, below=1),
+      metavar="F")
   test_first: int | None = setting(None, "evaluate on the first N test images (the InCo authors': 9728, 19 batches "
                                    "of 512)", Integer(1), metavar="N")
 

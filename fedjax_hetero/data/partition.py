@@ -8,7 +8,9 @@ partition file (`load_partition_file`) may leave samples out.
 from __future__ import annotations
 
 import json
+import math
 import zipfile
+from typing import Sequence
 
 import numpy as np
 
@@ -189,6 +191,34 @@ def partition(
   if scheme == "iid_imbalanced":
     return iid_imbalanced(labels, num_clients, seed)
   return iid(labels, num_clients, seed)
+
+
+def held_out_size(size: int, fraction: float) -> int:
+  """How many of a client's ``size`` samples `hold_out` keeps back: ceil(fraction * size) (rounded to 9 digits
+  first, so that 0.1 * 30 is 3, not 4)."""
+  return math.ceil(round(fraction * size, 9))
+
+
+def hold_out(parts: Sequence[np.ndarray], fraction: float, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+  """Every client's samples split once into a training part and a held-out part of `held_out_size` samples, drawn
+  without replacement from ``seed`` and the client's id (a client's split does not depend on the others'); both
+  parts keep the client's order. ValueError naming the first client whose split would leave it no training
+  sample (``fraction`` in (0, 1) needs at least 2 samples per client, more for a larger fraction)."""
+  if not 0 < fraction < 1:
+    raise ValueError(f"--client-eval-fraction must be in (0, 1), got {fraction}")
+  train, held = [], []
+  for client, part in enumerate(parts):
+    part = np.asarray(part)
+    count = held_out_size(len(part), fraction)
+    if len(part) - count < 1:
+      raise ValueError(f"--client-eval-fraction {fraction:g}: client {client} holds {len(part)} sample"
+                       f"{'s' if len(part) != 1 else ''}; holding out {count} of them leaves it none to train on "
+                       "(use a smaller fraction, fewer clients or more samples)")
+    chosen = np.zeros(len(part), bool)
+    chosen[np.random.default_rng([seed, 5, client]).permutation(len(part))[:count]] = True
+    train.append(part[~chosen])
+    held.append(part[chosen])
+  return train, held
 
 
 def class_counts(labels: np.ndarray, parts: list[np.ndarray], num_classes: int) -> np.ndarray:

@@ -28,18 +28,19 @@ if TYPE_CHECKING:
 
 
 class RoundData(NamedTuple):
-  """The arrays a round reads: the training store's and the test set."""
+  """The arrays a round reads: the training store's, the test set and the clients' held-out samples."""
 
   images: jax.Array
   labels: jax.Array
   index_table: jax.Array
   test_images: jax.Array
   test_labels: jax.Array
+  held_out: tuple[Any, ...] = ()  # per group, its clients' held-out samples (`client_eval.HeldOut`; () without)
 
   @classmethod
   def of(cls, spec: "RoundSpec") -> "RoundData":
-    store = spec.store
-    return cls(store.images, store.labels, store.index_table, spec.test_images, spec.test_labels)
+    store, held = spec.store, spec.client_eval.held if spec.client_eval is not None else ()
+    return cls(store.images, store.labels, store.index_table, spec.test_images, spec.test_labels, held)
 
 
 class RoundOutputs(NamedTuple):
@@ -50,6 +51,8 @@ class RoundOutputs(NamedTuple):
   # function that counts them, called once the round's time is taken).
   correct: Any
   finite: tuple[Any, ...] = ()  # per federation: whether every weight of its model after the round is finite
+  # Per group: every client's correct predictions on its held-out samples, as `correct` (() without client evaluation).
+  client_correct: Any = ()
 
 
 @light_jit
@@ -110,15 +113,24 @@ def run_round(spec: "RoundSpec", cohorts: Any, state: ServerState, x: RoundRows,
         sampler_state = sampler.observe(sampler_state, cohort.clients[:cohort.count], result.uploads[read],
                                         spec.sampling)
   after = ServerState(x.index + 1, tuple(models), tuple(steps), sampler_state, memory)
+  correct, client_correct = cohorts.correct(spec, after, x, data)  # evaluate
   outputs = RoundOutputs(tuple(r.loss_sum for r in results), tuple(r.num_examples for r in results),
-                         tuple(metrics), cohorts.correct(spec, after, x, data), tuple(map(all_finite, models)))
+                         tuple(metrics), correct, tuple(map(all_finite, models)), client_correct)
   return after, outputs
 
 
 def correct_counts(spec: "RoundSpec", state: ServerState, local: Callable[[Any], Any] = lambda tree: tree,
-                   batch_size: int = EVAL_BATCH) -> list[int]:
+                   batch_size: int = EVAL_BATCH, variables: Callable[[int], Any] | None = None) -> list[int]:
   """Every group's correct test predictions, each batch its own jitted program (as XLA:CPU runs fastest), on
-  ``local`` of the variables (a process's own copy of replicated server state, see `backends.Backend.local`)."""
-  return [correct_predictions(g.model, spec.evaluated_variables(local(spec.group_variables(state, i)), i),
-                              spec.test_images, spec.test_labels, spec.store.mean, spec.store.std, batch_size)
-          for i, g in enumerate(spec.groups)]
+  ``local`` of the variables (a process's own copy of replicated server state, see `backends.Backend.local`);
+  ``variables(g)``: group ``g``'s evaluated variables where the caller has them (see `evaluated`)."""
+  variables = variables or evaluated(spec, state, local)
+  return [correct_predictions(g.model, variables(i), spec.test_images, spec.test_labels, spec.store.mean,
+                              spec.store.std, batch_size) for i, g in enumerate(spec.groups)]
+
+
+def evaluated(spec: "RoundSpec", state: ServerState, local: Callable[[Any], Any] = lambda tree: tree
+              ) -> Callable[[int], Any]:
+  """Group ``g`` -> its variables as the method evaluates them, each made once (HeteroFL's re-estimated BatchNorm
+  serves the test set and the clients' held-out samples alike)."""
+  return functools.cache(lambda i: spec.evaluated_variables(local(spec.group_variables(state, i)), i))

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_hetero.rounds.body import RoundData
+from fedjax_hetero.rounds.client_eval import HeldOut
 from fedjax_hetero.rounds.inputs import Call, CallInputs, Cohort, plan_call
 from fedjax_hetero.rounds.rows import call_row
 from fedjax_hetero.rounds.simulation import Simulation, program_call
@@ -56,6 +57,23 @@ class RunValues(NamedTuple):
   settings: dict[str, Any]  # float32, by setting path: the settings swept between the runs
 
 
+def _stacked_held_out(specs: Sequence[RoundSpec]) -> tuple[tuple[HeldOut, ...], int | None]:
+  """The runs' held-out samples of per-client evaluation (`client_eval`), shared (axis None) where every run holds
+  the same, else stacked (axis 0), every group's padded to the run with the most (as samples of no client)."""
+  held = [s.client_eval.held if s.client_eval is not None else () for s in specs]
+  leaves = [[np.asarray(x) for x in jax.tree.leaves(h)] for h in held]
+  if all(len(l) == len(leaves[0]) and all(a.shape == b.shape and np.array_equal(a, b) for a, b in zip(l, leaves[0]))
+         for l in leaves[1:]):
+    return held[0], None
+  stacked = []
+  for g, group in enumerate(specs[0].groups):
+    width = max(int(h[g].ids.shape[0]) for h in held)
+    pad = lambda a, fill: np.pad(np.asarray(a), (0, width - a.shape[0]), constant_values=fill)
+    stacked.append(HeldOut(jnp.asarray(np.stack([pad(h[g].ids, 0) for h in held])),
+                           jnp.asarray(np.stack([pad(h[g].owners, len(group.clients)) for h in held]))))
+  return tuple(stacked), 0
+
+
 def check_batchable(sims: Sequence[Simulation]) -> None:
   """`NotBatchable` naming the runs whose program cannot be the first's: another method, architectures or state
   shapes, data normalization or clients, or not a device program."""
@@ -73,6 +91,8 @@ def check_batchable(sims: Sequence[Simulation]) -> None:
     elif (spec.store.mean, spec.store.std, spec.store.num_clients) != (first.spec.store.mean, first.spec.store.std,
                                                                       first.spec.store.num_clients):
       why = "its data's normalization or number of clients differs"
+    elif (spec.client_eval is None) != (first.spec.client_eval is None):
+      why = "it evaluates every client and the first run does not, or the other way (--client-eval-fraction)"
     elif sim.rounds_per_call != first.rounds_per_call:
       why = "its rounds per call differ"
     elif _pieces(spec) != _pieces(first.spec):
@@ -177,7 +197,8 @@ class ManyRuns:
                  for a in arrays[1:])
       data.append(jnp.asarray(arrays[0]) if same else jnp.stack([jnp.asarray(a) for a in arrays]))
       axes.append(None if same else 0)
-    return RoundData(*data), RoundData(*axes)
+    held, held_axis = _stacked_held_out(specs)
+    return RoundData(*data, held), RoundData(*axes, held_axis)
 
   def run_values(self, runs: Sequence[int]) -> RunValues:
     return RunValues(jnp.asarray([self.sims[r].spec.seed for r in runs], jnp.uint32),
@@ -277,7 +298,8 @@ class ManyRuns:
     if self.mapping == "vmap":  # (see `program`: one round index and loop count for every run)
       inputs = inputs._replace(rounds=inputs.rounds[0], evaluate=inputs.evaluate[0], steps=inputs.steps.max(0),
                                cohorts=tuple(c._replace(steps=c.steps.max(0)) for c in inputs.cohorts))
-    data = RoundData(*[d if a is None else d[jnp.asarray(chunk)] for d, a in zip(self._data, self._data_axes)])
+    data = RoundData(*[d if a is None else jax.tree.map(lambda x: x[jnp.asarray(chunk)], d)
+                       for d, a in zip(self._data, self._data_axes)])
     return (self.run_values(chunk), _stack([(states[i].models, states[i].steps) for i in at]),
             _stack([states[i].memory for i in at]), inputs, np.int32(count), data)
 

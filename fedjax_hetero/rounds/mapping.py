@@ -2,7 +2,8 @@
 
 This is FedJAX's ``for_each_client``: the round hands a mapping every group's start variables, share and cohort
 rows, and gets back every group's sums (`cohort.GroupResult`) and the client memory with the cohort's rows
-written; the mapping also counts the evaluation's correct predictions. Two mappings:
+written; the mapping also counts the evaluation's correct predictions (and, with per-client evaluation, every
+client's on its held-out samples: `rounds.client_eval`). Two mappings:
 
 - `HostCohorts`: the host loop. Each group's cohort trains through a `backends.Backend` (one client after
   another as jitted chunks, a vmapped cohort, or a cohort sharded over a device mesh), and every piece of the
@@ -16,16 +17,16 @@ written; the mapping also counts the evaluation's correct predictions. Two mappi
 from __future__ import annotations
 
 import concurrent.futures
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from fedjax_hetero.models.evaluation import EVAL_BATCH, count_correct
-from fedjax_hetero.rounds import cohort
+from fedjax_hetero.rounds import client_eval, cohort
 from fedjax_hetero.rounds.backends import Backend, copy_tree
-from fedjax_hetero.rounds.body import RoundData, correct_counts, server_round
+from fedjax_hetero.rounds.body import RoundData, correct_counts, evaluated, server_round
 from fedjax_hetero.rounds.inputs import RoundRows, cohort_rows
 from fedjax_hetero.rounds.state import ServerState, round_key
 
@@ -107,9 +108,17 @@ class HostCohorts:
                                                                         spec.stack_size(group)))
     return self._empty[group]
 
-  def correct(self, spec: "RoundSpec", state: ServerState, x: RoundRows, data: RoundData) -> Callable[[], list[int]] | None:
+  def correct(self, spec: "RoundSpec", state: ServerState, x: RoundRows, data: RoundData) -> tuple[Any, Any]:
+    """Functions that count every group's correct test predictions and, with per-client evaluation, every client's
+    on its held-out samples (`client_eval`); (None, ()) outside evaluation rounds."""
+    if not x.evaluate:
+      return None, ()
     # Counted when called: after the round's time is taken (`simulation.Simulation.run_call`).
-    return (lambda: correct_counts(spec, state, self.backend.local)) if x.evaluate else None
+    if spec.client_eval is None:
+      return (lambda: correct_counts(spec, state, self.backend.local)), ()
+    variables = evaluated(spec, state, self.backend.local)  # (made once for both)
+    return (lambda: correct_counts(spec, state, self.backend.local, EVAL_BATCH, variables),
+            lambda: client_eval.host_counts(spec, variables, data, EVAL_BATCH))
 
 
 class ProgramCohorts:
@@ -159,10 +168,14 @@ class ProgramCohorts:
       results.append(cohort.with_stacked(result, cohort.pad_stacked(stacked_uploads, rows.count), trainer.reductions))
     return results, tuple(memory)
 
-  def correct(self, spec: "RoundSpec", state: ServerState, x: RoundRows, data: RoundData) -> jax.Array:
+  def correct(self, spec: "RoundSpec", state: ServerState, x: RoundRows, data: RoundData) -> tuple[Any, Any]:
+    """Every group's correct test predictions and, with per-client evaluation, every client's on its held-out
+    samples (`client_eval`); zeros outside evaluation rounds."""
     def counts():
-      return jnp.stack([count_correct(g.model, spec.evaluated_variables(spec.group_variables(state, i), i),
-                                      data.test_images, data.test_labels, spec.store.mean, spec.store.std,
-                                      self.eval_batch) for i, g in enumerate(spec.groups)]).astype(jnp.int32)
-    return jax.lax.cond(x.evaluate, counts, lambda: jnp.zeros(len(spec.groups), jnp.int32))
+      variables = [spec.evaluated_variables(spec.group_variables(state, i), i) for i in range(len(spec.groups))]
+      tests = jnp.stack([count_correct(g.model, variables[i], data.test_images, data.test_labels, spec.store.mean,
+                                       spec.store.std, self.eval_batch) for i, g in enumerate(spec.groups)])
+      return tests.astype(jnp.int32), client_eval.program_counts(spec, variables, data, self.eval_batch)
+    return jax.lax.cond(x.evaluate, counts,
+                        lambda: (jnp.zeros(len(spec.groups), jnp.int32), client_eval.zero_counts(spec)))
 

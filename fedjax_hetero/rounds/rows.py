@@ -3,7 +3,8 @@
 A row is what ``metrics.jsonl`` holds per round: the training loss (mean over the groups that trained, and per
 group), the drawn clients, the examples seen, the round's seconds and samples/s, the server steps' metrics,
 the gradient dissimilarity when tracked, the clients and examples of every group, the sampled clients that did
-not answer (under client availability), and the test accuracy of evaluation rounds. A run's rows also hold
+not answer (under client availability), and the test accuracy of evaluation rounds (with per-client evaluation
+also every client's accuracy on its held-out samples, `client_eval.accuracy_row`). A run's rows also hold
 their costs (`rounds.costs`, added by the runner).
 """
 
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Collection, Mapping, Sequence
 import jax
 import numpy as np
 
+from fedjax_hetero.rounds.client_eval import accuracy_row
 from fedjax_hetero.rounds.inputs import Call
 
 if TYPE_CHECKING:
@@ -107,4 +109,6 @@ def call_row(spec: "RoundSpec", call: Call, i: int, outputs: "RoundOutputs", sec
     row["dropped"] = [int(c) for c in dropped]
     row["dropped_per_group"] = {names[g]: int((groups == g).sum()) for g in range(len(names))}
   row["test_accuracy"] = accuracies(outputs.correct, names, len(spec.test_labels)) if r + 1 in evaluate else None
+  if spec.client_eval is not None:
+    row["client_accuracy"] = accuracy_row(spec, outputs.client_correct) if r + 1 in evaluate else None
   return row

@@ -24,7 +24,8 @@ from fedjax_hetero.config.run import AUTO_ROUNDS_PER_CALL, ROUND_PROGRAMS
 from fedjax_hetero.methods.api import Method
 from fedjax_hetero.models.evaluation import ACCELERATOR_EVAL_BATCH, EVAL_BATCH
 from fedjax_hetero.rounds.backends import Backend, copy_tree
-from fedjax_hetero.rounds.body import RoundData, RoundOutputs, correct_counts, run_round
+from fedjax_hetero.rounds import client_eval
+from fedjax_hetero.rounds.body import RoundData, RoundOutputs, correct_counts, evaluated, run_round
 from fedjax_hetero.rounds.inputs import Call, CallInputs, RoundRows, call_length, plan_call
 from fedjax_hetero.rounds.mapping import HostCohorts, ProgramCohorts
 from fedjax_hetero.rounds.rows import accuracies, call_row
@@ -139,6 +140,15 @@ class Simulation:
     return accuracies(correct_counts(self.spec, state, local, batch_size), [g.name for g in self.spec.groups],
                       len(self.spec.test_labels))
 
+  def client_accuracy(self, state: ServerState) -> dict[str, Any]:
+    """``{"client_accuracy": ...}``, every client's accuracy on its held-out samples with its group's model in
+    ``state`` (`client_eval.accuracy_row`), as an evaluation round's row holds it; {} without per-client evaluation."""
+    if self.spec.client_eval is None:
+      return {}
+    local = self.cohorts.backend.local if isinstance(self.cohorts, HostCohorts) else (lambda tree: tree)
+    counts = client_eval.host_counts(self.spec, evaluated(self.spec, state, local), RoundData.of(self.spec), EVAL_BATCH)
+    return {"client_accuracy": client_eval.accuracy_row(self.spec, jax.device_get(counts))}
+
   def call_length(self, first: int, stop: int) -> int:
     """The rounds of this simulation's call from round ``first`` (0-based) that stops before round ``stop``: at most
     ``rounds_per_call``, and none past a change of a server step's static plan (`inputs.call_length`)."""
@@ -193,7 +203,8 @@ class Simulation:
       seconds.append(time.perf_counter() - t0)
       # The round's time is taken before its evaluation (the host loop counts after it).
       counted = outputs.correct() if callable(outputs.correct) else outputs.correct
-      per_round.append(jax.device_get(outputs._replace(correct=counted)))
+      clients = outputs.client_correct() if callable(outputs.client_correct) else outputs.client_correct
+      per_round.append(jax.device_get(outputs._replace(correct=counted, client_correct=clients)))
       t0 = time.perf_counter()
     return state, per_round, seconds
 

@@ -28,6 +28,7 @@ from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.hetero.maps import SubmodelMap, Variables, complete, extract, identity_map, pick_global, separate
 from fedjax_hetero.methods.api import Method
 from fedjax_hetero.rounds.checks import check_simulation_inputs
+from fedjax_hetero.rounds.client_eval import ClientEval
 from fedjax_hetero.rounds.state import ServerState, server_key
 from fedjax_hetero.sampling.availability import Availability, availability, read_trace
 from fedjax_hetero.sampling.samplers import Participants, SamplingInfo
@@ -109,12 +110,15 @@ class RoundSpec:
   sampling: SamplingInfo
   availability: Availability  # which sampled clients answer a round
   seed: Any  # of the rounds' randomness: the config's, or one run's traced seed in a job of many runs
+  client_eval: ClientEval | None = None  # every group's clients' held-out samples (None: no per-client evaluation)
 
   @classmethod
   def build(cls, groups: Sequence[ArchGroup], store: FederatedStore, local: LocalConfig, method: Method,
-            config: FederationConfig, test_images: jax.Array, test_labels: jax.Array) -> "RoundSpec":
+            config: FederationConfig, test_images: jax.Array, test_labels: jax.Array,
+            held_out: Sequence[np.ndarray] | None = None) -> "RoundSpec":
     """The spec of ``groups`` training ``method`` on ``store``; ValueError naming the argument that does not fit
-    (`rounds.checks`), before anything is traced or computed."""
+    (`rounds.checks`), before anything is traced or computed. ``held_out``: every client's held-out sample ids
+    (into the store's images, none of them in its training part: `data.hold_out`), for per-client evaluation."""
     check_simulation_inputs(groups, store, local, method, config, test_images, test_labels)
     check_federation(config, store.num_clients, [g.name for g in groups], method)
     if config.group_draw and any(t.memory for t in method.terms):
@@ -145,7 +149,8 @@ class RoundSpec:
                federations, federation_of, tuple(federations[f].members.index(g) for g, f in enumerate(federation_of)),
                group_of_client, row_of_client, malicious, _trainers(groups, store, local, method, config, malicious),
                SamplingInfo(store.sizes, config.clients_per_round, sample_seed, config.weighting, parameter_count),
-               answering, config.seed)
+               answering, config.seed,
+               None if held_out is None else ClientEval.build(held_out, [g.clients for g in groups]))
     spec.state_shapes  # runs every step's and the sampler's checks (e.g. InCo's layer pairs) before any compute
     return spec
 

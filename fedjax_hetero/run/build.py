@@ -3,8 +3,9 @@
 `run_method` makes the run's method once (from the catalog, or takes the one given) and checks the rules
 that need it and the group models: the method fits the groups and the cohort, its terms find their cut
 points on every group's model, HeteroFL's Scaler has a width-1 group. It loads no data, so the CLI calls it
-to reject bad input before anything is computed. `build_simulation` then loads and partitions the data and
-builds the `rounds.RoundSpec` and its `rounds.Simulation`.
+to reject bad input before anything is computed. `build_simulation` then loads and partitions the data (holding
+out part of every client's samples under per-client evaluation: `training_parts`) and builds the
+`rounds.RoundSpec` and its `rounds.Simulation`.
 """
 
 from __future__ import annotations
@@ -145,6 +146,18 @@ def partitioned_dataset(config: RunConfig, dataset: fdata.ArrayDataset | None = 
   return dataset, parts
 
 
+def training_parts(config: RunConfig, parts: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+  """The clients' training parts, and their held-out parts under per-client evaluation (``--client-eval-fraction``,
+  drawn from the seed: `data.hold_out`; None without it)."""
+  fraction = config.data.client_eval_fraction
+  if not fraction:
+    return parts, None
+  try:
+    return fdata.hold_out(parts, fraction, config.federation.seed)
+  except ValueError as e:  # (a value a preset, file or sweep gave is named so)
+    raise ValueError(re.sub(r"--[a-z][a-z-]+", lambda m: declare.in_messages(m.group(0)), str(e))) from None
+
+
 def with_run_settings(config: RunConfig, method: Method) -> Method:
   """The run's method with what the run adds to any method: differential privacy (``--dp-clip``), its server
   optimizer (``--server-optimizer``) and what it measures besides (the gradient dissimilarity, ``--dissimilarity``,
@@ -158,9 +171,10 @@ def build_simulation(config: RunConfig, dataset: fdata.ArrayDataset | None = Non
                      log: Callable[[str], None] = print, method: Method | None = None
                      ) -> tuple[Simulation, list[np.ndarray]]:
   """Loads and partitions the data and builds the simulation (no training yet); ``method``: the run's method
-  as `run_method` made it (made here when not given)."""
+  as `run_method` made it (made here when not given). The parts returned are the clients' training parts."""
   method = method or run_method(config)
   dataset, parts = partitioned_dataset(config, dataset)
+  parts, held_out = training_parts(config, parts)
   preflight.check_fit(config, dataset, parts, log)  # sizes that would fail or do nothing
   store = FederatedStore.build(dataset.train_images, dataset.train_labels, parts, dataset.num_classes,
                                dataset.mean, dataset.std)
@@ -171,7 +185,7 @@ def build_simulation(config: RunConfig, dataset: fdata.ArrayDataset | None = Non
   backend = make_backend(config.backend)
   terms = ", ".join(t.name for t in method.terms)
   spec = RoundSpec.build(groups, store, config.client, with_run_settings(config, method), config.federation,
-                         jnp.asarray(dataset.test_images), jnp.asarray(dataset.test_labels))
+                         jnp.asarray(dataset.test_images), jnp.asarray(dataset.test_labels), held_out)
   sim = make_simulation(spec, backend, config.round_program, config.rounds_per_call)
   split = config.data.partition_file or config.data.partition
   log(f"{dataset.name}: {len(dataset.train_labels)} train / {len(dataset.test_labels)} test samples, "
@@ -181,6 +195,9 @@ def build_simulation(config: RunConfig, dataset: fdata.ArrayDataset | None = Non
           f"{sim.rounds_per_call} rounds per device program" if sim.cohorts.in_program else
           "rounds as a host loop") + (
           f" ({jax.device_count()} devices of {jax.process_count()} processes)" if jax.process_count() > 1 else ""))
+  if held_out is not None:
+    log(f"per-client evaluation: {sum(map(len, held_out))} samples held out ({config.data.client_eval_fraction:g} of "
+        f"each client's, at least {min(map(len, held_out))}), the other {sum(map(len, parts))} train")
   malicious = spec.malicious_clients
   if len(malicious):
     attack = config.federation

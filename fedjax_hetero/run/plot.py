@@ -16,8 +16,9 @@ def figure(width: float, height: float, layout: str | None = None):
 
 
 def plot_accuracy(rows: Sequence[Mapping[str, Any]], path: str, title: str) -> str:
-  """A run's test accuracy vs round, one line per architecture group plus the mean; beside it, if the rows log
-  it, the gradient dissimilarity of the low and high parts per group (a run's ``accuracy.png``)."""
+  """A run's test accuracy vs round, one line per architecture group plus the mean (with per-client evaluation, each
+  group's worst 10% of its clients' held-out accuracy dashed); beside it, if the rows log it, the gradient
+  dissimilarity of the low and high parts per group (a run's ``accuracy.png``)."""
   evaluated = [r for r in rows if r.get("test_accuracy")]
   spread = [r for r in rows if any(part is not None for group in (r.get("dissimilarity") or {}).values()
                                    for part in (group.get("low"), group.get("high")))]
@@ -36,19 +37,23 @@ def plot_accuracy(rows: Sequence[Mapping[str, Any]], path: str, title: str) -> s
     right[0].grid(alpha=0.3)
     right[0].legend(fontsize="small")
   if evaluated:
-    for name in evaluated[-1]["test_accuracy"]:
+    for index, name in enumerate(evaluated[-1]["test_accuracy"]):
       xs = [r["round"] for r in evaluated]
       ys = [100 * r["test_accuracy"][name] for r in evaluated]
       if name == "mean":
         ax.plot(xs, ys, "k-", lw=2.5, label="mean over groups")
-      else:
-        ax.plot(xs, ys, "-", lw=1.3, marker=".", label=name)
+        continue
+      ax.plot(xs, ys, "-", lw=1.3, marker=".", label=name, color=f"C{index % 10}")
+      clients = [(r["round"], 100 * r["client_accuracy"][name]["worst_10pct"]) for r in evaluated
+                 if r.get("client_accuracy")]  # (per-client evaluation: the worst 10% of the group's clients)
+      if clients:
+        ax.plot(*zip(*clients), "--", lw=1.1, label=f"{name}: worst 10% of its clients", color=f"C{index % 10}")
   ax.set_xlabel("round")
   ax.set_ylabel("test accuracy (%)")
   ax.set_title(title)
   ax.grid(alpha=0.3)
   if ax.get_legend_handles_labels()[0]:  # (a run stopped before its first evaluation has no line)
-    ax.legend(loc="lower right")
+    ax.legend(loc="lower right", fontsize="small" if any(r.get("client_accuracy") for r in evaluated) else None)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   return path

@@ -30,10 +30,12 @@ from fedjax_hetero import data as fdata
 from fedjax_hetero.config import RunConfig, as_dict
 from fedjax_hetero.methods import Method, build_method
 from fedjax_hetero.rounds import ServerState, Simulation, costs
+from fedjax_hetero.rounds.client_eval import final_summary
 from fedjax_hetero.rounds.rows import NonFiniteLossError
 from fedjax_hetero.run import checkpoints, continuation, metrics_log, preflight, privacy_accounting, results_folder
 from fedjax_hetero.run import history as run_history
-from fedjax_hetero.run.build import build_simulation, id_list, partitioned_dataset, run_method, with_run_settings
+from fedjax_hetero.run.build import (build_simulation, id_list, partitioned_dataset, run_method, training_parts,
+                                     with_run_settings)
 from fedjax_hetero.run.guard import DivergenceError, DivergenceWatch, diverged_round, stop_advice
 from fedjax_hetero.run.interruption import Interrupted, StopRequests
 from fedjax_hetero.run.plot import plot_accuracy
@@ -80,7 +82,7 @@ def check_can_start(config: RunConfig, dataset: fdata.ArrayDataset) -> None:
   if not (output.repair_metrics or output.resume_unchecked):
     continuation.history(config, _quiet)
   subset, parts = partitioned_dataset(config, dataset)
-  preflight.check_fit(config, subset, parts, _quiet)
+  preflight.check_fit(config, subset, training_parts(config, parts)[0], _quiet)
 
 
 def _initial_state(sim: Simulation, parts: Sequence[np.ndarray], out: str, main: bool) -> ServerState:
@@ -190,7 +192,7 @@ class _Run:
     run stopped early, resumed with --rounds as done); returns the folder's summary when it has nothing to add."""
     last, rounds = self.rows[-1], f"{state.round} round{'s' if state.round != 1 else ''}"
     if last["test_accuracy"] is None:
-      self.rows[-1] = {**last, "test_accuracy": self.sim.evaluate(state)}
+      self.rows[-1] = {**last, "test_accuracy": self.sim.evaluate(state), **self.sim.client_accuracy(state)}
       self.log(f"{self.out}: the run has its {rounds} already; nothing to train: evaluated its last round, which "
                "--eval-every had left out (a larger --rounds continues it)")
       return None
@@ -385,6 +387,8 @@ class _Run:
         "config": as_dict(self.config),
         # The backdoor attack's malicious client ids (`fedjax_hetero.client.attack`), only when it is on.
         **({"malicious_clients": [int(c) for c in spec.malicious_clients]} if len(spec.malicious_clients) else {}),
+        # Under per-client evaluation: the last evaluation's mean, worst 10% and spread per group, and of all clients.
+        **({"final_client_accuracy": final_summary(rows)} if spec.client_eval is not None else {}),
         # Under client availability: how many sampled clients did not answer, over all rounds and per group.
         **({"clients_dropped": sum(len(r["dropped"]) for r in rows),
             "clients_dropped_per_group": {g.name: sum(r["dropped_per_group"][g.name] for r in rows)

@@ -185,7 +185,8 @@ def test_rollback_gives_up_after_its_limit_and_advises_a_lower_learning_rate(dat
   assert len(summary["rollbacks"]) == 1 and summary["rollbacks"][0]["learning_rate"] == [1e6, 5e5]
   assert summary["stopped_by_divergence"] is not None
   message = str(info.value)
-  assert "after 1 rollback (--divergence-max-rollbacks 1), the last to learning rate 500000" in message, message
+  assert "after 1 rollback in this run (--divergence-max-rollbacks 1), the last to learning rate 500000" in message, \
+      message
   assert "--lr 250000" in message and "--on-divergence rollback" not in message, message
 
 

@@ -65,22 +65,31 @@ def stop_advice(config: RunConfig, rollbacks_tried: int, best: int | None, check
   if error is not None and error.in_server_step:
     kept = "" if best is None else f"; the best checkpoint (round {best}) is kept in {checkpoint_dir}"
     return server_step_advice(config) + kept
-  if best is None:
-    lower = f"--lr {config.client.learning_rate * config.divergence.rollback_lr_factor:g}"
-    return ("no checkpoint with an evaluation was saved, so there is nothing to keep or roll back to: start again "
-            f"with a lower learning rate, e.g. {lower} --overwrite")
-  kept = f"the best checkpoint (round {best}) is kept in {checkpoint_dir}"
   guard, rate = config.divergence, config.client.learning_rate
+  lower = f"--lr {rate * guard.rollback_lr_factor:g}"
+  if config.server.optimizer != "none":  # (its step blows a model up as well: a finite one at chance, then NaN)
+    server_lr = f"{cli_name(ServerOptimizerConfig, 'lr')} {lower_server_lr(config.server.lr):g}"
+    lower += f" (or the server optimizer's, {server_lr})"
+  if best is None and guard.action == "stop":
+    return ("no checkpoint was evaluated above chance, so there is nothing to keep: start again with a lower "
+            f"learning rate, e.g. {lower} --overwrite, or --on-divergence rollback (from the initial model)")
+  kept = ("no checkpoint was evaluated above chance" if best is None else
+          f"the best checkpoint (round {best}) is kept in {checkpoint_dir}")
   if guard.action == "stop":
     return f"{kept}: --on-divergence rollback restarts from it with a lower learning rate"
-  lower = f"--lr {rate * guard.rollback_lr_factor:g}"
   if not rollbacks_tried:
     return (f"{kept}; --divergence-max-rollbacks 0 allows no rollback: raise it, or lower the learning rate "
-            f"(e.g. {lower} --resume)")
-  return (f"it diverged again after {rollbacks_tried} rollback{'s' if rollbacks_tried != 1 else ''} "
+            f"(e.g. {lower} {'--resume' if best is not None else '--overwrite'})")
+  resume = f"{lower} --resume (from the latest checkpoint) or " if best is not None else ""
+  return (f"it diverged again after {rollbacks_tried} rollback{'s' if rollbacks_tried != 1 else ''} in this run "
           f"(--divergence-max-rollbacks {guard.max_rollbacks}), the last to learning rate {rate:g}: lower it "
-          f"further, e.g. {lower} --resume (from the latest checkpoint) or {lower} --overwrite (from the start); "
-          f"{kept}")
+          f"further, e.g. {resume}{lower} --overwrite (from the start); {kept}")
+
+
+def lower_server_lr(lr: float) -> float:
+  """The next server learning rate to try: a tenth of ``lr``, and at most the default (a rate far above it, 1e30,
+  would otherwise be advised as 1e29)."""
+  return min(lr / SERVER_LR_STEP, ServerOptimizerConfig().lr)
 
 
 def server_step_advice(config: RunConfig) -> str:
@@ -89,7 +98,7 @@ def server_step_advice(config: RunConfig) -> str:
   said = ("the server's step made the model non-finite from finite client losses, which a rollback to a lower "
           f"client learning rate (--lr) would not mend{none_tried}")
   if config.server.optimizer != "none":
-    lower = f"{cli_name(ServerOptimizerConfig, 'lr')} {config.server.lr / SERVER_LR_STEP:g}"
+    lower = f"{cli_name(ServerOptimizerConfig, 'lr')} {lower_server_lr(config.server.lr):g}"
     return (f"{said}: lower the server optimizer's learning rate (e.g. {lower} --resume), or check the method's "
             "server steps")
   return f"{said}: check the method's server step (a user's method), or its server-side settings"
@@ -98,6 +107,12 @@ def server_step_advice(config: RunConfig) -> str:
 def at_chance(accuracy: float, num_classes: int) -> bool:
   """Within a fifth of a class of guessing (10 classes: below 12%)."""
   return accuracy < 1.2 / num_classes
+
+
+def ranked(accuracy: float | None, num_classes: int) -> bool:
+  """Whether an evaluated model may be kept as the best one, the rollback target: above chance (a model at chance,
+  e.g. one a blown-up step left finite but useless, is no better than the initial one)."""
+  return accuracy is not None and not at_chance(accuracy, num_classes)
 
 
 def clearly_learning(accuracy: float, num_classes: int) -> bool:

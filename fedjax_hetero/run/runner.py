@@ -36,7 +36,7 @@ from fedjax_hetero.run import checkpoints, continuation, metrics_log, preflight,
 from fedjax_hetero.run import history as run_history
 from fedjax_hetero.run.build import (build_simulation, id_list, partitioned_dataset, run_method, training_parts,
                                      with_run_settings)
-from fedjax_hetero.run.guard import DivergenceError, DivergenceWatch, diverged_round, stop_advice
+from fedjax_hetero.run.guard import DivergenceError, DivergenceWatch, diverged_round, ranked, stop_advice
 from fedjax_hetero.run.interruption import Interrupted, StopRequests
 from fedjax_hetero.run.plot import plot_accuracy
 from fedjax_hetero.run.reporting import Reporter
@@ -307,6 +307,7 @@ class _Run:
         self.best = max(self.best, row["test_accuracy"]["mean"])
     self.state = state
     accuracy = rows[-1]["test_accuracy"]["mean"] if rows[-1]["test_accuracy"] else None
+    accuracy = accuracy if ranked(accuracy, self.watch.num_classes) else None  # (a model at chance is no best)
     new_best = accuracy is not None and accuracy > best_before and accuracy >= self.best  # (at the call's end)
     final = state.round == self.config.rounds
     if checkpoints.save(self.manager, state, force=final or new_best, accuracy=accuracy) and \
@@ -315,12 +316,14 @@ class _Run:
     return None
 
   def _recover(self, error: DivergenceError) -> None:
-    """A diverged round: stop (raising), or roll back to the best checkpoint with a lower learning rate."""
+    """A diverged round: stop (raising), or roll back to the best checkpoint (none above chance: to the initial
+    model, round 0) with a lower learning rate."""
     self.manager.wait_until_finished()
     best = checkpoints.best_step(self.manager)
     if (self.config.divergence.action == "stop" or len(self.history.rollbacks) >= self.config.divergence.max_rollbacks
-        or best is None or error.in_server_step):  # (a lower --lr does not mend the server's step: `guard`)
+        or error.in_server_step):  # (a lower --lr does not mend the server's step: `guard`)
       self._stop(error, best)
+    best = best or 0
     old_lr = self.config.client.learning_rate
     self.config = dataclasses.replace(self.config, client=dataclasses.replace(
         self.config.client, learning_rate=old_lr * self.config.divergence.rollback_lr_factor))
@@ -330,7 +333,8 @@ class _Run:
     # The rounds go on with the lower learning rate, which a method may read (SCAFFOLD's correction).
     self.method = method_for(self.config, self.method)
     self.sim = self.sim.with_values(local=self.config.client, method=with_run_settings(self.config, self.method))
-    self.state = self.sim.place(checkpoints.restore(self.manager, best, self.sim.spec.state_shapes))
+    self.state = self.sim.place(checkpoints.restore(self.manager, best, self.sim.spec.state_shapes) if best else
+                                self.sim.init_state())
     self.history.rollbacks.append({"diverged_round": error.round, "to_round": best, "reason": str(error),
                                    "learning_rate": [old_lr, self.config.client.learning_rate]})
     self.history.next_segment(self.config, best + 1, reason)

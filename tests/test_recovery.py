@@ -295,6 +295,18 @@ class KilledBeforeItsSettings(Exception):
   pass
 
 
+def test_resume_starts_a_run_in_the_empty_folder_a_signal_during_the_imports_left(dataset, straight, tmp_path):
+  """(Held-out probe: SIGTERM while the command imported left an empty folder, and --resume refused it for good.)"""
+  out = tmp_path / "run"
+  os.makedirs(out)
+  with open(os.path.join(out, results_folder.LOCK_FILE), "w") as f:
+    f.write("4242")
+  logs = []
+  run_experiment(base_config(out, checkpoint_every=1, resume=True), dataset, log=logs.append)
+  assert f"{out}: empty (a run stopped before it wrote anything?); starting it" in logs
+  assert [r["train_loss"] for r in read_rows(out)] == [r["train_loss"] for r in read_rows(straight.output.dir)]
+
+
 def killed_before_its_settings(config, dataset, monkeypatch) -> None:
   """What kill -9 in a run's first compilation leaves: the files written before config.json, and the lock file
   (unlocked: the kernel drops the lock with the process)."""

@@ -70,6 +70,9 @@ def history(config: RunConfig, log: Log) -> tuple[RunConfig, run_history.History
     if output.resume and results_folder.never_started(output.dir):
       log(f"{output.dir}: its run was stopped before it saved its settings (no config.json); starting it")
       config = dataclasses.replace(config, output=dataclasses.replace(output, resume=False))
+    elif output.resume and os.path.isdir(output.dir) and not results_folder.folder_entries(output.dir):
+      log(f"{output.dir}: empty (a run stopped before it wrote anything?); starting it")
+      config = dataclasses.replace(config, output=dataclasses.replace(output, resume=False))
     elif output.resume and not output.resume_or_start:
       results_folder.check_no_foreign_files(output.dir)
       raise ValueError(f"--resume: {output.dir!r} holds no run to continue (no config.json); start it without "

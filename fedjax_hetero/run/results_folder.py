@@ -145,7 +145,8 @@ def lock(output_dir: str, enabled: bool = True) -> Iterator[None]:
     _release(fd, output_dir, made_folder)
 
 
-def _entries(output_dir: str) -> list[str]:
+def folder_entries(output_dir: str) -> list[str]:
+  """What the folder holds besides its lock file (sorted; none if it is no folder)."""
   return sorted(set(os.listdir(output_dir)) - {LOCK_FILE}) if os.path.isdir(output_dir) else []
 
 
@@ -156,14 +157,14 @@ def _listing(names: list[str], limit: int = 6) -> str:
 
 def never_started(output_dir: str) -> bool:
   """Whether the folder holds only what a run writes before its settings (see the module docstring)."""
-  entries = _entries(output_dir)
+  entries = folder_entries(output_dir)
   return bool(entries) and set(entries) <= set(BEFORE_SETTINGS)
 
 
 def check_fresh(output_dir: str, overwrite: bool) -> None:
   """A new run's folder is empty (or `never_started`: the start rewrites those files), or ``overwrite`` and it
   holds a run; else ValueError saying what is there."""
-  entries = _entries(output_dir)
+  entries = folder_entries(output_dir)
   if not entries or never_started(output_dir):
     return
   if overwrite and not set(entries) & set(RUN_ENTRIES):
@@ -179,7 +180,7 @@ def check_fresh(output_dir: str, overwrite: bool) -> None:
 def check_no_foreign_files(output_dir: str) -> None:
   """ValueError if the folder holds files but no run (nor a run's first files): no run can start or go on in it,
   and none deletes them."""
-  entries = _entries(output_dir)
+  entries = folder_entries(output_dir)
   if entries and not set(entries) & set(RUN_ENTRIES) and not never_started(output_dir):
     raise ValueError(f"output directory {output_dir!r} holds no run (no {', '.join(RUN_ENTRIES[:3])}/) but "
                      f"{_listing(entries)}; a run starts only in an empty folder: move those away or choose another "
@@ -188,7 +189,7 @@ def check_no_foreign_files(output_dir: str) -> None:
 
 def clear_for_overwrite(output_dir: str) -> None:
   """Deletes everything in the (locked) folder but its lock file."""
-  for name in _entries(output_dir):
+  for name in folder_entries(output_dir):
     path = os.path.join(output_dir, name)
     if os.path.isdir(path) and not os.path.islink(path):
       shutil.rmtree(path)

@@ -26,8 +26,9 @@ restores). See docs/costs.md.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -170,6 +171,26 @@ def group_cost(spec: RoundSpec, group: int) -> GroupCost:
 def static_costs(spec: RoundSpec) -> dict[str, GroupCost]:
   """Every group's `GroupCost`, by group name."""
   return {g.name: group_cost(spec, i) for i, g in enumerate(spec.groups)}
+
+
+class InBackground(Mapping):
+  """`static_costs` of a spec, traced on a thread of their own from when it is made: a run's first round compiles
+  meanwhile, mostly outside Python, so the accounting adds little to the run's time. Read as the mapping it
+  becomes (the first read waits for it)."""
+
+  _pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fedjax_hetero-costs")
+
+  def __init__(self, spec: RoundSpec):
+    self._costs = self._pool.submit(static_costs, spec)
+
+  def __getitem__(self, group: str) -> GroupCost:
+    return self._costs.result()[group]
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._costs.result())
+
+  def __len__(self) -> int:
+    return len(self._costs.result())
 
 
 def round_costs(static: Mapping[str, GroupCost], clients: Mapping[str, int], examples: Mapping[str, int]) -> Row:

@@ -164,7 +164,7 @@ class _Run:
     self.stopped_after: dict[str, Any] | None = None  # where --stop-after ended this process's training
     self.kept_summary: dict[str, Any] | None = None  # a finished run's summary, kept by a resume that adds nothing
     self.reporter = Reporter(config, sim.spec.method.name, log, main)
-    self.static_costs = costs.static_costs(sim.spec)  # (per client and group: a rollback's learning rate keeps them)
+    self.static_costs = costs.InBackground(sim.spec)  # (per client and group: a rollback's learning rate keeps them)
 
   def begin(self, state: ServerState, changed: str | None) -> None:
     """Restores the latest intact checkpoint on --resume, and writes config.json and the metrics kept."""

@@ -60,6 +60,8 @@ NO_OPS = [
     ("--divergence-max-rollbacks 5", "--divergence-max-rollbacks 5 has no effect without --on-divergence rollback"),
     ("--on-divergence off --divergence-chance-evals 9", "--divergence-chance-evals 9 has no effect without "
                                                         "--on-divergence stop or rollback"),
+    ("--round-program host --rounds-per-call 5", "--rounds-per-call 5 has no effect without --round-program fused, "
+                                                 "union or auto (host runs every round from the host loop)"),
     # a method's options without the method (the build step's `methods.check_options`)
     ("--moon-temperature 0.1", "--moon-temperature applies to MOON, HeteroMOON, InCoMOON, not HeteroAvg"),
     ("--fedcross-alpha 0.5", "--fedcross-alpha applies to FedCross, not HeteroAvg"),

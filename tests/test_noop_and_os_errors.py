@@ -67,6 +67,8 @@ NO_OPS = [
     ("--fedcross-alpha 0.5", "--fedcross-alpha applies to FedCross, not HeteroAvg"),
     ("--fedimpro-noise 0.1", "--fedimpro-noise applies to FedImpro, not HeteroAvg"),
     ("--clusamp-similarity L2", "--clusamp-similarity applies to CluSamp, not HeteroAvg"),
+    ("--fedgen-preset cifar100", "--fedgen-preset cifar100 applies to FedGen, not HeteroAvg"),
+    ("--method FedProx --fedgen-preset cifar10", "--fedgen-preset cifar10 applies to FedGen, not FedProx"),
     ("--repair-metrics", "--repair-metrics applies to --resume; add it"),
 ]
 

@@ -69,6 +69,9 @@ NO_OPS = [
     ("--clusamp-similarity L2", "--clusamp-similarity applies to CluSamp, not HeteroAvg"),
     ("--fedgen-preset cifar100", "--fedgen-preset cifar100 applies to FedGen, not HeteroAvg"),
     ("--method FedProx --fedgen-preset cifar10", "--fedgen-preset cifar10 applies to FedGen, not FedProx"),
+    # a class-balanced test subset needs a sample of each class (10 in Fashion-MNIST)
+    ("--max-test-samples 9", "--max-test-samples 9 is fewer than the 10 classes of fashion_mnist: a class-balanced "
+                             "test subset needs at least one sample of each; pass at least 10"),
     ("--repair-metrics", "--repair-metrics applies to --resume; add it"),
 ]
 

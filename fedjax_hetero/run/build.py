@@ -208,3 +208,15 @@ def build_simulation(config: RunConfig, dataset: fdata.ArrayDataset | None = Non
 
 def id_list(ids: np.ndarray) -> str:
   return " ".join(str(int(c)) for c in ids)
+
+
+def malicious_report(sim: Simulation) -> str:
+  """The partition report's section on the backdoor attack's malicious clients (empty without attack)."""
+  spec = sim.spec
+  if not len(spec.malicious_clients):
+    return ""
+  lines = [f"\nmalicious clients (backdoor attack, fixed by the seed): {len(spec.malicious_clients)} of "
+           f"{spec.store.num_clients}, by assigned architecture group"]
+  for group, clients in ((g.name, np.intersect1d(g.clients, spec.malicious_clients)) for g in spec.groups):
+    lines.append(f"  {group}: {id_list(clients) or '-'}")
+  return "\n".join(lines) + "\n"

@@ -34,8 +34,8 @@ from fedjax_hetero.rounds.client_eval import final_summary
 from fedjax_hetero.rounds.rows import NonFiniteLossError
 from fedjax_hetero.run import checkpoints, continuation, metrics_log, preflight, privacy_accounting, results_folder
 from fedjax_hetero.run import history as run_history
-from fedjax_hetero.run.build import (build_simulation, id_list, partitioned_dataset, run_method, training_parts,
-                                     with_run_settings)
+from fedjax_hetero.run.build import (build_simulation, malicious_report, partitioned_dataset, run_method,
+                                     training_parts, with_run_settings)
 from fedjax_hetero.run.guard import DivergenceError, DivergenceWatch, diverged_round, stop_advice
 from fedjax_hetero.run.interruption import Interrupted, StopRequests
 from fedjax_hetero.run.plot import plot_accuracy
@@ -56,18 +56,6 @@ def advance(sim: Simulation, state: ServerState, config: RunConfig) -> tuple[Ser
   evaluate = {r for r in range(state.round + 1, state.round + count + 1)
               if r % config.eval_every == 0 or r == config.rounds}
   return sim.run_call(state, count, evaluate)
-
-
-def malicious_report(sim: Simulation) -> str:
-  """The partition report's section on the backdoor attack's malicious clients (empty without attack)."""
-  spec = sim.spec
-  if not len(spec.malicious_clients):
-    return ""
-  lines = [f"\nmalicious clients (backdoor attack, fixed by the seed): {len(spec.malicious_clients)} of "
-           f"{spec.store.num_clients}, by assigned architecture group"]
-  for group, clients in ((g.name, np.intersect1d(g.clients, spec.malicious_clients)) for g in spec.groups):
-    lines.append(f"  {group}: {id_list(clients) or '-'}")
-  return "\n".join(lines) + "\n"
 
 
 def _quiet(_: str) -> None:
@@ -348,14 +336,23 @@ class _Run:
     """Writes summary.json and accuracy.png (process 0); returns the summary (a finished run's, as it was, when
     a resume had nothing to add: `_nothing_to_train`)."""
     if self.kept_summary is not None and stopped is None and interrupted is None:
+      self._plot(only_if_missing=True)
       return self.kept_summary
     summary = {**self.summary(stopped), "interrupted": interrupted, "stopped_after": self.stopped_after}
     if self.main:
       with open(os.path.join(self.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
-      plot_accuracy(self.rows, os.path.join(self.out, "accuracy.png"),
-                    f"{self.sim.spec.method.name} on {self.config.data.dataset} ({self.config.data.partition})")
+    self._plot()
     return summary
+
+  def _plot(self, only_if_missing: bool = False) -> None:
+    """accuracy.png (process 0); ``only_if_missing``: a kept summary's run killed before its plot gets it now."""
+    path = os.path.join(self.out, "accuracy.png")
+    if self.main and not (only_if_missing and os.path.exists(path)):
+      if only_if_missing:
+        self.log(f"{self.out}: accuracy.png was missing (the run stopped before it was drawn); drew it")
+      plot_accuracy(self.rows, path, f"{self.sim.spec.method.name} on {self.config.data.dataset} "
+                    f"({self.config.data.partition})")
 
   def summary(self, stopped: dict[str, Any] | None) -> dict[str, Any]:
     rows, spec = self.rows, self.sim.spec

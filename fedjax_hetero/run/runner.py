@@ -14,16 +14,14 @@ checkpoints (orbax's multi-process checkpointing), so the folder must be on a fi
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
 import os
 import signal
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import jax
-import numpy as np
 
 from fedjax_hetero import distributed
 from fedjax_hetero import data as fdata
@@ -34,7 +32,7 @@ from fedjax_hetero.rounds.client_eval import final_summary
 from fedjax_hetero.rounds.rows import NonFiniteLossError
 from fedjax_hetero.run import checkpoints, continuation, metrics_log, preflight, privacy_accounting, results_folder
 from fedjax_hetero.run import history as run_history
-from fedjax_hetero.run.build import (build_simulation, malicious_report, partitioned_dataset, run_method,
+from fedjax_hetero.run.build import (Planned, build_simulation, initial_state, partitioned_dataset, run_method,
                                      training_parts, with_run_settings)
 from fedjax_hetero.run.guard import DivergenceError, DivergenceWatch, diverged_round, stop_advice
 from fedjax_hetero.run.interruption import Interrupted, StopRequests
@@ -73,20 +71,6 @@ def check_can_start(config: RunConfig, dataset: fdata.ArrayDataset) -> None:
   preflight.check_fit(config, subset, training_parts(config, parts)[0], _quiet)
 
 
-def _initial_state(sim: Simulation, parts: Sequence[np.ndarray], out: str, main: bool) -> ServerState:
-  """The initial state, compiled while the partition report and plot are written (process 0)."""
-  with concurrent.futures.ThreadPoolExecutor(1) as pool:
-    initial = pool.submit(sim.init_state)
-    if main:
-      store = sim.spec.store
-      labels = np.asarray(store.labels)
-      with open(os.path.join(out, "partition.txt"), "w") as f:
-        f.write(fdata.partition_report(labels, parts, store.num_classes) + malicious_report(sim))
-      fdata.plot_partition(fdata.class_counts(labels, parts, store.num_classes),
-                           os.path.join(out, "partition.png"))
-    return initial.result()
-
-
 def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None, log: Log = print,
                    method: Method | None = None) -> dict[str, Any]:
   """Runs (or resumes) an experiment and writes its results folder; returns the summary.
@@ -120,19 +104,31 @@ def method_for(config: RunConfig, method: Method) -> Method:
 def prepare(config: RunConfig, dataset: fdata.ArrayDataset | None, log: Log, method: Method) -> "_Run":
   """A run ready to train (its folder prepared, its state restored on --resume), of ``method`` as `run_method`
   made it; the caller holds the folder's lock and has run the preflight checks (`run_experiment`)."""
-  main = distributed.is_main_process()
-  log = log if main else _quiet
+  return open_run(plan(config, dataset, log, method), log)
+
+
+def plan(config: RunConfig, dataset: fdata.ArrayDataset | None, log: Log, method: Method) -> Planned:
+  """`prepare`'s checks and simulation, before anything is written: a job plans all its runs first."""
+  log = log if distributed.is_main_process() else _quiet
   config.data.check_paths()
   config, history, changed = continuation.history(config, log)
   method = method_for(config, method)  # (a resume goes on with the learning rate a rollback left)
   sim, parts = build_simulation(config, dataset, log, method)  # the data loads before the folder is made
-  results_folder.check_data(config, sim.spec, log)  # a resume trains on the data it started on
+  data = results_folder.check_data(config, sim.spec, log)  # a resume trains on the data it started on
+  return Planned(config, history, changed, method, sim, parts, data)
+
+
+def open_run(planned: Planned, log: Log) -> "_Run":
+  """The planned run's folder prepared and its state restored on --resume."""
+  main = distributed.is_main_process()
+  log, config = log if main else _quiet, planned.config
   distributed.barrier("fedjax_hetero.run.runner: settings read")  # before process 0 changes the folder
   if main:
     continuation.prepare_folder(config)
-  state = _initial_state(sim, parts, config.output.dir, main)
-  run = _Run(config, log, method, sim, history, main)
-  run.begin(state, changed)
+    results_folder.record_data(config, planned.data)
+  state = initial_state(planned.sim, planned.parts, config.output.dir, main)
+  run = _Run(config, log, planned.method, planned.sim, planned.history, main)
+  run.begin(state, planned.changed)
   return run
 
 

@@ -17,9 +17,10 @@ from fedjax_hetero.data import synthetic_dataset
 from fedjax_hetero.hetero import build_group_map
 from fedjax_hetero.methods import build_method
 from fedjax_hetero.methods.adaptive import AdaptiveState, adaptive_apply, with_server_optimizer
-from fedjax_hetero.run.jobs import run_together, runs_of
+from fedjax_hetero.run.jobs import parse_sweep, run_together, runs_of
 from fedjax_hetero.run.runner import run_experiment
 from fedjax_hetero.server.steps import Carry
+from tests import golden
 from tests.test_runner import read_rows, restore
 
 BETA1, BETA2, TAU, LR = 0.9, 0.99, 1e-3, 0.05
@@ -142,3 +143,23 @@ def test_a_job_of_seeds_with_a_server_optimizer_equals_its_runs_alone(tmp_path):
     alone = run.replace(output_dir=run.output.dir + "_alone")
     run_experiment(alone, dataset, log=lambda _: None)
     assert measured(run.output.dir) == measured(alone.output.dir)
+
+
+@pytest.mark.slow
+def test_a_job_sweeping_the_server_optimizers_settings_equals_its_runs_alone(tmp_path):
+  """Held-out probe U8: --sweep server.lr on the fused program was refused once the folders were written; the
+  server optimizer's numbers are traced per run, and each run of the program steps with its own."""
+  dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
+  base = config(tmp_path / "job", round_program="fused", rounds=2, server_optimizer="adam")
+  runs = runs_of(base, None, [parse_sweep("server.lr=0.01,0.3", base), parse_sweep("server.beta1=0,0.9", base)])
+  run_together(runs, dataset, log=lambda _: None)
+  losses = set()
+  for run in runs:  # (a traced setting leaves the last bits free: the losses to float tolerance)
+    alone = run.replace(output_dir=run.output.dir + "_alone")
+    run_experiment(alone, dataset, log=lambda _: None)
+    for have, want in zip(measured(run.output.dir), measured(alone.output.dir), strict=True):
+      assert (have["clients"], have["test_accuracy"]) == (want["clients"], want["test_accuracy"]), run.output.dir
+      assert have["train_loss"] == pytest.approx(want["train_loss"], rel=golden.TOLERANCE["loss"]), run.output.dir
+    losses.add(measured(run.output.dir)[-1]["train_loss"])
+  assert len(losses) == len(runs), "every run's server settings change its trajectory"
+

@@ -208,6 +208,8 @@ CASES = [
     ("float partners", call("cross_aggregate", partners=np.array([1.0, 2.0, 0.0])),
      r"partners must hold integers, got dtype float64"),
     ("too few partners", call("cross_aggregate", partners=np.array([1, 2])), r"must have shape \(3,\)"),
+    ("a model paired with itself", call("cross_aggregate", partners=np.array([0, 2, 1])),
+     r"^partners\[0\] is 0, slot 0 itself"),
     ("alpha = 2", call("cross_aggregate", alpha=2.0), r"alpha is 2.0; it must be in \[0, 1\]"),
     ("negative alpha", call("cross_aggregate", alpha=-0.1), r"alpha is -0.1"),
     ("NaN alpha", call("cross_aggregate", alpha=NAN), r"alpha is nan"),
@@ -215,6 +217,7 @@ CASES = [
     ("leading axes differ", call("cross_aggregate", uploaded={"a": np.ones((3, 2)), "b": np.ones(2)}),
      r"same leading \(model\) axis"),
     ("partner out of range", call("fedcross_aggregate", partners=np.array([5, 0, 1])), r"holds 5"),
+    ("a model paired with itself", call("fedcross_aggregate", partners=np.array([1, 1, 0])), r"partners\[1\] is 1"),
     ("alpha = 2", call("fedcross_aggregate", alpha=2.0), r"alpha is 2.0"),
     ("float round", call("select_partners", round_idx=1.5), r"round_idx must hold integers"),
     ("vector round", call("select_partners", round_idx=np.array([1, 2])), r"round_idx must be a scalar"),
@@ -224,6 +227,8 @@ CASES = [
     ("float indices", call("propeller_aggregate", propellers=PROPELLERS * 1.0), r"must hold integers"),
     ("too few rows", call("propeller_aggregate", propellers=PROPELLERS[:2]), r"shape \(3, any\)"),
     ("no propellers", call("propeller_aggregate", propellers=np.zeros((3, 0), int)), r"one column"),
+    ("a model its own propeller", call("propeller_aggregate", propellers=np.array([[1, 2], [2, 1], [0, 1]])),
+     r"^propellers\[1, 1\] is 1, slot 1 itself"),
     ("alpha = 1.5", call("propeller_aggregate", alpha=1.5), r"alpha is 1.5"),
 ]
 
@@ -353,8 +358,8 @@ def test_hetero_avg_is_invariant_to_group_order(seed, weights, order):
 @st.composite
 def cross_inputs(draw):
   num_models = draw(st.integers(2, 5))
-  partners = np.array(draw(st.lists(st.integers(0, num_models - 1), min_size=num_models, max_size=num_models)),
-                      np.int32)
+  offsets = np.array(draw(st.lists(st.integers(1, num_models - 1), min_size=num_models, max_size=num_models)))
+  partners = ((np.arange(num_models) + offsets) % num_models).astype(np.int32)  # any partner but the slot itself
   rng = np.random.default_rng(draw(st.integers(0, 2 ** 31 - 1)))
   uploaded = {"params": {"w": rng.normal(size=(num_models, 3, 2)).astype(np.float32),
                          "b": rng.normal(size=(num_models,)).astype(np.float32)}}

@@ -159,6 +159,26 @@ def test_the_cli_refuses_a_sweep_of_a_shape_before_compute(tmp_path, capsys, no_
   assert "--sweep client.batch_size: it is a count" in capsys.readouterr().err
 
 
+def test_a_sweep_no_program_takes_is_refused_before_the_data_loads_or_a_folder_is_written(tmp_path, capsys,
+                                                                                          no_compute):
+  """Held-out probe U8: a sweep's refusal came after every run's folder was written, and those blocked a retry."""
+  from fedjax_hetero.cli import run as cli
+  with pytest.raises(SystemExit) as exit_:
+    cli.main("synthetic", ["--output-dir", str(tmp_path / "o"), "--round-program", "fused", "--no-progress", "--num-clients", "6",
+                           "--clients-per-round", "2",
+                           "--sweep", "data.client_eval_fraction=0.1,0.2"])
+  assert exit_.value.code == 2
+  assert "data.client_eval_fraction cannot differ between runs of one program" in capsys.readouterr().err
+  assert os.listdir(tmp_path) == []
+
+
+def test_runs_whose_programs_differ_are_refused_before_a_folder_is_written(tmp_path):
+  runs = [tiny_config(tmp_path / "a", prox_mu=0.0), tiny_config(tmp_path / "b", prox_mu=0.1)]
+  with pytest.raises(NotBatchable, match=r"run 1: its method's client terms or server steps differ"):
+    run_together(runs, synthetic_dataset(num_train=240, num_test=64, seed=0), log=lambda _: None)
+  assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("changes, why", [
     (dict(round_program="host"), r"the rounds run as a host loop \(--round-program host"),
     (dict(method="CluSamp", groups=("mlp",)), r"CluSamp's sampler \(clustered\) updates host-side state"),

@@ -60,11 +60,18 @@ NO_OPS = [
     ("--divergence-max-rollbacks 5", "--divergence-max-rollbacks 5 has no effect without --on-divergence rollback"),
     ("--on-divergence off --divergence-chance-evals 9", "--divergence-chance-evals 9 has no effect without "
                                                         "--on-divergence stop or rollback"),
+    ("--round-program host --rounds-per-call 5", "--rounds-per-call 5 has no effect without --round-program fused, "
+                                                 "union or auto (host runs every round from the host loop)"),
     # a method's options without the method (the build step's `methods.check_options`)
     ("--moon-temperature 0.1", "--moon-temperature applies to MOON, HeteroMOON, InCoMOON, not HeteroAvg"),
     ("--fedcross-alpha 0.5", "--fedcross-alpha applies to FedCross, not HeteroAvg"),
     ("--fedimpro-noise 0.1", "--fedimpro-noise applies to FedImpro, not HeteroAvg"),
     ("--clusamp-similarity L2", "--clusamp-similarity applies to CluSamp, not HeteroAvg"),
+    ("--fedgen-preset cifar100", "--fedgen-preset cifar100 applies to FedGen, not HeteroAvg"),
+    ("--method FedProx --fedgen-preset cifar10", "--fedgen-preset cifar10 applies to FedGen, not FedProx"),
+    # a class-balanced test subset needs a sample of each class (10 in Fashion-MNIST)
+    ("--max-test-samples 9", "--max-test-samples 9 is fewer than the 10 classes of fashion_mnist: a class-balanced "
+                             "test subset needs at least one sample of each; pass at least 10"),
     ("--repair-metrics", "--repair-metrics applies to --resume; add it"),
 ]
 

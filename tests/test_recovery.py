@@ -401,6 +401,22 @@ def test_a_resume_with_nothing_left_evaluates_a_last_round_the_schedule_left_out
   assert again == json.loads(kept)
 
 
+@pytest.mark.parametrize("lost", [("accuracy.png",), ("summary.json",), ("summary.json", "accuracy.png")])
+def test_a_resume_with_nothing_to_train_redoes_the_outputs_a_kill_left_unwritten(lost, dataset, two_rounds, tmp_path):
+  """Held-out probe S4: killed after its last round and summary.json but before accuracy.png, a run resumed with
+  nothing to train kept its summary and never drew its plot."""
+  config = copy_of(two_rounds, tmp_path / "killed", rounds=2)
+  kept = (tmp_path / "killed" / "summary.json").read_text()
+  for name in lost:
+    os.remove(tmp_path / "killed" / name)
+  summary, _ = resumed_with_nothing_to_train(config, dataset)
+  assert (tmp_path / "killed" / "accuracy.png").stat().st_size > 0
+  written = json.loads((tmp_path / "killed" / "summary.json").read_text())
+  assert json.loads(json.dumps(summary)) == written and written["final_round"] == 2
+  if "summary.json" not in lost:
+    assert (tmp_path / "killed" / "summary.json").read_text() == kept, "a finished run's summary stays"
+
+
 def test_a_resume_that_would_do_nothing_or_cannot_restore_says_so_before_training(dataset, two_rounds, tmp_path):
   with pytest.raises(ValueError, match=r"--rounds 1: the run in .* has trained 2 rounds already; pass --rounds above 2"):
     run_experiment(copy_of(two_rounds, tmp_path / "fewer", rounds=1), dataset, log=lambda _: None)

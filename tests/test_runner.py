@@ -286,6 +286,18 @@ def test_a_resume_may_spell_the_method_in_another_case(straight):
   assert history.check_resume(saved, config, 1, quiet) is None
 
 
+def test_a_resume_may_spell_the_groups_another_way(dataset, straight, tmp_path):
+  """Held-out probe U10: --groups cnn@0.25,cnn@0.1250 was refused to continue a run of cnn@0.25,cnn@0.125."""
+  out = tmp_path / "copy"
+  shutil.copytree(straight[0].output.dir, out)
+  config = straight[0].replace(output_dir=str(out), resume=True, groups=("MLP", "mlp@0.50"))
+  logs = []
+  run_experiment(config, dataset, log=logs.append)
+  assert any("nothing to train" in line for line in logs), logs
+  with open(out / "config.json") as f:
+    assert json.load(f)["groups"] == list(GROUPS)  # (the run's own spelling: its per-group metrics are named so)
+
+
 # ------------------------------------------------------------------------------------------- NaN stop
 
 

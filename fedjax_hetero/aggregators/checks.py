@@ -215,6 +215,18 @@ def check_index_range(name: str, value: Any, size: int) -> None:
       raise ValueError(f"{name} holds {values[where]} at {where}; indices must be in [0, {size})")
 
 
+def check_no_self_index(name: str, value: Any) -> None:
+  """Row i of integer indices never holds i (a model is not its own partner; only when concrete)."""
+  if is_concrete(value):
+    values = np.asarray(value)
+    rows = np.arange(values.shape[0]).reshape((-1,) + (1,) * (values.ndim - 1))
+    bad = values == rows
+    if bad.any():
+      where = tuple(int(i) for i in np.argwhere(bad)[0])
+      raise ValueError(f"{name}[{', '.join(map(str, where))}] is {where[0]}, slot {where[0]} itself; each slot "
+                       "must be mixed with another slot's model")
+
+
 def check_unit_interval(name: str, value: Any) -> None:
   """A scalar in [0, 1] (the range only when concrete)."""
   check_scalar(name, value)

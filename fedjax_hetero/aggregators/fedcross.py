@@ -247,11 +247,13 @@ def cross_aggregate(uploaded: Stacked, partners: jax.Array, alpha: Scalar) -> St
   code). Applied to every leaf given, so pass ``batch_stats`` too to mix BN
   statistics as the authors' code does. ``alpha = 1`` returns ``uploaded``
   exactly; the paper uses ``alpha`` in [0.5, 1), 0.99 in its experiments.
+  Concrete ``partners`` must never pair slot i with itself (ValueError).
   """
   num_models = _num_models(uploaded)
   checks.check_float_tree("uploaded", uploaded)
   checks.check_shape("partners", partners, (num_models,))
   checks.check_index_range("partners", partners, num_models)
+  checks.check_no_self_index("partners", partners)
   checks.check_unit_interval("alpha", alpha)
   partners = jnp.asarray(partners, jnp.int32)
 
@@ -321,6 +323,7 @@ def propeller_aggregate(uploaded: Stacked, propellers: jax.Array, alpha: Scalar 
   checks.check_float_tree("uploaded", uploaded)
   checks.check_shape("propellers", propellers, (num_models, None))
   checks.check_index_range("propellers", propellers, num_models)
+  checks.check_no_self_index("propellers", propellers)
   if alpha is not None:
     checks.check_unit_interval("alpha", alpha)
   propellers = jnp.asarray(propellers, jnp.int32)

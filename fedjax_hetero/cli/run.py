@@ -28,6 +28,7 @@ from fedjax_hetero.config.distributed import from_flags as distributed_settings
 from fedjax_hetero.config.options import FEDGEN_PRESETS
 from fedjax_hetero.config.run import FLAGS, FLAGS_BY_PATH, combinations_unchecked
 from fedjax_hetero.methods import get_entry
+from fedjax_hetero.methods.catalog import readers
 from fedjax_hetero.run.build import run_method
 from fedjax_hetero.run.continuation import keep_latest_local_training
 from fedjax_hetero.run.interruption import Interrupted
@@ -124,6 +125,9 @@ def _without_unread_options(config: RunConfig, sources: dict[str, str], method_g
   entry = get_entry(config.method.name, missing_ok=True)
   if entry is None:
     return config
+  preset = next((s for p, s in sources.items() if p.startswith("method.fedgen.") and s.startswith("--fedgen")), None)
+  if preset is not None and FedGenConfig not in entry.options:  # (asked for by name: not a preset's passing value)
+    raise ValueError(f"{preset} applies to {', '.join(readers(FedGenConfig))}, not {entry.name}")
   reset, values = {}, flatten(config)
   for kind in config.method.families():
     if kind in entry.options:

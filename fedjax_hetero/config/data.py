@@ -128,6 +128,10 @@ class DataConfig(Settings):
                                            ("max_test_samples", self.max_test_samples, num_test, "test")):
       if wanted is not None and wanted > available:
         raise ValueError(f"{cli_name(self, path)} {wanted} exceeds the {available} {split} samples of {self.dataset}")
+    if self.max_test_samples is not None and self.max_test_samples < num_classes:
+      flag = cli_name(self, 'max_test_samples')
+      raise ValueError(f"{flag} {self.max_test_samples} is fewer than the {num_classes} classes of {self.dataset}: a "
+                       f"class-balanced test subset needs at least one sample of each; pass at least {num_classes}")
     if self.test_first is not None and self.test_first > num_test:
       raise ValueError(f"{cli_name(self, 'test_first')} {self.test_first} exceeds the {num_test} test samples of "
                        f"{self.dataset}")

@@ -10,13 +10,14 @@ out part of every client's samples under per-client evaluation: `training_parts`
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import glob
 import os
 import re
 import socket
 import urllib.parse
-from typing import Callable
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +29,9 @@ from fedjax_hetero.client.terms import term_cuts
 from fedjax_hetero.config import DataConfig, RunConfig, check_federation, declare
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.methods import Method, adaptive, build_method, check_options, dissimilarity, get_entry, privacy
-from fedjax_hetero.rounds import ArchGroup, RoundSpec, Simulation, assign_groups, make_backend, make_simulation
+from fedjax_hetero.rounds import (ArchGroup, RoundSpec, ServerState, Simulation, assign_groups, make_backend,
+                                  make_simulation)
+from fedjax_hetero.run import history as run_history
 from fedjax_hetero.run import preflight
 
 def run_method(config: RunConfig, method: Method | None = None) -> Method:
@@ -208,3 +211,40 @@ def build_simulation(config: RunConfig, dataset: fdata.ArrayDataset | None = Non
 
 def id_list(ids: np.ndarray) -> str:
   return " ".join(str(int(c)) for c in ids)
+
+
+def malicious_report(sim: Simulation) -> str:
+  """The partition report's section on the backdoor attack's malicious clients (empty without attack)."""
+  spec = sim.spec
+  if not len(spec.malicious_clients):
+    return ""
+  lines = [f"\nmalicious clients (backdoor attack, fixed by the seed): {len(spec.malicious_clients)} of "
+           f"{spec.store.num_clients}, by assigned architecture group"]
+  for group, clients in ((g.name, np.intersect1d(g.clients, spec.malicious_clients)) for g in spec.groups):
+    lines.append(f"  {group}: {id_list(clients) or '-'}")
+  return "\n".join(lines) + "\n"
+
+
+def initial_state(sim: Simulation, parts: Sequence[np.ndarray], out: str, main: bool) -> ServerState:
+  """The initial state, compiled while the partition report and plot are written (process 0)."""
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    initial = pool.submit(sim.init_state)
+    if main:
+      store = sim.spec.store
+      labels = np.asarray(store.labels)
+      with open(os.path.join(out, "partition.txt"), "w") as f:
+        f.write(fdata.partition_report(labels, parts, store.num_classes) + malicious_report(sim))
+      fdata.plot_partition(fdata.class_counts(labels, parts, store.num_classes),
+                           os.path.join(out, "partition.png"))
+    return initial.result()
+
+
+class Planned(NamedTuple):
+  """A run checked and built, its folder not yet touched (`runner.plan`); `runner.open_run` prepares its folder."""
+  config: RunConfig
+  history: run_history.History
+  changed: str | None
+  method: Method
+  sim: Simulation
+  parts: list
+  data: dict | None  # the data's fingerprint, recorded in the folder

@@ -81,6 +81,7 @@ def history(config: RunConfig, log: Log) -> tuple[RunConfig, run_history.History
     results_folder.check_fresh(output.dir, output.overwrite)
     return config, run_history.History(processes=jax.process_count()), None
   config = dataclasses.replace(config, output=dataclasses.replace(output, resume=True))
+  config = run_history.keep_saved_group_spelling(saved, config)
   config = run_history.keep_rolled_back_learning_rate(config, saved.history, log)
   changed = run_history.check_resume(saved, config, jax.process_count(), log)
   check_rounds_left(config)

@@ -15,6 +15,7 @@ import os
 from typing import Any, Callable, NamedTuple
 
 from fedjax_hetero.config import FLAGS, DivergenceConfig, FedGenConfig, RunConfig, as_dict, flatten, from_dict
+from fedjax_hetero import models
 from fedjax_hetero.methods import get_entry
 
 SEGMENTS, ROLLBACKS, PROCESSES = "segments", "rollbacks", "processes"
@@ -168,6 +169,21 @@ def check_resume(saved: SavedRun, config: RunConfig, processes: int, log: Callab
     return None
   log(f"resuming with changed local training: {'; '.join(changed.values())}")
   return "; ".join(changed.values())
+
+
+def _parsed_groups(groups: Any) -> tuple | None:
+  try:
+    return tuple(models.parse_group_spec(spec) for spec in groups)
+  except (TypeError, ValueError):
+    return None
+
+
+def keep_saved_group_spelling(saved: SavedRun, config: RunConfig) -> RunConfig:
+  """``config`` with the saved run's spelling of its groups where the two name the same groups (``cnn@0.125`` and
+  ``CNN@0.1250``: widths compared as numbers); its per-group metrics and checkpoints keep their names."""
+  if config.groups == saved.config.groups or _parsed_groups(config.groups) != _parsed_groups(saved.config.groups):
+    return config
+  return dataclasses.replace(config, groups=saved.config.groups)
 
 
 def keep_rolled_back_learning_rate(config: RunConfig, history: History, log: Callable[[str], None]) -> RunConfig:

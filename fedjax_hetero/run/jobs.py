@@ -13,8 +13,8 @@ learning rate, which is then a traced value of its own.
 
 What differs between runs of one program: the settings each run's own simulation computes on the host
 (`HOST_SETTINGS`: the seeds, the partition's alpha, the malicious fraction, the divergence guard's), and the
-numbers a program takes per run as traced values (`traced_paths`: the client's and the method's, the backdoor's
-scale), with which each run's method is made in the program (`specializer`).
+numbers a program takes per run as traced values (`traced`: the client's, the method's, differential privacy's and
+the server optimizer's, the backdoor's scale), with which each run's method is made in the program (`swept`).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def sweep_refusal(leaf: declare.Leaf) -> str | None:
 
 def traced(path: str) -> bool:
   """Whether a program of many runs takes the swept setting ``path`` as a traced value of each run's."""
-  return path.startswith(("client.", "method.", "privacy.")) or path == "federation.backdoor_scale"
+  return path.startswith(("client.", "method.", "privacy.", "server.")) or path == "federation.backdoor_scale"
 
 
 def parse_sweep(text: str, config: RunConfig) -> tuple[str, tuple[float, ...]]:
@@ -87,7 +87,8 @@ def parse_sweep(text: str, config: RunConfig) -> tuple[str, tuple[float, ...]]:
     raise ValueError(f"--sweep {text!r}: expected {name}=V1,V2,... (the values to run it at)")
   if len(set(parsed)) != len(parsed):
     raise ValueError(f"--sweep {text!r}: expected distinct values")
-  if (traced(name) or name == "federation.malicious_fraction") and len({v == 0 for v in parsed}) > 1:
+  turns_off = (traced(name) and not name.startswith("server.")) or name == "federation.malicious_fraction"
+  if turns_off and len({v == 0 for v in parsed}) > 1:  # (a server optimizer's beta of 0 turns nothing off)
     raise ValueError(f"--sweep {name}: zero and non-zero values make different programs (a zero turns its part "
                      "off); sweep the zero in a job of its own")
   return name, parsed
@@ -148,8 +149,10 @@ def swept(configs: Sequence[RunConfig], methods: Sequence[Method], given: Method
   untaken = [p for p in differ if not traced(p) and p not in HOST_SETTINGS and not p.startswith(("output.",
                                                                                                   "divergence."))]
   if untaken:
-    raise NotBatchable(f"{', '.join(untaken)} cannot differ between runs of one program (it changes shapes, the "
-                       "method or what runs)")
+    raise NotBatchable(f"{', '.join(untaken)} cannot differ between runs of one program (it takes per run only "
+                       "the numbers of the client, the method, privacy and the server optimizer, the backdoor scale "
+                       "and the host's settings); pass --round-program host to run them one after another, or run "
+                       "them as separate jobs")
   paths = [p for p in differ if traced(p)]
   read = dict(methods[0].local_settings)
   if given is not None and get_entry(given.name, missing_ok=True) is None and any(
@@ -204,6 +207,7 @@ def run_together(configs: Sequence[RunConfig], dataset: Any = None, log: Log = p
     config.output.check_paths()
   check_shared(configs)
   methods = list(methods or [run_method(config, method) for config in configs])
+  swept(configs, methods, method)  # settings no program takes, refused before the data loads
   main = distributed.is_main_process()
   with contextlib.ExitStack() as locks:
     for config in configs:
@@ -211,11 +215,13 @@ def run_together(configs: Sequence[RunConfig], dataset: Any = None, log: Log = p
     if dataset is None:  # loaded once; each run takes its own subset and partition of it
       check_downloadable(configs[0].data)
       dataset = fdata.load_dataset(configs[0].data.dataset, configs[0].data.data_dir)
-    runs = [runner.prepare(config, dataset, log if i == 0 else _quiet, m)
-            for i, (config, m) in enumerate(zip(configs, methods))]
-    settings, specialize = swept([r.config for r in runs], [r.method for r in runs], method)
-    batch = ManyRuns([r.sim for r in runs], settings, specialize, memory_budget=memory_budget,
+    # Every run checked and built, and the program's refusals made, before any run's folder is written.
+    planned = [runner.plan(config, dataset, log if i == 0 else _quiet, m)
+               for i, (config, m) in enumerate(zip(configs, methods))]
+    settings, specialize = swept([p.config for p in planned], [p.method for p in planned], method)
+    batch = ManyRuns([p.sim for p in planned], settings, specialize, memory_budget=memory_budget,
                      max_runs_per_program=max_runs_per_program, log=log)
+    runs = [runner.open_run(p, log if i == 0 else _quiet) for i, p in enumerate(planned)]
     per_program = (f"{len(runs)} runs in one program" if batch.max_runs_per_program >= len(runs) else
                    f"{len(runs)} runs, at most {batch.max_runs_per_program} per program")
     log(per_program + (f", swept per run: {', '.join(settings[0])}" if settings[0] else "") +

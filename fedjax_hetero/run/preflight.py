@@ -39,6 +39,8 @@ ACTS_ONLY_WITH: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("divergence.chance_evals", lambda c: c.divergence.action != "off", "--on-divergence stop or rollback"),
     ("divergence.rollback_lr_factor", lambda c: c.divergence.action == "rollback", "--on-divergence rollback"),
     ("divergence.max_rollbacks", lambda c: c.divergence.action == "rollback", "--on-divergence rollback"),
+    ("rounds_per_call", lambda c: c.round_program != "host",
+     "--round-program fused, union or auto (host runs every round from the host loop)"),
 )
 
 

@@ -14,7 +14,7 @@
   A folder holding checkpoints or metrics but no readable settings is refused: nothing could check that the
   command continues the same run. ``--resume-unchecked`` continues it anyway (unreadable files are set
   aside as ``*.unreadable``), ``--repair-metrics`` rebuilds the metrics it can.
-* `check_data`: the data a run trains and evaluates on are fingerprinted into ``data_fingerprint.json``
+* `check_data`, `record_data`: the data a run trains and evaluates on are fingerprinted into ``data_fingerprint.json``
   (`fedjax_hetero.data.fingerprint`); a resume on other data (another ``--data-dir``, swapped files) is refused.
 """
 
@@ -291,12 +291,12 @@ def check_resume(config: Any, read_saved: Callable[..., Any], log: Callable[[str
   distributed.barrier("fedjax_hetero.run.results_folder: resume checked")
 
 
-def check_data(config: Any, spec: Any, log: Callable[[str], None]) -> None:
-  """Records the fingerprint of the data ``spec`` trains and evaluates on (a new run), or compares it with the
-  recorded one (a resume; an older folder without a record gets one). ValueError on other data, unless
-  ``--resume-unchecked`` (then a warning)."""
+def check_data(config: Any, spec: Any, log: Callable[[str], None]) -> dict | None:
+  """The fingerprint of the data ``spec`` trains and evaluates on, compared with the recorded one on a resume;
+  ValueError on other data, unless ``--resume-unchecked`` (then a warning). `record_data` writes it (a new run's,
+  and an older folder's without a record) once the folder is prepared. None on processes other than 0."""
   if not distributed.is_main_process():
-    return
+    return None
   path = os.path.join(config.output.dir, FINGERPRINT_FILE)
   now = fingerprint.of_data(spec.store, spec.test_images, spec.test_labels)
   if spec.availability.absent:  # (a trace is data too: another one would change the rounds)
@@ -315,5 +315,11 @@ def check_data(config: Any, spec: Any, log: Callable[[str], None]) -> None:
       raise ValueError(f"cannot resume: {message} Point it at the run's data, or pass --overwrite instead of "
                        "--resume to start over")
     log(f"warning: {cli_flag('output.resume_unchecked')}: {message}")
-  with open(path, "w") as f:
-    json.dump(now, f)
+  return now
+
+
+def record_data(config: Any, now: dict | None) -> None:
+  """Writes `check_data`'s fingerprint into the run's folder (nothing on processes other than 0)."""
+  if now is not None:
+    with open(os.path.join(config.output.dir, FINGERPRINT_FILE), "w") as f:
+      json.dump(now, f)

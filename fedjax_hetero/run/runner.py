@@ -14,16 +14,14 @@ checkpoints (orbax's multi-process checkpointing), so the folder must be on a fi
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
 import os
 import signal
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import jax
-import numpy as np
 
 from fedjax_hetero import distributed
 from fedjax_hetero import data as fdata
@@ -34,8 +32,8 @@ from fedjax_hetero.rounds.client_eval import final_summary
 from fedjax_hetero.rounds.rows import NonFiniteLossError
 from fedjax_hetero.run import checkpoints, continuation, metrics_log, preflight, privacy_accounting, results_folder
 from fedjax_hetero.run import history as run_history
-from fedjax_hetero.run.build import (build_simulation, id_list, partitioned_dataset, run_method, training_parts,
-                                     with_run_settings)
+from fedjax_hetero.run.build import (Planned, build_simulation, initial_state, partitioned_dataset, run_method,
+                                     training_parts, with_run_settings)
 from fedjax_hetero.run.guard import DivergenceError, DivergenceWatch, diverged_round, ranked, stop_advice
 from fedjax_hetero.run.interruption import Interrupted, StopRequests
 from fedjax_hetero.run.plot import plot_accuracy
@@ -58,18 +56,6 @@ def advance(sim: Simulation, state: ServerState, config: RunConfig) -> tuple[Ser
   return sim.run_call(state, count, evaluate)
 
 
-def malicious_report(sim: Simulation) -> str:
-  """The partition report's section on the backdoor attack's malicious clients (empty without attack)."""
-  spec = sim.spec
-  if not len(spec.malicious_clients):
-    return ""
-  lines = [f"\nmalicious clients (backdoor attack, fixed by the seed): {len(spec.malicious_clients)} of "
-           f"{spec.store.num_clients}, by assigned architecture group"]
-  for group, clients in ((g.name, np.intersect1d(g.clients, spec.malicious_clients)) for g in spec.groups):
-    lines.append(f"  {group}: {id_list(clients) or '-'}")
-  return "\n".join(lines) + "\n"
-
-
 def _quiet(_: str) -> None:
   pass
 
@@ -83,20 +69,6 @@ def check_can_start(config: RunConfig, dataset: fdata.ArrayDataset) -> None:
     continuation.history(config, _quiet)
   subset, parts = partitioned_dataset(config, dataset)
   preflight.check_fit(config, subset, training_parts(config, parts)[0], _quiet)
-
-
-def _initial_state(sim: Simulation, parts: Sequence[np.ndarray], out: str, main: bool) -> ServerState:
-  """The initial state, compiled while the partition report and plot are written (process 0)."""
-  with concurrent.futures.ThreadPoolExecutor(1) as pool:
-    initial = pool.submit(sim.init_state)
-    if main:
-      store = sim.spec.store
-      labels = np.asarray(store.labels)
-      with open(os.path.join(out, "partition.txt"), "w") as f:
-        f.write(fdata.partition_report(labels, parts, store.num_classes) + malicious_report(sim))
-      fdata.plot_partition(fdata.class_counts(labels, parts, store.num_classes),
-                           os.path.join(out, "partition.png"))
-    return initial.result()
 
 
 def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None, log: Log = print,
@@ -132,19 +104,31 @@ def method_for(config: RunConfig, method: Method) -> Method:
 def prepare(config: RunConfig, dataset: fdata.ArrayDataset | None, log: Log, method: Method) -> "_Run":
   """A run ready to train (its folder prepared, its state restored on --resume), of ``method`` as `run_method`
   made it; the caller holds the folder's lock and has run the preflight checks (`run_experiment`)."""
-  main = distributed.is_main_process()
-  log = log if main else _quiet
+  return open_run(plan(config, dataset, log, method), log)
+
+
+def plan(config: RunConfig, dataset: fdata.ArrayDataset | None, log: Log, method: Method) -> Planned:
+  """`prepare`'s checks and simulation, before anything is written: a job plans all its runs first."""
+  log = log if distributed.is_main_process() else _quiet
   config.data.check_paths()
   config, history, changed = continuation.history(config, log)
   method = method_for(config, method)  # (a resume goes on with the learning rate a rollback left)
   sim, parts = build_simulation(config, dataset, log, method)  # the data loads before the folder is made
-  results_folder.check_data(config, sim.spec, log)  # a resume trains on the data it started on
+  data = results_folder.check_data(config, sim.spec, log)  # a resume trains on the data it started on
+  return Planned(config, history, changed, method, sim, parts, data)
+
+
+def open_run(planned: Planned, log: Log) -> "_Run":
+  """The planned run's folder prepared and its state restored on --resume."""
+  main = distributed.is_main_process()
+  log, config = log if main else _quiet, planned.config
   distributed.barrier("fedjax_hetero.run.runner: settings read")  # before process 0 changes the folder
   if main:
     continuation.prepare_folder(config)
-  state = _initial_state(sim, parts, config.output.dir, main)
-  run = _Run(config, log, method, sim, history, main)
-  run.begin(state, changed)
+    results_folder.record_data(config, planned.data)
+  state = initial_state(planned.sim, planned.parts, config.output.dir, main)
+  run = _Run(config, log, planned.method, planned.sim, planned.history, main)
+  run.begin(state, planned.changed)
   return run
 
 
@@ -352,14 +336,23 @@ class _Run:
     """Writes summary.json and accuracy.png (process 0); returns the summary (a finished run's, as it was, when
     a resume had nothing to add: `_nothing_to_train`)."""
     if self.kept_summary is not None and stopped is None and interrupted is None:
+      self._plot(only_if_missing=True)
       return self.kept_summary
     summary = {**self.summary(stopped), "interrupted": interrupted, "stopped_after": self.stopped_after}
     if self.main:
       with open(os.path.join(self.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
-      plot_accuracy(self.rows, os.path.join(self.out, "accuracy.png"),
-                    f"{self.sim.spec.method.name} on {self.config.data.dataset} ({self.config.data.partition})")
+    self._plot()
     return summary
+
+  def _plot(self, only_if_missing: bool = False) -> None:
+    """accuracy.png (process 0); ``only_if_missing``: a kept summary's run killed before its plot gets it now."""
+    path = os.path.join(self.out, "accuracy.png")
+    if self.main and not (only_if_missing and os.path.exists(path)):
+      if only_if_missing:
+        self.log(f"{self.out}: accuracy.png was missing (the run stopped before it was drawn); drew it")
+      plot_accuracy(self.rows, path, f"{self.sim.spec.method.name} on {self.config.data.dataset} "
+                    f"({self.config.data.partition})")
 
   def summary(self, stopped: dict[str, Any] | None) -> dict[str, Any]:
     rows, spec = self.rows, self.sim.spec

@@ -225,6 +225,22 @@ def damage(directory):
         f.truncate(os.path.getsize(path) // 2)
 
 
+def test_an_older_checkpoint_deleted_partway_is_set_aside_with_a_line_of_ours(dataset, straight, two_rounds, tmp_path,
+                                                                             capfd):
+  """(Held-out probe: a signal while orbax deleted an old checkpoint left it without its metadata, and every resume
+  printed absl's "Metadata file does not exist" about it.)"""
+  config = copy_of(two_rounds, tmp_path / "partly")
+  os.remove(tmp_path / "partly" / "checkpoints" / "1" / "_CHECKPOINT_METADATA")
+  logs = []
+  run_experiment(config, dataset, log=logs.append)
+  [warning] = [line for line in logs if "cannot be restored" in line]
+  assert "_CHECKPOINT_METADATA: deleted partway?" in warning and "resumed from round 2" in warning, warning
+  assert os.path.isdir(tmp_path / "partly" / "damaged_checkpoints" / "1")
+  assert "Metadata file does not exist" not in capfd.readouterr().err
+  assert [r["train_loss"] for r in read_rows(config.output.dir)] == [r["train_loss"] for r in
+                                                                    read_rows(straight.output.dir)]
+
+
 def test_resume_skips_a_damaged_newest_checkpoint_and_matches_an_uninterrupted_run(dataset, straight, two_rounds,
                                                                                     tmp_path):
   config = copy_of(two_rounds, tmp_path / "damaged")

@@ -355,7 +355,7 @@ def restore_latest_intact(output_dir: str, template: ServerState,
   """The newest checkpoint of a results folder that restores, read without a manager (which would fail to open
   on a damaged one), once the leftovers of saves that did not finish are removed. Each newer one that does not
   restore is named in a warning and moved to ``damaged_checkpoints/`` beside ``checkpoints/`` (kept for
-  inspection; its rounds are trained again). None if there is no checkpoint; if none restores, raises ValueError
+  inspection; its rounds are trained again), and so is an older one without its metadata (deleted partway). None if there is no checkpoint; if none restores, raises ValueError
   and moves nothing (a failure shared by all of them is not damage)."""
   root = _root(output_dir)
   if os.path.isdir(root) and jax.process_index() == 0:
@@ -373,6 +373,10 @@ def restore_latest_intact(output_dir: str, template: ServerState,
     except Exception as e:  # orbax raises many kinds (ValueError, OSError, tensorstore's, msgpack's)
       failures.append((step, _older_layout(root, step, e) or e))
       continue
+    has_metadata = lambda s: os.path.exists(os.path.join(root, str(s), _METADATA))
+    if has_metadata(step):  # (an older one without it was being deleted as the run stopped: orbax would warn)
+      failures += [(s, ValueError(f"no {_METADATA}: deleted partway?")) for s in steps[steps.index(step) + 1:]
+                   if not has_metadata(s)]
     for damaged, error in failures:
       source = os.path.join(root, str(damaged))
       target = os.path.join(os.path.dirname(root), "damaged_checkpoints", str(damaged))

@@ -347,3 +347,19 @@ def test_runs_stopped_by_divergence_or_a_signal_get_a_note(tmp_path):
       "round 1 are compared",
       "note: B_s0 has not finished (SIGTERM after round 2): its rows up to round 2 are compared",
       "note: D_s0 has not finished (--stop-after 60 s after round 1): its rows up to round 1 are compared"]
+
+
+def test_a_setting_newer_than_a_runs_folder_counts_as_its_default_not_as_a_variant():
+  """(A run made before the privacy settings existed read as a variant, "[privacy.delta=1e-05, ...]", of the same
+  method run since.)"""
+  from fedjax_hetero.analysis.runs import with_variants
+  from fedjax_hetero.config import as_dict
+  from fedjax_hetero.config.run import RunConfig
+
+  new = as_dict(RunConfig())
+  old = {k: v for k, v in new.items() if k != "privacy"}
+  swept = {**new, "server": {**new["server"], "optimizer": "adam"}}
+  runs = [("old", {"method": "HeteroAvg", "config": old}, []), ("new", {"method": "HeteroAvg", "config": new}, []),
+          ("adam", {"method": "HeteroAvg", "config": swept}, [])]
+  assert [summary["method"] for _, summary, _ in with_variants(runs)] == [
+      "HeteroAvg [server.optimizer=none]", "HeteroAvg [server.optimizer=none]", "HeteroAvg [server.optimizer=adam]"]

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from fedjax_hetero import os_errors
+from fedjax_hetero.config import RunConfig, as_dict
 from fedjax_hetero.run import metrics_log, results_folder
 from fedjax_hetero.run.history import PROCESSES, ROLLBACKS, SEGMENTS
 
@@ -286,7 +287,8 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def with_variants(runs: Runs) -> list[tuple[str, dict[str, Any], list[dict[str, Any]]]]:
   """The runs with each method's variants told apart: where runs of one method (and attack) differ in a setting
   besides the seed (the values of a ``--sweep``), each run's method reads ``METHOD [setting=value, ...]``."""
-  configs = [_flat(summary["config"]) for _, summary, _ in runs]
+  defaults = _flat(as_dict(RunConfig()))  # (a setting newer than a run's folder: the run had its default)
+  configs = [{**defaults, **_flat(summary["config"])} for _, summary, _ in runs]
   out = []
   for (label, summary, rows), config in zip(runs, configs):
     siblings = [c for (_, s, _), c in zip(runs, configs) if method_of(s) == method_of(summary)]

@@ -363,3 +363,13 @@ def test_a_setting_newer_than_a_runs_folder_counts_as_its_default_not_as_a_varia
           ("adam", {"method": "HeteroAvg", "config": swept}, [])]
   assert [summary["method"] for _, summary, _ in with_variants(runs)] == [
       "HeteroAvg [server.optimizer=none]", "HeteroAvg [server.optimizer=none]", "HeteroAvg [server.optimizer=adam]"]
+
+
+def test_the_table_gives_each_private_runs_epsilon_at_the_last_row_compared():
+  private = fake_run("A", 0, [0.5, 0.6])
+  private[2][-1]["privacy"] = {"epsilon": 3.21456, "delta": 1e-5, "rounds_spent": 2}
+  unbounded = fake_run("B", 0, [0.5, 0.6])
+  unbounded[2][-1]["privacy"] = {"epsilon": None, "delta": 1e-5, "rounds_spent": 2}
+  lines = compare.table([private, unbounded, fake_run("C", 0, [0.5, 0.6])], last=2).splitlines()
+  assert "| privacy spent: epsilon (delta) |" in lines[0]
+  assert "| 3.21 (1e-05) |" in lines[2] and "| no bound (1e-05) |" in lines[3] and "| - | 1.0 |" in lines[4]

@@ -81,8 +81,9 @@ def table(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]], last
   dropped = " sampled clients dropped |" if any("dropped" in r for _, _, rows in runs for r in rows) else ""
   clients = (" clients' held-out acc: mean / worst 10% (%) |" if any(last_client_accuracy(rows) for _, _, rows in runs)
              else "")
+  private = " privacy spent: epsilon (delta) |" if any(r.get("privacy") for _, _, rows in runs for r in rows) else ""
   header = (f"| run | method | rounds | final mean acc (%) | best (%) | mean of last {last} evals (%) |{costs}{to}"
-            f"{spread}{dropped}{clients} round 1 (s, compiling) | rounds 2+ (s) |")
+            f"{spread}{dropped}{clients}{private} round 1 (s, compiling) | rounds 2+ (s) |")
   lines = [header, "|" + "---|" * (header.count("|") - 1)]
   for label, summary, rows in runs:
     accs = [a for _, a in evaluated(rows)]
@@ -101,6 +102,10 @@ def table(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]], last
     if clients:
       every = (last_client_accuracy(rows) or {}).get("all")
       reached += f" {100 * every['mean']:.2f} / {100 * every['worst_10pct']:.2f} |" if every else " - |"
+    if private:  # (at the last row compared; a run without noise has no bound)
+      spent = rows[-1].get("privacy")
+      epsilon = spent and ("no bound" if spent["epsilon"] is None else f"{spent['epsilon']:.3g}")
+      reached += f" {epsilon} ({spent['delta']:g}) |" if spent else " - |"
     few = f" (of {len(tail)})" if len(tail) < last else ""
     first = next((f"{r['round_seconds']:.1f}" for r in rows if r["round"] == 1), "-")
     later_seconds = [r["round_seconds"] for r in rows if r["round"] > 1]

@@ -70,7 +70,7 @@ def history(config: RunConfig, log: Log) -> tuple[RunConfig, run_history.History
     if output.resume and results_folder.never_started(output.dir):
       log(f"{output.dir}: its run was stopped before it saved its settings (no config.json); starting it")
       config = dataclasses.replace(config, output=dataclasses.replace(output, resume=False))
-    elif output.resume and os.path.isdir(output.dir) and not results_folder.folder_entries(output.dir):
+    elif output.resume and results_folder.left_empty(output.dir):
       log(f"{output.dir}: empty (a run stopped before it wrote anything?); starting it")
       config = dataclasses.replace(config, output=dataclasses.replace(output, resume=False))
     elif output.resume and not output.resume_or_start:

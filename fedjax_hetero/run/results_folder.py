@@ -139,10 +139,23 @@ def lock(output_dir: str, enabled: bool = True) -> Iterator[None]:
       with contextlib.suppress(OSError):
         os.rmdir(output_dir)
     raise
+  if made_folder:
+    _MADE_HERE.add(os.path.abspath(output_dir))
   try:
     yield
   finally:
+    _MADE_HERE.discard(os.path.abspath(output_dir))
     _release(fd, output_dir, made_folder)
+
+
+_MADE_HERE: set[str] = set()  # the folders this process's `lock` created, while it holds them
+
+
+def left_empty(output_dir: str) -> bool:
+  """Whether the folder was there before this command and holds nothing besides its lock (a run stopped while
+  its command started up); a folder the command just made is not."""
+  return (os.path.isdir(output_dir) and os.path.abspath(output_dir) not in _MADE_HERE
+          and not folder_entries(output_dir))
 
 
 def folder_entries(output_dir: str) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -167,3 +168,18 @@ def aggregate(sim: Simulation, state, starts, results, cohorts):
   x = RoundRows(state.round, 0, False, rows, tuple(p.inputs for p in step_plans), tuple(p.static for p in step_plans))
   model, steps, metrics = server_round(spec, 0, state, starts, results, x)
   return model, steps, host_metrics(metrics)
+
+
+def measured(output_dir) -> list[dict]:
+  """A results folder's metrics rows without their timings (what two runs of the same rounds share bit for bit)."""
+  with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  return [{k: v for k, v in row.items() if k not in ("round_seconds", "samples_per_s")} for row in rows]
+
+
+def run_alone(run: RunConfig, dataset) -> str:
+  """``run`` (one run of a job) trained again on its own, in a folder beside its own; that folder."""
+  from fedjax_hetero.run.runner import run_experiment
+  alone = run.replace(output_dir=run.output.dir + "_alone")
+  run_experiment(alone, dataset, log=lambda _: None)
+  return alone.output.dir

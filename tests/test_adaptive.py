@@ -21,6 +21,7 @@ from fedjax_hetero.run.jobs import parse_sweep, run_together, runs_of
 from fedjax_hetero.run.runner import run_experiment
 from fedjax_hetero.server.steps import Carry
 from tests import golden
+from tests.helpers import measured, run_alone
 from tests.test_runner import read_rows, restore
 
 BETA1, BETA2, TAU, LR = 0.9, 0.99, 1e-3, 0.05
@@ -106,10 +107,6 @@ def test_optimizer_settings_without_an_optimizer_are_refused():
     RunConfig.from_flags(server_lr=0.1, server_tau=0.01)
 
 
-def measured(out) -> list[dict]:
-  """A run's rows without its timings."""
-  return [{k: v for k, v in row.items() if k not in ("round_seconds", "samples_per_s")} for row in read_rows(out)]
-
 
 def config(out, **changes) -> RunConfig:
   flags = dict(dataset="synthetic", groups=("mlp@1", "mlp@0.5"), num_clients=6, clients_per_round=2, rounds=4,
@@ -140,9 +137,8 @@ def test_a_job_of_seeds_with_a_server_optimizer_equals_its_runs_alone(tmp_path):
   runs = runs_of(config(tmp_path / "job", round_program="fused", rounds=2, server_optimizer="adam"), [0, 1])
   run_together(runs, dataset, log=lambda _: None)
   for run in runs:
-    alone = run.replace(output_dir=run.output.dir + "_alone")
-    run_experiment(alone, dataset, log=lambda _: None)
-    assert measured(run.output.dir) == measured(alone.output.dir)
+    alone = run_alone(run, dataset)
+    assert measured(run.output.dir) == measured(alone)
 
 
 @pytest.mark.slow
@@ -155,9 +151,8 @@ def test_a_job_sweeping_the_server_optimizers_settings_equals_its_runs_alone(tmp
   run_together(runs, dataset, log=lambda _: None)
   losses = set()
   for run in runs:  # (a traced setting leaves the last bits free: the losses to float tolerance)
-    alone = run.replace(output_dir=run.output.dir + "_alone")
-    run_experiment(alone, dataset, log=lambda _: None)
-    for have, want in zip(measured(run.output.dir), measured(alone.output.dir), strict=True):
+    alone = run_alone(run, dataset)
+    for have, want in zip(measured(run.output.dir), measured(alone), strict=True):
       assert (have["clients"], have["test_accuracy"]) == (want["clients"], want["test_accuracy"]), run.output.dir
       assert have["train_loss"] == pytest.approx(want["train_loss"], rel=golden.TOLERANCE["loss"]), run.output.dir
     losses.add(measured(run.output.dir)[-1]["train_loss"])

@@ -17,6 +17,7 @@ from fedjax_hetero.data.store import sample_clients
 from fedjax_hetero.run.jobs import run_together, runs_of
 from fedjax_hetero.run.runner import run_experiment
 from fedjax_hetero.sampling.availability import availability, read_trace
+from tests.helpers import measured, run_alone
 from tests.test_runner import read_rows
 
 QUIET = dict(log=lambda _: None)
@@ -72,9 +73,6 @@ def config(out, **changes) -> RunConfig:
                dissimilarity=False, method="HeteroAvg", client_dropout=(0.6, 0.2))
   return RunConfig.from_flags(**{**flags, **changes})
 
-
-def measured(out) -> list[dict]:
-  return [{k: v for k, v in row.items() if k not in ("round_seconds", "samples_per_s")} for row in read_rows(out)]
 
 
 def test_a_runs_rows_count_the_dropped_clients_of_each_group_and_train_the_others(tmp_path):
@@ -134,9 +132,8 @@ def test_a_job_of_seeds_with_dropouts_equals_its_runs_alone(tmp_path):
   runs = runs_of(config(tmp_path / "job", round_program="fused", rounds=3), [0, 1])
   run_together(runs, dataset, **QUIET)
   for run in runs:
-    alone = run.replace(output_dir=run.output.dir + "_alone")
-    run_experiment(alone, dataset, **QUIET)
-    assert measured(run.output.dir) == measured(alone.output.dir)
+    alone = run_alone(run, dataset)
+    assert measured(run.output.dir) == measured(alone)
   assert measured(runs[0].output.dir) != measured(runs[1].output.dir)
 
 

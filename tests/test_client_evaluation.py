@@ -23,7 +23,7 @@ from fedjax_hetero.rounds.client_eval import summary
 from fedjax_hetero.rounds.many import ManyRuns
 from fedjax_hetero.run.jobs import run_together, runs_of
 from fedjax_hetero.run.runner import run_experiment
-from tests.helpers import TINY_LOCAL, mlp_groups
+from tests.helpers import TINY_LOCAL, measured, mlp_groups, run_alone
 from tests.test_runner import read_rows
 
 QUIET = dict(log=lambda _: None)
@@ -169,9 +169,6 @@ def config(out, **changes) -> RunConfig:
   return RunConfig.from_flags(**{**flags, **changes})
 
 
-def measured(out) -> list[dict]:
-  return [{k: v for k, v in row.items() if k not in ("round_seconds", "samples_per_s")} for row in read_rows(out)]
-
 
 @pytest.mark.slow
 def test_a_run_reports_it_in_its_rows_summary_plot_and_compare(tmp_path):
@@ -210,9 +207,8 @@ def test_a_job_of_seeds_equals_its_runs_alone(tmp_path):
   runs = runs_of(config(tmp_path / "job", round_program="fused", rounds=2), [0, 1])
   run_together(runs, dataset, **QUIET)
   for run in runs:
-    alone = run.replace(output_dir=run.output.dir + "_alone")
-    run_experiment(alone, dataset, **QUIET)
-    assert measured(run.output.dir) == measured(alone.output.dir)
+    alone = run_alone(run, dataset)
+    assert measured(run.output.dir) == measured(alone)
   assert measured(runs[0].output.dir)[-1]["client_accuracy"] != measured(runs[1].output.dir)[-1]["client_accuracy"]
 
 

@@ -25,6 +25,7 @@ from fedjax_hetero.run.jobs import parse_sweep, run_together, runs_of
 from fedjax_hetero.run.runner import run_experiment
 from fedjax_hetero.server import apply_delta, mean_delta
 from fedjax_hetero.server.steps import Carry
+from tests.helpers import measured, run_alone
 from tests.test_runner import read_rows, restore
 
 
@@ -170,10 +171,6 @@ def test_a_users_method_gets_privacy_with_no_code_of_its_own():
   assert with_privacy(method, PrivacyConfig(), RunConfig().federation) is method  # off: the method as it is
 
 
-def measured(out) -> list[dict]:
-  """A run's rows without its timings."""
-  return [{k: v for k, v in row.items() if k not in ("round_seconds", "samples_per_s")} for row in read_rows(out)]
-
 
 def config(out, **changes) -> RunConfig:
   flags = dict(dataset="synthetic", groups=("mlp@1", "mlp@0.5"), num_clients=6, clients_per_round=3, rounds=4,
@@ -210,9 +207,8 @@ def test_a_job_of_seeds_with_privacy_equals_its_runs_alone_on_the_round_program(
   runs = runs_of(config(tmp_path / "job", round_program="fused", rounds=2), [0, 1])
   run_together(runs, dataset, log=lambda _: None)
   for run in runs:
-    alone = run.replace(output_dir=run.output.dir + "_alone")
-    run_experiment(alone, dataset, log=lambda _: None)
-    assert measured(run.output.dir) == measured(alone.output.dir)
+    alone = run_alone(run, dataset)
+    assert measured(run.output.dir) == measured(alone)
     assert read_rows(run.output.dir)[-1]["privacy"]["epsilon"] > 0
   assert measured(runs[0].output.dir)[-1]["train_loss"] != measured(runs[1].output.dir)[-1]["train_loss"]
 
@@ -238,8 +234,7 @@ def test_a_sweep_of_the_noise_multiplier_runs_in_one_program_and_equals_its_runs
   runs = runs_of(base, None, [parse_sweep("privacy.noise_multiplier=0.5,2", base)])
   run_together(runs, dataset, log=lambda _: None)
   for run, z in zip(runs, (0.5, 2.0)):
-    alone = run.replace(output_dir=run.output.dir + "_alone")
-    run_experiment(alone, dataset, log=lambda _: None)
-    assert measured(run.output.dir) == measured(alone.output.dir)
+    alone = run_alone(run, dataset)
+    assert measured(run.output.dir) == measured(alone)
     assert read_rows(run.output.dir)[-1]["privacy"]["epsilon"] == privacy_accounting.epsilon(
         PrivacyConfig(clip=0.5, noise_multiplier=z), 3, 6, 2)

@@ -268,6 +268,19 @@ def run_styles(runs: Sequence[tuple[str, Mapping[str, Any], Any]]) -> list[dict[
   return styles
 
 
+def _client_lines(ax: Any, label: str, rows: Sequence[Mapping[str, Any]], group: str, style: Mapping[str, Any],
+                  lw: float) -> None:
+  """A run's per-client evaluation of ``group`` ("all": every client) per round: the clients' mean (in ``style``)
+  and their worst 10% (dashed)."""
+  from fedjax_hetero.analysis.runs import client_accuracy_per_round
+
+  for key, name in (("mean", "mean"), ("worst_10pct", "worst 10%")):
+    points = client_accuracy_per_round(rows, group, key)
+    if points:
+      ax.plot(*zip(*[(r, 100 * a) for r, a in points]), marker=".", lw=lw, label=f"{label} {name}",
+              **{**style, **({"ls": "--"} if key != "mean" else {})})
+
+
 def plot_accuracy_per_round(runs: Sequence[tuple[str, Any, Sequence[Mapping[str, Any]]]], path: str, title: str,
                             styles: Sequence[Mapping[str, Any]], groups: Sequence[str] = ()) -> str:
   """``compare``'s figure of runs (``(label, summary, metrics.jsonl rows)``): mean test accuracy per round; then,
@@ -275,7 +288,7 @@ def plot_accuracy_per_round(runs: Sequence[tuple[str, Any, Sequence[Mapping[str,
   one panel per architecture group of ``groups`` (its model's accuracy), and the gradient dissimilarity of the low
   and high parts (`fedjax_hetero.methods.dissimilarity`); one line per run (``styles``: its plot keywords), the
   panels in rows of three. Returns `path`."""
-  from fedjax_hetero.analysis.runs import client_accuracy_per_round, dissimilarity_per_round, evaluated
+  from fedjax_hetero.analysis.runs import dissimilarity_per_round, evaluated
 
   parts = [p for p in ("low", "high") if any(p in g for _, _, rows in runs for r in rows
                                               for g in (r.get("dissimilarity") or {}).values())]
@@ -289,11 +302,7 @@ def plot_accuracy_per_round(runs: Sequence[tuple[str, Any, Sequence[Mapping[str,
   if clients:
     ax = axes[1]
     for (label, _, rows), style in zip(runs, styles):
-      for key, name in (("mean", "mean"), ("worst_10pct", "worst 10%")):
-        points = client_accuracy_per_round(rows, "all", key)
-        if points:
-          ax.plot(*zip(*[(r, 100 * a) for r, a in points]), marker=".", lw=1.2, label=f"{label} {name}",
-                  **{**style, **({"ls": "--"} if key != "mean" else {})})
+      _client_lines(ax, label, rows, "all", style, lw=1.2)
     ax.set_xlabel("round")
     ax.set_ylabel("held-out accuracy (%)")
     ax.set_title("every client with its group's model")
@@ -329,7 +338,7 @@ def plot_client_accuracy(runs: Sequence[tuple[str, Sequence[Mapping[str, Any]]]]
   """Per-client evaluation (``client_accuracy`` in metrics.jsonl): one panel per architecture group and one for all
   clients, each run's clients' mean (solid) and worst 10% (dashed) held-out accuracy per round, every run
   (``(label, rows)``) in its colour (``styles``: its plot keywords). Returns `path`; ValueError if no run has it."""
-  from fedjax_hetero.analysis.runs import client_accuracy_per_round, last_client_accuracy
+  from fedjax_hetero.analysis.runs import last_client_accuracy
 
   groups = list(dict.fromkeys(g for _, rows in runs for g in (last_client_accuracy(rows) or {})))
   if not groups:
@@ -340,11 +349,7 @@ def plot_client_accuracy(runs: Sequence[tuple[str, Sequence[Mapping[str, Any]]]]
   for ax, group in zip(axes, groups):
     for index, (label, rows) in enumerate(runs):
       style = {"color": f"C{index % 10}", **(dict(styles[index]) if styles else {})}
-      for key, name in (("mean", "mean"), ("worst_10pct", "worst 10%")):
-        points = client_accuracy_per_round(rows, group, key)
-        if points:
-          ax.plot(*zip(*[(r, 100 * a) for r, a in points]), marker=".", lw=1.3, label=f"{label} {name}",
-                  **{**style, **({"ls": "--"} if key != "mean" else {})})
+      _client_lines(ax, label, rows, group, style, lw=1.3)
     ax.set_title("all clients" if group == "all" else f"clients of {group}")
     ax.set_xlabel("round")
     ax.grid(alpha=0.3)

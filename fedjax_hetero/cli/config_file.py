@@ -306,7 +306,7 @@ def read_config(path: str, base: RunConfig | None = None) -> RunConfig:
   the file's method does not read stays in it, for the build step to refuse."""
   flag = f"--config {path!r}"
   tree, lines = _read(path)
-  for key in _HISTORY:  # (what is dropped is told by `notes`)
+  for key in _HISTORY:  # (what is dropped is told by `file_notes`)
     tree.pop(key, None)
   output = tree.get("output")
   if isinstance(output, dict):  # what to do with the folder is the command's, never the file's (docs/running.md)

@@ -13,8 +13,9 @@ hold e, and the sum is divided by a public number, the expected count of those c
 
 m being the clients per round and P the chance that a client holds e and answers (the share of the clients in a
 group that holds e, or its --group-draw probability, times 1 - its --client-dropout). With one architecture group
-whose clients all answer, E_e = m: the number of clients that answered. A fixed divisor keeps the released update a function of the noised sum alone (the count of a round's
-holders would tell which groups took part, which the accountant does not model), and the mean unbiased. Every
+whose clients all answer, E_e = m: the number of clients that answered. A fixed divisor keeps the released update
+a function of the noised sum alone (the count of a round's holders would tell which groups took part, which the
+accountant does not model), and the mean unbiased. Every
 element some group holds gets noise every round, held this round or not. The noise's key comes from the
 federation's server key of the round: seeded, the same after a resume, bit for bit.
 

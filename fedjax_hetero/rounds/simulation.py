@@ -133,11 +133,14 @@ class Simulation:
     """``state`` where the mapping keeps server state (e.g. after a restore), so every round sees one placement."""
     return self.cohorts.place(state)
 
+  def _local(self, tree: Any) -> Any:
+    """This process's own copy of server state (`backends.Backend.local`; a device program's is the state)."""
+    return self.cohorts.backend.local(tree) if isinstance(self.cohorts, HostCohorts) else tree
+
   def evaluate(self, state: ServerState, batch_size: int = EVAL_BATCH) -> dict[str, float]:
     """Test accuracy of every group's model, and their mean under ``"mean"``. It runs on this process's own copy
     of the model, with no collective: in a multi-process run every process gets the same numbers."""
-    local = self.cohorts.backend.local if isinstance(self.cohorts, HostCohorts) else (lambda tree: tree)
-    return accuracies(correct_counts(self.spec, state, local, batch_size), [g.name for g in self.spec.groups],
+    return accuracies(correct_counts(self.spec, state, self._local, batch_size), [g.name for g in self.spec.groups],
                       len(self.spec.test_labels))
 
   def client_accuracy(self, state: ServerState) -> dict[str, Any]:
@@ -145,8 +148,8 @@ class Simulation:
     ``state`` (`client_eval.accuracy_row`), as an evaluation round's row holds it; {} without per-client evaluation."""
     if self.spec.client_eval is None:
       return {}
-    local = self.cohorts.backend.local if isinstance(self.cohorts, HostCohorts) else (lambda tree: tree)
-    counts = client_eval.host_counts(self.spec, evaluated(self.spec, state, local), RoundData.of(self.spec), EVAL_BATCH)
+    counts = client_eval.host_counts(self.spec, evaluated(self.spec, state, self._local), RoundData.of(self.spec),
+                                     EVAL_BATCH)
     return {"client_accuracy": client_eval.accuracy_row(self.spec, jax.device_get(counts))}
 
   def call_length(self, first: int, stop: int) -> int:

@@ -352,11 +352,11 @@ def _remove_unfinished_saves(root: str, log: Callable[[str], None]) -> None:
 
 def restore_latest_intact(output_dir: str, template: ServerState,
                           warn: Callable[[str], None]) -> ServerState | None:
-  """The newest checkpoint of a results folder that restores, read without a manager (which would fail to open
-  on a damaged one), once the leftovers of saves that did not finish are removed. Each newer one that does not
-  restore is named in a warning and moved to ``damaged_checkpoints/`` beside ``checkpoints/`` (kept for
-  inspection; its rounds are trained again), and so is an older one without its metadata (deleted partway). None if there is no checkpoint; if none restores, raises ValueError
-  and moves nothing (a failure shared by all of them is not damage)."""
+  """The newest checkpoint of a results folder that restores, read without a manager (which fails to open on a
+  damaged one), once the leftovers of unfinished saves are removed. Each newer one that does not restore, and each
+  older one without its metadata (deleted partway), is named in a warning and moved to ``damaged_checkpoints/``
+  (kept for inspection; its rounds are trained again). None if there is no checkpoint; if none restores, raises
+  ValueError and moves nothing (a failure shared by all of them is not damage)."""
   root = _root(output_dir)
   if os.path.isdir(root) and jax.process_index() == 0:
     _remove_unfinished_saves(root, warn)

@@ -68,8 +68,7 @@ def stop_advice(config: RunConfig, rollbacks_tried: int, best: int | None, check
   guard, rate = config.divergence, config.client.learning_rate
   lower = f"--lr {rate * guard.rollback_lr_factor:g}"
   if config.server.optimizer != "none":  # (its step blows a model up as well: a finite one at chance, then NaN)
-    server_lr = f"{cli_name(ServerOptimizerConfig, 'lr')} {lower_server_lr(config.server.lr):g}"
-    lower += f" (or the server optimizer's, {server_lr})"
+    lower += f" (or the server optimizer's, {lower_server_lr(config)})"
   if best is None and guard.action == "stop":
     return ("no checkpoint was evaluated above chance, so there is nothing to keep: start again with a lower "
             f"learning rate, e.g. {lower} --overwrite, or --on-divergence rollback (from the initial model)")
@@ -86,10 +85,11 @@ def stop_advice(config: RunConfig, rollbacks_tried: int, best: int | None, check
           f"further, e.g. {resume}{lower} --overwrite (from the start); {kept}")
 
 
-def lower_server_lr(lr: float) -> float:
-  """The next server learning rate to try: a tenth of ``lr``, and at most the default (a rate far above it, 1e30,
-  would otherwise be advised as 1e29)."""
-  return min(lr / SERVER_LR_STEP, ServerOptimizerConfig().lr)
+def lower_server_lr(config: RunConfig) -> str:
+  """The next server learning rate to try, as a flag: a tenth of the run's, and at most the default (a rate far
+  above it, 1e30, would otherwise be advised as 1e29)."""
+  lr = min(config.server.lr / SERVER_LR_STEP, ServerOptimizerConfig().lr)
+  return f"{cli_name(ServerOptimizerConfig, 'lr')} {lr:g}"
 
 
 def server_step_advice(config: RunConfig) -> str:
@@ -98,9 +98,8 @@ def server_step_advice(config: RunConfig) -> str:
   said = ("the server's step made the model non-finite from finite client losses, which a rollback to a lower "
           f"client learning rate (--lr) would not mend{none_tried}")
   if config.server.optimizer != "none":
-    lower = f"{cli_name(ServerOptimizerConfig, 'lr')} {lower_server_lr(config.server.lr):g}"
-    return (f"{said}: lower the server optimizer's learning rate (e.g. {lower} --resume), or check the method's "
-            "server steps")
+    return (f"{said}: lower the server optimizer's learning rate (e.g. {lower_server_lr(config)} --resume), or "
+            "check the method's server steps")
   return f"{said}: check the method's server step (a user's method), or its server-side settings"
 
 

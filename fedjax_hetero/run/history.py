@@ -14,8 +14,8 @@ import json
 import os
 from typing import Any, Callable, NamedTuple
 
-from fedjax_hetero.config import FLAGS, DivergenceConfig, FedGenConfig, RunConfig, as_dict, flatten, from_dict
 from fedjax_hetero import models
+from fedjax_hetero.config import FLAGS, DivergenceConfig, FedGenConfig, RunConfig, as_dict, flatten, from_dict
 from fedjax_hetero.methods import get_entry
 
 SEGMENTS, ROLLBACKS, PROCESSES = "segments", "rollbacks", "processes"

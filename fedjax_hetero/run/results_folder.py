@@ -124,6 +124,9 @@ def _release(fd: int, output_dir: str, made_folder: bool) -> None:
     os.close(fd)
 
 
+_MADE_HERE: set[str] = set()  # the folders this process's `lock` created, while it holds them
+
+
 @contextlib.contextmanager
 def lock(output_dir: str, enabled: bool = True) -> Iterator[None]:
   """Holds the results folder's lock for the block (see the module docstring); creates the folder if needed.
@@ -146,9 +149,6 @@ def lock(output_dir: str, enabled: bool = True) -> Iterator[None]:
   finally:
     _MADE_HERE.discard(os.path.abspath(output_dir))
     _release(fd, output_dir, made_folder)
-
-
-_MADE_HERE: set[str] = set()  # the folders this process's `lock` created, while it holds them
 
 
 def left_empty(output_dir: str) -> bool:

@@ -36,11 +36,15 @@ class Interrupted(KeyboardInterrupt):
 
 
 class StopRequests:
-  """A context in which SIGINT and SIGTERM set ``requested`` (the signal number) instead of ending the process."""
+  """A context in which SIGINT and SIGTERM set ``requested`` (the signal number) instead of ending the process.
+
+  Contexts nest: an inner one (a run's training) starts with what the outer one (its job) was asked, and hands
+  what it was asked back when it exits, so a signal between a job's runs stops the job before its next run."""
 
   def __init__(self, log: Callable[[str], None]):
     self.enabled = threading.current_thread() is threading.main_thread()
     self.log, self.requested, self._previous = log, None, {}
+    self._outer: StopRequests | None = None
 
   def _handle(self, signum: int, frame) -> None:
     if self.requested is not None and signum == signal.SIGINT:
@@ -51,12 +55,17 @@ class StopRequests:
 
   def __enter__(self) -> "StopRequests":
     if self.enabled:
+      outer = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+      if isinstance(outer, StopRequests):
+        self._outer, self.requested = outer, outer.requested
       self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
     return self
 
   def __exit__(self, *exc) -> None:
     for signum, handler in self._previous.items():
       signal.signal(signum, handler)
+    if self._outer is not None and self.requested is not None:
+      self._outer.requested = self.requested
 
   def agree(self, time_up: Sequence[bool]) -> tuple[int | None, tuple[bool, ...]]:
     """What every process does at the end of a call: stop on the signal any of them got (the highest number

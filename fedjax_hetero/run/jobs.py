@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import signal
 import time
 from typing import Any, Callable, Sequence
 
@@ -193,8 +194,17 @@ def run_jobs(configs: Sequence[RunConfig], methods: Sequence[Method] | None = No
         check_downloadable(config.data)
         datasets[source] = fdata.load_dataset(*source)
       runner.check_can_start(config, datasets[source])
-  return [runner.run_checked(config, method, datasets.get((config.data.dataset, config.data.data_dir)), log)
-          for config, method in zip(configs, methods)]
+  summaries = []
+  with StopRequests(log) as stop:  # a signal between two runs stops the job before the next one
+    for config, method in zip(configs, methods):
+      if stop.requested is not None:
+        log(f"{signal.Signals(stop.requested).name}: the job stopped before {config.output.dir} "
+            f"({len(summaries)} of {len(configs)} runs finished); to train the rest, rerun the same command with "
+            "--resume-or-start")
+        raise Interrupted(stop.requested, 0)
+      summaries.append(runner.run_checked(config, method, datasets.get((config.data.dataset, config.data.data_dir)),
+                                          log))
+  return summaries
 
 
 def run_together(configs: Sequence[RunConfig], dataset: Any = None, log: Log = print, method: Method | None = None,
@@ -244,23 +254,26 @@ class _Together:
   def train(self) -> list[dict[str, Any]]:
     for run in self.runs:
       run.wall_start = time.perf_counter()
-    try:
-      with StopRequests(self.log) as stop:
+    with StopRequests(self.log) as stop:  # also while the runs end: a signal then waits for their files
+      try:
         signum, late = stop.agree([False] * len(self.runs))
         while signum is None and not any(late) and self._step():
           signum, late = stop.agree([r.time_up() for r in self.runs])
-      if signum is not None:
-        self._interrupt(signum)
-      for run, up in zip(self.runs, late):
-        if up:
-          run.stop_for_time()
-    finally:
-      for i, run in enumerate(self.runs):
-        if i not in self.alone:
-          run.reporter.close()
-          run.manager.wait_until_finished()
-    summaries = [self.runs[i].train() if i in self.alone else run.finish()
-                 for i, run in enumerate(self.runs) if i not in self.stopped]
+        if signum is not None:
+          self._interrupt(signum)
+        for run, up in zip(self.runs, late):
+          if up:
+            run.stop_for_time()
+      finally:
+        for i, run in enumerate(self.runs):
+          if i not in self.alone:
+            run.reporter.close()
+            run.manager.wait_until_finished()
+      ended = {i: run.finish() for i, run in enumerate(self.runs) if i not in self.stopped and i not in self.alone}
+      for i in ended:
+        self.runs[i].said_ended(stop.requested)
+      ended.update({i: self.runs[i].train() for i in self.alone if i not in self.stopped})  # (a signal stops them)
+    summaries = [ended[i] for i in sorted(ended)]
     if self.stopped:  # the other runs finished: the first stop ends the job as it would end the run alone
       raise next(iter(self.stopped.values()))
     return summaries

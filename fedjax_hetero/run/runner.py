@@ -139,8 +139,7 @@ class _Run:
   def __init__(self, config: RunConfig, log: Log, method: Method, sim: Simulation, history: run_history.History,
                main: bool):
     self.config, self.log, self.method, self.sim = config, log, method, sim  # (the method before `with_run_settings`)
-    self.history, self.main = history, main
-    self.out = config.output.dir
+    self.history, self.main, self.out = history, main, config.output.dir
     self.metrics_path = os.path.join(self.out, "metrics.jsonl")
     self.rows: list[dict[str, Any]] = []
     self.state: ServerState | None = None
@@ -198,8 +197,8 @@ class _Run:
     """Trains the remaining rounds; returns the summary (written with the plot). On SIGINT or SIGTERM it stops
     after the round in progress, writes what it has and raises `Interrupted`."""
     self.wall_start = time.perf_counter()
-    try:
-      with StopRequests(self.log) as stop:
+    with StopRequests(self.log) as stop:  # also while the run ends: a signal then waits for its files
+      try:
         try:
           signum, (late,) = stop.agree([False])
           while self.state.round < self.config.rounds and signum is None and not late:
@@ -209,16 +208,24 @@ class _Run:
             signum, (late,) = stop.agree([self.time_up()])
         except KeyboardInterrupt:  # a second Ctrl-C, or one before the handlers: the round in progress is lost
           self._interrupt(signal.SIGINT, clean=False)
-      if signum is not None and self.state.round < self.config.rounds:
-        self._interrupt(signum, clean=True)
-      if signum is not None:  # (the call in progress held the last rounds: nothing is left to resume)
-        self.log(f"{signal.Signals(signum).name} came as the run ended: it finished its {self.config.rounds} rounds")
-      elif late:
-        self.stop_for_time()
-    finally:
-      self.reporter.close()
-      self.manager.wait_until_finished()
-    return self.finish()
+        if signum is not None and self.state.round < self.config.rounds:
+          self._interrupt(signum, clean=True)
+        elif late:
+          self.stop_for_time()
+      finally:
+        self.reporter.close()
+        self.manager.wait_until_finished()
+      summary = self.finish()
+      self.said_ended(stop.requested)
+    return summary
+
+  def said_ended(self, signum: int | None) -> None:
+    """Says that a signal that came as the run ended (in its last call, or as it wrote its results) found it done."""
+    if signum is not None:
+      done = self.state.round
+      ended = (f"finished its {done} rounds" if done >= self.config.rounds else
+               f"stopped after round {done} (--stop-after: rerun with --resume to continue)")
+      self.log(f"{signal.Signals(signum).name} came as the run ended: it {ended}; its results are in {self.out}")
 
   def time_up(self) -> bool:
     """Whether --stop-after's seconds have passed with rounds left (checked at the end of a call)."""

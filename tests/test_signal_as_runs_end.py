@@ -1,0 +1,83 @@
+"""A signal that comes as a run ends (while it writes its summary, plot and last checkpoint) or between the runs of a
+job: the run's files are written whole, the job stops before its next run, and the same command with
+--resume-or-start trains the rest to the rows of the runs alone. (Held-out probe: a SIGTERM while a --seeds job wrote
+its last summary ended the process silently with no summary.json and a half-deleted checkpoint.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from fedjax_hetero.config import RunConfig
+from fedjax_hetero.data import synthetic_dataset
+from fedjax_hetero.run import runner
+from fedjax_hetero.run.interruption import Interrupted
+from fedjax_hetero.run.jobs import run_jobs, run_together, runs_of
+from tests.helpers import measured
+
+pytestmark = pytest.mark.slow  # whole runs through the runner
+
+
+def tiny(output_dir, **changes) -> RunConfig:
+  flags = dict(dataset="synthetic", groups=("mlp@1", "mlp@0.5"), num_clients=6, clients_per_round=3, rounds=2,
+               eval_every=1, checkpoint_every=1, keep_checkpoints=1, progress=False, output_dir=str(output_dir),
+               batch_size=16, dissimilarity=False, round_program="host")
+  return RunConfig.from_flags(**{**flags, **changes})
+
+
+@pytest.fixture
+def ctrl_c_as_the_first_run_ends(monkeypatch):
+  """Ctrl-C (what a terminal sends) as the first run to end starts writing its results."""
+  finish, sent = runner._Run.finish, []
+
+  def finish_after_a_signal(self, *args, **kwargs):
+    if not sent and not args and not kwargs:
+      sent.append(self.out)
+      signal.raise_signal(signal.SIGINT)
+    return finish(self, *args, **kwargs)
+
+  monkeypatch.setattr(runner._Run, "finish", finish_after_a_signal)
+  return sent
+
+
+def written_whole(out: str, rounds: int) -> None:
+  with open(os.path.join(out, "summary.json")) as f:
+    summary = json.load(f)
+  assert summary["final_round"] == rounds and summary["interrupted"] is None
+  assert os.path.exists(os.path.join(out, "accuracy.png"))
+
+
+def test_a_signal_as_a_run_writes_its_results_waits_for_them(ctrl_c_as_the_first_run_ends, tmp_path):
+  logs = []
+  summary = runner.run_experiment(tiny(tmp_path / "run"), log=logs.append)
+  assert summary["final_round"] == 2
+  written_whole(str(tmp_path / "run"), 2)
+  assert any("SIGINT came as the run ended: it finished its 2 rounds" in line for line in logs), logs
+
+
+def test_a_signal_as_a_jobs_run_ends_stops_the_job_before_its_next_run(ctrl_c_as_the_first_run_ends, tmp_path):
+  runs = runs_of(tiny(tmp_path / "job"), [0, 1])
+  logs = []
+  with pytest.raises(Interrupted) as info:
+    run_jobs(runs, log=logs.append)
+  assert info.value.exit_status == 130
+  written_whole(runs[0].output.dir, 2)
+  assert not os.path.exists(runs[1].output.dir)
+  assert any("the job stopped before" in line and "--resume-or-start" in line for line in logs), logs
+  run_jobs([r.replace(resume_or_start=True) for r in runs], log=lambda _: None)
+  alone = tiny(tmp_path / "alone", seed=1)
+  runner.run_experiment(alone, log=lambda _: None)
+  assert measured(runs[1].output.dir) == measured(alone.output.dir)
+
+
+def test_a_signal_as_the_runs_of_one_program_end_waits_for_their_results(ctrl_c_as_the_first_run_ends, tmp_path):
+  runs = runs_of(tiny(tmp_path / "job", round_program="fused"), [0, 1])
+  logs = []
+  summaries = run_together(runs, synthetic_dataset(num_train=240, num_test=64, seed=0), log=logs.append)
+  assert [s["final_round"] for s in summaries] == [2, 2]
+  for run in runs:
+    written_whole(run.output.dir, 2)
+  assert any("SIGINT came as the run ended" in line for line in logs), logs  # (said by the first run)

@@ -21,19 +21,22 @@ import functools
 import importlib.metadata
 import logging
 import math
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-import dp_accounting
 import numpy as np
-from dp_accounting import rdp
 
 from fedjax_hetero.config.privacy import PrivacyConfig
+
+if TYPE_CHECKING:
+  import dp_accounting
+  from dp_accounting import rdp
 
 Row = dict[str, Any]
 
 
 def round_event(privacy: PrivacyConfig, clients_per_round: int, num_clients: int) -> dp_accounting.DpEvent:
   """One round's `dp_accounting.DpEvent` (see the module docstring)."""
+  import dp_accounting  # (here, not above: its scipy imports take a second of every command's start)
   if privacy.accountant == "poisson":
     return dp_accounting.PoissonSampledDpEvent(clients_per_round / num_clients,
                                                dp_accounting.GaussianDpEvent(privacy.noise_multiplier))
@@ -43,6 +46,8 @@ def round_event(privacy: PrivacyConfig, clients_per_round: int, num_clients: int
 
 def accountant(privacy: PrivacyConfig) -> rdp.RdpAccountant:
   """An empty RDP accountant with the neighbouring relation ``privacy.accountant`` needs."""
+  import dp_accounting
+  from dp_accounting import rdp
   relation = (dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE if privacy.accountant == "poisson" else
               dp_accounting.NeighboringRelation.REPLACE_ONE)
   return rdp.RdpAccountant(neighboring_relation=relation)
@@ -68,6 +73,7 @@ def epsilon(privacy: PrivacyConfig, clients_per_round: int, num_clients: int, ro
     return 0.0
   if privacy.noise_multiplier == 0:
     return None
+  from dp_accounting import rdp
   orders, per_round = _round_rdp(privacy, clients_per_round, num_clients)
   value = float(rdp.compute_epsilon(orders, rounds * per_round, privacy.delta)[0])
   return value if math.isfinite(value) else None

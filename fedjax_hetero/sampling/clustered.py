@@ -39,7 +39,6 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 from jax.flatten_util import ravel_pytree
-from scipy.cluster import hierarchy
 
 from fedjax_hetero.config.methods import SIMILARITIES
 
@@ -174,6 +173,7 @@ def similarity_clusters(dissimilarity: np.ndarray, sizes: np.ndarray, num_sample
   if num_clients == 1:
     return np.full((num_sampled, 1), capacity, np.int64)
   with warnings.catch_warnings():  # the square matrix "looks like" a distance matrix; it is used as features
+    from scipy.cluster import hierarchy  # (here, not above: it takes half a second of every command's start)
     warnings.simplefilter("ignore", hierarchy.ClusterWarning)
     linkage = hierarchy.linkage(np.asarray(dissimilarity, np.float64), "ward")
   clusters = weight_clusters(linkage, sizes, num_sampled)

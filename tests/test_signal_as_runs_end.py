@@ -1,5 +1,6 @@
-"""A signal that comes as a run ends (while it writes its summary, plot and last checkpoint) or between the runs of a
-job: the run's files are written whole, the job stops before its next run, and the same command with
+"""A signal that comes where no training loop holds it: as a run ends (while it writes its summary, plot and last
+checkpoint), between the runs of a job, or before training (flags, data, the first compilation): the run's files are
+written whole, the job stops before its next run, the command ends in one line, and the same command with
 --resume-or-start trains the rest to the rows of the runs alone. (Held-out probe: a SIGTERM while a --seeds job wrote
 its last summary ended the process silently with no summary.json and a half-deleted checkpoint.)"""
 
@@ -81,3 +82,31 @@ def test_a_signal_as_the_runs_of_one_program_end_waits_for_their_results(ctrl_c_
   for run in runs:
     written_whole(run.output.dir, 2)
   assert any("SIGINT came as the run ended" in line for line in logs), logs  # (said by the first run)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_before_training_ends_the_command_in_one_line_and_resume_or_start_goes_on(signum, tmp_path,
+                                                                                          monkeypatch, capsys):
+  """(Held-out probe: a Ctrl-C while the flags were parsed printed a 20-frame traceback.)"""
+  from fedjax_hetero.cli import run as cli
+  argv = ["--dataset", "synthetic", "--groups", "mlp", "--num-clients", "4", "--clients-per-round", "2",
+          "--rounds", "2", "--eval-every", "1", "--no-progress"]
+  open_run = runner.open_run
+
+  def open_then_signal(*args, **kwargs):  # the folder made, the first program not compiled yet
+    opened = open_run(*args, **kwargs)
+    signal.raise_signal(signum)
+    return opened
+
+  monkeypatch.setattr(runner, "open_run", open_then_signal)
+  out = str(tmp_path / "run")
+  with pytest.raises(SystemExit) as info:
+    cli.main("synthetic", argv + ["--output-dir", out])
+  assert info.value.code == 128 + signum
+  err = capsys.readouterr().err
+  assert err.strip().splitlines() == [f"{signal.Signals(signum).name}: stopped with no round in progress; to go on, "
+                                      "run the same command with --resume-or-start"], err
+  monkeypatch.undo()
+  cli.main("synthetic", argv + ["--output-dir", out, "--resume-or-start"])
+  cli.main("synthetic", argv + ["--output-dir", str(tmp_path / "straight")])
+  assert measured(out) == measured(tmp_path / "straight")

@@ -31,7 +31,7 @@ from fedjax_hetero.methods import get_entry
 from fedjax_hetero.methods.catalog import readers
 from fedjax_hetero.run.build import run_method
 from fedjax_hetero.run.continuation import keep_latest_local_training
-from fedjax_hetero.run.interruption import Interrupted
+from fedjax_hetero.run.interruption import Interrupted, one_line_on_signals
 from fedjax_hetero.run.jobs import parse_sweep, run_jobs, runs_of, sweep_names
 from fedjax_hetero.run.preflight import check_settings
 from fedjax_hetero.run.runner import run_checked
@@ -326,13 +326,14 @@ def main(dataset: str = "fashion_mnist", argv: Sequence[str] | None = None, desc
          coarse_labels: bool = False) -> dict[str, Any] | list[dict[str, Any]]:
   """Parses flags and runs (one run per seed with ``--seeds``: a list of summaries); ``coarse_labels`` adds
   ``--coarse`` (CIFAR-100's 20 superclasses)."""
-  config, processes, args, chosen = parse(argv, dataset, description, coarse_labels)
-  try:
-    sweeps = [parse_sweep(text, config) for text in args.sweep]
-  except ValueError as e:
-    fail(str(e))
-  with declare.named_from({**args.setting_names, **sweep_names(sweeps)}):
-    return _main(config, processes, args, chosen, sweeps)
+  with one_line_on_signals():
+    config, processes, args, chosen = parse(argv, dataset, description, coarse_labels)
+    try:
+      sweeps = [parse_sweep(text, config) for text in args.sweep]
+    except ValueError as e:
+      fail(str(e))
+    with declare.named_from({**args.setting_names, **sweep_names(sweeps)}):
+      return _main(config, processes, args, chosen, sweeps)
 
 
 def _main(config: RunConfig, processes: DistributedConfig, args: argparse.Namespace, chosen: Preset | None,

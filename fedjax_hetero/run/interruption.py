@@ -12,9 +12,11 @@ host, the launcher's to all) stops every process after the same call, each savin
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import sys
 import threading
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -33,6 +35,36 @@ class Interrupted(KeyboardInterrupt):
   @property
   def exit_status(self) -> int:
     return 128 + self.signum
+
+
+class _Terminated(KeyboardInterrupt):
+  def __init__(self, signum: int):
+    super().__init__(signal.Signals(signum).name)
+    self.signum = signum
+
+
+@contextlib.contextmanager
+def one_line_on_signals() -> Iterator[None]:
+  """Around a whole command: a Ctrl-C or SIGTERM that comes where no run's training loop holds them (while flags
+  parse, data loads or a first program compiles) ends it with one line and the shell's status, not a traceback.
+  A folder it leaves holds no run, or the run as far as its checkpoints go: --resume-or-start goes on from it."""
+  def terminated(signum: int, frame) -> None:
+    raise _Terminated(signum)
+
+  main = threading.current_thread() is threading.main_thread()
+  previous = signal.signal(signal.SIGTERM, terminated) if main else None
+  try:
+    yield
+  except Interrupted:  # (a run said how it stopped)
+    raise
+  except KeyboardInterrupt as e:
+    signum = getattr(e, "signum", signal.SIGINT)
+    print(f"{signal.Signals(signum).name}: stopped with no round in progress; to go on, run the same command with "
+          "--resume-or-start", file=sys.stderr)
+    raise SystemExit(128 + signum) from None
+  finally:
+    if previous is not None:
+      signal.signal(signal.SIGTERM, previous)
 
 
 class StopRequests:

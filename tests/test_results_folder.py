@@ -229,7 +229,7 @@ def test_a_write_that_fails_in_orbax_threads_raises_one_error_and_the_process_ex
                         timeout=120)
   lines = error_lines(proc.stderr)
   assert proc.returncode == 0 and len(lines) == 1, proc.stderr[-3000:]
-  assert lines[0].startswith(f"error: cannot write ") and "Operation not permitted (EPERM" in lines[0], lines
+  assert lines[0].startswith("error: cannot write ") and "Operation not permitted (EPERM" in lines[0], lines
 
 
 def test_a_full_disk_stops_the_run_in_one_line(tmp_path):

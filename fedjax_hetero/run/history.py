@@ -21,9 +21,9 @@ from fedjax_hetero.methods import get_entry
 SEGMENTS, ROLLBACKS, PROCESSES = "segments", "rollbacks", "processes"
 # Settings a resumed run may change. The first set leaves the trajectory as it was up to float tolerance (the
 # backends and the two round programs agree to it; steps_per_call and rounds_per_call only group the same steps and
-# rounds into calls; the dissimilarity metric only adds an upload). The second is the clients' local optimizer, rebuilt every round: lowering the learning rate
-# after a divergence is the usual reason to resume. Anything else (data, partition, models, method and its
-# settings) is a different run.
+# rounds into calls; the dissimilarity metric only adds an upload). The second is the clients' local optimizer,
+# rebuilt every round: lowering the learning rate after a divergence is the usual reason to resume. Anything else
+# (data, partition, models, method and its settings) is a different run.
 # (Not ``dissimilarity``: it changes no trajectory, but it adds a term and a server step, so a checkpoint's state.)
 UNCHANGED_TRAJECTORY = frozenset({"data.data_dir", "rounds", "eval_every", "backend", "round_program",
                                   "rounds_per_call", "client.steps_per_call", "stop_after",

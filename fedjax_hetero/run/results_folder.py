@@ -235,7 +235,8 @@ def _check_history(path: str, saved: dict[str, Any]) -> None:
   if any(not isinstance(seg.get("from_round"), int) or not isinstance(seg.get("settings"), dict)
          for seg in saved.get("segments", [])):
     raise ValueError(f"{path}: a segment lacks its from_round or settings")
-  if any(not (isinstance(r.get("learning_rate"), list) and len(r["learning_rate"]) == 2) for r in saved.get("rollbacks", [])):
+  if any(not (isinstance(r.get("learning_rate"), list) and len(r["learning_rate"]) == 2)
+         for r in saved.get("rollbacks", [])):
     raise ValueError(f"{path}: a rollback lacks its learning_rate [before, after]")
   processes = saved.get("processes", 1)
   if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:

@@ -110,3 +110,23 @@ def test_a_signal_before_training_ends_the_command_in_one_line_and_resume_or_sta
   cli.main("synthetic", argv + ["--output-dir", out, "--resume-or-start"])
   cli.main("synthetic", argv + ["--output-dir", str(tmp_path / "straight")])
   assert measured(out) == measured(tmp_path / "straight")
+
+
+def test_a_signal_in_a_jobs_first_run_advises_what_continues_the_whole_job(tmp_path, monkeypatch):
+  """(Held-out probe: the advice was --resume, which refuses the folders of the runs that never started.)"""
+  one_round, sent = runner._Run._round, []
+
+  def round_then_signal(self):
+    error = one_round(self)
+    if not sent:
+      sent.append(signal.raise_signal(signal.SIGINT))
+    return error
+
+  monkeypatch.setattr(runner._Run, "_round", round_then_signal)
+  runs, logs = runs_of(tiny(tmp_path / "job", rounds=3), [0, 1]), []
+  with pytest.raises(Interrupted):
+    run_jobs(runs, log=logs.append)
+  assert "the job's 1 later run(s) have not started: to continue the whole job, rerun the same command with " \
+         "--resume-or-start" in logs, logs
+  run_jobs([r.replace(resume_or_start=True) for r in runs], log=lambda _: None)
+  assert [len(measured(r.output.dir)) for r in runs] == [3, 3]

@@ -278,6 +278,24 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
     return action.help if action.default in (None, False) else super()._get_help_string(action)
 
 
+def plot_path(flag: str, path: str) -> str:
+  """``path`` checked before the tables (an error is one line, not a traceback after them) and its folder made;
+  returned with the ".png" matplotlib adds to a name without an extension."""
+  from matplotlib.backend_bases import FigureCanvasBase
+
+  if os.path.isdir(path) or path.endswith(os.sep):
+    raise SystemExit(f"error: {flag} {path!r} is a folder: give a file, e.g. {os.path.join(path, 'compare.png')!r}")
+  extension, formats = os.path.splitext(path)[1][1:].lower(), sorted(FigureCanvasBase.get_supported_filetypes())
+  if extension and extension not in formats:
+    raise SystemExit(f"error: {flag} {path!r}: matplotlib does not write .{extension}; use one of "
+                     + ", ".join("." + f for f in formats))
+  try:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  except OSError as e:
+    raise SystemExit(f"error: {flag} {path!r}: {os_errors.describe(e)}") from None
+  return path if extension else path + ".png"
+
+
 def main(argv: Sequence[str] | None = None) -> str:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
   p.add_argument("run_dirs", nargs="+")
@@ -305,14 +323,17 @@ def main(argv: Sequence[str] | None = None) -> str:
   if args.target is not None and not 0 < args.target <= 1:
     example = args.target if 1 < args.target <= 100 else 87
     raise SystemExit(f"error: --target {args.target:g} is a fraction of 1 ({example / 100:g} for {example:g}%)")
-  outputs = (("--output", args.output), ("--cost-output", args.cost_output), ("--client-output", args.client_output))
-  for flag, path in ((f, p) for f, p in outputs if p):
-    try:  # (before the tables: a plot's folder that cannot be made is one line, not a traceback after them)
-      os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    except OSError as e:
-      raise SystemExit(f"error: {flag} {path!r}: {os_errors.describe(e)}") from None
+  if args.per_group and not (args.baseline or args.output):
+    raise SystemExit("error: --per-group adds every group to --baseline's tables and to --output's plot: give either")
+  for name in ("output", "cost_output", "client_output"):
+    if getattr(args, name):
+      setattr(args, name, plot_path("--" + name.replace("_", "-"), getattr(args, name)))
   say = os_errors.StdoutLog()  # (`compare ... | head`: the plots are still written, the rest goes to stderr)
-  labels = args.labels.split(",") if args.labels else [os.path.basename(os.path.normpath(d)) for d in args.run_dirs]
+  labels = (args.labels.split(",") if args.labels is not None
+            else [os.path.basename(os.path.normpath(d)) for d in args.run_dirs])
+  empty = [i for i, label in enumerate(labels, start=1) if not label.strip()]
+  if empty:
+    raise SystemExit(f"error: --labels {args.labels!r}: label {empty[0]} is empty (give one name per run)")
   if len(labels) != len(args.run_dirs):
     raise SystemExit(f"error: {len(labels)} labels for {len(args.run_dirs)} runs")
   runs = []

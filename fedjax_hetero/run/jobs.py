@@ -202,8 +202,14 @@ def run_jobs(configs: Sequence[RunConfig], methods: Sequence[Method] | None = No
             f"({len(summaries)} of {len(configs)} runs finished); to train the rest, rerun the same command with "
             "--resume-or-start")
         raise Interrupted(stop.requested, 0)
-      summaries.append(runner.run_checked(config, method, datasets.get((config.data.dataset, config.data.data_dir)),
-                                          log))
+      try:
+        summaries.append(runner.run_checked(config, method,
+                                            datasets.get((config.data.dataset, config.data.data_dir)), log))
+      except Interrupted:
+        if len(summaries) + 1 < len(configs):  # (--resume refuses the folders of runs that never started)
+          log(f"the job's {len(configs) - len(summaries) - 1} later run(s) have not started: to continue the whole "
+              "job, rerun the same command with --resume-or-start")
+        raise
   return summaries
 
 

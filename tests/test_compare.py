@@ -373,3 +373,21 @@ def test_the_table_gives_each_private_runs_epsilon_at_the_last_row_compared():
   lines = compare.table([private, unbounded, fake_run("C", 0, [0.5, 0.6])], last=2).splitlines()
   assert "| privacy spent: epsilon (delta) |" in lines[0]
   assert "| 3.21 (1e-05) |" in lines[2] and "| no bound (1e-05) |" in lines[3] and "| - | 1.0 |" in lines[4]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--output", "x.xyz"], r"--output 'x.xyz': matplotlib does not write .xyz; use one of .*\.pdf, .*\.png, .*\.svg"),
+    (["--cost-output", "c.XYZ"], r"--cost-output 'c.XYZ': matplotlib does not write .xyz; use one of \.avif"),
+    (["--output", "TMP"], r"--output 'TMP' is a folder: give a file, e.g. 'TMP/compare.png'$"),
+    (["--per-group"], r"--per-group adds every group to --baseline's tables and to --output's plot: give either$"),
+    (["--labels", ","], r"--labels ',': label 1 is empty \(give one name per run\)$"), (["--labels", "a, "], "--labels .a, .: label 2")])
+def test_plot_names_per_group_and_labels_are_refused_before_the_table(tmp_path, capsys, flags, message):
+  """Held-out probes 2: T5 (a matplotlib traceback after the table), S9 (a folder as --output wrote FOLDER.png and
+  said it wrote FOLDER), S7 (--per-group alone did nothing), S8 (empty labels named runs '')."""
+  dirs = [write_run(tmp_path, *fake_run("A", 0, [0.5, 0.6])), write_run(tmp_path, *fake_run("B", 0, [0.4, 0.7]))]
+  with pytest.raises(SystemExit, match="^error: " + message.replace("TMP", re.escape(str(tmp_path)))):
+    compare.main(dirs + [f.replace("TMP", str(tmp_path)) for f in flags])
+  assert capsys.readouterr().out == "", "nothing is printed before the error"
+  compare.main(dirs + ["--output", str(tmp_path / "plot")])
+  assert capsys.readouterr().out.endswith(f"wrote {tmp_path / 'plot.png'}\n")
+  assert (tmp_path / "plot.png").exists(), "a name without an extension gets the .png matplotlib adds, and says so"

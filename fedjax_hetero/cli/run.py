@@ -257,10 +257,11 @@ def parse(argv: Sequence[str] | None, dataset: str, description: str | None = No
       args.notes.append(f"note: {FLAGS[first].cli} replaces {second} {getattr(args, second)} of {source}")
       setattr(args, second, None)
   # A setting at its default is named so in the checks of the whole config, not as a flag the user gave.
-  defaults_named = {leaf.cli: f"{leaf.cli} (default)" for leaf in FLAGS.values()
-                    if leaf.flag not in given and leaf.path not in sources and not leaf.path.startswith("output.")}
+  args.setting_names = {**{leaf.cli: f"{leaf.cli} (default)" for leaf in FLAGS.values() if leaf.flag not in given
+                           and leaf.path not in sources and not leaf.path.startswith("output.")},
+                        **args.setting_names}
   try:
-    with declare.named_from({**defaults_named, **args.setting_names}):
+    with declare.named_from(args.setting_names):
       config = _without_unread_options(flags.config_from_args(args), args.setting_sources, "method" in given,
                                        args.notes)
       args.notes += file_notes(args.config, config)

@@ -184,6 +184,13 @@ def cli_name(owner: Any, name: str) -> str:
   return in_messages(spelling(owner, field_named(owner, name)))
 
 
+def flag_of(owner: Any, name: str) -> str:
+  """The command-line flag of field ``name`` of ``owner``, for advice to pass it (`cli_name` says where a value
+  came from, which advice to add the flag must not)."""
+  owner = owner if isinstance(owner, type) else type(owner)
+  return spelling(owner, field_named(owner, name))
+
+
 def validate(config: Any) -> None:
   """Runs every declared field's check on ``config``; ValueError naming the setting (`cli_name`)."""
   for field in dataclasses.fields(config):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fedjax_hetero.config.declare import Number, OneOf, Settings, cli_name, setting, validate
+from fedjax_hetero.config.declare import Number, OneOf, Settings, cli_name, flag_of, setting, validate
 from fedjax_hetero.config.federation import FederationConfig
 
 # How the accountant models a round's draw of clients_per_round of num_clients (docs/privacy.md).
@@ -45,7 +45,7 @@ class PrivacyConfig(Settings):
                  if f.name != "clip" and getattr(self, f.name) != f.default]
       if changed:
         raise ValueError(f"{', '.join(changed)} set{'s' if len(changed) == 1 else ''} differential privacy, which "
-                         f"is off: add {cli_name(self, 'clip')} C")
+                         f"is off: add {flag_of(self, 'clip')} C")
 
 
 def check_privacy(privacy: PrivacyConfig, federation: FederationConfig) -> None:

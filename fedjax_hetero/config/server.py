@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fedjax_hetero.config.declare import Number, OneOf, Settings, cli_name, setting, validate
+from fedjax_hetero.config.declare import Number, OneOf, Settings, cli_name, flag_of, setting, validate
 
 SERVER_OPTIMIZERS = ("none", "adam", "yogi", "adagrad")
 
@@ -34,4 +34,7 @@ class ServerOptimizerConfig(Settings):
                  if f.name != "optimizer" and getattr(self, f.name) != f.default]
       if changed:
         raise ValueError(f"{', '.join(changed)} set{'s' if len(changed) == 1 else ''} the server optimizer, and "
-                         f"there is none: add {cli_name(self, 'optimizer')} adam, yogi or adagrad")
+                         f"there is none: add {flag_of(self, 'optimizer')} adam, yogi or adagrad")
+    elif self.optimizer == "adagrad" and self.beta2 != ServerOptimizerConfig.beta2:
+      raise ValueError(f"{cli_name(self, 'beta2')} {self.beta2:g} has no effect with {cli_name(self, 'optimizer')} "
+                       "adagrad, whose second moment sums the squared updates (Reddi et al. 2021, Alg. 2): drop it")

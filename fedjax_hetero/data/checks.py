@@ -82,11 +82,25 @@ def check_parts(name: str, parts: Sequence[Any], num_samples: int) -> None:
   if isinstance(parts, (str, bytes, np.ndarray)) or not hasattr(parts, "__len__") or not len(parts):
     raise ValueError(f"{name} must be a non-empty sequence of per-client sample-id arrays, got {type(parts).__name__}")
   for client, part in enumerate(parts):
-    ids = np.asarray(part)
-    if ids.ndim != 1 or not (np.issubdtype(ids.dtype, np.integer) or ids.size == 0):
-      raise ValueError(f"{name}[{client}] must be a 1-D array of integer sample ids, got {ids.dtype} {ids.shape}")
-    if ids.size and (ids.min() < 0 or ids.max() >= num_samples):
-      bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
-      raise ValueError(f"{name}[{client}] holds sample id {bad}, outside the {num_samples} images [0, {num_samples})")
+    ids = check_sample_ids(f"{name}[{client}]", part, num_samples, "images")
     if ids.size == 0:
       raise ValueError(f"{name}[{client}] holds no sample: every client needs at least one")
+
+
+def check_sample_ids(name: str, ids: Any, num_samples: int | None = None, samples: str = "samples") -> np.ndarray:
+  """A 1-D array of integer sample ids (empty too), each in [0, num_samples) when that is given; returns it."""
+  ids = np.asarray(ids)
+  if ids.ndim != 1 or not (np.issubdtype(ids.dtype, np.integer) or ids.size == 0):
+    raise ValueError(f"{name} must be a 1-D array of integer sample ids, got {ids.dtype} {ids.shape}")
+  if num_samples is not None and ids.size and (ids.min() < 0 or ids.max() >= num_samples):
+    bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+    raise ValueError(f"{name} holds sample id {bad}, outside the {num_samples} {samples} [0, {num_samples})")
+  return ids
+
+
+def check_image_shape(name: str, shape: Any) -> tuple[int, int, int]:
+  """(H, W, C), three integers >= 1."""
+  if (isinstance(shape, (str, bytes)) or not hasattr(shape, "__len__") or len(shape) != 3
+      or not all(isinstance(d, numbers.Integral) and not isinstance(d, bool) and d >= 1 for d in shape)):
+    raise ValueError(f"{name} must be (H, W, C), three integers >= 1, got {shape!r}")
+  return tuple(int(d) for d in shape)  # type: ignore[return-value]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import numbers
 import os
 import zlib
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from fedjax_hetero.data import checks
+from fedjax_hetero.validation import check_integer, check_number
 
 # cifar100_coarse: CIFAR-100 with its 20 superclass labels (the FedCross authors' code trains on these).
 DATASETS: tuple[str, ...] = ("fashion_mnist", "cifar10", "cifar100", "cifar100_coarse", "svhn_cropped", "synthetic")
@@ -103,9 +105,10 @@ class ArrayDataset:
 
   def subset(self, num_train: int | None, num_test: int | None, seed: int = 0) -> ArrayDataset:
     """A class-balanced random subset (None keeps a split whole); deterministic in `seed`."""
+    check_integer("seed", seed, minimum=0)
     rng = np.random.default_rng(seed)
-    train_idx = _balanced_choice(self.train_labels, num_train, rng)
-    test_idx = _balanced_choice(self.test_labels, num_test, rng)
+    train_idx = _balanced_choice(self.train_labels, num_train, rng, "num_train")
+    test_idx = _balanced_choice(self.test_labels, num_test, rng, "num_test")
     return dataclasses.replace(
         self,
         train_images=self.train_images[train_idx],
@@ -115,13 +118,13 @@ class ArrayDataset:
     )
 
 
-def _balanced_choice(labels: np.ndarray, n: int | None, rng: np.random.Generator) -> np.ndarray:
+def _balanced_choice(labels: np.ndarray, n: int | None, rng: np.random.Generator, name: str) -> np.ndarray:
   """Sorted indices of n samples drawn round-robin over classes in random order."""
   total = len(labels)
   if n is None:
     return np.arange(total)
-  if not 0 <= n <= total:
-    raise ValueError(f"subset size must be in [0, {total}], got {n}")
+  if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 0 <= n <= total:
+    raise ValueError(f"{name} must be None or an integer in [0, {total}] (the samples of the split), got {n!r}")
   perm = rng.permutation(total)
   shuffled = labels[perm]
   order = np.argsort(shuffled, kind="stable")
@@ -144,7 +147,9 @@ def resize_images(images: np.ndarray, size: int, chunk: int = 4096) -> np.ndarra
   import jax  # only here: the data module is otherwise numpy
   import jax.numpy as jnp
 
-  n, height, width, channels = images.shape
+  check_integer("size", size, minimum=1)
+  check_integer("chunk", chunk, minimum=1)
+  n, height, width, channels = checks.check_images("images", images)
   if (height, width) == (size, size):
     return images
   out = np.empty((n, size, size, channels), np.uint8)
@@ -343,10 +348,12 @@ def synthetic_dataset(
     noise_std: float = 32.0,
 ) -> ArrayDataset:
   """Easily learnable data: a fixed random uint8 prototype per class plus Gaussian noise."""
-  if num_classes < 2 or num_train < 1 or num_test < 0 or len(image_shape) != 3:
-    raise ValueError(
-        "need num_classes >= 2, num_train >= 1, num_test >= 0, image_shape (H, W, C); got "
-        f"{num_classes}, {num_train}, {num_test}, {image_shape}")
+  checks.check_num_classes("num_classes", num_classes)
+  check_integer("num_train", num_train, minimum=1)
+  check_integer("num_test", num_test, minimum=0)
+  image_shape = checks.check_image_shape("image_shape", image_shape)
+  check_number("noise_std", noise_std, minimum=0)
+  check_integer("seed", seed, minimum=0)
   rng = np.random.default_rng(seed)
   prototypes = rng.integers(0, 256, size=(num_classes, *image_shape)).astype(np.float32)
 

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import zipfile
 from typing import Sequence
 
 import numpy as np
+
+from fedjax_hetero.data.checks import check_sample_ids
+from fedjax_hetero.validation import check_integer
 
 SCHEMES: tuple[str, ...] = ("iid", "iid_imbalanced", "dirichlet", "shards")
 DIRICHLET_MAX_TRIES = 1000
@@ -35,6 +39,10 @@ def _check_num_clients(labels: np.ndarray, num_clients: int) -> None:
     raise ValueError(f"num_clients must be >= 1, got {num_clients}")
   if num_clients > len(labels):
     raise ValueError(f"num_clients={num_clients} exceeds the {len(labels)} training samples")
+
+
+def _check_seed(seed: int) -> None:
+  check_integer("seed", seed, minimum=0)  # (numpy's generators take no negative seed)
 
 
 def _check_alpha(alpha: float) -> None:
@@ -71,6 +79,7 @@ def iid(labels: np.ndarray, num_clients: int, seed: int) -> list[np.ndarray]:
   """Uniformly random split into clients whose sizes differ by at most 1."""
   labels = _check_labels(labels)
   _check_num_clients(labels, num_clients)
+  _check_seed(seed)
   perm = np.random.default_rng(seed).permutation(len(labels))
   return np.array_split(perm.astype(np.int64), num_clients)
 
@@ -83,6 +92,7 @@ def iid_imbalanced(
   _check_num_clients(labels, num_clients)
   if not 0 <= sigma < float("inf"):
     raise ValueError(f"sigma must be a finite number >= 0, got {sigma}")
+  _check_seed(seed)
   rng = np.random.default_rng(seed)
   weights = rng.lognormal(0.0, sigma, size=num_clients)
   # One guaranteed sample each; the rest shared by weight, remainder to the
@@ -130,6 +140,7 @@ def dirichlet(
   _check_num_clients(labels, num_clients)
   _check_alpha(alpha)
   _check_min_size(labels, num_clients, min_size)
+  _check_seed(seed)
   rng = np.random.default_rng(seed)
   class_indices = [np.flatnonzero(labels == k).astype(np.int64) for k in np.unique(labels)]
   for _ in range(DIRICHLET_MAX_TRIES):
@@ -154,6 +165,7 @@ def shards(
   labels = _check_labels(labels)
   _check_num_clients(labels, num_clients)
   _check_classes_per_client(labels, num_clients, classes_per_client)
+  _check_seed(seed)
   rng = np.random.default_rng(seed)
   num_shards = num_clients * classes_per_client
   # Shuffle before the stable sort so the order within a class is random.
@@ -181,6 +193,7 @@ def partition(
     raise ValueError(f"unknown partition scheme {scheme!r}; accepted: {', '.join(SCHEMES)}")
   labels = _check_labels(labels)
   _check_num_clients(labels, num_clients)
+  _check_seed(seed)
   if scheme == "dirichlet":
     _check_alpha(alpha)
     _check_min_size(labels, num_clients, min_size)
@@ -204,11 +217,14 @@ def hold_out(parts: Sequence[np.ndarray], fraction: float, seed: int) -> tuple[l
   without replacement from ``seed`` and the client's id (a client's split does not depend on the others'); both
   parts keep the client's order. ValueError naming the first client whose split would leave it no training
   sample (``fraction`` in (0, 1) needs at least 2 samples per client, more for a larger fraction)."""
+  if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
+    raise TypeError(f"hold_out's fraction must be a number in (0, 1), got {fraction!r}")
   if not 0 < fraction < 1:
     raise ValueError(f"--client-eval-fraction must be in (0, 1), got {fraction}")
+  _check_seed(seed)
   train, held = [], []
   for client, part in enumerate(parts):
-    part = np.asarray(part)
+    part = check_sample_ids(f"parts[{client}]", part)
     count = held_out_size(len(part), fraction)
     if len(part) - count < 1:
       raise ValueError(f"--client-eval-fraction {fraction:g}: client {client} holds {len(part)} sample"
@@ -228,7 +244,8 @@ def class_counts(labels: np.ndarray, parts: list[np.ndarray], num_classes: int) 
     raise ValueError(f"labels must be < num_classes={num_classes}, got {labels.max()}")
   counts = np.zeros((len(parts), num_classes), dtype=np.int64)
   for i, part in enumerate(parts):
-    counts[i] = np.bincount(labels[part], minlength=num_classes)
+    ids = check_sample_ids(f"parts[{i}]", part, len(labels), "samples of labels")
+    counts[i] = np.bincount(labels[ids], minlength=num_classes)
   return counts
 
 
@@ -312,6 +329,7 @@ def load_partition_file(path: str) -> list[np.ndarray]:
       raise ValueError("a .json partition must be a list with one list of sample indices per client")
     if not all(isinstance(i, int) and not isinstance(i, bool) for p in parts for i in p):
       raise ValueError("a .json partition's sample indices must be integers")
+    _check_int64(parts)
     parts = [np.asarray(p, np.int64) for p in parts]
   else:
     raise ValueError("a partition file must end in .npz (one array per client, keys 0..K-1) or .json "
@@ -321,11 +339,22 @@ def load_partition_file(path: str) -> list[np.ndarray]:
       raise ValueError(f"client {client}'s indices must be a 1-D integer array, got {part.dtype} {part.shape}")
     if part.size == 0:
       raise ValueError(f"client {client} has no samples")
+    if part.dtype == np.uint64:
+      _check_int64([[part.max()]], client)
   return [part.astype(np.int64) for part in parts]
+
+
+def _check_int64(parts: Sequence[Sequence[int]], first_client: int = 0) -> None:
+  """Every index fits an int64 (ValueError naming the client and the index, not numpy's OverflowError)."""
+  for client, part in enumerate(parts, first_client):
+    bad = next((int(i) for i in part if not -2 ** 63 <= int(i) < 2 ** 63), None)
+    if bad is not None:
+      raise ValueError(f"client {client} holds sample index {bad}, outside the 64-bit integers a sample index is read as")
 
 
 def save_partition_file(path: str, parts: list[np.ndarray]) -> None:
   """Writes ``parts`` as `load_partition_file` reads an ``.npz`` (``path`` must end in .npz)."""
   if not path.endswith(".npz"):
     raise ValueError(f"the partition file must end in .npz, got {path!r}")
+  parts = [check_sample_ids(f"parts[{client}]", part) for client, part in enumerate(parts)]
   np.savez_compressed(path, **{str(c): np.asarray(p, np.int64) for c, p in enumerate(parts)})

@@ -116,7 +116,7 @@ def _check_batches(config: Any, sizes: np.ndarray, log: Callable[[str], None]) -
   largest = int(sizes.max()) if len(sizes) else 0
   if local.batch_size > largest and not local.drop_last:
     waste = (f"{flag} {local.batch_size} exceeds the largest client's {largest} samples: every batch is padded to "
-             f"{local.batch_size} rows for the result {flag} {largest} gives")
+             f"{local.batch_size} rows for the result a batch size of {largest} gives")
     if local.batch_size > PADDING_REFUSED * largest:
       raise ValueError(f"{waste} (over {PADDING_REFUSED}x the work); pass at most {largest}")
     log(f"warning: {waste} (up to {local.batch_size / max(largest, 1):.1f}x the work)")

@@ -15,6 +15,8 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from fedjax_hetero.validation import check_integer, check_number
+
 _STREAM = 3  # this draw's stream beside the sampler's (0, 1) and the group draw's (2) under the same seed
 
 
@@ -31,6 +33,13 @@ class Availability(NamedTuple):
   def answers(self, clients: np.ndarray, groups: np.ndarray, round_index: int) -> np.ndarray:
     """Whether each of ``clients`` (of architecture ``groups`` this round) answers round ``round_index``
     (0-based)."""
+    clients, groups = np.asarray(clients), np.asarray(groups)
+    _check_ids("clients", clients, self.num_clients, "clients")
+    _check_ids("groups", groups, len(self.drop_probability), "architecture groups")
+    if clients.shape != groups.shape:
+      raise ValueError(f"clients and groups need one entry each per client, got shapes {clients.shape} and "
+                       f"{groups.shape}")
+    check_integer("round_index", round_index, minimum=0)
     answered = np.ones(len(clients), bool)
     if np.any(self.drop_probability > 0):
       draws = np.random.default_rng([self.seed, round_index, _STREAM]).random(self.num_clients)
@@ -44,9 +53,28 @@ def availability(drop_probability: Sequence[float], absent: Sequence[tuple[int, 
                  num_clients: int, seed: int) -> Availability:
   """An `Availability` from one dropout probability for every group or one per group (none: every client
   answers) and a trace's (client, round) pairs."""
+  check_integer("num_groups", num_groups, minimum=1)
+  check_integer("num_clients", num_clients, minimum=1)
+  check_integer("seed", seed, minimum=0)
+  if len(drop_probability) not in (0, 1, num_groups):
+    raise ValueError(f"drop_probability takes one probability, or one per architecture group ({num_groups}), got "
+                     f"{len(drop_probability)}")
+  for g, value in enumerate(drop_probability):
+    check_number(f"drop_probability[{g}]", value, 0, 1)
+  for i, (client, round_) in enumerate(absent):
+    check_integer(f"absent[{i}]'s client", client, 0, num_clients - 1)
+    check_integer(f"absent[{i}]'s round (rounds count from 1)", round_, minimum=1)
   p = np.zeros(num_groups) if not len(drop_probability) else np.broadcast_to(
       np.asarray(drop_probability, float), (num_groups,)).copy()
   return Availability(p, frozenset((int(c), int(r)) for c, r in absent), num_clients, seed)
+
+
+def _check_ids(name: str, ids: np.ndarray, count: int, what: str) -> None:
+  if ids.ndim != 1 or not (np.issubdtype(ids.dtype, np.integer) or ids.size == 0):
+    raise ValueError(f"{name} must be a 1-D integer array, got {ids.dtype} {ids.shape}")
+  if ids.size and (ids.min() < 0 or ids.max() >= count):
+    bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+    raise ValueError(f"{name} holds {bad}, outside the {count} {what} [0, {count})")
 
 
 def read_trace(path: str, num_clients: int) -> list[tuple[int, int]]:

@@ -33,6 +33,7 @@ a pytree update into the 1-D vector `ClusteredSampler.update` stores.
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from typing import Any, Sequence
 
@@ -72,6 +73,9 @@ def pairwise_dissimilarity(a: np.ndarray, b: np.ndarray, similarity: str = "L1")
     raise ValueError(f"unknown similarity {similarity!r}; expected one of {SIMILARITIES}")
   a = np.asarray(a)
   b = np.asarray(b)
+  if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
+    raise ValueError(f"a and b must be [P, D] and [Q, D] arrays of the same D (rows of updates), got shapes "
+                     f"{a.shape} and {b.shape}")
   out = np.empty((a.shape[0], b.shape[0]), np.float64)
   rows = max(1, _BLOCK_ELEMENTS // max(1, b.shape[1]))
   if similarity == "arccos":
@@ -105,13 +109,29 @@ def _fill(distributions: np.ndarray, order: Sequence[int], mass: np.ndarray, cap
       left -= take
 
 
+def _check_sizes(sizes: Any) -> np.ndarray:
+  """Clients' sample counts: a 1-D array of integers >= 0, not all 0."""
+  values = np.asarray(sizes)
+  if values.ndim != 1 or not np.issubdtype(values.dtype, np.integer):
+    raise ValueError(f"sizes must be a 1-D array of integer sample counts, one per client, got {values.dtype} "
+                     f"{values.shape}")
+  if values.size and values.min() < 0:
+    raise ValueError(f"sizes holds {int(values.min())} (client {int(values.argmin())}); a sample count is >= 0")
+  if values.sum() <= 0:
+    raise ValueError(f"sizes must count at least one sample (the importances are sizes / sizes.sum()), got "
+                     f"{values.tolist()[:8]}")
+  return values.astype(np.int64)
+
+
 def size_clusters(sizes: np.ndarray, num_sampled: int) -> np.ndarray:
   """Algorithm 1 (sample-size clustering): the ``m`` distributions in integer units [m, N].
 
   Row k, divided by ``sizes.sum()``, is ``r_k``. Clients are poured in
   decreasing size (ties by id), so most clients sit in a single distribution.
   """
-  sizes = np.asarray(sizes, np.int64)
+  sizes = _check_sizes(sizes)
+  if isinstance(num_sampled, bool) or not isinstance(num_sampled, numbers.Integral) or num_sampled < 1:
+    raise ValueError(f"num_sampled must be an integer >= 1, got {num_sampled!r}")
   mass = num_sampled * sizes
   distributions = np.zeros((num_sampled, len(sizes)), np.int64)
   order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))

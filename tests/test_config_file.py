@@ -107,7 +107,7 @@ def test_an_unquoted_off_is_read_as_the_choice_off_where_a_setting_has_it(tmp_pa
   "must be one of stop, rollback, off, got False"."""
   assert read_config(written(tmp_path, "off.yaml", "divergence: {action: off}\n")).divergence.action == "off"
   assert read_config(written(tmp_path, "flat.yaml", "on_divergence: OFF\n")).divergence.action == "off"
-  with pytest.raises(ValueError, match=r"divergence.action \(line 1\) must be one of stop, rollback, off, got False"):
+  with pytest.raises(ValueError, match=r"divergence.action \(line 1\) must be one of stop, rollback, off, got 'false'"):
     read_config(written(tmp_path, "false.yaml", "divergence: {action: false}\n"))  # (false is not a word it lists)
   assert read_config(written(tmp_path, "flag.yaml", "output: {progress: off}\n")).output.progress is False
 

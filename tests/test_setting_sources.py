@@ -234,3 +234,27 @@ def test_a_partition_file_replaces_a_presets_training_subset_saying_so(tmp_path)
                                   str(tmp_path / "o")], "fashion_mnist")
   assert (config.data.partition_file, config.data.max_train_samples) == (path, None)
   assert args.notes == ["note: --partition-file replaces max_train_samples 12000 of --preset fedimpro-cpu"]
+
+
+SYNTHETIC = ["--dataset", "synthetic", "--groups", "mlp", "--num-clients", "4", "--clients-per-round", "2"]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    # (second held-out survey: accepted, then nothing trained, the first file or preset dropped, a YAML word misread)
+    (SYNTHETIC + ["--client-dropout", "1"],
+     "error: --client-dropout 1: no client would ever answer, so no round would train; pass probabilities below 1"),
+    (SYNTHETIC + ["--test-first", "3"],
+     "error: --test-first 3 is fewer than the 4 classes of synthetic: its accuracy could not see every class; pass "
+     "at least 4"),
+    (["--preset", "inco-cpu", "--preset", "fedin-cpu"],
+     "error: --preset is given 2 times (inco-cpu, fedin-cpu): each holds a whole run; give one"),
+    (["--config", "{a}", "--config", "{b}"], "error: --config is given 2 times ({a}, {b}): each holds a whole run; "
+                                             "give one"),
+    (["--config", "{no}"], "error: --config '{no}': divergence.action (line 2) must be one of stop, rollback, off, "
+                           "got 'no'"),
+])
+def test_what_would_train_nothing_or_drop_a_setting_is_refused(capsys, tmp_path, no_compute, argv, expected):
+  files = {name: written(tmp_path, f"{name}.yaml", text) for name, text in (
+      ("a", "rounds: 1\n"), ("b", "rounds: 2\n"), ("no", "rounds: 1\ndivergence: {action: no}\n"))}
+  argv = [a.format(**files) for a in argv]
+  assert fails(capsys, "fashion_mnist", argv + ["--output-dir", str(tmp_path / "o")]) == expected.format(**files)

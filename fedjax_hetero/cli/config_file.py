@@ -74,14 +74,15 @@ def _yaml_tree(text: str) -> tuple[Any, dict[str, int]]:
 
 
 def _choices_as_written(tree: Any, words: dict[str, str]) -> Any:
-  """``tree`` with an unquoted on/off/yes/no, which YAML 1.1 reads as true or false, read as the word where it is
-  one of its setting's choices (``divergence: {action: off}``)."""
+  """``tree`` with an unquoted on/off/yes/no, which YAML 1.1 reads as true or false, read as the word where its
+  setting is a choice (``divergence: {action: off}``; a word that is not one of them is refused as written)."""
   for path, word in words.items():
     leaf = FLAGS_BY_PATH.get(path) or FLAGS.get(path)
     choices = getattr(leaf.setting.check, "choices", ()) if leaf is not None else ()
-    if word.lower() in choices:
+    if choices:
       *sections, key = path.split(".")
-      functools.reduce(lambda node, name: node[name], sections, tree)[key] = word.lower()
+      functools.reduce(lambda node, name: node[name], sections, tree)[key] = (
+          word.lower() if word.lower() in choices else word)
   return tree
 
 

@@ -51,10 +51,16 @@ def fail(message: str, status: int = 2) -> NoReturn:
 def _pre_parse(argv: Sequence[str] | None, dataset: str) -> argparse.Namespace:
   """The flags that choose the defaults of the others: --dataset, --preset, --method, --fedgen-preset."""
   pre = argparse.ArgumentParser(add_help=False)
-  for name, default in (("--dataset", dataset), ("--preset", None), ("--method", None), ("--fedgen-preset", None),
-                        ("--config", None)):
+  for name, default in (("--dataset", dataset), ("--method", None), ("--fedgen-preset", None)):
     pre.add_argument(name, default=default)
+  for name in ("--preset", "--config"):  # (a second one would replace the first whole: refused, not dropped)
+    pre.add_argument(name, action="append")
   known, _ = pre.parse_known_args(argv)
+  for name in ("preset", "config"):
+    given = getattr(known, name) or [None]
+    if len(given) > 1:
+      raise ValueError(f"--{name} is given {len(given)} times ({', '.join(given)}): each holds a whole run; give one")
+    setattr(known, name, given[0])
   return known
 
 

@@ -135,6 +135,9 @@ class DataConfig(Settings):
     if self.test_first is not None and self.test_first > num_test:
       raise ValueError(f"{cli_name(self, 'test_first')} {self.test_first} exceeds the {num_test} test samples of "
                        f"{self.dataset}")
+    if self.test_first is not None and self.test_first < num_classes:
+      raise ValueError(f"{cli_name(self, 'test_first')} {self.test_first} is fewer than the {num_classes} classes of "
+                       f"{self.dataset}: its accuracy could not see every class; pass at least {num_classes}")
     if self.partition == "shards" and self.classes_per_client > num_classes:
       raise ValueError(f"{cli_name(self, 'classes_per_client')} {self.classes_per_client} exceeds the {num_classes} "
                        f"classes of {self.dataset}")

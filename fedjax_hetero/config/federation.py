@@ -39,6 +39,9 @@ def _check_dropout(name: str, dropout: Any) -> None:
   bad = [p for p in dropout if not 0 <= p <= 1]  # (NaN fails both)
   if bad:
     raise ValueError(f"{name} takes probabilities in [0, 1], got {bad[0]}")
+  if dropout and all(p == 1 for p in dropout):
+    raise ValueError(f"{name} {','.join(f'{p:g}' for p in dropout)}: no client would ever answer, so no round would "
+                     "train; pass probabilities below 1")
 
 
 def parse_probabilities(text: str) -> tuple[float, ...]:

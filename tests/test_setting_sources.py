@@ -258,3 +258,10 @@ def test_what_would_train_nothing_or_drop_a_setting_is_refused(capsys, tmp_path,
       ("a", "rounds: 1\n"), ("b", "rounds: 2\n"), ("no", "rounds: 1\ndivergence: {action: no}\n"))}
   argv = [a.format(**files) for a in argv]
   assert fails(capsys, "fashion_mnist", argv + ["--output-dir", str(tmp_path / "o")]) == expected.format(**files)
+
+
+def test_a_resume_may_spell_no_dropout_as_zero(tmp_path):
+  """(Second held-out survey: --resume --client-dropout 0 on a run without dropout was refused as another run.)"""
+  argv = SYNTHETIC + ["--eval-every", "1", "--no-progress", "--output-dir", str(tmp_path / "o")]
+  cli.main("synthetic", argv + ["--rounds", "1"])
+  assert cli.main("synthetic", argv + ["--rounds", "2", "--resume", "--client-dropout", "0"])["final_round"] == 2

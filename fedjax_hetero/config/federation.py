@@ -51,6 +51,12 @@ def parse_probabilities(text: str) -> tuple[float, ...]:
     raise ValueError(f"expected comma-separated probabilities, got {text!r}") from None
 
 
+def parse_dropout(text: str) -> tuple[float, ...]:
+  """--client-dropout's probabilities; all 0 is no dropout, () (a resume of a run without it may say 0)."""
+  probabilities = parse_probabilities(text)
+  return probabilities if any(probabilities) else ()
+
+
 @dataclasses.dataclass(frozen=True)
 class FederationConfig(Settings):
   """How rounds are drawn: participants per round, the seed, and the clients' aggregation weights; and
@@ -73,7 +79,7 @@ class FederationConfig(Settings):
   client_dropout: tuple[float, ...] = setting(
       (), "probability that a sampled client does not answer its round (the round aggregates those that do): one "
       "for every group, or one per group in --groups order (e.g. 0.5,0.2,0: weak devices drop more); empty: every "
-      "sampled client answers", Custom(_check_dropout, parse_probabilities), metavar="P[,P,...]")
+      "sampled client answers", Custom(_check_dropout, parse_dropout), metavar="P[,P,...]")
   availability_trace: str | None = setting(
       None, "a CSV file of 'client,round' lines (rounds from 1), each a sampled client that does not answer that "
       "round; with --client-dropout, a client answers when neither drops it", Text(), metavar="PATH")

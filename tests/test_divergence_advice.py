@@ -73,7 +73,7 @@ def test_a_model_at_chance_is_no_best_checkpoint_and_the_advice_names_the_server
     run_experiment(config, synthetic_dataset(num_train=240, num_test=64, seed=0), log=lambda _: None)
   message = str(info.value)
   assert "no checkpoint was evaluated above chance, so there is nothing to keep" in message, message
-  assert "(or the server optimizer's, --server-lr 0.01) --overwrite" in message, message
+  assert "e.g. --lr 0.0005 (or --server-lr 0.01) --overwrite" in message, message
   with open(tmp_path / "stop" / "summary.json") as f:
     assert json.load(f)["stopped_by_divergence"]["best_checkpoint"] is None
 
@@ -89,3 +89,19 @@ def test_a_rollback_with_no_checkpoint_above_chance_restarts_from_the_initial_mo
     summary = json.load(f)
   assert [r["to_round"] for r in summary["rollbacks"]] == [0, 0, 0]
   assert [s["from_round"] for s in summary["segments"]] == [1]  # (each rollback retrained from round 1)
+
+
+@pytest.mark.parametrize("changes, advice", [
+    (dict(server_optimizer="yogi", server_lr=1e10, rounds=3),
+     "--on-divergence rollback restarts from it with a lower learning rate, or lower the server optimizer's learning "
+     "rate (--server-lr 0.01, --resume)"),
+    (dict(server_optimizer="none", server_lr=0.01, dp_clip=1.0, dp_noise_multiplier=1e6, rounds=3),
+     "(or a lower --dp-noise-multiplier or more --clients-per-round) --overwrite"),
+])
+def test_a_server_side_blow_up_is_advised_on_the_server_side(tmp_path, changes, advice):
+  """(Second held-out survey: a server optimizer's or the privacy noise's blow-up advised only the clients' --lr.)"""
+  from fedjax_hetero.data import synthetic_dataset
+  config = blown_up_by_the_server(tmp_path / "run", **changes)
+  with pytest.raises(DivergenceError) as info:
+    run_experiment(config, synthetic_dataset(num_train=240, num_test=64, seed=0), log=lambda _: None)
+  assert advice in str(info.value), str(info.value)

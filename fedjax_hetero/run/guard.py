@@ -28,6 +28,7 @@ import math
 from typing import Any, Mapping
 
 from fedjax_hetero.config.declare import cli_name
+from fedjax_hetero.config.privacy import PrivacyConfig
 from fedjax_hetero.config.run import DivergenceConfig, RunConfig
 from fedjax_hetero.config.server import ServerOptimizerConfig
 from fedjax_hetero.rounds.rows import NonFiniteLossError, NonFiniteModelError
@@ -66,16 +67,15 @@ def stop_advice(config: RunConfig, rollbacks_tried: int, best: int | None, check
     kept = "" if best is None else f"; the best checkpoint (round {best}) is kept in {checkpoint_dir}"
     return server_step_advice(config) + kept
   guard, rate = config.divergence, config.client.learning_rate
-  lower = f"--lr {rate * guard.rollback_lr_factor:g}"
-  if config.server.optimizer != "none":  # (its step blows a model up as well: a finite one at chance, then NaN)
-    lower += f" (or the server optimizer's, {lower_server_lr(config)})"
+  lower = f"--lr {rate * guard.rollback_lr_factor:g}" + "".join(f" (or {how})" for _, how in server_side(config))
   if best is None and guard.action == "stop":
     return ("no checkpoint was evaluated above chance, so there is nothing to keep: start again with a lower "
             f"learning rate, e.g. {lower} --overwrite, or --on-divergence rollback (from the initial model)")
   kept = ("no checkpoint was evaluated above chance" if best is None else
           f"the best checkpoint (round {best}) is kept in {checkpoint_dir}")
   if guard.action == "stop":
-    return f"{kept}: --on-divergence rollback restarts from it with a lower learning rate"
+    return (f"{kept}: --on-divergence rollback restarts from it with a lower learning rate" +
+            "".join(f", or lower {what} ({how}, --resume)" for what, how in server_side(config)))
   if not rollbacks_tried:
     return (f"{kept}; --divergence-max-rollbacks 0 allows no rollback: raise it, or lower the learning rate "
             f"(e.g. {lower} {'--resume' if best is not None else '--overwrite'})")
@@ -83,6 +83,21 @@ def stop_advice(config: RunConfig, rollbacks_tried: int, best: int | None, check
   return (f"it diverged again after {rollbacks_tried} rollback{'s' if rollbacks_tried != 1 else ''} in this run "
           f"(--divergence-max-rollbacks {guard.max_rollbacks}), the last to learning rate {rate:g}: lower it "
           f"further, e.g. {resume}{lower} --overwrite (from the start); {kept}")
+
+
+def server_side(config: RunConfig) -> list[tuple[str, str]]:
+  """The server-side settings that break a model as the clients' learning rate does, each as (what, the change to
+  try): a rollback lowers only the clients' rate. (A server optimizer's step blows a model up too, a finite one at
+  chance and then NaN; DP-FedAvg's noise has std z C / m on every element, m about the cohort.)"""
+  sides = []
+  if config.server.optimizer != "none":
+    sides.append(("the server optimizer's learning rate", lower_server_lr(config)))
+  privacy = config.privacy
+  if privacy.on and privacy.noise_multiplier > 0:
+    std = privacy.noise_multiplier * privacy.clip / config.federation.clients_per_round
+    sides.append((f"the privacy noise (std about {std:.3g} per element)",
+                  f"a lower {cli_name(PrivacyConfig, 'noise_multiplier')} or more --clients-per-round"))
+  return sides
 
 
 def lower_server_lr(config: RunConfig) -> str:

@@ -431,3 +431,14 @@ def test_every_number_a_method_reads_is_traced_in_its_program(method, family):
   calls, statics = batch.plan([0, 1], states, 1, {1})
   carry, outputs = jax.eval_shape(batch.program(statics), *batch.arguments([0, 1], [0, 1], calls, states, 1))
   assert outputs.correct.shape == (2, 1, len(base.spec.groups))
+
+
+def test_an_error_about_one_run_of_a_job_names_that_run(tmp_path, capsys):
+  """(Second held-out survey: a job's divergence or partition error did not say which run it was about.)"""
+  from fedjax_hetero.cli import run as cli
+  out = str(tmp_path / "job")
+  with pytest.raises(SystemExit):
+    cli.main("synthetic", ["--groups", "mlp", "--num-clients", "8", "--clients-per-round", "2", "--rounds", "2",
+                           "--no-progress", "--output-dir", out, "--seeds", "0,2", "--alpha", "0.1",
+                           "--client-eval-fraction", "0.92", "--batch-size", "4"])
+  assert capsys.readouterr().err.startswith(f"error: {out}_s2: --client-eval-fraction 0.92: client 4 holds 10 ")

@@ -27,7 +27,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from fedjax_hetero.config.declare import cli_name
+from fedjax_hetero.config.declare import flag_of
 from fedjax_hetero.config.privacy import PrivacyConfig
 from fedjax_hetero.config.run import DivergenceConfig, RunConfig
 from fedjax_hetero.config.server import ServerOptimizerConfig
@@ -96,7 +96,7 @@ def server_side(config: RunConfig) -> list[tuple[str, str]]:
   if privacy.on and privacy.noise_multiplier > 0:
     std = privacy.noise_multiplier * privacy.clip / config.federation.clients_per_round
     sides.append((f"the privacy noise (std about {std:.3g} per element)",
-                  f"a lower {cli_name(PrivacyConfig, 'noise_multiplier')} or more --clients-per-round"))
+                  f"a lower {flag_of(PrivacyConfig, 'noise_multiplier')} or more --clients-per-round"))
   return sides
 
 
@@ -104,7 +104,7 @@ def lower_server_lr(config: RunConfig) -> str:
   """The next server learning rate to try, as a flag: a tenth of the run's, and at most the default (a rate far
   above it, 1e30, would otherwise be advised as 1e29)."""
   lr = min(config.server.lr / SERVER_LR_STEP, ServerOptimizerConfig().lr)
-  return f"{cli_name(ServerOptimizerConfig, 'lr')} {lr:g}"
+  return f"{flag_of(ServerOptimizerConfig, 'lr')} {lr:g}"
 
 
 def server_step_advice(config: RunConfig) -> str:

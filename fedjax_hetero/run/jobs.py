@@ -23,7 +23,7 @@ import contextlib
 import itertools
 import signal
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 
@@ -172,6 +172,18 @@ def swept(configs: Sequence[RunConfig], methods: Sequence[Method], given: Method
   return [{p: float(value_at(c, p)) for p in paths} for c in configs], specialize
 
 
+@contextlib.contextmanager
+def naming_the_run(config: RunConfig, many: bool) -> Iterator[None]:
+  """Within it, an error about one run of a job of ``many`` runs starts with that run's folder (its seed and swept
+  values are in the name)."""
+  try:
+    yield
+  except (ValueError, FloatingPointError) as e:
+    if many and e.args and isinstance(e.args[0], str) and not e.args[0].startswith(config.output.dir):
+      e.args = (f"{config.output.dir}: {e.args[0]}", *e.args[1:])
+    raise
+
+
 def run_jobs(configs: Sequence[RunConfig], methods: Sequence[Method] | None = None, log: Log = print,
              max_runs_per_program: int | None = None, memory_budget: int | None = None) -> list[dict[str, Any]]:
   """Runs (or resumes) a job's runs, each run's method made and checked (`build.run_method`; ``methods``: made
@@ -193,7 +205,8 @@ def run_jobs(configs: Sequence[RunConfig], methods: Sequence[Method] | None = No
       if source not in datasets:
         check_downloadable(config.data)
         datasets[source] = fdata.load_dataset(*source)
-      runner.check_can_start(config, datasets[source])
+      with naming_the_run(config, len(configs) > 1):
+        runner.check_can_start(config, datasets[source])
   summaries = []
   with StopRequests(log) as stop:  # a signal between two runs stops the job before the next one
     for config, method in zip(configs, methods):
@@ -203,8 +216,9 @@ def run_jobs(configs: Sequence[RunConfig], methods: Sequence[Method] | None = No
             "--resume-or-start")
         raise Interrupted(stop.requested, 0)
       try:
-        summaries.append(runner.run_checked(config, method,
-                                            datasets.get((config.data.dataset, config.data.data_dir)), log))
+        with naming_the_run(config, len(configs) > 1):
+          summaries.append(runner.run_checked(config, method,
+                                              datasets.get((config.data.dataset, config.data.data_dir)), log))
       except Interrupted:
         if len(summaries) + 1 < len(configs):  # (--resume refuses the folders of runs that never started)
           log(f"the job's {len(configs) - len(summaries) - 1} later run(s) have not started: to continue the whole "
@@ -232,8 +246,10 @@ def run_together(configs: Sequence[RunConfig], dataset: Any = None, log: Log = p
       check_downloadable(configs[0].data)
       dataset = fdata.load_dataset(configs[0].data.dataset, configs[0].data.data_dir)
     # Every run checked and built, and the program's refusals made, before any run's folder is written.
-    planned = [runner.plan(config, dataset, log if i == 0 else _quiet, m)
-               for i, (config, m) in enumerate(zip(configs, methods))]
+    planned = []
+    for i, (config, m) in enumerate(zip(configs, methods)):
+      with naming_the_run(config, len(configs) > 1):
+        planned.append(runner.plan(config, dataset, log if i == 0 else _quiet, m))
     settings, specialize = swept([p.config for p in planned], [p.method for p in planned], method)
     batch = ManyRuns([p.sim for p in planned], settings, specialize, memory_budget=memory_budget,
                      max_runs_per_program=max_runs_per_program, log=log)
@@ -281,7 +297,9 @@ class _Together:
       ended.update({i: self.runs[i].train() for i in self.alone if i not in self.stopped})  # (a signal stops them)
     summaries = [ended[i] for i in sorted(ended)]
     if self.stopped:  # the other runs finished: the first stop ends the job as it would end the run alone
-      raise next(iter(self.stopped.values()))
+      i, stop = next(iter(self.stopped.items()))
+      with naming_the_run(self.runs[i].config, len(self.runs) > 1):
+        raise stop
     return summaries
 
   def _step(self) -> bool:

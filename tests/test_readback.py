@@ -251,3 +251,15 @@ def test_a_failed_restores_late_reads_print_nothing_and_every_other_line_passes(
     assert out.getvalue() == real, size
     stream.write("\rround 3/10")
     assert out.getvalue().endswith("\rround 3/10")
+
+
+def test_a_resume_on_a_rewritten_partition_file_names_the_file(tmp_path, dataset):
+  """(Second held-out survey: the refusal asked whether --data-dir was pointed at other files.)"""
+  parts = tmp_path / "parts.json"
+  blocks = [list(range(c * 60, c * 60 + 60)) for c in range(4)]
+  parts.write_text(json.dumps(blocks))
+  config = base_config(tmp_path / "run", rounds=1, checkpoint_every=1, num_clients=4, partition_file=str(parts))
+  run_experiment(config, dataset, log=lambda _: None)
+  parts.write_text(json.dumps(blocks[::-1]))
+  with pytest.raises(ValueError, match=r"client_index_table: .*; was --partition-file pointed at other files\?"):
+    run_experiment(config.replace(rounds=2, resume=True), dataset, log=lambda _: None)

@@ -322,7 +322,9 @@ def check_data(config: Any, spec: Any, log: Callable[[str], None]) -> dict | Non
   else:
     changed = fingerprint.differences(recorded, now) if recorded is not None else []
   if changed:
-    source = ("federation.availability_trace" if all(c.startswith(TRACE) for c in changed) else "data.data_dir")
+    source = ("federation.availability_trace" if all(c.startswith(TRACE) for c in changed) else
+              "data.partition_file" if config.data.partition_file is not None and all(
+                  c.startswith("client_index_table") for c in changed) else "data.data_dir")
     message = (f"the data differ from those the run in {config.output.dir!r} trained on ({'; '.join(changed)}; "
                f"recorded in {path}); was {cli_flag(source)} pointed at other files?")
     if not config.output.resume_unchecked:

@@ -265,3 +265,10 @@ def test_a_resume_may_spell_no_dropout_as_zero(tmp_path):
   argv = SYNTHETIC + ["--eval-every", "1", "--no-progress", "--output-dir", str(tmp_path / "o")]
   cli.main("synthetic", argv + ["--rounds", "1"])
   assert cli.main("synthetic", argv + ["--rounds", "2", "--resume", "--client-dropout", "0"])["final_round"] == 2
+
+
+def test_seeds_beside_a_files_seed_say_they_replace_it(tmp_path):
+  """(Second held-out survey: a file's federation.seed was replaced by --seeds in silence; --seed is refused.)"""
+  path = written(tmp_path, "run.yaml", "federation: {seed: 3}\nrounds: 1\n")
+  _, _, args, _ = cli.parse(["--config", path, "--seeds", "0,1", "--output-dir", str(tmp_path / "o")], "synthetic")
+  assert f"note: --seeds replaces federation.seed 3 of --config {path}" in args.notes, args.notes

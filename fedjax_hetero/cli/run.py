@@ -257,6 +257,9 @@ def parse(argv: Sequence[str] | None, dataset: str, description: str | None = No
   if getattr(args, "coarse", False):
     args.dataset = f"{args.dataset}_coarse"
   args.notes = []
+  if args.seeds and "federation.seed" in args.setting_sources:  # (as --seed beside --seeds is refused)
+    args.notes.append(f"note: --seeds replaces federation.seed {getattr(args, 'seed')} of "
+                      f"{args.setting_sources['federation.seed']}")
   for first, second in (("partition_file", "max_train_samples"), ("test_first", "max_test_samples")):
     source = args.setting_sources.get(FLAGS[second].path, "")
     if first in given and second not in given and source.startswith("--preset"):  # (no flag could unset it)

@@ -47,6 +47,8 @@ NO_OPS = [
     ("--partition-file {parts} --alpha 0.1", "--alpha 0.1 has no effect with --partition-file: the file gives every "
                                              "client its samples; drop it"),
     ("--partition-file {parts} --partition shards", "--partition shards has no effect with --partition-file"),
+    # (second held-out survey: a flag given at its default value that the file overrides was accepted in silence)
+    ("--partition-file {parts} --partition dirichlet", "--partition dirichlet has no effect with --partition-file"),
     ("--partition-file {parts} --classes-per-client 3", "--classes-per-client 3 has no effect with --partition-file"),
     ("--groups cnn@0.25 --image-size 1", "--image-size 1 is too small for group cnn@0.25: ZeroDivisionError: division "
                                          "by zero; the smallest size it takes is 4"),

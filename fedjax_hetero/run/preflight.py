@@ -44,13 +44,14 @@ ACTS_ONLY_WITH: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 )
 
 
-def _would_do_nothing(config: Any, base: Any = None) -> Iterator[tuple[str, str, str]]:
+def _would_do_nothing(config: Any, base: Any = None, given: frozenset[str] = frozenset()
+                      ) -> Iterator[tuple[str, str, str]]:
   """(dotted path, why, the other way out) of each setting changed from its default (``base``'s value: the
-  dataset's defaults; the library's if None) that ``config`` would not read."""
+  dataset's defaults; the library's if None), or ``given`` at it, that ``config`` would not read."""
   flat, defaults = flatten(config), flatten(type(config)() if base is None else base)
   if config.data.partition_file is not None:
     for path in ("data." + name for name in PARTITION_FILE_OVERRIDES):
-      if flat[path] != defaults[path]:
+      if flat[path] != defaults[path] or path in given:
         yield path, (f"has no effect with {cli_flag('data.partition_file')}: the file gives every client its "
                      "samples"), ""
     return
@@ -59,13 +60,15 @@ def _would_do_nothing(config: Any, base: Any = None) -> Iterator[tuple[str, str,
       yield path, f"has no effect without {choice}", "add that, or "
 
 
-def check_settings(config: Any, sources: Mapping[str, str] = {}, base: Any = None) -> None:
+def check_settings(config: Any, sources: Mapping[str, str] = {}, base: Any = None,
+                   given: frozenset[str] = frozenset()) -> None:
   """The config-only checks (see the module docstring); ValueError naming the setting where it was given.
   ``sources``: the dotted paths a config file or a preset set, and which (`fedjax_hetero.cli.run.parse`); the
   others are the caller's (a flag, or the library's caller). ``base``: the defaults the command started from (a
-  dataset's: its SGD momentum beside ``--optimizer adam`` was not the user's to drop)."""
+  dataset's: its SGD momentum beside ``--optimizer adam`` was not the user's to drop). ``given``: the paths the
+  user gave (a flag at its default value that would do nothing is refused too)."""
   flat = flatten(config)
-  for path, why, other in _would_do_nothing(config, base):
+  for path, why, other in _would_do_nothing(config, base, given):
     source = sources.get(path, "")
     if source.startswith(("--preset", "--fedgen-preset")):
       continue  # the preset's value for a choice this run does not make: it reads nothing and asks nothing

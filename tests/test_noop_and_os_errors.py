@@ -40,6 +40,8 @@ NO_OPS = [
     ("--lr 1e-40", "--lr 1e-40 is 0 in float32 training arithmetic"),
     ("--lr 1e39", "--lr 1e+39 is beyond float32's range (largest 3.403e+38)"),
     ("--server-optimizer adam --server-lr 1e39", "--server-lr 1e+39 is beyond float32's range"),
+    ("--dp-clip 1e30 --dp-noise-multiplier 1e10", "--dp-noise-multiplier 1e+10 x --dp-clip 1e+30, the noise's standard "
+                                                  "deviation, is beyond float32's range"),
     ("--batch-size 100000", "--batch-size 100000 exceeds the largest client's 26 samples: every batch is padded to "
                             "100000 rows for the result a batch size of 26 gives (over 2x the work); pass at most 26"),
     ("--drop-last --batch-size 150", "no client would take a local step (fewer than --batch-size 150 samples with "

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from fedjax_hetero.config.declare import Number, OneOf, Settings, cli_name, flag_of, setting, validate
 from fedjax_hetero.config.federation import FederationConfig
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 # How the accountant models a round's draw of clients_per_round of num_clients (docs/privacy.md).
 ACCOUNTANTS = ("without_replacement", "poisson")
@@ -46,6 +50,10 @@ class PrivacyConfig(Settings):
       if changed:
         raise ValueError(f"{', '.join(changed)} set{'s' if len(changed) == 1 else ''} differential privacy, which "
                          f"is off: add {flag_of(self, 'clip')} C")
+    elif self.noise_multiplier * self.clip > FLOAT32_MAX:  # (the noise's std, z C, is drawn in float32)
+      raise ValueError(f"{cli_name(self, 'noise_multiplier')} {self.noise_multiplier:g} x {cli_name(self, 'clip')} "
+                       f"{self.clip:g}, the noise's standard deviation, is beyond float32's range (largest "
+                       f"{FLOAT32_MAX:.4g}): every noised model would be infinite")
 
 
 def check_privacy(privacy: PrivacyConfig, federation: FederationConfig) -> None:

@@ -380,7 +380,8 @@ def test_the_table_gives_each_private_runs_epsilon_at_the_last_row_compared():
     (["--cost-output", "c.XYZ"], r"--cost-output 'c.XYZ': matplotlib does not write .xyz; use one of \.avif"),
     (["--output", "TMP"], r"--output 'TMP' is a folder: give a file, e.g. 'TMP/compare.png'$"),
     (["--per-group"], r"--per-group adds every group to --baseline's tables and to --output's plot: give either$"),
-    (["--labels", ","], r"--labels ',': label 1 is empty \(give one name per run\)$"), (["--labels", "a, "], "--labels .a, .: label 2")])
+    (["--labels", ","], r"--labels ',': label 1 is empty \(give one name per run\)$"),
+    (["--labels", "a, "], "--labels .a, .: label 2")])
 def test_plot_names_per_group_and_labels_are_refused_before_the_table(tmp_path, capsys, flags, message):
   """Held-out probes 2: T5 (a matplotlib traceback after the table), S9 (a folder as --output wrote FOLDER.png and
   said it wrote FOLDER), S7 (--per-group alone did nothing), S8 (empty labels named runs '')."""

@@ -13,7 +13,10 @@ prefixed with ``[process I]`` (or written to ``--log-dir``). If a process exits 
 terminated; the launcher exits with that process's status, naming it. A SIGTERM or SIGHUP to the launcher is
 passed on to every process; the launcher waits up to ``--grace`` seconds for them to end and then terminates
 the rest, so no process outlives it; on Linux a launcher killed outright (SIGKILL) has the kernel send every
-process SIGTERM. On Ctrl-C the processes, which the terminal signals too, get the same wait.
+process SIGTERM. A SIGINT to the launcher is passed on as SIGTERM, which stops a process after its round in
+progress as SIGINT does: a terminal's Ctrl-C reaches every process itself, and a second SIGINT from the launcher
+would make it abandon that round ("Ctrl-C again"). So ``kill -INT`` of the launcher alone and a Ctrl-C both stop
+every process after the same call, and a second Ctrl-C still abandons it.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import threading
 import time
 from typing import IO, Iterator, Sequence
 
-from fedjax_hetero.os_errors import point_at_devnull
+from fedjax_hetero.os_errors import describe, point_at_devnull
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 COORDINATOR_FLAGS = ("--coordinator", "--num-processes", "--process-id", "--distributed")
@@ -130,13 +133,29 @@ def _end_with(launcher: int) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def open_logs(log_dir: str, num_processes: int) -> list[IO[str]]:
+  """``log_dir``/process_I.log for I >= 1, open for writing, before any process starts: a folder that cannot be
+  made or written is one line, not a traceback."""
+  if os.path.exists(log_dir) and not os.path.isdir(log_dir):
+    raise SystemExit(f"error: --log-dir {log_dir!r} is a file, not a folder")
+  logs = []
+  try:
+    os.makedirs(log_dir, exist_ok=True)
+    for i in range(1, num_processes):
+      logs.append(open(os.path.join(log_dir, f"process_{i}.log"), "w"))
+  except OSError as e:
+    for log in logs:
+      log.close()
+    raise SystemExit(f"error: --log-dir {log_dir!r}: {describe(e)}") from None
+  return logs
+
+
 def launch(args: argparse.Namespace) -> int:
   """Runs the processes to the end; returns the launcher's exit status (0 when every process succeeded)."""
+  logs = open_logs(args.log_dir, args.num_processes) if args.log_dir else []
   port = free_port()
   env = process_env(args.devices_per_process)
-  if args.log_dir:
-    os.makedirs(args.log_dir, exist_ok=True)
-  procs, pumps, logs = [], [], []
+  procs, pumps = [], []
   end_with_launcher = functools.partial(_end_with, os.getpid())
   for i in range(args.num_processes):
     cmd = [sys.executable, "-m", *args.command, "--coordinator", f"127.0.0.1:{port}",
@@ -144,9 +163,8 @@ def launch(args: argparse.Namespace) -> int:
     if i == 0:
       proc = subprocess.Popen(cmd, env=env, preexec_fn=end_with_launcher)
     elif args.log_dir:
-      log = open(os.path.join(args.log_dir, f"process_{i}.log"), "w")
-      logs.append(log)
-      proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=end_with_launcher)
+      proc = subprocess.Popen(cmd, env=env, stdout=logs[i - 1], stderr=subprocess.STDOUT,
+                              preexec_fn=end_with_launcher)
     else:
       proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               errors="replace", preexec_fn=end_with_launcher)
@@ -160,10 +178,16 @@ def launch(args: argparse.Namespace) -> int:
     with _signals_raised((signal.SIGTERM, signal.SIGHUP)):
       status = _supervise(procs, args.grace)
   except (KeyboardInterrupt, _Signalled) as e:
+    # A second Ctrl-C reaches the processes from the terminal (they abandon their round); the launcher waits on.
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     signum = e.signum if isinstance(e, _Signalled) else signal.SIGINT
-    print(f"launch: {signal.Signals(signum).name}: waiting up to {args.grace:g} s for the processes to stop",
-          file=sys.stderr, flush=True)
-    _stop(procs, signum, args.grace)
+    passed = " (passed on as SIGTERM)" if signum == signal.SIGINT else ""
+    print(f"launch: {signal.Signals(signum).name}{passed}: waiting up to {args.grace:g} s for the processes to "
+          "stop", file=sys.stderr, flush=True)
+    try:
+      _stop(procs, signum, args.grace)
+    finally:
+      signal.signal(signal.SIGINT, previous)
     status = 128 + signum
   for pump in pumps:
     pump.join(timeout=5)
@@ -223,11 +247,12 @@ def _signals_raised(signums: Sequence[int]) -> Iterator[None]:
 
 
 def _stop(procs: list[subprocess.Popen], signum: int, grace: float) -> None:
-  """``signum`` passed on to the running processes (not SIGINT: a terminal's Ctrl-C reached them already, and a
-  second one would cost them their round in progress); up to ``grace`` s for them to end, then `_terminate`."""
+  """``signum`` passed on to the running processes, SIGINT as SIGTERM (a terminal's Ctrl-C may have reached them
+  already, and a second SIGINT would cost them their round in progress); up to ``grace`` s for them to end, then
+  `_terminate`."""
   for p in procs:
-    if p.poll() is None and signum != signal.SIGINT:
-      p.send_signal(signum)
+    if p.poll() is None:
+      p.send_signal(signal.SIGTERM if signum == signal.SIGINT else signum)
   end = time.monotonic() + grace
   while any(p.poll() is None for p in procs) and time.monotonic() < end:
     time.sleep(POLL_SECONDS)

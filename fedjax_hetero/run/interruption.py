@@ -79,8 +79,10 @@ class StopRequests:
     self._outer: StopRequests | None = None
 
   def _handle(self, signum: int, frame) -> None:
-    if self.requested is not None and signum == signal.SIGINT:
-      raise KeyboardInterrupt  # a second Ctrl-C: abandon the round in progress
+    if self.requested is not None:
+      if signum == signal.SIGINT:
+        raise KeyboardInterrupt  # a second Ctrl-C: abandon the round in progress
+      return  # (stopping already: a SIGTERM after a Ctrl-C, as the launcher passes one on, keeps the first reason)
     self.requested = signum
     again = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""
     self.log(f"{signal.Signals(signum).name}: stopping after the round in progress{again}")

@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fedjax_hetero.aggregators import checks
 
@@ -182,6 +183,13 @@ def _as_similarity(sim: jax.Array) -> jax.Array:
   if sim.ndim != 2 or sim.shape[0] != sim.shape[1]:
     raise ValueError(f"similarity must be a square [K, K] matrix, got shape {sim.shape}")
   _check_num_models(sim.shape[0])
+  if checks.is_concrete(sim):  # (a traced one is the engine's own, from `similarity_matrix`)
+    values = np.asarray(sim, np.float64)
+    bad = ~np.isfinite(values) & ~np.eye(len(values), dtype=bool)
+    if bad.any():
+      i, j = (int(k) for k in np.argwhere(bad)[0])
+      raise ValueError(f"similarity[{i}, {j}] is {values[i, j]}; partners are chosen by comparing similarities, "
+                       "which must be finite off the diagonal (a model holding nan or inf?)")
   return sim if jnp.issubdtype(sim.dtype, jnp.floating) else sim.astype(jnp.float32)
 
 

@@ -264,20 +264,28 @@ def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
 
 def from_dict(tree: dict[str, Any], ignored: list[str] | None = None, base: RunConfig | None = None) -> RunConfig:
   """A `RunConfig` from its nested dict (e.g. a results folder's config.json), every setting it leaves out
-  (a section's too) as in ``base`` (the library's defaults); validates it. Names this version does not know are
-  skipped and, if ``ignored`` is given, appended to it."""
-  return _build(RunConfig() if base is None else base, tree, "", [] if ignored is None else ignored)
+  (a section's too) as in ``base`` (the library's defaults); validates it. A name this version does not know is a
+  ValueError naming it, unless ``ignored`` is given: then it is skipped and appended to ``ignored`` (as a results
+  folder of another version is read)."""
+  if not isinstance(tree, dict):
+    raise TypeError(f"from_dict takes a dict of settings (as config.json holds them), got {type(tree).__name__}")
+  return _build(RunConfig() if base is None else base, tree, "", ignored)
 
 
-def _build(base: Any, values: dict[str, Any], prefix: str, ignored: list[str]) -> Any:
+def _build(base: Any, values: dict[str, Any], prefix: str, ignored: list[str] | None) -> Any:
   fields = {f.name: f for f in dataclasses.fields(base)}
   kwargs = {name: getattr(base, name) for name in fields}
   for name, value in values.items():
+    if name not in fields and ignored is None:
+      raise ValueError(f"from_dict: unknown setting {prefix + name!r}; {prefix.rstrip('.') or 'the top level'} "
+                       f"takes {', '.join(fields)}")
     if name not in fields:
       ignored.append(prefix + name)
       continue
     if dataclasses.is_dataclass(kwargs[name]) and isinstance(value, dict):
       value = _build(kwargs[name], value, f"{prefix}{name}.", ignored)
+    elif dataclasses.is_dataclass(kwargs[name]) and not isinstance(value, type(kwargs[name])):
+      raise ValueError(f"from_dict: {prefix + name!r} must be a dict of its settings, got {value!r}")
     elif isinstance(value, list):  # JSON turns tuples (the architecture groups) into lists
       value = tuple(value)
     kwargs[name] = value

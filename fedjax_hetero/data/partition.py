@@ -349,7 +349,8 @@ def _check_int64(parts: Sequence[Sequence[int]], first_client: int = 0) -> None:
   for client, part in enumerate(parts, first_client):
     bad = next((int(i) for i in part if not -2 ** 63 <= int(i) < 2 ** 63), None)
     if bad is not None:
-      raise ValueError(f"client {client} holds sample index {bad}, outside the 64-bit integers a sample index is read as")
+      raise ValueError(f"client {client} holds sample index {bad}, outside the range of a 64-bit integer (no training "
+                       "set has that many samples)")
 
 
 def save_partition_file(path: str, parts: list[np.ndarray]) -> None:

@@ -21,12 +21,14 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fedjax_hetero import aggregators
 from fedjax_hetero.config.server import ServerOptimizerConfig
 from fedjax_hetero.methods.api import Method
 from fedjax_hetero.server.steps import ServerStep
+from fedjax_hetero.validation import check_choice, check_number
 
 class AdaptiveState(NamedTuple):
   m: optax.Updates  # m_t, first moment of the pseudo-gradient
@@ -42,6 +44,11 @@ SECOND_MOMENTS: dict[str, Callable] = {
 
 def scale_by_adaptive_moments(kind: str, beta1: float, beta2: float, tau: float) -> optax.GradientTransformation:
   """``m_t / (sqrt(v_t) + tau)`` of gradients ``g`` (Alg. 2 with g = -Delta_t), v by ``kind``'s rule."""
+  check_choice("kind", kind, SECOND_MOMENTS)
+  for name, value, bounds in (("beta1", beta1, dict(minimum=0, below=1)), ("beta2", beta2, dict(minimum=0, below=1)),
+                              ("tau", tau, dict(above=0))):
+    if not isinstance(value, (jax.Array, np.ndarray)):  # (a swept setting comes traced: its config checked it)
+      check_number(name, value, **bounds)
   second = SECOND_MOMENTS[kind]
 
   def init(params):

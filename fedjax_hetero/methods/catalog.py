@@ -276,6 +276,11 @@ def register_method(name: str, build: Callable[..., Method], options: tuple[type
   that registered it, `build_method`, and ``--resume`` of its results folders. ``build(*families)`` makes the
   method from the option families ``options`` (types of `MethodConfig`'s families, or `LocalConfig`), which its
   flags then set; the method it returns must be called ``name``. Registering a name again replaces it."""
+  if not isinstance(name, str) or not name.strip():
+    raise TypeError(f"register_method's name must be a non-empty string, got {name!r}")
+  if not callable(build):
+    raise TypeError(f"register_method({name!r}): build must be a function of the option families that returns the "
+                    f"Method, got {build!r}")
   known = {type(family) for family in MethodConfig().families().values()} | {LocalConfig}
   unknown = [kind.__name__ for kind in options if kind not in known]
   if unknown:

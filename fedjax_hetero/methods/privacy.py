@@ -32,6 +32,7 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fedjax_hetero import aggregators
 from fedjax_hetero.client.terms import ClientTerm
@@ -41,6 +42,7 @@ from fedjax_hetero.config.privacy import PrivacyConfig
 from fedjax_hetero.hetero.maps import Variables
 from fedjax_hetero.methods.api import Method
 from fedjax_hetero.server.steps import ServerStep
+from fedjax_hetero.validation import check_number
 
 NOISE_STREAM = 0xD9  # folded into the federation's server key: the noise's own stream, apart from the other steps'
 
@@ -50,8 +52,15 @@ def global_norm(tree: Variables) -> jax.Array:
   return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
+def check_clip(clip: Any) -> None:
+  """A concrete ``clip`` is a finite number > 0 (a traced one, a swept setting, was checked as the config's)."""
+  if not isinstance(clip, (jax.Array, np.ndarray)):
+    check_number("clip", clip, above=0)
+
+
 def clipped(delta: Variables, clip: Any) -> Variables:
   """``delta * min(1, clip / ||delta||)``, every leaf in its dtype (a zero update stays zero)."""
+  check_clip(clip)
   norm = global_norm(delta)
   scale = jnp.where(norm > clip, clip / jnp.where(norm > 0, norm, 1.0), 1.0)
   return jax.tree.map(lambda x: (x * scale).astype(x.dtype), delta)
@@ -59,6 +68,7 @@ def clipped(delta: Variables, clip: Any) -> Variables:
 
 def clip_term(clip: Any) -> ClientTerm:
   """The client's half: its update clipped to ``clip`` after every other term changed it (the last ``delta``)."""
+  check_clip(clip)
   return ClientTerm("dp_clip", delta=lambda state, final, memory, share: clipped(final.delta, clip))
 
 

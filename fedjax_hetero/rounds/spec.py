@@ -32,7 +32,7 @@ from fedjax_hetero.rounds.client_eval import ClientEval
 from fedjax_hetero.rounds.state import ServerState, server_key
 from fedjax_hetero.sampling.availability import Availability, availability, read_trace
 from fedjax_hetero.sampling.samplers import Participants, SamplingInfo
-from fedjax_hetero.server.steps import Federation, server_program
+from fedjax_hetero.server.steps import Federation, check_tree_kept, server_program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,9 +241,12 @@ class RoundSpec:
 
   def evaluated_variables(self, variables: Variables, group: int) -> Variables:
     """``variables`` of group ``group`` as the method evaluates them (e.g. HeteroFL's re-estimated BatchNorm)."""
-    if self.method.evaluation_variables:
-      return self.method.evaluation_variables(self.groups[group].model, variables, self.store)
-    return variables
+    if not self.method.evaluation_variables:
+      return variables
+    evaluated = self.method.evaluation_variables(self.groups[group].model, variables, self.store)
+    check_tree_kept(f"the evaluation_variables of method {self.method.name!r}", "variables", "the variables'",
+                    "it must keep the variables'", variables, evaluated)
+    return evaluated
 
   def stack_size(self, group: int) -> int:
     """The most clients of the group one round can have: the rows of its stacked uploads."""

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from fedjax_hetero.config.privacy import PrivacyConfig
+from fedjax_hetero.validation import check_integer
 
 if TYPE_CHECKING:
   import dp_accounting
@@ -36,12 +37,21 @@ Row = dict[str, Any]
 
 def round_event(privacy: PrivacyConfig, clients_per_round: int, num_clients: int) -> dp_accounting.DpEvent:
   """One round's `dp_accounting.DpEvent` (see the module docstring)."""
+  _check_draw(clients_per_round, num_clients)
   import dp_accounting  # (here, not above: its scipy imports take a second of every command's start)
   if privacy.accountant == "poisson":
     return dp_accounting.PoissonSampledDpEvent(clients_per_round / num_clients,
                                                dp_accounting.GaussianDpEvent(privacy.noise_multiplier))
   return dp_accounting.SampledWithoutReplacementDpEvent(num_clients, clients_per_round,
                                                         dp_accounting.GaussianDpEvent(privacy.noise_multiplier / 2))
+
+
+def _check_draw(clients_per_round: int, num_clients: int) -> None:
+  check_integer("num_clients", num_clients, minimum=1)
+  check_integer("clients_per_round", clients_per_round, minimum=1)
+  if clients_per_round > num_clients:
+    raise ValueError(f"clients_per_round {clients_per_round} exceeds num_clients {num_clients}: a round draws its "
+                     "clients from the num_clients without replacement")
 
 
 def accountant(privacy: PrivacyConfig) -> rdp.RdpAccountant:
@@ -69,6 +79,8 @@ def _round_rdp(privacy: PrivacyConfig, clients_per_round: int, num_clients: int)
 
 def epsilon(privacy: PrivacyConfig, clients_per_round: int, num_clients: int, rounds: int) -> float | None:
   """Epsilon at ``privacy.delta`` after ``rounds`` rounds; None where there is no bound (no noise)."""
+  _check_draw(clients_per_round, num_clients)
+  check_integer("rounds", rounds, minimum=0)
   if rounds == 0:
     return 0.0
   if privacy.noise_multiplier == 0:

@@ -33,7 +33,6 @@ a pytree update into the 1-D vector `ClusteredSampler.update` stores.
 
 from __future__ import annotations
 
-import numbers
 import warnings
 from typing import Any, Sequence
 
@@ -42,6 +41,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from fedjax_hetero.config.methods import SIMILARITIES
+from fedjax_hetero.validation import check_integer
 
 COLD_STARTS = ("zeros", "algorithm1")
 AGGREGATION_SCHEMES = ("uniform", "size")
@@ -130,8 +130,7 @@ def size_clusters(sizes: np.ndarray, num_sampled: int) -> np.ndarray:
   decreasing size (ties by id), so most clients sit in a single distribution.
   """
   sizes = _check_sizes(sizes)
-  if isinstance(num_sampled, bool) or not isinstance(num_sampled, numbers.Integral) or num_sampled < 1:
-    raise ValueError(f"num_sampled must be an integer >= 1, got {num_sampled!r}")
+  check_integer("num_sampled", num_sampled, minimum=1)
   mass = num_sampled * sizes
   distributions = np.zeros((num_sampled, len(sizes)), np.int64)
   order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
@@ -148,7 +147,7 @@ def weight_clusters(linkage: np.ndarray, sizes: np.ndarray, num_sampled: int) ->
   client-id lists. Equivalent to ``fcluster`` on the linkage whose merge
   heights are replaced by the merged importances, at threshold ``1/m``.
   """
-  sizes = np.asarray(sizes, np.int64)
+  sizes = _check_sizes(sizes)
   num_clients, total = len(sizes), int(sizes.sum())
   weight = list(sizes) + [0] * (num_clients - 1)
   children = {}
@@ -188,7 +187,7 @@ def similarity_clusters(dissimilarity: np.ndarray, sizes: np.ndarray, num_sample
   clients within a cluster are poured in id order, so the result is a pure
   function of the inputs (the released code shuffles them).
   """
-  sizes = np.asarray(sizes, np.int64)
+  sizes = _check_sizes(sizes)
   num_clients, capacity = len(sizes), int(sizes.sum())
   if num_clients == 1:
     return np.full((num_sampled, 1), capacity, np.int64)

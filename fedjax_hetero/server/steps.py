@@ -120,16 +120,22 @@ def run_server_steps(steps: Sequence[ServerStep], federation: Federation, model,
 def check_model_kept(step: str, before: Variables, after: Variables) -> None:
   """A step keeps the model's tree, shapes and dtypes (a static check, at trace time: it costs nothing per
   round); otherwise a ValueError naming the step, not a failure in the next round deep inside jax."""
+  check_tree_kept(f"server step {step!r}", "a model", "the model's", "a server step keeps the model's", before, after)
+
+
+def check_tree_kept(who: str, returned: str, owner: str, rule: str, before: Variables, after: Variables) -> None:
+  """``after`` has ``before``'s tree, shapes and dtypes; otherwise a ValueError naming ``who`` returned it
+  (``returned``, ``owner`` and ``rule`` name what it returned: "a model", "the model's", "a server step keeps the
+  model's")."""
   if jax.tree.structure(after) != jax.tree.structure(before):
     missing = set(_paths(before)) ^ set(_paths(after))
-    raise ValueError(f"server step {step!r} returned a model of another tree (leaves in one but not the other: "
-                     f"{', '.join(sorted(missing)[:3]) or 'none; the containers differ'}); a server step keeps the "
-                     "model's tree, shapes and dtypes")
+    raise ValueError(f"{who} returned {returned} of another tree (leaves in one but not the other: "
+                     f"{', '.join(sorted(missing)[:3]) or 'none; the containers differ'}); {rule} tree, shapes and "
+                     "dtypes")
   for (path, a), b in zip(_paths(before).items(), jax.tree.leaves(after)):
     if (np.shape(a), jnp.result_type(a)) != (np.shape(b), jnp.result_type(b)):
-      raise ValueError(f"server step {step!r} changed the model's {path} from {jnp.result_type(a)}{list(np.shape(a))} "
-                       f"to {jnp.result_type(b)}{list(np.shape(b))}; a server step keeps the model's tree, shapes and "
-                       "dtypes")
+      raise ValueError(f"{who} changed {owner} {path} from {jnp.result_type(a)}{list(np.shape(a))} to "
+                       f"{jnp.result_type(b)}{list(np.shape(b))}; {rule} tree, shapes and dtypes")
 
 
 def _paths(tree: Any) -> dict[str, Any]:

@@ -130,3 +130,18 @@ def test_a_signal_in_a_jobs_first_run_advises_what_continues_the_whole_job(tmp_p
          "--resume-or-start" in logs, logs
   run_jobs([r.replace(resume_or_start=True) for r in runs], log=lambda _: None)
   assert [len(measured(r.output.dir)) for r in runs] == [3, 3]
+
+
+def test_a_ctrl_c_while_a_command_imports_is_one_line(tmp_path):
+  """(Second held-out survey: a Ctrl-C a second after the start printed a traceback through the imports.)"""
+  import subprocess
+  import sys
+  import time
+  from tests.helpers import REPO
+  proc = subprocess.Popen([sys.executable, "-m", "experiments.fmnist", "--dataset", "synthetic", "--output-dir",
+                           str(tmp_path / "o")], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  time.sleep(0.5)  # (its imports take seconds)
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=60)
+  assert proc.returncode == -signal.SIGINT, err
+  assert err.strip() == "SIGINT: stopped while the command started; nothing was done", err

@@ -278,5 +278,6 @@ def substituted(config: Any, values: dict[str, Any]) -> Any:
 
 def _substitute(node: Any, parts: list[str], value: Any) -> Any:
   new = copy.copy(node)
-  object.__setattr__(new, parts[0], value if len(parts) == 1 else _substitute(getattr(node, parts[0]), parts[1:], value))
+  object.__setattr__(new, parts[0],
+                     value if len(parts) == 1 else _substitute(getattr(node, parts[0]), parts[1:], value))
   return new

@@ -191,8 +191,8 @@ class RunConfig(Settings):
       "launches each group's programs; auto: on an accelerator union where allowed, else fused where the method "
       "allows (not CluSamp); host on CPU", OneOf(ROUND_PROGRAMS))
   rounds_per_call: int | None = setting(
-      None, "rounds per device program of --round-program fused or union (a call also ends at every checkpoint and the last "
-      f"round); default: {AUTO_ROUNDS_PER_CALL}", Integer(1), metavar="K")
+      None, "rounds per device program of --round-program fused or union (a call also ends at every checkpoint and "
+      f"the last round); default: {AUTO_ROUNDS_PER_CALL}", Integer(1), metavar="K")
   stop_after: float | None = setting(
       None, "end the run at the end of the first call that passes SECONDS of training (from its first round), "
       "with a checkpoint, and exit with status 75; --resume continues it bit for bit (a protocol in pieces: "

@@ -22,5 +22,5 @@ from fedjax_hetero.config.run import (BACKEND_NAMES, FLAGS, DivergenceConfig, Ou
 __all__ = ["AGGREGATE_MODES", "Averaging", "BACKEND_NAMES", "ClusteredSampling", "Contrastive", "CrossLayer",
            "DataConfig", "DistributedConfig", "DivergenceConfig", "FLAGS", "FedCrossConfig", "FedFAOptions",
            "FedGenConfig", "FedINConfig", "FedImproConfig", "FederationConfig", "HeteroFLOptions", "LocalConfig",
-           "MethodConfig", "MomentumDistillation", "NORMALIZATIONS", "NeFLOptions", "OPTIMIZERS", "OutputConfig", "PrivacyConfig",
-           "Proximal", "RunConfig", "as_dict", "check_federation", "cli_flag", "declare", "flatten", "from_dict"]
+           "MethodConfig", "MomentumDistillation", "NORMALIZATIONS", "NeFLOptions", "OPTIMIZERS", "OutputConfig",
+           "PrivacyConfig", "Proximal", "RunConfig", "as_dict", "check_federation", "cli_flag", "declare", "flatten", "from_dict"]

@@ -23,4 +23,5 @@ __all__ = ["AGGREGATE_MODES", "Averaging", "BACKEND_NAMES", "ClusteredSampling",
            "DataConfig", "DistributedConfig", "DivergenceConfig", "FLAGS", "FedCrossConfig", "FedFAOptions",
            "FedGenConfig", "FedINConfig", "FedImproConfig", "FederationConfig", "HeteroFLOptions", "LocalConfig",
            "MethodConfig", "MomentumDistillation", "NORMALIZATIONS", "NeFLOptions", "OPTIMIZERS", "OutputConfig",
-           "PrivacyConfig", "Proximal", "RunConfig", "as_dict", "check_federation", "cli_flag", "declare", "flatten", "from_dict"]
+           "PrivacyConfig", "Proximal", "RunConfig", "as_dict", "check_federation", "cli_flag", "declare", "flatten",
+           "from_dict"]

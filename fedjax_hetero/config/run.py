@@ -44,8 +44,9 @@ class DivergenceConfig(Settings):
   """When a run counts as diverged (`fedjax_hetero.run.guard`), and what the runner does then.
 
   ``action``: "stop" ends the run with an error (the best checkpoint is kept); "rollback" restores the
-  best checkpoint, multiplies the clients' learning rate by ``rollback_lr_factor`` and goes on, at most
-  ``max_rollbacks`` times; "off" only keeps the engine's non-finite-loss error.
+  best checkpoint, multiplies the clients' learning rate by ``rollback_lr_factor`` (and a server optimizer's by a
+  tenth: `guard.rolled_back`) and goes on, at most ``max_rollbacks`` times; "off" only keeps the engine's
+  non-finite-loss error.
   """
 
   FLAG_PREFIX = "divergence"
@@ -54,8 +55,8 @@ class DivergenceConfig(Settings):
   action: str = setting(
       "stop", "when the loss is not finite, rises above --divergence-loss-factor x its lowest, or accuracy "
       "collapses to chance: stop (the best checkpoint is kept), rollback (restore the best checkpoint, lower the "
-      "learning rate, go on), or off (stop only on a non-finite loss)", OneOf(DIVERGENCE_ACTIONS),
-      flag="on_divergence")
+      "learning rates, the clients' and a server optimizer's, go on), or off (stop only on a non-finite loss)",
+      OneOf(DIVERGENCE_ACTIONS), flag="on_divergence")
   loss_factor: float = setting(
       10.0, "a group's training loss above this multiple of its lowest so far (at least ln C / 2; ln C before its "
       "first round) counts as divergence", Number(above=1))

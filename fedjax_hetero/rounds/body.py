@@ -50,16 +50,19 @@ class RoundOutputs(NamedTuple):
   # Per group: correct test predictions after the round (None or zeros outside evaluation rounds; on the host loop a
   # function that counts them, called once the round's time is taken).
   correct: Any
-  finite: tuple[Any, ...] = ()  # per federation: whether every weight of its model after the round is finite
+  # Per federation: the largest magnitude of a weight of its model after the round (inf where one is not finite).
+  largest_weight: tuple[Any, ...] = ()
   # Per group: every client's correct predictions on its held-out samples, as `correct` (() without client evaluation).
   client_correct: Any = ()
 
 
 @light_jit
-def all_finite(tree: Any) -> jax.Array:
-  """Whether every floating-point leaf of ``tree`` is finite."""
-  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-  return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+def largest_weight(tree: Any) -> jax.Array:
+  """The largest magnitude of an element of the floating-point leaves of ``tree`` (float32), inf if one is not
+  finite (a NaN too, whatever the backend's max does with one): one reduction per leaf, as a finiteness check."""
+  leaves = [jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), jnp.inf), initial=0).astype(jnp.float32)
+            for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.max(jnp.stack(leaves)) if leaves else jnp.float32(0)
 
 
 def any_of(flags: Sequence[Any]) -> Any:
@@ -115,7 +118,7 @@ def run_round(spec: "RoundSpec", cohorts: Any, state: ServerState, x: RoundRows,
   after = ServerState(x.index + 1, tuple(models), tuple(steps), sampler_state, memory)
   correct, client_correct = cohorts.correct(spec, after, x, data)  # evaluate
   outputs = RoundOutputs(tuple(r.loss_sum for r in results), tuple(r.num_examples for r in results),
-                         tuple(metrics), correct, tuple(map(all_finite, models)), client_correct)
+                         tuple(metrics), correct, tuple(map(largest_weight, models)), client_correct)
   return after, outputs
 
 

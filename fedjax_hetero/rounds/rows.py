@@ -33,8 +33,15 @@ class NonFiniteLossError(FloatingPointError):
 
 
 class NonFiniteModelError(NonFiniteLossError):
-  """A server's model has a non-finite weight after a round (its server step diverged, or a user's step broke
-  it); the model is neither evaluated into a row nor saved."""
+  """A server's model has a non-finite weight after a round, or one above `LARGEST_WEIGHT` (its server step
+  diverged, or a user's step broke it); the model is neither evaluated into a row nor saved."""
+
+
+# The largest weight a server's model may hold: the square root of float32's largest (about 1.8e19), so that the
+# product of two weights (a layer's input times its kernel, a logit in the loss) is finite. A model beyond it computes
+# inf and NaN the round after, or, as a user's step that scaled the weights by 1e30 did, a finite but useless
+# prediction above chance, which would be kept as the best checkpoint. Healthy models' weights are many orders below.
+LARGEST_WEIGHT = float(np.sqrt(np.finfo(np.float32).max))
 
 
 def host_metrics(tree: Any) -> Any:
@@ -82,17 +89,21 @@ def accuracies(correct: Sequence[int], groups: Sequence[str], num_test: int) -> 
 def call_row(spec: "RoundSpec", call: Call, i: int, outputs: "RoundOutputs", seconds: float,
              evaluate: Collection[int]) -> dict[str, Any]:
   """The metrics row of the call's round ``i`` from its outputs (host values); `NonFiniteLossError` if a group
-  that trained has a non-finite loss, `NonFiniteModelError` if a server's model has a non-finite weight."""
+  that trained has a non-finite loss, `NonFiniteModelError` if a server's model has a non-finite weight or one above
+  `LARGEST_WEIGHT`."""
   r, names = call.first + i, [g.name for g in spec.groups]
   chosen, cohorts, _, dropped = call.drawn[i]
   trained = [g for g in range(len(spec.groups)) if len(cohorts[g])]
   losses = {names[g]: group_loss(r, names[g], outputs.loss_sum[g], outputs.num_examples[g]) for g in trained
             if float(outputs.num_examples[g]) > 0}  # (a group whose clients took no step has no loss)
-  for f, finite in zip(spec.federations, outputs.finite):
-    if not bool(finite):
+  for f, largest in zip(spec.federations, outputs.largest_weight):
+    largest = float(largest)
+    if not largest <= LARGEST_WEIGHT:
+      what = "non-finite weights" if not math.isfinite(largest) else (
+          f"weights up to {largest:.3g}, above {LARGEST_WEIGHT:.3g} (the square root of float32's largest: products "
+          "of two overflow)")
       raise NonFiniteModelError(f"round {r + 1}: the model of group(s) {', '.join(names[g] for g in f.members)} has "
-                                f"non-finite weights after {spec.method.name}'s server step (the losses were finite)",
-                                r + 1)
+                                f"{what} after {spec.method.name}'s server step (the losses were finite)", r + 1)
   server: dict[str, Any] = {}
   for f in spec.federations:
     if any(len(cohorts[g]) for g in f.members):

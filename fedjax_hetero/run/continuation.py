@@ -27,9 +27,10 @@ def saved_config(output_dir: str, log: Log = print) -> RunConfig | None:
 
 
 def keep_latest_local_training(config: RunConfig, chosen: frozenset[str], log: Log) -> RunConfig:
-  """On a resume, each local-training setting that this command does not choose (``chosen``: dotted paths its flags
-  or config file give) keeps the value the folder's run trained with last: a ``--lr`` passed to an earlier resume
-  stays when the run is resumed again with its first command. A chosen value still changes it."""
+  """On a resume, each local-training setting (and the server learning rate: `history.RESUMABLE`) that this command
+  does not choose (``chosen``: dotted paths its flags or config file give) keeps the value the folder's run trained
+  with last: a ``--lr`` passed to an earlier resume stays when the run is resumed again with its first command. A
+  chosen value still changes it."""
   if not (config.output.resume or config.output.resume_or_start):
     return config
   try:
@@ -39,14 +40,16 @@ def keep_latest_local_training(config: RunConfig, chosen: frozenset[str], log: L
   if saved is None:
     return config
   before, now = flatten(saved), flatten(config)
-  kept = {path: before[path] for path in sorted(run_history.LOCAL_OPTIMIZER - chosen)
+  kept = {path: before[path] for path in sorted(run_history.RESUMABLE - chosen)
           if path in before and before[path] != now[path]}
   if not kept:
     return config
   log("; ".join(f"keeping {path} {value!r}, the run's latest (this command leaves it at {now[path]!r}; give it to "
                 "change it)" for path, value in kept.items()))
-  client = dataclasses.replace(config.client, **{path.split(".", 1)[1]: value for path, value in kept.items()})
-  return dataclasses.replace(config, client=client)
+  for path, value in kept.items():
+    section, field = path.split(".")
+    config = dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **{field: value})})
+  return config
 
 
 def prepare_folder(config: RunConfig) -> None:
@@ -82,7 +85,7 @@ def history(config: RunConfig, log: Log) -> tuple[RunConfig, run_history.History
     return config, run_history.History(processes=jax.process_count()), None
   config = dataclasses.replace(config, output=dataclasses.replace(output, resume=True))
   config = run_history.keep_saved_group_spelling(saved, config)
-  config = run_history.keep_rolled_back_learning_rate(config, saved.history, log)
+  config = run_history.keep_rolled_back_learning_rates(config, saved.history, log)
   changed = run_history.check_resume(saved, config, jax.process_count(), log)
   check_rounds_left(config)
   return config, saved.history, changed

@@ -1,10 +1,12 @@
 """A run's history, as its results folder's ``config.json`` records it: read once, checked, extended.
 
 ``config.json`` holds the latest settings (the `RunConfig` tree) and their history: one *segment* per stretch
-of rounds trained with the same local optimizer, ``{"from_round", "settings", "reason"}``, oldest first; every
-*rollback* after a divergence, ``{"diverged_round", "to_round", "reason", "learning_rate": [before, after]}``;
-and the number of processes that wrote it. `read` reads a folder's record once (older layouts included:
-`upgrade`); `check_resume` says whether a config may continue it.
+of rounds trained with the same local optimizer (and server learning rate), ``{"from_round", "settings", "reason"}``,
+oldest first; every *rollback* after a divergence, ``{"diverged_round", "to_round", "reason", "learning_rate":
+[before, after]}``, under a server optimizer with ``"server_lr": [before, after]``, and for a loss that rose with
+``"diverged_group"`` and ``"diverged_loss"`` (`guard.rollback_record`); and the number of processes that wrote
+it. `read` reads a folder's record once (older layouts included: `upgrade`); `check_resume` says whether a config
+may continue it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ UNCHANGED_TRAJECTORY = frozenset({"data.data_dir", "rounds", "eval_every", "back
                                   *(f"divergence.{f.name}" for f in dataclasses.fields(DivergenceConfig))})
 LOCAL_OPTIMIZER = frozenset(f"client.{name}" for name in ("epochs", "batch_size", "optimizer", "learning_rate",
                                                           "momentum", "weight_decay", "drop_last"))
+# The server optimizer's learning rate, which a rollback lowers with the clients' (`guard.rolled_back`) and a resume may
+# change as the advice says: its step reads it as a number, and its moments do not depend on it.
+SERVER_LR = "server.lr"
+RESUMABLE = LOCAL_OPTIMIZER | {SERVER_LR}
 # Older layouts' method settings (a flat `MethodOptions`), by their new place in `MethodConfig`.
 _OLD_METHOD_KEYS = {"aggregate": "averaging.aggregate", "moon_mu": "moon.mu", "moon_temperature": "moon.temperature",
                     "inco_variant": "inco.variant", "inco_granularity": "inco.granularity",
@@ -48,10 +54,11 @@ class History:
 
   def next_segment(self, config: RunConfig, from_round: int, reason: str) -> None:
     """The rounds from ``from_round`` on are (re)trained with ``config``: later segments are dropped (their
-    rounds are trained again), and a new one starts if the local settings differ from the last's."""
+    rounds are trained again), and a new one starts if the local settings differ from the last's (a setting an
+    older record lacks, the server learning rate, counts as the same)."""
     kept = [seg for seg in self.segments if seg["from_round"] < from_round]
     settings = local_settings(config)
-    if not (kept and kept[-1]["settings"] == settings):
+    if not (kept and all(kept[-1]["settings"].get(path, value) == value for path, value in settings.items())):
       kept.append({"from_round": from_round, "settings": settings, "reason": reason})
     self.segments = kept
 
@@ -67,8 +74,10 @@ class SavedRun(NamedTuple):
 
 
 def local_settings(config: RunConfig) -> dict[str, Any]:
+  """What a segment records: the local optimizer's settings, and the server optimizer's learning rate under one."""
   flat = flatten(config)
-  return {path: flat[path] for path in sorted(LOCAL_OPTIMIZER)}
+  paths = RESUMABLE if config.server.optimizer != "none" else LOCAL_OPTIMIZER
+  return {path: flat[path] for path in sorted(paths)}
 
 
 def read(output_dir: str, log: Callable[[str], None] = print) -> SavedRun | None:
@@ -161,13 +170,14 @@ def check_resume(saved: SavedRun, config: RunConfig, processes: int, log: Callab
   changed = {path: f"{path}: {before[path]!r} -> {now[path]!r}" for path in now
              if not path.startswith("output.") and path not in UNCHANGED_TRAJECTORY and before.get(path) != now[path]
              and not (path == "method.name" and same_method)}
-  refused = [text for path, text in changed.items() if path not in LOCAL_OPTIMIZER]
+  refused = [text for path, text in changed.items() if path not in RESUMABLE]
   if refused:
     raise ValueError(f"cannot resume {out!r} with different settings ({'; '.join(refused)}); repeat the run's own "
                      "flags (see its config.json), or pass --overwrite instead of --resume to start over")
   if not changed:
     return None
-  log(f"resuming with changed local training: {'; '.join(changed.values())}")
+  log(f"resuming with changed {'local training' if set(changed) <= LOCAL_OPTIMIZER else 'training settings'}: "
+      f"{'; '.join(changed.values())}")
   return "; ".join(changed.values())
 
 
@@ -186,18 +196,25 @@ def keep_saved_group_spelling(saved: SavedRun, config: RunConfig) -> RunConfig:
   return dataclasses.replace(config, groups=saved.config.groups)
 
 
-def keep_rolled_back_learning_rate(config: RunConfig, history: History, log: Callable[[str], None]) -> RunConfig:
-  """A run that rolled back lowered its learning rate; resumed with the command that started it, it keeps the
-  lowered rate instead of going back to one that diverged (another --lr still overrides)."""
-  if not history.rollbacks:
-    return config
-  lowered = history.rollbacks[-1]["learning_rate"][1]
-  diverged = {r["learning_rate"][0] for r in history.rollbacks}
-  if config.client.learning_rate not in diverged or config.client.learning_rate == lowered:
-    return config
-  log(f"keeping the learning rate {lowered:g} of the last rollback: --lr {config.client.learning_rate:g} diverged "
-      "in this run (pass another --lr to override)")
-  return dataclasses.replace(config, client=dataclasses.replace(config.client, learning_rate=lowered))
+def keep_rolled_back_learning_rates(config: RunConfig, history: History, log: Callable[[str], None]) -> RunConfig:
+  """A run that rolled back lowered its learning rates (the clients', and a server optimizer's); resumed with the
+  command that started it, it keeps each lowered rate instead of going back to one that diverged (another --lr or
+  --server-lr still overrides)."""
+  for key, (section, field, flag, name) in _ROLLED_BACK_RATES.items():
+    records = [r[key] for r in history.rollbacks if key in r]
+    now = getattr(getattr(config, section), field)
+    if not records or now not in {before for before, _ in records} or now == records[-1][1]:
+      continue
+    lowered = records[-1][1]
+    log(f"keeping the {name} {lowered:g} of the last rollback: {flag} {now:g} diverged in this run (pass another "
+        f"{flag} to override)")
+    config = dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **{field: lowered})})
+  return config
+
+
+# A rollback record's rates (`guard.rolled_back`): where each is in the config, its flag and its name.
+_ROLLED_BACK_RATES = {"learning_rate": ("client", "learning_rate", "--lr", "learning rate"),
+                      "server_lr": ("server", "lr", "--server-lr", "server learning rate")}
 
 
 def write(config: RunConfig, history: History) -> None:

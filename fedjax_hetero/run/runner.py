@@ -14,7 +14,6 @@ checkpoints (orbax's multi-process checkpointing), so the folder must be on a fi
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -34,7 +33,8 @@ from fedjax_hetero.run import checkpoints, continuation, metrics_log, preflight,
 from fedjax_hetero.run import history as run_history
 from fedjax_hetero.run.build import (Planned, build_simulation, initial_state, partitioned_dataset, run_method,
                                      training_parts, with_run_settings)
-from fedjax_hetero.run.guard import DivergenceError, DivergenceWatch, diverged_round, ranked, stop_advice
+from fedjax_hetero.run.guard import (DivergenceError, DivergenceWatch, diverged_round, in_restored_model, ranked,
+                                     repeated, rollback_reason, rollback_record, rolled_back, stop_advice)
 from fedjax_hetero.run.interruption import Interrupted, StopRequests
 from fedjax_hetero.run.plot import plot_accuracy
 from fedjax_hetero.run.reporting import Reporter
@@ -133,7 +133,7 @@ def open_run(planned: Planned, log: Log) -> "_Run":
 
 
 class _Run:
-  """The training loop's state: the config (the learning rate changes on a rollback), the simulation, the
+  """The training loop's state: the config (the learning rates change on a rollback), the simulation, the
   rows so far, the history, the checkpoints and the divergence guard."""
 
   def __init__(self, config: RunConfig, log: Log, method: Method, sim: Simulation, history: run_history.History,
@@ -307,35 +307,33 @@ class _Run:
     return None
 
   def _recover(self, error: DivergenceError) -> None:
-    """A diverged round: stop (raising), or roll back to the best checkpoint (none above chance: to the initial
-    model, round 0) with a lower learning rate."""
+    """A diverged round: stop (raising), or roll back to the best checkpoint (none above chance, or one whose model
+    holds the divergence: to the initial model, round 0) with lower learning rates (`guard.rolled_back`)."""
     self.manager.wait_until_finished()
-    best = checkpoints.best_step(self.manager)
+    best, again = checkpoints.best_step(self.manager), repeated(error, self.history.rollbacks)
+    restart = again is not None and in_restored_model(again, error)  # (then the rates stay: `guard`)
     if (self.config.divergence.action == "stop" or len(self.history.rollbacks) >= self.config.divergence.max_rollbacks
-        or error.in_server_step):  # (a lower --lr does not mend the server's step: `guard`)
-      self._stop(error, best)
-    best = best or 0
-    old_lr = self.config.client.learning_rate
-    self.config = dataclasses.replace(self.config, client=dataclasses.replace(
-        self.config.client, learning_rate=old_lr * self.config.divergence.rollback_lr_factor))
-    reason = f"rollback to round {best}: {error}; learning rate {old_lr:g} -> {self.config.client.learning_rate:g}"
+        or error.in_server_step or (again and not restart)):  # (lower rates mend neither: `guard`)
+      self._stop(error, best, None if restart else again)
+    best = 0 if restart else best or 0
+    self.config, changes = rolled_back(self.config, lower=not restart)
+    reason = rollback_reason(error, best, changes, again if restart else None)
     self.log(f"diverged: {reason}")
     checkpoints.drop_after(self.manager, best)
-    # The rounds go on with the lower learning rate, which a method may read (SCAFFOLD's correction).
+    # The rounds go on with the lower rates: the method may read the clients' (SCAFFOLD's correction).
     self.method = method_for(self.config, self.method)
     self.sim = self.sim.with_values(local=self.config.client, method=with_run_settings(self.config, self.method))
     self.state = self.sim.place(checkpoints.restore(self.manager, best, self.sim.spec.state_shapes) if best else
                                 self.sim.init_state())
-    self.history.rollbacks.append({"diverged_round": error.round, "to_round": best, "reason": str(error),
-                                   "learning_rate": [old_lr, self.config.client.learning_rate]})
+    self.history.rollbacks.append(rollback_record(error, best, changes))
     self.history.next_segment(self.config, best + 1, reason)
     self.rows = [r for r in self.rows if r["round"] <= best]
     self._rewrite()
 
-  def _stop(self, error: DivergenceError, best: int | None) -> None:
+  def _stop(self, error: DivergenceError, best: int | None, again: dict[str, Any] | None = None) -> None:
     """Ends a diverged run: the summary says where and why, and the error names the best checkpoint."""
     self.finish({"round": error.round, "group": error.group, "reason": str(error), "best_checkpoint": best})
-    advice = stop_advice(self.config, len(self.history.rollbacks), best, self.manager.directory, error)
+    advice = stop_advice(self.config, len(self.history.rollbacks), best, self.manager.directory, error, again)
     raise DivergenceError(f"{error}; {advice}", error.round, error.group) from None
 
   def finish(self, stopped: dict[str, Any] | None = None, interrupted: dict[str, Any] | None = None

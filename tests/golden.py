@@ -21,8 +21,9 @@ The records at level 0 were made on a commit that reproduced the default level's
 
 The setting: 6 synthetic clients of unequal sizes (`tiny_federation`), two depth groups of a small MLP
 (hidden 16-16 and 16-16-16, so InCo has a same-shape pair, hidden3 <- hidden2), 3 clients per round,
-2 local epochs of batch 8, Adam 1e-2, 3 rounds, evaluation after every round. FedCross and CluSamp
-train the deeper group alone. One extra entry runs InCoAvg on two tiny ResNets (BatchNorm, conv
+2 local epochs of batch 8, Adam 1e-2, 3 rounds, evaluation after every round, one local step per jitted call
+(the library's default; steps grouped into chunks give the same bits, `tests/test_golden.py`). FedCross and
+CluSamp train the deeper group alone. One extra entry runs InCoAvg on two tiny ResNets (BatchNorm, conv
 kernels) on the sequential backend. The methods added later (`LATER_METHODS`) run on the sequential backend
 only, to keep the suite's time: on the MLPs where the method accepts them, on the two tiny ResNets where it
 needs declared stages, blocks or an extractor/intermediate/classifier split (FedFA, NeFL, FedIN, InclusiveFL).
@@ -124,16 +125,16 @@ def fingerprint(variables) -> dict[str, Any]:
   return {"sha256": digest.hexdigest(), "sum": total}
 
 
-def record(method: str, backend: str, family: str = "mlp",
-           compiled: list[list[str]] | None = None) -> list[dict[str, Any]]:
+def record(method: str, backend: str, family: str = "mlp", compiled: list[list[str]] | None = None,
+           steps_per_call: int = 1) -> list[dict[str, Any]]:
   """Per round: train losses, examples, clients, test accuracies and each group model's fingerprint.
 
   ``compiled``, if given, receives per round the names of the programs the round and its evaluation
-  lowered (not part of the record)."""
+  lowered (not part of the record). ``steps_per_call`` groups the same local steps into jitted calls."""
   from fedjax_hetero.compilation import CompileLog
   from tests.golden_setting import eval_variables, golden_simulation  # the API-specific part
 
-  sim = golden_simulation(method, backend, family)
+  sim = golden_simulation(method, backend, family, steps_per_call=steps_per_call)
   state, rows = sim.init_state(), []
   for _ in range(ROUNDS):
     with CompileLog() as log:

@@ -116,9 +116,9 @@ def method_options(**flags) -> MethodConfig:
 
 
 # One step per jitted call (the library's default): a group compiles one step program, where steps_per_call=2
-# compiled a 2-step chunk and a 1-step tail (3x the compile time). Chunks and tails stay tested by the golden
-# setting (every method on both backends, tests/golden_setting.py), test_fedgen_clusamp_engine's resume through
-# the runner and test_benchmark's step modes.
+# compiled a 2-step chunk and a 1-step tail (3x the compile time). Chunks and tails stay tested against the golden
+# record (tests/test_golden.py, both backends), by test_fedgen_clusamp_engine's resume through the runner and
+# test_benchmark's step modes.
 TINY_LOCAL = LocalConfig(epochs=2, batch_size=8, optimizer="adam", learning_rate=1e-2, steps_per_call=1)
 
 

@@ -80,6 +80,24 @@ def test_method_reproduces_its_golden_record(entry):
     assert not names, f"{golden.key(*entry)} round {round_index} compiled {names}"
 
 
+# The record runs one local step per jitted call (one step program per group, the library's default). Steps grouped
+# into unrolled chunks of 3 with single-step tails (`LocalConfig.steps_per_call`; the clients take even step counts
+# here, 2 epochs, so a chunk of 2 would leave no tail) must give the same bits: a client memory's round on the
+# sequential backend, a stacked cohort on the vmap backend.
+CHUNKED_ENTRIES = [("HeteroScaffold", "sequential", "mlp"), ("HeteroAvg", "vmap", "mlp")]
+
+
+@pytest.mark.parametrize("entry", CHUNKED_ENTRIES, ids=lambda e: golden.key(*e))
+def test_local_steps_in_chunks_of_three_reproduce_the_golden_record(entry):
+  expected = expected_runs(entry)
+  got = golden.record(*entry, steps_per_call=3)
+  for round_index, (want, have) in enumerate(zip(expected, got), start=1):
+    if OWN is None or golden.key(*entry) not in OWN["runs"]:
+      assert_close(want, have, entry[0], f"{golden.key(*entry)} round {round_index}, steps in chunks of 3")
+      continue
+    assert have == want, f"{golden.key(*entry)} round {round_index}: steps in chunks of 3 differ"
+
+
 def test_another_cpus_record_holds_within_tolerance():
   """The comparison a CPU without a record of its own gets, against another CPU's record (one cheap entry)."""
   foreign = next((r for r in RECORD["records"] if r["cpu"] != SIGNATURE), None)

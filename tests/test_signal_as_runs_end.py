@@ -113,7 +113,8 @@ def test_a_signal_before_training_ends_the_command_in_one_line_and_resume_or_sta
 
 
 def test_a_signal_in_a_jobs_first_run_advises_what_continues_the_whole_job(tmp_path, monkeypatch):
-  """(Held-out probe: the advice was --resume, which refuses the folders of the runs that never started.)"""
+  """The advice is --resume, and it continues the whole job: it starts the runs that never began. (Held-out probes:
+  --resume refused their folders; then the run's line advised --resume and the job's --resume-or-start.)"""
   one_round, sent = runner._Run._round, []
 
   def round_then_signal(self):
@@ -126,10 +127,15 @@ def test_a_signal_in_a_jobs_first_run_advises_what_continues_the_whole_job(tmp_p
   runs, logs = runs_of(tiny(tmp_path / "job", rounds=3), [0, 1]), []
   with pytest.raises(Interrupted):
     run_jobs(runs, log=logs.append)
-  assert "the job's 1 later run(s) have not started: to continue the whole job, rerun the same command with " \
-         "--resume-or-start" in logs, logs
-  run_jobs([r.replace(resume_or_start=True) for r in runs], log=lambda _: None)
+  assert any("to continue, rerun the same command with --resume" in line for line in logs), logs
+  assert "the job's 1 later run(s) have not started: the same command with --resume starts them" in logs, logs
+  logs.clear()
+  run_jobs([r.replace(resume=True) for r in runs], log=logs.append)
+  assert f"{runs[1].output.dir}: this run of the job never began; starting it" in logs, logs
   assert [len(measured(r.output.dir)) for r in runs] == [3, 3]
+  with pytest.raises(ValueError, match="holds no run to continue"):  # a job none of whose runs began: wrong folders
+    run_jobs([r.replace(resume=True, output_dir=str(tmp_path / f"other{i}")) for i, r in enumerate(runs)],
+             log=lambda _: None)
 
 
 def test_a_ctrl_c_while_a_command_imports_is_one_line(tmp_path):

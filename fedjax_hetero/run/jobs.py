@@ -184,6 +184,23 @@ def naming_the_run(config: RunConfig, many: bool) -> Iterator[None]:
     raise
 
 
+def starting_the_unbegun(configs: Sequence[RunConfig], log: Log) -> list[RunConfig]:
+  """``configs`` on a --resume of a job, its runs that never began (no folder, or an empty one) to start: --resume
+  continues the job, as a signal in one of its runs advises, once any of its runs has begun (none has: the folders
+  are wrong, and each run's resume says so)."""
+  configs = list(configs)
+  if len(configs) < 2 or not configs[0].output.resume:
+    return configs
+  unbegun = [not results_folder.folder_entries(config.output.dir) for config in configs]
+  if all(unbegun) or not any(unbegun):
+    return configs
+  for i, config in enumerate(configs):
+    if unbegun[i]:
+      log(f"{config.output.dir}: this run of the job never began; starting it")
+      configs[i] = config.replace(resume=False)
+  return configs
+
+
 def run_jobs(configs: Sequence[RunConfig], methods: Sequence[Method] | None = None, log: Log = print,
              max_runs_per_program: int | None = None, memory_budget: int | None = None) -> list[dict[str, Any]]:
   """Runs (or resumes) a job's runs, each run's method made and checked (`build.run_method`; ``methods``: made
@@ -192,6 +209,7 @@ def run_jobs(configs: Sequence[RunConfig], methods: Sequence[Method] | None = No
   for config in configs:
     preflight.check_settings(config)
     config.output.check_paths()
+  configs = starting_the_unbegun(configs, log)
   methods = list(methods or [run_method(config) for config in configs])
   why_apart = batchable(configs[0], methods[0])
   if why_apart is None:
@@ -221,8 +239,8 @@ def run_jobs(configs: Sequence[RunConfig], methods: Sequence[Method] | None = No
                                               datasets.get((config.data.dataset, config.data.data_dir)), log))
       except Interrupted:
         if len(summaries) + 1 < len(configs):  # (--resume refuses the folders of runs that never started)
-          log(f"the job's {len(configs) - len(summaries) - 1} later run(s) have not started: to continue the whole "
-              "job, rerun the same command with --resume-or-start")
+          log(f"the job's {len(configs) - len(summaries) - 1} later run(s) have not started: the same command with "
+              "--resume starts them")
         raise
   return summaries
 

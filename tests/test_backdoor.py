@@ -19,7 +19,7 @@ from fedjax_hetero.cli import compare
 from fedjax_hetero.client.attack import (AttackedTrainer, Backdoor, attack_table, malicious_clients, num_malicious,
                                          shuffled_row)
 from fedjax_hetero.client.local import LocalTrainer
-from fedjax_hetero.compilation import CompileLog
+from fedjax_hetero.compilation import CompileLog, release_programs
 from fedjax_hetero.config import FederationConfig, LocalConfig, RunConfig
 from fedjax_hetero.data import synthetic_dataset
 from fedjax_hetero.methods import build_method
@@ -148,7 +148,9 @@ def test_malicious_upload_is_its_update_plus_lambda_times_the_backdoor_delta(met
 
 @pytest.fixture(scope="module")
 def attacked_runs():
-  """Three rounds of a backdoored HeteroAvg on each backend (2 of 6 clients malicious, lambda 5)."""
+  """Three rounds of a backdoored HeteroAvg on each backend (2 of 6 clients malicious, lambda 5), from no program
+  compiled (the test of it checks the first round compiles)."""
+  release_programs()
   return {backend: run(simulation(backend, malicious_fraction=0.34, backdoor_scale=5.0))
           for backend in ("sequential", "vmap")}
 

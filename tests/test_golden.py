@@ -63,7 +63,7 @@ ENTRIES = [e for e in golden.entries() if e[1] != "vmap" or e[0] in VMAP_ENTRIES
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: golden.key(*e))
-def test_method_reproduces_its_golden_record(entry):
+def test_method_reproduces_its_golden_record(entry, fresh_programs):
   expected = expected_runs(entry)
   compiled = []
   got = golden.record(*entry, compiled=compiled)

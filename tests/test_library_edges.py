@@ -145,6 +145,12 @@ SAMPLING = [
      r"^similarity\[0, 1\] is nan; partners are chosen by comparing similarities"),
     ("lowest_similarity_partners: inf", call(A.lowest_similarity_partners, jnp.eye(3).at[2, 0].set(jnp.inf)),
      ValueError, r"^similarity\[2, 0\] is inf"),
+    ("in_order_partners: round as text", call(A.in_order_partners, 4, "3"), ValueError,
+     r"^round_idx must be an integer round index, got '3'"),
+    ("in_order_partners: round -1", call(A.in_order_partners, 4, -1), ValueError,
+     r"^round_idx is -1; a round index is >= 0"),
+    ("dynamic_alpha: round -5", call(A.dynamic_alpha, -5), ValueError, r"^round_idx is -5; a round index is >= 0"),
+    ("dynamic_alpha: round 1.5", call(A.dynamic_alpha, 1.5), ValueError, r"^round_idx must hold integers"),
 ]
 
 

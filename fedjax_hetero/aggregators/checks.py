@@ -204,6 +204,16 @@ def check_integer(name: str, value: Any) -> None:
     raise ValueError(f"{name} must hold integers, got dtype {dtype}")
 
 
+def check_round(name: str, value: Any) -> None:
+  """A round index: an integer scalar, >= 0 when concrete (a traced one passes)."""
+  if isinstance(value, bool) or value is None or isinstance(value, (str, bytes)):
+    raise ValueError(f"{name} must be an integer round index, got {value!r}")
+  check_scalar(name, value)
+  check_integer(name, value)
+  if is_concrete(value) and int(np.asarray(value)) < 0:
+    raise ValueError(f"{name} is {int(np.asarray(value))}; a round index is >= 0")
+
+
 def check_index_range(name: str, value: Any, size: int) -> None:
   """Integer indices in [0, size) (the range only when concrete)."""
   check_integer(name, value)

@@ -174,6 +174,7 @@ def in_order_partners(num_models: int, round_idx: Scalar) -> jax.Array:
   slot exactly once. ``num_models`` is static; ``round_idx`` may be traced.
   """
   _check_num_models(num_models)
+  checks.check_round("round_idx", round_idx)
   offset = jnp.asarray(round_idx, jnp.int32) % (num_models - 1) + 1
   return (jnp.arange(num_models, dtype=jnp.int32) + offset) % num_models
 
@@ -364,6 +365,7 @@ def dynamic_alpha(round_idx: Scalar, stage_start: int = 0, stage_length: int = 1
   """
   if stage_length <= 0:
     raise ValueError(f"stage_length must be positive, got {stage_length}")
+  checks.check_round("round_idx", round_idx)
   progress = (jnp.asarray(round_idx, jnp.float32) - stage_start) / stage_length
   return jnp.float32(alpha_start) + jnp.float32(alpha_end - alpha_start) * jnp.clip(progress, 0.0, 1.0)
 

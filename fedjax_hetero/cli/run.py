@@ -359,12 +359,12 @@ def _main(config: RunConfig, processes: DistributedConfig, args: argparse.Namesp
     if args.runs_per_program is not None and args.runs_per_program < 1:
       raise ValueError(f"--runs-per-program must be at least 1, got {args.runs_per_program}")
     runs = runs_of(config, args.seeds, sweeps) if sweeps else seed_runs(config, args.seeds)
-    flags_given = frozenset(FLAGS[name].path for name in args.flags_given if name in FLAGS)
+    paths_of_flags = frozenset(FLAGS[name].path for name in args.flags_given if name in FLAGS)
     from_file = {path for path, source in args.setting_sources.items() if source.startswith("--config")}
-    given_paths = flags_given | from_file | {name for name, _ in sweeps}
+    given_paths = paths_of_flags | from_file | {name for name, _ in sweeps}
     runs = [keep_latest_local_training(run, given_paths, args.notes.append) for run in runs]
     for run in runs:
-      check_settings(run, args.setting_sources, args.dataset_defaults, flags_given)
+      check_settings(run, args.setting_sources, args.dataset_defaults, paths_of_flags)
       run.output.check_paths()
     # The build step: every run's method made and checked against its groups and cohort, before any data.
     methods = [run_method(run) for run in runs]

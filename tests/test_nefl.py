@@ -163,7 +163,7 @@ def resnet_simulation(method="NeFL", **options):
   """Two groups: ResNet (1, 1) at width 0.5 and ResNet (1, 2) at width 1 (stage 2's block_last is shared)."""
   return simulation(method, [("small", tiny_resnet((1, 1), 0.5)), ("large", tiny_resnet((1, 2), 1.0))],
                     tiny_federation(4, 48, 8, "iid"),
-                    LocalConfig(batch_size=16, steps_per_call=2, optimizer="sgd", learning_rate=0.1), options=options,
+                    LocalConfig(batch_size=16, optimizer="sgd", learning_rate=0.1), options=options,
                     clients_per_round=4)
 
 

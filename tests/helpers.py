@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -27,6 +28,13 @@ from fedjax_hetero.rounds.rows import host_metrics
 TINY_NUM_CLIENTS = 6
 FMNIST_FILE = "/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def sigint_as_from_a_terminal() -> None:
+  """``preexec_fn`` of a child that a test sends SIGINT: its SIGINT at the default, as a terminal starts a command
+  (a suite started in the background, ``cmd &``, passes SIGINT on ignored, and Python then installs no
+  KeyboardInterrupt: the child would never see the test's Ctrl-C)."""
+  signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def run_fmnist_cli(*args: str, timeout: int = 600, trains_long: bool = False) -> subprocess.CompletedProcess:

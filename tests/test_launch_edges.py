@@ -12,7 +12,7 @@ import time
 import pytest
 
 from fedjax_hetero.cli import launch
-from tests.helpers import REPO
+from tests.helpers import REPO, sigint_as_from_a_terminal
 
 # A stand-in for an experiment module: records each SIGINT/SIGTERM it gets, and exits a second after the first
 # (a run stops after its round in progress), as 128 + that signal.
@@ -58,7 +58,7 @@ def start_launcher(tmp_path, **popen):
   env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
   launcher = subprocess.Popen([sys.executable, "-m", "experiments.launch", "--num-processes", "2", "--grace", "30",
                                "--", "recorder", str(tmp_path)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, **popen)
+                              stderr=subprocess.PIPE, text=True, preexec_fn=sigint_as_from_a_terminal, **popen)
   deadline = time.monotonic() + 30
   while not all((tmp_path / f"ready_{i}").exists() for i in (0, 1)):
     assert time.monotonic() < deadline and launcher.poll() is None, launcher.communicate()

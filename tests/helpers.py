@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
+from typing import Iterator
 
 import flax.linen as nn
 import jax
@@ -30,11 +32,17 @@ FMNIST_FILE = "/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def sigint_as_from_a_terminal() -> None:
-  """``preexec_fn`` of a child that a test sends SIGINT: its SIGINT at the default, as a terminal starts a command
-  (a suite started in the background, ``cmd &``, passes SIGINT on ignored, and Python then installs no
-  KeyboardInterrupt: the child would never see the test's Ctrl-C)."""
-  signal.signal(signal.SIGINT, signal.SIG_DFL)
+@contextlib.contextmanager
+def sigint_as_from_a_terminal() -> Iterator[None]:
+  """Around starting a child that a test sends SIGINT: the child gets SIGINT at the default, as from a terminal. A
+  suite started in the background (``cmd &``) ignores SIGINT and passes that on (Python then installs no
+  KeyboardInterrupt, and the child never sees the test's Ctrl-C); a caught signal is reset by exec. (Not a
+  ``preexec_fn``: that forks a multithreaded process, which jax warns of.)"""
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, previous)
 
 
 def run_fmnist_cli(*args: str, timeout: int = 600, trains_long: bool = False) -> subprocess.CompletedProcess:

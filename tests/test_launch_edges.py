@@ -56,9 +56,10 @@ def test_a_log_dir_that_cannot_be_used_is_one_line_before_any_process_starts(tmp
 def start_launcher(tmp_path, **popen):
   (tmp_path / "recorder.py").write_text(RECORDER)
   env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
-  launcher = subprocess.Popen([sys.executable, "-m", "experiments.launch", "--num-processes", "2", "--grace", "30",
-                               "--", "recorder", str(tmp_path)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, preexec_fn=sigint_as_from_a_terminal, **popen)
+  with sigint_as_from_a_terminal():
+    launcher = subprocess.Popen([sys.executable, "-m", "experiments.launch", "--num-processes", "2", "--grace",
+                                 "30", "--", "recorder", str(tmp_path)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, **popen)
   deadline = time.monotonic() + 30
   while not all((tmp_path / f"ready_{i}").exists() for i in (0, 1)):
     assert time.monotonic() < deadline and launcher.poll() is None, launcher.communicate()

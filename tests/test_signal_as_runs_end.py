@@ -144,9 +144,9 @@ def test_a_ctrl_c_while_a_command_imports_is_one_line(tmp_path):
   import sys
   import time
   from tests.helpers import REPO, sigint_as_from_a_terminal
-  proc = subprocess.Popen([sys.executable, "-m", "experiments.fmnist", "--dataset", "synthetic", "--output-dir",
-                           str(tmp_path / "o")], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          preexec_fn=sigint_as_from_a_terminal)
+  with sigint_as_from_a_terminal():
+    proc = subprocess.Popen([sys.executable, "-m", "experiments.fmnist", "--dataset", "synthetic", "--output-dir",
+                             str(tmp_path / "o")], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   time.sleep(0.5)  # (its imports take seconds)
   proc.send_signal(signal.SIGINT)
   _, err = proc.communicate(timeout=60)

@@ -18,7 +18,9 @@ from typing import Any, Callable, NamedTuple
 
 from fedjax_hetero import models
 from fedjax_hetero.config import FLAGS, DivergenceConfig, FedGenConfig, RunConfig, as_dict, flatten, from_dict
+from fedjax_hetero.config.run import FLAGS_BY_PATH
 from fedjax_hetero.methods import get_entry
+from fedjax_hetero.run.guard import RATE_NAMES
 
 SEGMENTS, ROLLBACKS, PROCESSES = "segments", "rollbacks", "processes"
 # Settings a resumed run may change. The first set leaves the trajectory as it was up to float tolerance (the
@@ -200,21 +202,21 @@ def keep_rolled_back_learning_rates(config: RunConfig, history: History, log: Ca
   """A run that rolled back lowered its learning rates (the clients', and a server optimizer's); resumed with the
   command that started it, it keeps each lowered rate instead of going back to one that diverged (another --lr or
   --server-lr still overrides)."""
-  for key, (section, field, flag, name) in _ROLLED_BACK_RATES.items():
+  for key, path in _ROLLED_BACK_RATES.items():
     records = [r[key] for r in history.rollbacks if key in r]
+    (section, field), flag = path.split("."), FLAGS_BY_PATH[path].cli
     now = getattr(getattr(config, section), field)
     if not records or now not in {before for before, _ in records} or now == records[-1][1]:
       continue
     lowered = records[-1][1]
-    log(f"keeping the {name} {lowered:g} of the last rollback: {flag} {now:g} diverged in this run (pass another "
-        f"{flag} to override)")
+    log(f"keeping the {RATE_NAMES[key]} {lowered:g} of the last rollback: {flag} {now:g} diverged in this run (pass "
+        f"another {flag} to override)")
     config = dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **{field: lowered})})
   return config
 
 
-# A rollback record's rates (`guard.rolled_back`): where each is in the config, its flag and its name.
-_ROLLED_BACK_RATES = {"learning_rate": ("client", "learning_rate", "--lr", "learning rate"),
-                      "server_lr": ("server", "lr", "--server-lr", "server learning rate")}
+# A rollback record's rates (`guard.rolled_back`, named as `guard.RATE_NAMES` names them) by their settings' paths.
+_ROLLED_BACK_RATES = {"learning_rate": "client.learning_rate", "server_lr": SERVER_LR}
 
 
 def write(config: RunConfig, history: History) -> None:

@@ -302,7 +302,8 @@ def plot_partition(
   ax.set_ylabel("class")
   ax.set_title(title)
   ax.grid(True, linewidth=0.3, alpha=0.5)
-  fig.tight_layout()
+  # Margins in inches, fixed: `tight_layout` measures the texts by drawing the figure once more (a third of the time).
+  fig.subplots_adjust(left=0.6 / width, right=1 - 0.15 / width, bottom=0.55 / height, top=1 - 0.35 / height)
   fig.savefig(path, format="png", dpi=100)
 
 

@@ -225,11 +225,13 @@ def malicious_report(sim: Simulation) -> str:
   return "\n".join(lines) + "\n"
 
 
-def initial_state(sim: Simulation, parts: Sequence[np.ndarray], out: str, main: bool) -> ServerState:
-  """The initial state, compiled while the partition report and plot are written (process 0)."""
+def initial_state(sim: Simulation, parts: Sequence[np.ndarray], out: str, main: bool, resumed: bool) -> ServerState:
+  """The initial state, compiled while the partition report and plot are written (process 0; a resume keeps the
+  ones its run wrote: it trains on the same partition, `results_folder.check_data`)."""
+  written = all(os.path.exists(os.path.join(out, name)) for name in ("partition.txt", "partition.png"))
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
     initial = pool.submit(sim.init_state)
-    if main:
+    if main and not (resumed and written):
       store = sim.spec.store
       labels = np.asarray(store.labels)
       with open(os.path.join(out, "partition.txt"), "w") as f:

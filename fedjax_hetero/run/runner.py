@@ -126,7 +126,7 @@ def open_run(planned: Planned, log: Log) -> "_Run":
   if main:
     continuation.prepare_folder(config)
     results_folder.record_data(config, planned.data)
-  state = initial_state(planned.sim, planned.parts, config.output.dir, main)
+  state = initial_state(planned.sim, planned.parts, config.output.dir, main, config.output.resume)
   run = _Run(config, log, planned.method, planned.sim, planned.history, main)
   run.begin(state, planned.changed)
   return run

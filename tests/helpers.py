@@ -9,7 +9,7 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import flax.linen as nn
 import jax
@@ -199,3 +199,18 @@ def run_alone(run: RunConfig, dataset) -> str:
   alone = run.replace(output_dir=run.output.dir + "_alone")
   run_experiment(alone, dataset, log=lambda _: None)
   return alone.output.dir
+
+
+class TrainedAlone:
+  """`run_alone` once per setting, for a module-scoped fixture: a run whose setting (its folder aside) a test of the
+  module trained already reads that folder. ``dataset`` makes the module's dataset."""
+
+  def __init__(self, tmp_path_factory, dataset: Callable[[], Any]):
+    self._tmp, self._dataset, self._folders = tmp_path_factory, dataset, {}
+
+  def __call__(self, run: RunConfig) -> str:
+    setting = run.replace(output_dir="alone")
+    if setting not in self._folders:
+      self._folders[setting] = run_alone(run.replace(output_dir=str(self._tmp.mktemp("alone") / "run")),
+                                         self._dataset())
+    return self._folders[setting]

@@ -21,10 +21,11 @@ from fedjax_hetero.run.jobs import parse_sweep, run_together, runs_of
 from fedjax_hetero.run.runner import run_experiment
 from fedjax_hetero.server.steps import Carry
 from tests import golden
-from tests.helpers import measured, run_alone
+from tests.helpers import TrainedAlone, measured
 from tests.test_runner import read_rows, restore
 
 BETA1, BETA2, TAU, LR = 0.9, 0.99, 1e-3, 0.05
+pytestmark = pytest.mark.xdist_group("adaptive")  # (one worker sets up the module's fixtures)
 
 
 def by_hand(kind: str, deltas: list[np.ndarray], x: np.ndarray) -> np.ndarray:
@@ -115,6 +116,17 @@ def config(out, **changes) -> RunConfig:
   return RunConfig.from_flags(**{**flags, **changes})
 
 
+def job_config(out) -> RunConfig:
+  """`config` as the jobs below run it: FedAdam on the round program, two rounds, one group (what a job checks of the
+  server optimizer does not depend on the groups, and one group compiles fewer programs)."""
+  return config(out, groups=("mlp@1",), round_program="fused", rounds=2, server_optimizer="adam")
+
+
+@pytest.fixture(scope="module")
+def trained_alone(tmp_path_factory) -> TrainedAlone:
+  return TrainedAlone(tmp_path_factory, lambda: synthetic_dataset(num_train=240, num_test=64, seed=0))
+
+
 @pytest.mark.slow
 def test_a_run_with_a_server_optimizer_resumes_bit_for_bit_and_differs_from_plain_averaging(tmp_path):
   dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
@@ -132,26 +144,26 @@ def test_a_run_with_a_server_optimizer_resumes_bit_for_bit_and_differs_from_plai
 
 
 @pytest.mark.slow
-def test_a_job_of_seeds_with_a_server_optimizer_equals_its_runs_alone(tmp_path):
+def test_a_job_of_seeds_with_a_server_optimizer_equals_its_runs_alone(tmp_path, trained_alone):
   dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
-  runs = runs_of(config(tmp_path / "job", round_program="fused", rounds=2, server_optimizer="adam"), [0, 1])
+  runs = runs_of(job_config(tmp_path / "job"), [0, 1])
   run_together(runs, dataset, log=lambda _: None)
   for run in runs:
-    alone = run_alone(run, dataset)
-    assert measured(run.output.dir) == measured(alone)
+    assert measured(run.output.dir) == measured(trained_alone(run))
 
 
 @pytest.mark.slow
-def test_a_job_sweeping_the_server_optimizers_settings_equals_its_runs_alone(tmp_path):
+def test_a_job_sweeping_the_server_optimizers_settings_equals_its_runs_alone(tmp_path, trained_alone):
   """Held-out probe U8: --sweep server.lr on the fused program was refused once the folders were written; the
-  server optimizer's numbers are traced per run, and each run of the program steps with its own."""
+  server optimizer's numbers are traced per run, and each run of the program steps with its own. (The run of the
+  default lr and beta1 is seed 0 of the job of seeds above: trained alone once.)"""
   dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
-  base = config(tmp_path / "job", round_program="fused", rounds=2, server_optimizer="adam")
-  runs = runs_of(base, None, [parse_sweep("server.lr=0.01,0.3", base), parse_sweep("server.beta1=0,0.9", base)])
+  base = job_config(tmp_path / "job")
+  runs = runs_of(base, None, [parse_sweep("server.lr=0.03,0.3", base), parse_sweep("server.beta1=0,0.9", base)])
   run_together(runs, dataset, log=lambda _: None)
   losses = set()
   for run in runs:  # (a traced setting leaves the last bits free: the losses to float tolerance)
-    alone = run_alone(run, dataset)
+    alone = trained_alone(run)
     for have, want in zip(measured(run.output.dir), measured(alone), strict=True):
       assert (have["clients"], have["test_accuracy"]) == (want["clients"], want["test_accuracy"]), run.output.dir
       assert have["train_loss"] == pytest.approx(want["train_loss"], rel=golden.TOLERANCE["loss"]), run.output.dir

@@ -21,6 +21,7 @@ from tests.helpers import measured, run_alone
 from tests.test_runner import read_rows
 
 QUIET = dict(log=lambda _: None)
+pytestmark = pytest.mark.xdist_group("availability")  # (one worker sets up the module's fixtures)
 
 
 def test_who_drops_is_the_seeded_uniform_draw_against_the_groups_probability():
@@ -74,11 +75,16 @@ def config(out, **changes) -> RunConfig:
   return RunConfig.from_flags(**{**flags, **changes})
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> RunConfig:
+  """`config`'s run of four rounds with dropouts, trained once for the tests that read it."""
+  run = config(tmp_path_factory.mktemp("straight") / "run")
+  run_experiment(run, synthetic_dataset(num_train=240, num_test=64, seed=0), **QUIET)
+  return run
 
-def test_a_runs_rows_count_the_dropped_clients_of_each_group_and_train_the_others(tmp_path):
-  dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
-  run = config(tmp_path / "run")
-  run_experiment(run, dataset, **QUIET)
+
+def test_a_runs_rows_count_the_dropped_clients_of_each_group_and_train_the_others(straight):
+  run = straight
   rows = read_rows(run.output.dir)
   group = np.repeat([0, 1], 4)  # contiguous blocks of the 8 clients
   for r, row in enumerate(rows):
@@ -116,10 +122,8 @@ def test_the_same_absences_from_a_trace_give_the_same_run_on_both_drivers(tmp_pa
 
 
 @pytest.mark.slow
-def test_a_run_with_dropouts_resumes_bit_for_bit(tmp_path):
+def test_a_run_with_dropouts_resumes_bit_for_bit(tmp_path, straight):
   dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
-  straight = config(tmp_path / "straight")
-  run_experiment(straight, dataset, **QUIET)
   halves = config(tmp_path / "halves", rounds=2)
   run_experiment(halves, dataset, **QUIET)
   run_experiment(halves.replace(rounds=4, resume=True), dataset, **QUIET)

@@ -23,11 +23,12 @@ from fedjax_hetero.rounds.client_eval import summary
 from fedjax_hetero.rounds.many import ManyRuns
 from fedjax_hetero.run.jobs import run_together, runs_of
 from fedjax_hetero.run.runner import run_experiment
-from tests.helpers import TINY_LOCAL, measured, mlp_groups, run_alone
+from tests.helpers import TINY_LOCAL, TrainedAlone, measured, mlp_groups
 from tests.test_runner import read_rows
 
 QUIET = dict(log=lambda _: None)
 NUM_CLIENTS = 6
+pytestmark = pytest.mark.xdist_group("client_evaluation")  # (one worker sets up the module's fixtures)
 
 
 def noisy_dataset():
@@ -135,15 +136,21 @@ def test_a_users_own_method_gets_it_with_no_code_of_its_own():
     assert {k: v["clients"] for k, v in rows[1]["client_accuracy"].items() if k != "all"} == by_hand(sim, state, parts)
 
 
-@pytest.mark.parametrize("mapping", ["map", "vmap"])
-def test_runs_of_one_program_count_as_each_run_alone(mapping):
-  """Each seed has its own split (another number of held-out samples per group: padded in the program)."""
+@pytest.fixture(scope="module")
+def two_seeds_alone():
+  """The round programs of seeds 0 and 1 and their rows of two rounds alone, computed once for both mappings."""
   sims = [held_out_simulation(seed=seed, round_program="fused", backend="vmap")[0] for seed in (0, 1)]
+  return sims, [sim.run_rounds(sim.init_state(), 2, evaluate={1, 2})[1] for sim in sims]
+
+
+@pytest.mark.parametrize("mapping", ["map", "vmap"])
+def test_runs_of_one_program_count_as_each_run_alone(mapping, two_seeds_alone):
+  """Each seed has its own split (another number of held-out samples per group: padded in the program)."""
+  sims, alone_rows = two_seeds_alone
   assert [h.ids.shape for h in sims[0].spec.client_eval.held] != [h.ids.shape for h in sims[1].spec.client_eval.held]
   batch = ManyRuns(sims, mapping=mapping)
   together = batch.run([0, 1], [s.init_state() for s in sims], 2, {1, 2})
-  for sim, (_, rows) in zip(sims, together):
-    _, alone = sim.run_rounds(sim.init_state(), 2, evaluate={1, 2})
+  for (_, rows), alone in zip(together, alone_rows, strict=True):
     assert [r["client_accuracy"] for r in rows] == [r["client_accuracy"] for r in alone]
 
 
@@ -169,6 +176,10 @@ def config(out, **changes) -> RunConfig:
   return RunConfig.from_flags(**{**flags, **changes})
 
 
+@pytest.fixture(scope="module")
+def trained_alone(tmp_path_factory) -> TrainedAlone:
+  return TrainedAlone(tmp_path_factory, noisy_dataset)
+
 
 @pytest.mark.slow
 def test_a_run_reports_it_in_its_rows_summary_plot_and_compare(tmp_path):
@@ -190,25 +201,24 @@ def test_a_run_reports_it_in_its_rows_summary_plot_and_compare(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_resumes_bit_for_bit_on_both_drivers(tmp_path):
+def test_a_run_resumes_bit_for_bit_on_both_drivers(tmp_path, trained_alone):
   dataset = noisy_dataset()
   for program in ("host", "fused"):
-    straight = config(tmp_path / f"straight_{program}", round_program=program)
-    run_experiment(straight, dataset, **QUIET)
+    straight = trained_alone(config(tmp_path / f"straight_{program}", round_program=program))
     halves = config(tmp_path / f"halves_{program}", rounds=2, round_program=program)
     run_experiment(halves, dataset, **QUIET)
     run_experiment(halves.replace(rounds=4, resume=True), dataset, **QUIET)
-    assert measured(halves.output.dir) == measured(straight.output.dir)
+    assert measured(halves.output.dir) == measured(straight)
 
 
 @pytest.mark.slow
-def test_a_job_of_seeds_equals_its_runs_alone(tmp_path):
+def test_a_job_of_seeds_equals_its_runs_alone(tmp_path, trained_alone):
+  """(Seed 0 alone is the straight run of the resume test above, trained once.)"""
   dataset = noisy_dataset()
-  runs = runs_of(config(tmp_path / "job", round_program="fused", rounds=2), [0, 1])
+  runs = runs_of(config(tmp_path / "job", round_program="fused"), [0, 1])
   run_together(runs, dataset, **QUIET)
   for run in runs:
-    alone = run_alone(run, dataset)
-    assert measured(run.output.dir) == measured(alone)
+    assert measured(run.output.dir) == measured(trained_alone(run))
   assert measured(runs[0].output.dir)[-1]["client_accuracy"] != measured(runs[1].output.dir)[-1]["client_accuracy"]
 
 

@@ -31,6 +31,7 @@ from tests.test_round_program import FUSED_GOLDEN, fused
 from tests.test_runner import restore
 
 ROUNDS = golden.ROUNDS
+pytestmark = pytest.mark.xdist_group("many_runs")  # (one worker sets up the module's fixtures)
 
 
 def golden_runs(method: str, swept: str, value: float, backend: str = "vmap", family: str = "mlp"):
@@ -81,18 +82,34 @@ EQUIVALENCE = ([(m, *next((v for k, v in OPTION.items() if k in m), ("client.lea
                [("FedProx", "method.prox.mu", 0.3, "vmap", "mlp")])
 
 
+@pytest.fixture(scope="module")
+def golden_runs_alone():
+  """`golden_runs` of a setting and what each of its runs computes alone (final state, rows), computed once for both
+  mappings: ``of(method, swept, value, backend, family)``."""
+  computed = {}
+
+  def of(*setting):
+    if setting not in computed:
+      sims, values, specialize = golden_runs(*setting)
+      alone = [sim.run_rounds(sim.init_state(), ROUNDS, evaluate=set(range(1, ROUNDS + 1))) for sim in sims]
+      computed[setting] = sims, values, specialize, alone
+    return computed[setting]
+
+  return of
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mapping", ["map", "vmap"])
 @pytest.mark.parametrize("method, swept, value, backend, family", EQUIVALENCE, ids=[e[0] for e in EQUIVALENCE])
-def test_run_r_of_a_batched_job_equals_the_run_alone(method, swept, value, backend, family, mapping):
+def test_run_r_of_a_batched_job_equals_the_run_alone(method, swept, value, backend, family, mapping,
+                                                     golden_runs_alone):
   """Mapped one after another (a CPU's way), a run computes what it computes alone, bit for bit (a traced setting
   leaves the last bits free); side by side (an accelerator's way), to float tolerance."""
-  sims, values, specialize = golden_runs(method, swept, value, backend, family)
+  sims, values, specialize, alone = golden_runs_alone(method, swept, value, backend, family)
   batch = ManyRuns(sims, values, specialize, mapping=mapping)
   evaluate = set(range(1, ROUNDS + 1))
   together = batch.run([0, 1, 2], [s.init_state() for s in sims], ROUNDS, evaluate)
-  for r, (sim, (state, rows)) in enumerate(zip(sims, together)):
-    alone_state, alone_rows = sim.run_rounds(sim.init_state(), ROUNDS, evaluate=evaluate)
+  for r, (sim, (state, rows), (alone_state, alone_rows)) in enumerate(zip(sims, together, alone, strict=True)):
     for want, have in zip(alone_rows, rows, strict=True):
       assert (have["clients"], have["examples"]) == (want["clients"], want["examples"]), f"run {r}"
       if method in golden.CPU_SENSITIVE:  # (last bits amplified: held to the first round, see tests/golden.py)
@@ -241,7 +258,7 @@ def same_rows(have: list[dict], want: list[dict]) -> None:
 def test_a_batched_job_writes_resumes_and_compares_as_its_runs_alone(tmp_path):
   from fedjax_hetero.cli import compare
   dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
-  config = tiny_config(tmp_path / "job", rounds=2)
+  config = tiny_config(tmp_path / "job", groups=("mlp",), rounds=2)  # (one group: see `seeds_job`)
   runs = runs_of(config, [0, 1], [("client.learning_rate", (1e-3, 3e-3))])
   run_together(runs, dataset, log=lambda _: None, max_runs_per_program=2)  # two chunks of 2
   logs = []
@@ -267,7 +284,8 @@ def summary_of(folder) -> dict:
 @pytest.mark.slow
 def test_a_run_that_diverges_in_a_job_rolls_back_as_it_would_alone_and_the_others_go_on(tmp_path):
   dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
-  config = tiny_config(tmp_path / "job", rounds=2, eval_every=1, checkpoint_every=1)
+  config = tiny_config(tmp_path / "job", groups=("mlp",), rounds=2, eval_every=1,  # (one group: see `seeds_job`)
+                       checkpoint_every=1)
   runs = runs_of(config, None, [("client.learning_rate", (1e-3, 2e-3))])
   run_together(runs, dataset, log=lambda _: None)
   shutil.copytree(runs[1].output.dir, tmp_path / "alone")
@@ -286,11 +304,26 @@ def test_a_run_that_diverges_in_a_job_rolls_back_as_it_would_alone_and_the_other
   same_rows(rows_of(resumed[1].output.dir), rows_of(alone.output.dir))
 
 
+def seeds_job(output_dir, **changes) -> list[RunConfig]:
+  """The runs of ``--seeds 0,1`` over 3 rounds, a call and an evaluation per round (one group: what the tests below
+  check of a job does not depend on its groups, and one group compiles fewer programs)."""
+  config = tiny_config(output_dir, groups=("mlp",), rounds=3, rounds_per_call=1, eval_every=1, **changes)
+  return runs_of(config, [0, 1])
+
+
+@pytest.fixture(scope="module")
+def straight_seeds_job(tmp_path_factory) -> list[list[dict]]:
+  """The rows of `seeds_job`'s runs trained uninterrupted, once for the tests that stop and resume it."""
+  runs = seeds_job(tmp_path_factory.mktemp("straight") / "job")
+  run_together(runs, synthetic_dataset(num_train=240, num_test=64, seed=0), log=lambda _: None)
+  return [rows_of(run.output.dir) for run in runs]
+
+
 @pytest.mark.slow
-def test_ctrl_c_in_a_job_stops_every_run_after_the_call_and_resume_reaches_the_uninterrupted_rows(tmp_path,
-                                                                                                  monkeypatch):
+def test_ctrl_c_in_a_job_stops_every_run_after_the_call_and_resume_reaches_the_uninterrupted_rows(
+    tmp_path, monkeypatch, straight_seeds_job):
   dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
-  runs = runs_of(tiny_config(tmp_path / "job", rounds=3, rounds_per_call=1, eval_every=1), [0, 1])
+  runs = seeds_job(tmp_path / "job")
   train_one_call = ManyRuns.run
 
   def ctrl_c_after_the_first_call(self, *args, **kwargs):
@@ -310,26 +343,23 @@ def test_ctrl_c_in_a_job_stops_every_run_after_the_call_and_resume_reaches_the_u
     assert [r["round"] for r in rows_of(run.output.dir)] == [1]
   summaries = run_together([r.replace(resume=True) for r in runs], dataset, log=lambda _: None)
   assert [s["final_round"] for s in summaries] == [3, 3]
-  straight = [r.replace(output_dir=r.output.dir + "_straight") for r in runs]
-  run_together(straight, dataset, log=lambda _: None)
-  for run, want in zip(runs, straight):
-    same_rows(rows_of(run.output.dir), rows_of(want.output.dir))
+  for run, want in zip(runs, straight_seeds_job, strict=True):
+    same_rows(rows_of(run.output.dir), want)
 
 
 @pytest.mark.slow
-def test_stop_after_ends_every_run_of_a_job_at_the_call_and_resume_reaches_the_uninterrupted_rows(tmp_path):
+def test_stop_after_ends_every_run_of_a_job_at_the_call_and_resume_reaches_the_uninterrupted_rows(
+    tmp_path, straight_seeds_job):
   dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
-  runs = runs_of(tiny_config(tmp_path / "job", rounds=3, rounds_per_call=1, eval_every=1, stop_after=1e-6), [0, 1])
+  runs = seeds_job(tmp_path / "job", stop_after=1e-6)
   summaries = run_together(runs, dataset, log=lambda _: None)
   assert [s["stopped_after"] for s in summaries] == [{"seconds": 1e-6, "completed_round": 1}] * 2
   for run in runs:
     assert [r["round"] for r in rows_of(run.output.dir)] == [1]
   summaries = run_together([r.replace(resume=True, stop_after=None) for r in runs], dataset, log=lambda _: None)
   assert [s["final_round"] for s in summaries] == [3, 3]
-  straight = [r.replace(output_dir=r.output.dir + "_straight", stop_after=None) for r in runs]
-  run_together(straight, dataset, log=lambda _: None)
-  for run, want in zip(runs, straight):
-    same_rows(rows_of(run.output.dir), rows_of(want.output.dir))
+  for run, want in zip(runs, straight_seeds_job, strict=True):
+    same_rows(rows_of(run.output.dir), want)
 
 
 @pytest.mark.slow

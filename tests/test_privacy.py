@@ -25,8 +25,11 @@ from fedjax_hetero.run.jobs import parse_sweep, run_together, runs_of
 from fedjax_hetero.run.runner import run_experiment
 from fedjax_hetero.server import apply_delta, mean_delta
 from fedjax_hetero.server.steps import Carry
-from tests.helpers import measured, run_alone
+from tests.helpers import TrainedAlone, measured
 from tests.test_runner import read_rows, restore
+
+
+pytestmark = pytest.mark.xdist_group("privacy")  # (one worker sets up the module's fixtures)
 
 
 def tree_norm(tree) -> float:
@@ -179,6 +182,17 @@ def config(out, **changes) -> RunConfig:
   return RunConfig.from_flags(**{**flags, **changes})
 
 
+def job_config(out) -> RunConfig:
+  """`config` as the jobs below run it: on the round program, two rounds, one group (what a job checks of privacy
+  does not depend on the groups, whose noise the tests above check, and one group compiles fewer programs)."""
+  return config(out, groups=("mlp@1",), round_program="fused", rounds=2)
+
+
+@pytest.fixture(scope="module")
+def trained_alone(tmp_path_factory) -> TrainedAlone:
+  return TrainedAlone(tmp_path_factory, lambda: synthetic_dataset(num_train=240, num_test=64, seed=0))
+
+
 @pytest.mark.slow
 def test_a_private_run_resumes_bit_for_bit_reports_epsilon_and_differs_from_one_without_noise(tmp_path):
   dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
@@ -202,13 +216,12 @@ def test_a_private_run_resumes_bit_for_bit_reports_epsilon_and_differs_from_one_
 
 
 @pytest.mark.slow
-def test_a_job_of_seeds_with_privacy_equals_its_runs_alone_on_the_round_program(tmp_path):
+def test_a_job_of_seeds_with_privacy_equals_its_runs_alone_on_the_round_program(tmp_path, trained_alone):
   dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
-  runs = runs_of(config(tmp_path / "job", round_program="fused", rounds=2), [0, 1])
+  runs = runs_of(job_config(tmp_path / "job"), [0, 1])
   run_together(runs, dataset, log=lambda _: None)
   for run in runs:
-    alone = run_alone(run, dataset)
-    assert measured(run.output.dir) == measured(alone)
+    assert measured(run.output.dir) == measured(trained_alone(run))
     assert read_rows(run.output.dir)[-1]["privacy"]["epsilon"] > 0
   assert measured(runs[0].output.dir)[-1]["train_loss"] != measured(runs[1].output.dir)[-1]["train_loss"]
 
@@ -228,13 +241,13 @@ def test_a_users_method_runs_private_through_the_runner_on_both_drivers(tmp_path
 
 
 @pytest.mark.slow
-def test_a_sweep_of_the_noise_multiplier_runs_in_one_program_and_equals_its_runs_alone(tmp_path):
+def test_a_sweep_of_the_noise_multiplier_runs_in_one_program_and_equals_its_runs_alone(tmp_path, trained_alone):
+  """(The run of z = 0.8 is seed 0 of the job of seeds above: trained alone once.)"""
   dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
-  base = config(tmp_path / "sweep", round_program="fused", rounds=2)
-  runs = runs_of(base, None, [parse_sweep("privacy.noise_multiplier=0.5,2", base)])
+  base = job_config(tmp_path / "sweep")
+  runs = runs_of(base, None, [parse_sweep("privacy.noise_multiplier=0.8,2", base)])
   run_together(runs, dataset, log=lambda _: None)
-  for run, z in zip(runs, (0.5, 2.0)):
-    alone = run_alone(run, dataset)
-    assert measured(run.output.dir) == measured(alone)
+  for run, z in zip(runs, (0.8, 2.0), strict=True):
+    assert measured(run.output.dir) == measured(trained_alone(run))
     assert read_rows(run.output.dir)[-1]["privacy"]["epsilon"] == privacy_accounting.epsilon(
         PrivacyConfig(clip=0.5, noise_multiplier=z), 3, 6, 2)

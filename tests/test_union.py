@@ -39,13 +39,13 @@ class Convs(nn.Module):
 
 
 def width_simulation(method: str = "HeteroAvg", norm: str = "none", round_program: str = "union", **options):
-  models = [(f"convs@{w}", Convs(w, norm)) for w in (1.0, 0.5, 0.25)]
+  models = [(f"convs@{w}", Convs(w, norm)) for w in (1.0, 0.5)]
   return simulation(method, models, local=LOCAL, backend="vmap", round_program=round_program, options=options,
                     clients_per_round=4)
 
 
 def depth_simulation(method: str = "HeteroAvg", round_program: str = "union"):
-  models = [(f"resnet{s}", tiny_resnet(s)) for s in ((1, 1), (1, 2), (2, 2))]
+  models = [(f"resnet{s}", tiny_resnet(s)) for s in ((1, 1), (2, 2))]  # a missing block in each stage
   return simulation(method, models, local=LOCAL, backend="vmap", round_program=round_program, clients_per_round=4)
 
 
@@ -91,7 +91,7 @@ def test_an_uploading_term_is_reduced_in_the_groups_shape():
 def test_per_architecture_baselines_train_on_the_union_from_their_own_models():
   """FedAvg keeps one federation per group: each client starts from its group's own model in the union layout."""
   sim = width_simulation("FedAvg")
-  assert isinstance(sim.cohorts, UnionCohorts) and len(sim.spec.federations) == 3
+  assert isinstance(sim.cohorts, UnionCohorts) and len(sim.spec.federations) == len(sim.spec.groups) == 2
   assert_same_run(per_group(sim), sim, rounds=2)
 
 

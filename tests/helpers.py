@@ -45,16 +45,21 @@ def sigint_as_from_a_terminal() -> Iterator[None]:
     signal.signal(signal.SIGINT, previous)
 
 
+def skip_without_fashion_mnist() -> None:
+  """Skips the calling test where the Fashion-MNIST Debian package is not installed."""
+  import pytest
+
+  if not os.path.exists(FMNIST_FILE):
+    pytest.skip("Fashion-MNIST Debian package not installed (apt-get install dataset-fashion-mnist)")
+
+
 def run_fmnist_cli(*args: str, timeout: int = 600, trains_long: bool = False) -> subprocess.CompletedProcess:
   """``python -m experiments.fmnist ARGS`` from the repository root; skips the test without the Debian package.
 
   ``trains_long``: a run whose time goes to training more than to compiling, which LLVM's level 0 (the suite's,
   tests/conftest.py) slows down; it runs at level 1, the level of the library's own light programs (a CNN run of
   4,000 samples: 35 s at level 0, 24 s at level 1, 27 s at XLA's default)."""
-  import pytest
-
-  if not os.path.exists(FMNIST_FILE):
-    pytest.skip("Fashion-MNIST Debian package not installed (apt-get install dataset-fashion-mnist)")
+  skip_without_fashion_mnist()
   env = dict(os.environ)
   if trains_long:
     env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0",

@@ -29,7 +29,7 @@ import pytest
 
 from fedjax_hetero.cli import flags, run
 from fedjax_hetero.run.build import run_method
-from tests.helpers import FMNIST_FILE, REPO
+from tests.helpers import REPO, skip_without_fashion_mnist
 
 DOCS = ["README.md", *sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "*.md"))),
         "notebooks/README.md"]
@@ -235,8 +235,8 @@ def _flags_of(module: str | None) -> set[str] | None:
 @pytest.mark.slow
 @pytest.mark.parametrize("path, code, line", blocks_of("python"), ids=lambda v: str(v)[:40])
 def test_every_python_block_runs_as_written(path, code, line, tmp_path, monkeypatch):
-  if ("fashion_mnist" in code or "RunConfig" in code) and not os.path.exists(FMNIST_FILE):
-    pytest.skip("Fashion-MNIST Debian package not installed (apt-get install dataset-fashion-mnist)")
+  if "fashion_mnist" in code or "RunConfig" in code:
+    skip_without_fashion_mnist()
   monkeypatch.chdir(tmp_path)
   exec(compile(code, f"{path}:{line}", "exec"), {"__name__": "__doc_example__"})
 

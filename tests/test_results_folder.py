@@ -21,7 +21,7 @@ from fedjax_hetero.run import metrics_log, results_folder
 from fedjax_hetero.run.results_folder import FolderInUseError
 from fedjax_hetero.run.runner import run_experiment
 from fedjax_hetero.cli import run as cli
-from tests.helpers import FMNIST_FILE, REPO, run_fmnist_cli
+from tests.helpers import REPO, run_fmnist_cli, skip_without_fashion_mnist
 from tests.test_runner import base_config
 
 # A tiny Fashion-MNIST run for the command-line tests (MLPs compile in about a second).
@@ -42,8 +42,7 @@ def start_fmnist(*args: str) -> subprocess.Popen:
 def fmnist_in_process(*args: str) -> dict:
   """``python -m experiments.fmnist ARGS`` run in this process (no interpreter and imports to start, and the programs
   this process built already), for a run whose process is not what a test watches; its summary."""
-  if not os.path.exists(FMNIST_FILE):
-    pytest.skip("Fashion-MNIST Debian package not installed (apt-get install dataset-fashion-mnist)")
+  skip_without_fashion_mnist()
   return cli.main("fashion_mnist", list(args))
 
 

@@ -116,11 +116,23 @@ class light_jit:  # noqa: N801 (used like jax.jit)
 
 def program_cache(build: Builder) -> Builder:
   """`functools.lru_cache` for a function that builds jitted programs from static structure (a model, a
-  trainer, a map): equal arguments share their compiled programs, and the least recently used are
-  dropped beyond `PROGRAM_CACHE_SIZE`, with their machine code. `release_programs` drops all of them."""
+  trainer, a map): equal arguments share their compiled programs, so a second simulation of the same
+  structure traces nothing again, and the least recently used are dropped beyond `PROGRAM_CACHE_SIZE`,
+  with their machine code. Arguments that cannot be hashed (a trainer of traced settings) build anew.
+  `release_programs` drops all of them."""
   cached = functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)(build)
   _program_caches.append(cached)
-  return cached  # type: ignore[return-value]
+
+  @functools.wraps(build)
+  def programs(*args, **kwargs):
+    try:
+      hash((args, tuple(kwargs.items())))
+    except TypeError:
+      return build(*args, **kwargs)
+    return cached(*args, **kwargs)
+
+  programs.cache_clear, programs.cache_info = cached.cache_clear, cached.cache_info  # type: ignore[attr-defined]
+  return programs  # type: ignore[return-value]
 
 
 def release_programs() -> None:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
+from fedjax_hetero.compilation import CompileLog
 from fedjax_hetero.rounds.backends import BACKENDS, make_backend
 from fedjax_hetero.rounds.inputs import one_cohort
 from tests.helpers import tiny_simulation
@@ -110,6 +111,22 @@ def memory_rounds(sim, consume):
   third, (_,) = sim.run_rounds(second, 1, consume=consume)
   consumed = all(x.is_deleted() for x in jax.tree.leaves(first.memory))
   return second if not consume else None, third, consumed
+
+
+@pytest.mark.parametrize("backend", ["sequential", "vmap"])
+def test_a_second_simulation_of_equal_settings_traces_no_client_program(backend):
+  """Equal settings make equal trainers (the method's terms included), which share their compiled programs: a
+  second simulation traces nothing for its clients, and trains what the first one trained."""
+  first = tiny_simulation("HeteroProx", backend, (0.5, 1.0), 4, prox_mu=0.1)
+  second = tiny_simulation("HeteroProx", backend, (0.5, 1.0), 4, prox_mu=0.1)
+  assert second.spec.trainers == first.spec.trainers and first.spec.trainers[0].terms
+  assert tiny_simulation("HeteroProx", backend, (0.5, 1.0), 4, prox_mu=0.2).spec.trainers != first.spec.trainers
+  expected, _ = run(first, 1)
+  with CompileLog() as log:
+    state, _ = run(second, 1)
+  clients = {"start_client", "run_steps", "accumulate", "start_local", "run_cohort_steps", "reduce_local"}
+  assert not clients & set(log.names), log.names
+  chex.assert_trees_all_equal(state.models, expected.models)
 
 
 @pytest.mark.slow

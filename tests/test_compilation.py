@@ -100,6 +100,13 @@ def test_program_cache_shares_equal_builds_and_keeps_a_bounded_number():
   assert _scaled_sum.cache_info().currsize == 0
 
 
+def test_program_cache_builds_anew_for_arguments_it_cannot_hash():
+  compilation.release_programs()
+  unhashable = [3.0]
+  assert _scaled_sum(unhashable) is not _scaled_sum(unhashable)
+  assert _scaled_sum.cache_info().currsize == 0
+
+
 @pytest.mark.skipif(compilation.memory_mappings() is None, reason="needs Linux's /proc")
 def test_released_programs_give_their_memory_mappings_back():
   compilation.release_programs()

@@ -135,7 +135,7 @@ def draw_schedule(index_row: jax.Array, num_examples: jax.Array, key: jax.Array,
   return index_row[local], mask
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True)
 class LocalTrainer:
   """The pieces of local training for one architecture group (pure; jitted by backends).
 

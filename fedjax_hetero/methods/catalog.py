@@ -12,6 +12,7 @@ NeFL, FedRolex, and FedIN with its baseline InclusiveFL.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, NamedTuple
 
 from fedjax_hetero.client import terms
@@ -315,10 +316,26 @@ def build_method(name: str, options: MethodConfig = MethodConfig(), local: Local
   """The method called ``name`` (case-insensitive), made from its option families in ``options`` (and the
   run's ``local`` training, for the methods that read it); ValueError if ``options`` changes a family the
   method does not read. Unless ``checked``, that is not asked: a job's program makes one run's method with its
-  swept settings traced, each run's own settings having passed."""
+  swept settings traced, each run's own settings having passed.
+
+  Equal settings give the same method, client terms included: trainers built from them are equal, and
+  share their compiled programs (`compilation.program_cache`)."""
   entry = get_entry(name)
   if checked:
     check_options(entry, options)
+  try:
+    hash((options, local))
+  except TypeError:  # traced settings (a job's program): built for this trace alone
+    return _build(entry, options, local)
+  return _built(entry, options, local)
+
+
+@functools.lru_cache(maxsize=64)
+def _built(entry: Entry, options: MethodConfig, local: LocalConfig) -> Method:
+  return _build(entry, options, local)
+
+
+def _build(entry: Entry, options: MethodConfig, local: LocalConfig) -> Method:
   reads = _ReadsRecorded(local)
   families = [reads if kind is LocalConfig else options.family(kind) for kind in entry.options]
   method = entry.build(*families)

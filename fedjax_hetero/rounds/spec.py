@@ -21,7 +21,7 @@ import numpy as np
 
 from fedjax_hetero.client import attack
 from fedjax_hetero.client.local import LocalTrainer
-from fedjax_hetero.compilation import light_jit
+from fedjax_hetero.compilation import light_jit, program_cache
 from fedjax_hetero.config import FederationConfig, LocalConfig, check_federation
 from fedjax_hetero.config.declare import cli_name
 from fedjax_hetero.data.store import FederatedStore
@@ -75,6 +75,16 @@ def _trainers(groups: Sequence[ArchGroup], store: FederatedStore, local: LocalCo
   """Every group's trainer; under the backdoor attack each is wrapped (`client.attack`)."""
   wrap = attack.trainer_wrapper(config, malicious, store.num_clients)
   return tuple(wrap(LocalTrainer(g.model, local, store.mean, store.std, method.terms, method.combine)) for g in groups)
+
+
+@program_cache
+def _init_program(model: nn.Module):
+  return light_jit(model.init)
+
+
+@program_cache
+def _extract_program(group_map: SubmodelMap):
+  return light_jit(lambda variables, offset: extract(variables, group_map, offset))
 
 
 def _trace(config: FederationConfig, num_clients: int) -> list[tuple[int, int]]:
@@ -182,8 +192,7 @@ class RoundSpec:
 
   @functools.cached_property
   def _extract(self) -> tuple[Any, ...]:
-    return tuple(light_jit(lambda v, offset, m=self.federations[f].maps[i]: extract(v, m, offset))
-                 for f, i in zip(self.federation_of, self.member_of))
+    return tuple(_extract_program(self.federations[f].maps[i]) for f, i in zip(self.federation_of, self.member_of))
 
   # ------------------------------------------------------------------------------------ the round's functions
 
@@ -191,7 +200,7 @@ class RoundSpec:
     """Every federation starts from one initialization of the largest model."""
     sample = jnp.zeros((1,) + tuple(self.store.images.shape[1:]), jnp.float32)
     # One jitted program: eager init compiles a random kernel per leaf shape.
-    global_vars = light_jit(self.groups[self.global_index].model.init)(jax.random.key(self.config.seed), sample)
+    global_vars = _init_program(self.groups[self.global_index].model)(jax.random.key(self.config.seed), sample)
     if self.maps is not self.base_maps:
       global_vars = complete(global_vars, self.base_maps, self.maps)
     models = []

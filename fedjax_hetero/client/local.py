@@ -146,6 +146,7 @@ class LocalTrainer:
   ``finish``, plus ``client_inputs`` (per-client traced inputs, none here) and ``begin`` (a change of every
   client's state and schedule at its round start, none here). A wrapper with the same protocol changes
   how clients train without the engine knowing (`fedjax_hetero.client.attack.AttackedTrainer`).
+  Trainers of equal pieces are equal and share their compiled programs (`compilation.program_cache`).
   """
 
   model: nn.Module

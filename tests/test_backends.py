@@ -117,8 +117,8 @@ def memory_rounds(sim, consume):
 def test_a_second_simulation_of_equal_settings_traces_no_client_program(backend):
   """Equal settings make equal trainers (the method's terms included), which share their compiled programs: a
   second simulation traces nothing for its clients, and trains what the first one trained."""
-  first = tiny_simulation("HeteroProx", backend, (0.5, 1.0), 4, prox_mu=0.1)
-  second = tiny_simulation("HeteroProx", backend, (0.5, 1.0), 4, prox_mu=0.1)
+  first = tiny_simulation("HeteroProx", backend, (0.5, 1.0), 4, track_dissimilarity=True, prox_mu=0.1)
+  second = tiny_simulation("HeteroProx", backend, (0.5, 1.0), 4, track_dissimilarity=True, prox_mu=0.1)
   assert second.spec.trainers == first.spec.trainers and first.spec.trainers[0].terms
   assert tiny_simulation("HeteroProx", backend, (0.5, 1.0), 4, prox_mu=0.2).spec.trainers != first.spec.trainers
   expected, _ = run(first, 1)

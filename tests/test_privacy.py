@@ -52,6 +52,8 @@ def test_an_update_above_the_clip_is_scaled_to_it_and_one_below_is_kept_bit_for_
   # The client's half: the term's ``delta`` clips what the client ends its round with.
   final = ClientFinal(zeros, delta, delta, jnp.float32(3))
   np.testing.assert_allclose(tree_norm(clip_term(0.25).delta((), final, (), ())), 0.25, rtol=1e-6)
+  # One term per bound: the trainers of two private runs of one bound are equal and share their programs.
+  assert clip_term(0.25) is clip_term(0.25) and clip_term(0.25) is not clip_term(0.5)
 
 
 def round_inputs(model, groups, members_clients, num_clients, key=0):

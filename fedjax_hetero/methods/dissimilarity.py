@@ -36,6 +36,7 @@ PARTS = ("low", "high")
 NO_SPREAD = 1e-6
 
 
+@functools.cache  # one term: trainers that carry it stay equal, and share their programs
 def update_norms() -> ClientTerm:
   """Uploads the squared norm of each ``params`` leaf of the client's update, weighted-summed over the cohort."""
 

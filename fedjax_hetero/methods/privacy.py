@@ -28,6 +28,7 @@ the uniform draw the accountant assumes, and aggregation weights other than 1 (`
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -67,8 +68,19 @@ def clipped(delta: Variables, clip: Any) -> Variables:
 
 
 def clip_term(clip: Any) -> ClientTerm:
-  """The client's half: its update clipped to ``clip`` after every other term changed it (the last ``delta``)."""
+  """The client's half: its update clipped to ``clip`` after every other term changed it (the last ``delta``).
+  One term per bound, so that trainers carrying it stay equal and share their programs (a traced bound, in a job's
+  program, makes its own)."""
   check_clip(clip)
+  try:
+    hash(clip)
+  except TypeError:
+    return _clip_term.__wrapped__(clip)
+  return _clip_term(clip)
+
+
+@functools.lru_cache(maxsize=16)
+def _clip_term(clip: float) -> ClientTerm:
   return ClientTerm("dp_clip", delta=lambda state, final, memory, share: clipped(final.delta, clip))
 
 

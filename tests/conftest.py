@@ -92,13 +92,6 @@ def _release_compiled_programs():
     release_programs()
 
 
-@pytest.fixture
-def fresh_programs():
-  """Releases the worker's compiled programs first, for a test that checks its first round compiles (an earlier
-  module's programs of the same structure may still be held: `_release_compiled_programs`)."""
-  release_programs()
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _methods_registered_by_a_module_stay_in_it():
   """A registered method (the README's FedAvgM, run by tests/test_docs.py) would otherwise show in the --help

@@ -59,7 +59,7 @@ def record(sim: Simulation) -> tuple[list[dict], list[list[str]]]:
 
 
 @pytest.mark.parametrize("entry", FUSED_GOLDEN, ids=lambda e: golden.key(*e))
-def test_round_program_reproduces_the_golden_record(entry, fresh_programs):
+def test_round_program_reproduces_the_golden_record(entry):
   if jax.__version__ != RECORD["jax"]:
     pytest.skip(f"the record was made with jax {RECORD['jax']}; this is {jax.__version__}")
   method, backend, family = entry

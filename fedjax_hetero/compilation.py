@@ -114,25 +114,35 @@ class light_jit:  # noqa: N801 (used like jax.jit)
     return self._program((args, kwargs)).lower(*args, **kwargs)
 
 
+def shared_by_value(maxsize: int) -> Callable[[Builder], Builder]:
+  """`functools.lru_cache` of ``maxsize`` entries for a function whose calls with equal arguments may share one
+  result; arguments that cannot be hashed (settings traced inside a job's program) call it anew, uncached."""
+
+  def decorate(build: Builder) -> Builder:
+    cached = functools.lru_cache(maxsize=maxsize)(build)
+
+    @functools.wraps(build)
+    def shared(*args, **kwargs):
+      try:
+        hash((args, tuple(kwargs.items())))
+      except TypeError:
+        return build(*args, **kwargs)
+      return cached(*args, **kwargs)
+
+    shared.cache_clear, shared.cache_info = cached.cache_clear, cached.cache_info  # type: ignore[attr-defined]
+    return shared  # type: ignore[return-value]
+
+  return decorate
+
+
 def program_cache(build: Builder) -> Builder:
-  """`functools.lru_cache` for a function that builds jitted programs from static structure (a model, a
-  trainer, a map): equal arguments share their compiled programs, so a second simulation of the same
-  structure traces nothing again, and the least recently used are dropped beyond `PROGRAM_CACHE_SIZE`,
-  with their machine code. Arguments that cannot be hashed (a trainer of traced settings) build anew.
+  """`shared_by_value` for a function that builds jitted programs from static structure (a model, a trainer, a
+  map): equal arguments share their compiled programs, so a second simulation of the same structure traces
+  nothing again, and the least recently used are dropped beyond `PROGRAM_CACHE_SIZE`, with their machine code.
   `release_programs` drops all of them."""
-  cached = functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)(build)
-  _program_caches.append(cached)
-
-  @functools.wraps(build)
-  def programs(*args, **kwargs):
-    try:
-      hash((args, tuple(kwargs.items())))
-    except TypeError:
-      return build(*args, **kwargs)
-    return cached(*args, **kwargs)
-
-  programs.cache_clear, programs.cache_info = cached.cache_clear, cached.cache_info  # type: ignore[attr-defined]
-  return programs  # type: ignore[return-value]
+  shared = shared_by_value(PROGRAM_CACHE_SIZE)(build)
+  _program_caches.append(shared)
+  return shared
 
 
 def release_programs() -> None:

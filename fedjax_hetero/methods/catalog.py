@@ -12,10 +12,10 @@ NeFL, FedRolex, and FedIN with its baseline InclusiveFL.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, NamedTuple
 
 from fedjax_hetero.client import terms
+from fedjax_hetero.compilation import shared_by_value
 from fedjax_hetero.config.client import LocalConfig
 from fedjax_hetero.config.declare import changed_fields, cli_name, declaration, field_named, is_off
 from fedjax_hetero.config.methods import (Averaging, ClusteredSampling, Contrastive, CrossLayer, FedFAOptions,
@@ -323,18 +323,10 @@ def build_method(name: str, options: MethodConfig = MethodConfig(), local: Local
   entry = get_entry(name)
   if checked:
     check_options(entry, options)
-  try:
-    hash((options, local))
-  except TypeError:  # traced settings (a job's program): built for this trace alone
-    return _build(entry, options, local)
-  return _built(entry, options, local)
-
-
-@functools.lru_cache(maxsize=64)
-def _built(entry: Entry, options: MethodConfig, local: LocalConfig) -> Method:
   return _build(entry, options, local)
 
 
+@shared_by_value(64)  # (traced settings, in a job's program, build anew)
 def _build(entry: Entry, options: MethodConfig, local: LocalConfig) -> Method:
   reads = _ReadsRecorded(local)
   families = [reads if kind is LocalConfig else options.family(kind) for kind in entry.options]

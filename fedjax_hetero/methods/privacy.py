@@ -28,7 +28,6 @@ the uniform draw the accountant assumes, and aggregation weights other than 1 (`
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Sequence
 
 import jax
@@ -37,6 +36,7 @@ import numpy as np
 
 from fedjax_hetero import aggregators
 from fedjax_hetero.client.terms import ClientTerm
+from fedjax_hetero.compilation import shared_by_value
 from fedjax_hetero.config.declare import cli_name, is_off
 from fedjax_hetero.config.federation import FederationConfig
 from fedjax_hetero.config.privacy import PrivacyConfig
@@ -72,14 +72,10 @@ def clip_term(clip: Any) -> ClientTerm:
   One term per bound, so that trainers carrying it stay equal and share their programs (a traced bound, in a job's
   program, makes its own)."""
   check_clip(clip)
-  try:
-    hash(clip)
-  except TypeError:
-    return _clip_term.__wrapped__(clip)
   return _clip_term(clip)
 
 
-@functools.lru_cache(maxsize=16)
+@shared_by_value(16)
 def _clip_term(clip: float) -> ClientTerm:
   return ClientTerm("dp_clip", delta=lambda state, final, memory, share: clipped(final.delta, clip))
 

@@ -10,14 +10,15 @@ every sequential entry stayed as it was.
 
 XLA:CPU compiles for the host's vector instructions, so float results differ in the last bits between CPUs
 (AVX2 against AVX-512: ~1e-7 relative after three rounds; MOON's contrastive loss under Adam turns such bits
-into percent-level differences), and so do XLA:CPU's LLVM optimization levels. The file therefore holds one
-record per signature (`signature`: the instruction-set extensions XLA and its kernels dispatch on, and the level
-``XLA_FLAGS`` sets; the test suite runs at level 0, see tests/conftest.py). A machine with a record of its own is held
-to it bit for bit; another is compared with the first record within `TOLERANCE`. ``python -m tests.golden``
-adds (or replaces) the record of the machine it runs on; record on the commit *before* a change, so the
+into percent-level differences), and so do XLA:CPU's LLVM optimization levels and emitters. The file therefore
+holds one record per signature (`signature`: the instruction-set extensions XLA and its kernels dispatch on, and
+the level and emitters ``XLA_FLAGS`` sets; the test suite runs at level 0 with the older emitters, see
+tests/conftest.py). A machine with a record of its own is held to it bit for bit; another is compared with the
+first record within `TOLERANCE`. ``python -m tests.golden`` adds (or replaces) the record of the machine it runs on; record on the commit *before* a change, so the
 record pins the old behaviour. The first record (cpu null) was made on the machines of the sessions before
 2026-11-25, whose signature was not recorded; the second on an AVX-512 AMD EPYC (Zen 4), from the same commit.
-The records at level 0 were made on a commit that reproduced the default level's record bit for bit.
+The records at level 0 were made on a commit that reproduced the default level's record bit for bit, and the
+record with the older emitters on one that reproduced the level-0 record bit for bit.
 
 The setting: 6 synthetic clients of unequal sizes (`tiny_federation`), two depth groups of a small MLP
 (hidden 16-16 and 16-16-16, so InCo has a same-shape pair, hidden3 <- hidden2), 3 clients per round,
@@ -88,10 +89,13 @@ def cpu_signature() -> str:
 
 
 def signature() -> str:
-  """`cpu_signature`, with the LLVM optimization level XLA:CPU runs at when ``XLA_FLAGS`` sets one (the test
-  suite runs at level 0, tests/conftest.py): it changes the last bits of float results too."""
-  levels = re.findall(r"--xla_backend_optimization_level=(\d+)", os.environ.get("XLA_FLAGS", ""))
-  return cpu_signature() + (f" xla_backend_optimization_level={levels[-1]}" if levels else "")
+  """`cpu_signature`, with the XLA:CPU settings of ``XLA_FLAGS`` that change the last bits of float results too:
+  the LLVM optimization level, and the older (non-fusion) emitters (the test suite sets both, tests/conftest.py)."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  levels = re.findall(r"--xla_backend_optimization_level=(\d+)", flags)
+  emitters = re.findall(r"--xla_cpu_use_fusion_emitters=(\w+)", flags)
+  return (cpu_signature() + (f" xla_backend_optimization_level={levels[-1]}" if levels else "")
+          + (" xla_cpu_use_fusion_emitters=false" if emitters and emitters[-1].lower() in ("false", "0") else ""))
 
 
 class PairedMLP(MLP):

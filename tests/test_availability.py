@@ -131,6 +131,7 @@ def test_a_run_with_dropouts_resumes_bit_for_bit(tmp_path, straight):
 
 
 @pytest.mark.slow
+@pytest.mark.default_emitters
 def test_a_job_of_seeds_with_dropouts_equals_its_runs_alone(tmp_path):
   dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
   runs = runs_of(config(tmp_path / "job", round_program="fused", rounds=3), [0, 1])

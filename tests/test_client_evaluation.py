@@ -212,6 +212,7 @@ def test_a_run_resumes_bit_for_bit_on_both_drivers(tmp_path, trained_alone):
 
 
 @pytest.mark.slow
+@pytest.mark.default_emitters
 def test_a_job_of_seeds_equals_its_runs_alone(tmp_path, trained_alone):
   """(Seed 0 alone is the straight run of the resume test above, trained once.)"""
   dataset = noisy_dataset()

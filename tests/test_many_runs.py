@@ -405,6 +405,7 @@ def test_a_swept_weight_decay_reaches_optax_traced():
 
 
 @pytest.mark.slow
+@pytest.mark.default_emitters
 def test_a_job_of_seeds_equals_its_runs_alone_bit_for_bit(tmp_path):
   """On a CPU the runs of a program go one after another (`rounds.many.runs_mapping`), each computing exactly what
   it computes alone: the rows and the final models of ``--seeds 0,1`` are the runs' own, bit for bit."""

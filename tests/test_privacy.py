@@ -218,6 +218,7 @@ def test_a_private_run_resumes_bit_for_bit_reports_epsilon_and_differs_from_one_
 
 
 @pytest.mark.slow
+@pytest.mark.default_emitters
 def test_a_job_of_seeds_with_privacy_equals_its_runs_alone_on_the_round_program(tmp_path, trained_alone):
   dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
   runs = runs_of(job_config(tmp_path / "job"), [0, 1])

@@ -21,10 +21,11 @@ from the default level, so the golden record keeps one record per level (`tests.
 
 It also compiles with XLA:CPU's older emitters (``--xla_cpu_use_fusion_emitters=false``), which generate less code
 for the same fusions: the fast loop took 3:26 against 4:25. Their float results differ in the last bits too (a
-record of their own in the golden file), and one property does not hold under them: a job's runs, mapped one
-after another, equal their runs alone bit for bit only under the default emitters (the older ones round the
-runs axis' loop differently). The tests of it are marked ``default_emitters`` and run in a child pytest without
-that flag (`pytest_pyfunc_call` below), as a user's runs compile.
+record of their own in the golden file), and two properties hold only under the default emitters: a job's runs,
+mapped one after another, equal their runs alone bit for bit, and so do local steps in unrolled chunks and one
+step per call (the older emitters round the runs axis' loop and a chunk's steps differently). The tests of them
+are marked ``default_emitters`` and run in a child pytest without that flag (`pytest_pyfunc_call` below), as a
+user's runs compile.
 """
 
 from __future__ import annotations

@@ -1,36 +1,29 @@
 """Peer benchmark: HeteroAvg in fedjax_hetero against a plain PyTorch loop on the same clients.
 
-The workload is the one the papers' PyTorch repositories run: HeteroAvg over
-ResNet depth groups (default ResNet10 and ResNet18 at width 0.25) on
-Fashion-MNIST, Dirichlet(alpha) over ``--num-clients`` clients, one local epoch
-of Adam (a fresh optimizer every round) in batches of ``--batch-size`` with the
-last partial batch kept, server update weighted by client sample count.
+The workload is the one the papers' PyTorch repositories run: HeteroAvg over ResNet depth groups (default ResNet10
+and ResNet18 at width 0.25) on Fashion-MNIST, Dirichlet(alpha) over ``--num-clients`` clients, one local epoch of
+Adam (a fresh optimizer every round) in batches of ``--batch-size`` with the last partial batch kept, server update
+weighted by client sample count.
 
-Each side runs in its own subprocess, launched back to back by the parent, so
-both whole-process wall times (interpreter start, imports, compilation, data
-loading, rounds, evaluation) are measured the same way:
+Each side runs in its own subprocess, launched back to back by the parent, so both whole-process wall times
+(interpreter start, imports, compilation, data loading, rounds, evaluation) are measured the same way:
 
-* ``jax``: the library's own `Simulation` (``build_simulation`` of the same
-  `RunConfig` with ``weighting="num_samples"``) on JAX's default platform;
-* ``torch``: the same ResNets written in PyTorch (same channels, strides,
-  BatchNorm, pooling, classifier and initialization; layers named alike, so a
-  shallower group's ``state_dict`` keys are a subset of the deepest one's),
-  clients trained one after another from their group's slice of the global
-  model with a DataLoader-free tensor loop, and deltas averaged per parameter
-  name over the clients that hold it (BatchNorm running statistics included,
-  as our ``batch_stats``), weighted by sample count. Threads are torch's default.
+* ``jax``: the library's own `Simulation` (``build_simulation`` of the same `RunConfig` with
+  ``weighting="num_samples"``) on JAX's default platform;
+* ``torch``: the same ResNets written in PyTorch (same channels, strides, BatchNorm, pooling, classifier and
+  initialization; layers named alike, so a shallower group's ``state_dict`` keys are a subset of the deepest one's),
+  clients trained one after another from their group's slice of the global model with a DataLoader-free tensor loop,
+  and deltas averaged per parameter name over the clients that hold it (BatchNorm running statistics included, as
+  our ``batch_stats``), weighted by sample count. Threads are torch's default.
 
-The torch side builds the client index lists with the library's numpy data code
-(`fedjax_hetero.data`, as `run.build.partitioned_dataset` does, without importing
-JAX) and draws each round's clients with the rule of `data.store.sample_clients`
-(sorted, uniform without replacement, seeded by (seed, round)); both sides
-report a digest of the partition and the drawn clients, and the summary line
-says whether they agree.
+The torch side builds the client index lists with the library's numpy data code (`fedjax_hetero.data`, as
+`run.build.partitioned_dataset` does, without importing JAX) and draws each round's clients with the rule of
+`data.store.sample_clients` (sorted, uniform without replacement, seeded by (seed, round)); both sides report a
+digest of the partition and the drawn clients, and the summary line says whether they agree.
 
-Per side: samples/s over rounds 2..N, the first round's seconds, the
-subprocess's wall time, per-round seconds, parameter counts per group and test
-accuracy of every group's model on the first ``--eval-samples`` test images.
-The summary holds the jax/torch ratios (medians over ``--repeats``)::
+Per side: samples/s over rounds 2..N, the first round's seconds, the subprocess's wall time, per-round seconds,
+parameter counts per group and test accuracy of every group's model on the first ``--eval-samples`` test images. The
+summary holds the jax/torch ratios (medians over ``--repeats``)::
 
   python -m benchmarks.peer_torch
   python -m benchmarks.peer_torch --rounds 2 --num-clients 8 --clients-per-round 2 --max-train-samples 2000

@@ -116,11 +116,17 @@ def test_round_program_with_the_backdoor_attack_and_the_dissimilarity_metric():
   program = fused(host, config=config)
   assert len(program.spec.malicious_clients) == 2
   assert_same_run(host, program, rounds=3)
-  _, (row,) = program.run_rounds(program.init_state(), 1)
-  # Every group of the shared federation, with no values for a group none of whose clients trained.
-  assert set(row["dissimilarity"]) == {g.name for g in program.spec.groups}
-  for group, values in row["dissimilarity"].items():
-    assert (group in row["train_loss_per_group"]) == any(v is not None for v in values.values()), (group, values)
+  _, rows = program.run_rounds(program.init_state(), 3)
+  # Every group of the shared federation, with values where two or more of its clients trained (a spread between
+  # clients' updates), none elsewhere. (The draw gives a group none, one and more clients in these rounds.)
+  trained = [[int((program.spec.group_of_client[row["clients"]] == g).sum()) for g in range(2)] for row in rows]
+  assert {0, 1} < {n for counts in trained for n in counts}, trained
+  for row, counts in zip(rows, trained):
+    assert set(row["dissimilarity"]) == {g.name for g in program.spec.groups}
+    for g, group in enumerate(program.spec.groups):
+      values = row["dissimilarity"][group.name].values()
+      assert all(v is not None for v in values) == (counts[g] >= 2) == any(v is not None for v in values), (
+          row["round"], group.name, counts)
 
 
 @pytest.mark.parametrize("method", ["HeteroScaffold", "FedCross"])

@@ -12,6 +12,8 @@ and compiled, and its optimized HLO read:
   convolutions and matrix products), counting through conditionals and calls, a fusion as one instruction:
   what a GPU launches per local step, roughly;
 * ``convolutions_per_step``: convolutions and matrix products among them (inside fusions too);
+* ``trace_s`` and ``lower_s``: seconds of jax's tracing and lowering of the program (with the load of the
+  executable, what a first round costs on a warm compilation cache);
 * ``compile_s`` and ``compile_cpu_s``: wall and CPU seconds of XLA's compilation (the second counts every
   thread XLA used).
 
@@ -130,7 +132,11 @@ def measure(config: Any, driver: str, by_source: int = 0) -> dict[str, Any]:
   slots = [sim.cohorts.slots(spec, g) for g in range(len(spec.groups))]
   call = plan_call(spec, state, 1, (), slots, 1)
   args = ((state.models, state.steps), state.memory, call.inputs, np.int32(1), RoundData.of(spec))
-  lowered = sim.program(call.statics).lower(*args)
+  seconds = time.perf_counter()
+  traced = sim.program(call.statics).trace(*args)
+  trace_s, seconds = time.perf_counter() - seconds, time.perf_counter()
+  lowered = traced.lower()
+  lower_s = time.perf_counter() - seconds
   if by_source:
     for frame, ops in ops_by_source(lowered.as_text(debug_info=True)).most_common(by_source):
       print(f"{driver}: {ops:7,d} ops under {frame}", flush=True)
@@ -139,8 +145,9 @@ def measure(config: Any, driver: str, by_source: int = 0) -> dict[str, Any]:
   wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
   ops, heavy, total = step_loop(compiled.as_text())
   return {"driver": driver, "groups": ",".join(g.name for g in spec.groups), "ops_per_step": ops,
-          "convolutions_per_step": heavy, "module_ops": total, "compile_s": round(wall, 2),
-          "compile_cpu_s": round(cpu, 2), "platform": jax.default_backend()}
+          "convolutions_per_step": heavy, "module_ops": total, "trace_s": round(trace_s, 2),
+          "lower_s": round(lower_s, 2), "compile_s": round(wall, 2), "compile_cpu_s": round(cpu, 2),
+          "platform": jax.default_backend()}
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
@@ -169,8 +176,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     rows.append(measure(config, driver, args.by_source))
     emit_json_lines(rows[-1:])
   for row in rows[1:]:
-    ratios = {f"{k}_ratio": round(row[k] / rows[0][k], 3) for k in ("ops_per_step", "compile_s", "compile_cpu_s")
-              if rows[0][k]}
+    ratios = {f"{k}_ratio": round(row[k] / rows[0][k], 3)
+              for k in ("ops_per_step", "trace_s", "lower_s", "compile_s", "compile_cpu_s") if rows[0][k]}
     print(json.dumps({"driver": row["driver"], "over": rows[0]["driver"], **ratios}), flush=True)
   emit_json_lines(rows, args.output, echo=False)
   return rows

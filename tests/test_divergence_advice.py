@@ -127,8 +127,8 @@ def test_a_rollback_under_a_server_optimizer_lowers_its_rate_too_and_a_resume_ke
   logs = []  # resumed with the command that started it (what a resume reads before it trains), it keeps them
   resumed, _, changed = continuation.history(config.replace(rounds=4, resume=True), logs.append)
   assert (resumed.server.lr, resumed.client.learning_rate, changed) == (0.01, 5e-4, None)
-  assert ("keeping the server learning rate 0.01 of the last rollback: --server-lr 1e+10 diverged in this run (pass "
-          "another --server-lr to override)") in logs, logs
+  assert ("keeping --server-lr 0.01, the last rollback's (--server-lr 1e+10 diverged in this run; pass another "
+          "--server-lr to change it)") in logs, logs
   lower, _, changed = continuation.history(config.replace(rounds=4, resume=True, server_lr=1e-3), logs.append)
   assert lower.server.lr == 1e-3 and changed == "server.lr: 0.01 -> 0.001", changed  # (as the advice says)
 

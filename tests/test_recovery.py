@@ -116,7 +116,7 @@ def test_rollback_restores_the_best_checkpoint_with_a_lower_learning_rate(datase
   # Resumed later with the command that started it, the run keeps the lowered rate.
   logs = []
   run_experiment(diverging.replace(rounds=9), dataset, log=logs.append)
-  assert any(line.startswith("keeping the learning rate 0.001 of the last rollback") for line in logs), logs
+  assert any(line.startswith("keeping --lr 0.001, the last rollback's (--lr ") for line in logs), logs
   with open(out / "config.json") as f:
     assert json.load(f)["client"]["learning_rate"] == pytest.approx(1e-3)
 

@@ -195,7 +195,8 @@ def test_a_resume_keeps_the_learning_rate_an_earlier_resume_gave(tmp_path, capsy
   cli.main("synthetic", args + ["--rounds", "2", "--resume", "--lr", "0.003"])
   capsys.readouterr()
   cli.main("synthetic", args + ["--rounds", "3", "--resume"])  # the run's first command again
-  assert "keeping client.learning_rate 0.003, the run's latest" in capsys.readouterr().out
+  assert "keeping --lr 0.003, the run's latest (this command would set 0.001; pass --lr to change it)" in \
+      capsys.readouterr().out
   with open(out / "config.json") as f:
     segments = [(s["from_round"], s["settings"]["client.learning_rate"]) for s in json.load(f)["segments"]]
   assert len(segments) == 2 and segments[1] == (2, 0.003), "the third round went back to the first command's rate"

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import jax
 
 from fedjax_hetero.config import RunConfig, flatten
+from fedjax_hetero.config.run import FLAGS_BY_PATH
 from fedjax_hetero.run import history as run_history
 from fedjax_hetero.run import metrics_log, results_folder
 
@@ -44,12 +45,17 @@ def keep_latest_local_training(config: RunConfig, chosen: frozenset[str], log: L
           if path in before and before[path] != now[path]}
   if not kept:
     return config
-  log("; ".join(f"keeping {path} {value!r}, the run's latest (this command leaves it at {now[path]!r}; give it to "
-                "change it)" for path, value in kept.items()))
   for path, value in kept.items():
+    flag = FLAGS_BY_PATH[path].cli
+    log(f"keeping {flag} {_shown(value)}, the run's latest (this command would set {_shown(now[path])}; pass {flag} "
+        "to change it)")
     section, field = path.split(".")
     config = dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **{field: value})})
   return config
+
+
+def _shown(value: Any) -> str:
+  return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def prepare_folder(config: RunConfig) -> None:

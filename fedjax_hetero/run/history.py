@@ -20,7 +20,6 @@ from fedjax_hetero import models
 from fedjax_hetero.config import FLAGS, DivergenceConfig, FedGenConfig, RunConfig, as_dict, flatten, from_dict
 from fedjax_hetero.config.run import FLAGS_BY_PATH
 from fedjax_hetero.methods import get_entry
-from fedjax_hetero.run.guard import RATE_NAMES
 
 SEGMENTS, ROLLBACKS, PROCESSES = "segments", "rollbacks", "processes"
 # Settings a resumed run may change. The first set leaves the trajectory as it was up to float tolerance (the
@@ -209,8 +208,8 @@ def keep_rolled_back_learning_rates(config: RunConfig, history: History, log: Ca
     if not records or now not in {before for before, _ in records} or now == records[-1][1]:
       continue
     lowered = records[-1][1]
-    log(f"keeping the {RATE_NAMES[key]} {lowered:g} of the last rollback: {flag} {now:g} diverged in this run (pass "
-        f"another {flag} to override)")
+    log(f"keeping {flag} {lowered:g}, the last rollback's ({flag} {now:g} diverged in this run; pass another {flag} "
+        "to change it)")
     config = dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **{field: lowered})})
   return config
 

@@ -181,10 +181,22 @@ class UnionCohorts(ProgramCohorts):
     begun = jax.vmap(lambda v, h, k: trainer.init_state(v, (), (h,), k))(client_starts, held["params"], keys)
     trained = jax.lax.fori_loop(0, x.steps, lambda i, s: cohort.steps(trainer, s, data.images, data.labels, ids,
                                                                        mask, i, 1), begun)
+    # A group whose trainer has no terms uploads only its weighted delta: every group's sum in one product over
+    # the slots, in the union's layout (zeros outside a group's window on both sides of the difference).
+    weights = jnp.stack([jnp.zeros(self.capacity).at[p].set(c.weights, mode="drop")
+                         for c, p in zip(x.cohorts, positions)])
+    delta_sums = jax.tree.map(lambda new, old: jnp.tensordot(weights, new - old, axes=1), trained.variables,
+                              client_starts)
     results, memory = [], list(state.memory)
     for g, rows in enumerate(x.cohorts):
-      result, memory[g] = self._group_result(spec, g, rows, trained, jnp.minimum(positions[g], self.capacity - 1),
-                                             starts[g], shares[g], memory[g], key, data)
+      slots = jnp.minimum(positions[g], self.capacity - 1)
+      if spec.trainers[g].terms:
+        result, memory[g] = self._group_result(spec, g, rows, trained, slots, starts[g], shares[g], memory[g], key,
+                                               data)
+      else:
+        count = lambda a: jnp.where(rows.real > 0, a[slots], 0.0).sum()
+        result = cohort.GroupResult(extract(jax.tree.map(lambda s: s[g], delta_sums), _window_map(spec.maps[g])),
+                                    rows.weights.sum(), count(trained.loss_sum), count(trained.num_examples))
       results.append(result)
     return results, tuple(memory)
 

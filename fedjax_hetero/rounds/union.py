@@ -159,6 +159,25 @@ class UnionCohorts(ProgramCohorts):
     self._union_shapes = union
     self.capacity = spec.config.clients_per_round  # the slots: a round's participants, whatever their groups
 
+  def _held(self, spec: "RoundSpec") -> Variables:
+    """Every group's `held_mask`, stacked ``[G, ...]`` (constants of the program)."""
+    union = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._union_shapes)
+    return jax.tree.map(lambda *h: jnp.stack(h), *[held_mask(m, union) for m in spec.maps])
+
+  def _in_union(self, spec: "RoundSpec", state: ServerState, variables: Sequence[Variables], groups: jax.Array,
+                held: Variables) -> Variables:
+    """Groups ``groups``' ``variables`` (their federation's model through each group's map) in the union's layout,
+    zeros outside each group's window, stacked ``[N, ...]``; ``held`` is their held masks, ``[N, ...]``. Where
+    every group takes its window of one federation's union-shaped model, that is one select per leaf."""
+    layout = lambda tree: jax.tree.map(lambda a: (a.shape, a.dtype), tree)
+    f = spec.federation_of[0]
+    if all(spec.federation_of[g] == f and spec.federations[f].maps[spec.member_of[g]] == spec.maps[g]
+           for g in range(len(spec.groups))) and layout(state.models[f]) == layout(self._union_shapes):
+      return jax.tree.map(lambda h, v: jnp.where(h > 0, v, 0).astype(v.dtype), held, state.models[f])
+    union = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._union_shapes)
+    placed = [embed(v, _window_map(m), union) for v, m in zip(variables, spec.maps)]
+    return jax.tree.map(lambda *v: jnp.stack(v)[groups], *placed)
+
   def _trainer(self, spec: "RoundSpec") -> LocalTrainer:
     store = spec.store
     return LocalTrainer(spec.groups[spec.global_index].model, spec.local, store.mean, store.std, (held_term(),),
@@ -169,11 +188,8 @@ class UnionCohorts(ProgramCohorts):
             data: RoundData) -> tuple[list[Any], tuple[Any, ...]]:
     key = round_key(spec.seed, x.index)
     clients, sizes, group_of_slot, positions = pack_participants(x, self.capacity)
-    per_slot = lambda trees: jax.tree.map(lambda *t: jnp.stack(t)[group_of_slot], *trees)
-    union = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._union_shapes)
-    held = per_slot([held_mask(m, union) for m in spec.maps])  # (constants of the program)
-    # Every group's start in the union's layout (zeros outside its window), whatever federation it belongs to.
-    client_starts = per_slot([embed(start, _window_map(m), union) for start, m in zip(starts, spec.maps)])
+    held = jax.tree.map(lambda h: h[group_of_slot], self._held(spec))
+    client_starts = self._in_union(spec, state, starts, group_of_slot, held)
     trainer = self._trainer(spec)
     schedule = max(1, spec.local.num_steps(data.index_table.shape[1]))
     keys = jax.vmap(lambda c: jax.random.fold_in(key, c))(clients)  # (as `cohort.start`: a client's own draws)

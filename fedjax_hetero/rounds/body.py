@@ -59,10 +59,11 @@ class RoundOutputs(NamedTuple):
 @light_jit
 def largest_weight(tree: Any) -> jax.Array:
   """The largest magnitude of an element of the floating-point leaves of ``tree`` (float32), inf if one is not
-  finite (a NaN too, whatever the backend's max does with one): one reduction per leaf, as a finiteness check."""
-  leaves = [jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), jnp.inf), initial=0).astype(jnp.float32)
-            for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-  return jnp.max(jnp.stack(leaves)) if leaves else jnp.float32(0)
+  finite (a NaN too, whatever the backend's max does with one), as a finiteness check: one reduction over every
+  leaf's elements (one per leaf would be a kernel per leaf for XLA to compile)."""
+  leaves = [jnp.ravel(x).astype(jnp.float32) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  values = jnp.concatenate(leaves) if leaves else jnp.zeros((0,), jnp.float32)
+  return jnp.max(jnp.where(jnp.isfinite(values), jnp.abs(values), jnp.inf), initial=0)
 
 
 def any_of(flags: Sequence[Any]) -> Any:

@@ -19,7 +19,9 @@ and compiled, and its optimized HLO read:
 
 The counts and their ratios between drivers carry over from a CPU to an accelerator (the same program is
 compiled, though each backend fuses differently); absolute compile times do not. Prints one JSON line per
-driver, then the ratios to the first driver. ``--by-source N`` first prints, per driver, the N lines of the library
+driver, then the ratios to the first driver. ``--cut PART,...`` compiles the round without some of its parts
+(``evaluation``: zero counts; ``server``: the server steps keep the model; ``local-steps``: no client steps), so
+that the difference to the whole round is what those parts cost to compile. ``--by-source N`` first prints, per driver, the N lines of the library
 under which the most ops were traced (before XLA's optimization): where a program's size comes from.
 """
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import re
 import time
@@ -117,23 +120,66 @@ def ops_by_source(mlir: str) -> collections.Counter:
   return counts
 
 
-def measure(config: Any, driver: str, by_source: int = 0) -> dict[str, Any]:
-  import jax
-  import numpy as np
+CUTS = ("evaluation", "server", "local-steps")
 
-  from fedjax_hetero.rounds.body import RoundData
-  from fedjax_hetero.rounds.inputs import plan_call
+
+@contextlib.contextmanager
+def without(parts: Sequence[str]):
+  """The round's program built without ``parts`` (`CUTS`) while the context is open: the library's pieces that
+  compute them are replaced, and restored on exit."""
+  import jax.numpy as jnp
+
+  from fedjax_hetero.rounds import body, client_eval, cohort, mapping
+
+  unknown = set(parts) - set(CUTS)
+  if unknown:
+    raise ValueError(f"unknown parts {sorted(unknown)}; accepted: {', '.join(CUTS)}")
+  replaced = []
+
+  def replace(owner, name, value):
+    replaced.append((owner, name, getattr(owner, name)))
+    setattr(owner, name, value)
+
+  if "evaluation" in parts:
+    replace(mapping.ProgramCohorts, "correct", lambda self, spec, state, x, data: (
+        jnp.zeros(len(spec.groups), jnp.int32), client_eval.zero_counts(spec)))
+  if "server" in parts:
+    replace(body, "server_round", lambda spec, f, state, starts, results, x: (state.models[f], state.steps[f], {}))
+  if "local-steps" in parts:
+    replace(cohort, "steps", lambda trainer, states, *args, **kwargs: states)
+  try:
+    yield
+  finally:
+    for owner, name, value in reversed(replaced):
+      setattr(owner, name, value)
+
+
+def measure(config: Any, driver: str, by_source: int = 0, cut: Sequence[str] = ()) -> dict[str, Any]:
   from fedjax_hetero.run.build import build_simulation
 
   sim, _ = build_simulation(config.replace(round_program=driver, rounds_per_call=1), log=lambda _: None)
   if sim.cohorts.name != driver and not (driver == "fused" and sim.cohorts.in_program):
     raise SystemExit(f"error: the {driver} driver was not built (got {sim.cohorts.name})")
+  return measure_simulation(sim, driver, by_source, cut)
+
+
+def measure_simulation(sim: Any, driver: str, by_source: int = 0, cut: Sequence[str] = ()) -> dict[str, Any]:
+  """The row of ``sim``'s one-round program (a device program's `Simulation`), without the parts ``cut``."""
+  import jax
+  import numpy as np
+
+  from fedjax_hetero.rounds.body import RoundData
+  from fedjax_hetero.rounds.inputs import plan_call
+  from fedjax_hetero.rounds.simulation import program_call
+
   spec, state = sim.spec, sim.init_state()
   slots = [sim.cohorts.slots(spec, g) for g in range(len(spec.groups))]
   call = plan_call(spec, state, 1, (), slots, 1)
   args = ((state.models, state.steps), state.memory, call.inputs, np.int32(1), RoundData.of(spec))
   seconds = time.perf_counter()
-  traced = sim.program(call.statics).trace(*args)
+  program = jax.jit(program_call(spec, sim.cohorts, call.statics, 1), donate_argnums=1)  # (as `sim.program`'s,
+  with without(cut):  # but traced anew: the cut pieces are read while it is traced)
+    traced = program.trace(*args)
   trace_s, seconds = time.perf_counter() - seconds, time.perf_counter()
   lowered = traced.lower()
   lower_s = time.perf_counter() - seconds
@@ -144,8 +190,8 @@ def measure(config: Any, driver: str, by_source: int = 0) -> dict[str, Any]:
   compiled = lowered.compile()
   wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
   ops, heavy, total = step_loop(compiled.as_text())
-  return {"driver": driver, "groups": ",".join(g.name for g in spec.groups), "ops_per_step": ops,
-          "convolutions_per_step": heavy, "module_ops": total, "trace_s": round(trace_s, 2),
+  return {"driver": driver, "groups": ",".join(g.name for g in spec.groups), "cut": ",".join(cut),
+          "ops_per_step": ops, "convolutions_per_step": heavy, "module_ops": total, "trace_s": round(trace_s, 2),
           "lower_s": round(lower_s, 2), "compile_s": round(wall, 2), "compile_cpu_s": round(cpu, 2),
           "platform": jax.default_backend()}
 
@@ -162,7 +208,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   p.add_argument("--output", default=None, help="also write the JSON lines to this file")
   p.add_argument("--by-source", type=int, default=0, metavar="N", help="also print the N library source lines "
                  "under which the most ops of each program were traced (before XLA's optimization)")
+  p.add_argument("--cut", default="", metavar="PART,...", help=f"compile the round without these parts "
+                 f"(comma-separated: {', '.join(CUTS)}), to see what they cost to compile")
   args = p.parse_args(argv)
+  cut = tuple(part for part in args.cut.split(",") if part)
+  if set(cut) - set(CUTS):
+    p.error(f"--cut takes {', '.join(CUTS)}, got {args.cut!r}")
 
   from fedjax_hetero.config import RunConfig
 
@@ -173,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
       max_train_samples=args.max_train_samples, progress=False, dissimilarity=False, backend="vmap")
   rows = []
   for driver in args.drivers.split(","):
-    rows.append(measure(config, driver, args.by_source))
+    rows.append(measure(config, driver, args.by_source, cut))
     emit_json_lines(rows[-1:])
   for row in rows[1:]:
     ratios = {f"{k}_ratio": round(row[k] / rows[0][k], 3)

@@ -145,3 +145,19 @@ def test_program_size_counts_each_op_under_every_library_line_on_its_stack():
   # An op counts under every library line on its stack: the jit wrapper's line holds them all.
   assert max(counts.values()) == sum(in_body.values()), counts
   assert all(frame.startswith("fedjax_hetero/") for frame in counts)
+
+
+def test_program_size_compiles_the_round_without_the_parts_cut_and_restores_them():
+  from benchmarks.program_size import measure_simulation, without
+  from fedjax_hetero.rounds import cohort
+  from tests.test_union import width_simulation
+
+  steps = cohort.steps
+  whole = measure_simulation(width_simulation(), "union")
+  cut = measure_simulation(width_simulation(), "union", cut=("local-steps", "evaluation"))
+  assert whole["cut"] == "" and cut["cut"] == "local-steps,evaluation"
+  assert cut["module_ops"] < whole["module_ops"] / 2, (cut, whole)  # (the step and the evaluation: most of it)
+  assert cohort.steps is steps
+  with pytest.raises(ValueError, match="unknown parts"):
+    with without(("server", "clients")):
+      pass

@@ -11,10 +11,11 @@ outside the group's window set to zero:
 
 Its gradient is masked to the group's window (the held elements), so the zeros stay zeros, the optimizer's state
 of them stays zero, and a client's trajectory is its sub-model's up to the order of float sums. The round's
-sampled clients (not groups x capacity) are the slots of one vmapped step, with no per-group branch. Before the
-round ends each group's clients are taken back to the group's shape, and the group's trainer finishes and
-reduces them as the per-group mapping does, so every method's server steps, uploads and client memory see what
-they see there.
+sampled clients (not groups x capacity) are the slots of one vmapped step, with no per-group branch. After the
+steps, a group whose trainer has no terms uploads only its weighted delta sum: every such group's is one product
+over the slots in the union's layout, cut to the group's shape. A group with terms is taken back to its shape,
+and its trainer finishes and reduces its clients as the per-group mapping does. Either way every method's server
+steps, uploads and client memory see what they see there.
 
 Each group starts from its own federation's model (one shared model, or one per group as the per-architecture
 baselines), placed into the union's layout. `union_reason` says why a spec cannot train this way (one group, a

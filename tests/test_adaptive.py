@@ -144,6 +144,7 @@ def test_a_run_with_a_server_optimizer_resumes_bit_for_bit_and_differs_from_plai
 
 
 @pytest.mark.slow
+@pytest.mark.default_emitters
 def test_a_job_of_seeds_with_a_server_optimizer_equals_its_runs_alone(tmp_path, trained_alone):
   dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
   runs = runs_of(job_config(tmp_path / "job"), [0, 1])

@@ -1,8 +1,7 @@
 """Orbax checkpoints of a run's whole `ServerState`: models, server steps' state, sampler, client memory.
 
-The state's typed parts (NamedTuples such as an optax state or FedCross's
-`CrossState`) are stored as flax state dicts and rebuilt against a template
-state, so any method's state round-trips without knowing its types.
+The state's typed parts (NamedTuples such as an optax state or FedCross's `CrossState`) are stored as flax state
+dicts and rebuilt against a template state, so any method's state round-trips without knowing its types.
 
 In a multi-process run every process calls `save` and the restores, with the same arguments: orbax writes
 the replicated arrays once (process 0 is its primary host) and restores them into the template's shardings,
@@ -82,14 +81,13 @@ logging.getLogger("absl").addFilter(_QuietLostProcess())
 
 
 class _ClosedLoopNoiseDropped:
-  """``sys.stderr`` without the tracebacks of reads that end after their restore failed.
+  """``sys.stderr`` without the tracebacks of reads (writes) that end after their restore (save) failed.
 
-  When one array of a damaged checkpoint fails to read, orbax raises and closes the asyncio loop of the restore
-  while tensorstore still completes its other reads; each completion then fails to reach the closed loop, and
-  tensorstore prints that ``RuntimeError: Event loop is closed`` traceback (from its own threads, interleaved
-  line by line, at any later moment). The restore's failure itself is reported in one line
-  (`restore_latest_intact`). Every other line passes unchanged, and a partial line waits only while it could
-  begin one of those tracebacks."""
+  When one array of a damaged checkpoint fails to read (or to be written, on a full disk), orbax raises and closes
+  the asyncio loop while tensorstore still completes the other arrays; each then fails to reach the closed loop,
+  and tensorstore prints a ``RuntimeError: Event loop is closed`` traceback (from its threads, line by line, at
+  any moment). The failure is reported in one line (`restore_latest_intact`, `CheckpointWriteError`). Every other
+  line passes unchanged; a partial line waits only while it could begin one of those tracebacks."""
 
   _TRACEBACK = "Traceback (most recent call last):"
   _FRAME = re.compile(r'  File ".*asyncio[/\\]base_events\.py", line \d+, in (call_soon_threadsafe|_check_closed)$')
@@ -135,7 +133,7 @@ class _ClosedLoopNoiseDropped:
 
 
 def _drop_closed_loop_noise() -> None:
-  """Filters ``sys.stderr`` from now on (once per process): a failed restore's reads can end at any time."""
+  """Filters ``sys.stderr`` from now on (once per process): a failed restore's or save's I/O can end at any time."""
   if not isinstance(sys.stderr, _ClosedLoopNoiseDropped):
     sys.stderr = _ClosedLoopNoiseDropped(sys.stderr)
 
@@ -217,6 +215,7 @@ def manager(output_dir: str, every: int = 1, keep: int = 2) -> ocp.CheckpointMan
   # manager that reopens the folder (a resumed run) would see no best at all.
   options = ocp.CheckpointManagerOptions(save_interval_steps=every, preservation_policy=policy,
                                          best_fn=lambda metrics: metrics[BEST_METRIC], best_mode="max")
+  _drop_closed_loop_noise()  # (before any save: a failed save's other writes can end after orbax closed its loop)
   return _Manager(_root(output_dir), options=options)
 
 

@@ -21,8 +21,9 @@ The counts and their ratios between drivers carry over from a CPU to an accelera
 compiled, though each backend fuses differently); absolute compile times do not. Prints one JSON line per
 driver, then the ratios to the first driver. ``--cut PART,...`` compiles the round without some of its parts
 (``evaluation``: zero counts; ``server``: the server steps keep the model; ``local-steps``: no client steps), so
-that the difference to the whole round is what those parts cost to compile. ``--by-source N`` first prints, per driver, the N lines of the library
-under which the most ops were traced (before XLA's optimization): where a program's size comes from.
+that the difference to the whole round is what those parts cost to compile. ``--by-source N`` first prints, per
+driver, the N lines of the library under which the most ops were traced (before XLA's optimization): where a
+program's size comes from.
 """
 
 from __future__ import annotations

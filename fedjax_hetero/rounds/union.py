@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +67,8 @@ def _window_map(group_map: SubmodelMap) -> SubmodelMap:
 
 
 def held_mask(group_map: SubmodelMap, union: Variables) -> Variables:
-  """1.0 on every element of the union variables the group holds, 0.0 elsewhere."""
+  """1.0 on every element of the union variables (``union``: them or their shapes) the group holds, 0.0
+  elsewhere."""
   ones = traverse_util.unflatten_dict({link.client: jnp.ones(link.window.shape, jnp.float32)
                                       for link in group_map.pull})
   return embed(ones, _window_map(group_map), union)
@@ -162,8 +163,7 @@ class UnionCohorts(ProgramCohorts):
 
   def _held(self, spec: "RoundSpec") -> Variables:
     """Every group's `held_mask`, stacked ``[G, ...]`` (constants of the program)."""
-    union = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._union_shapes)
-    return jax.tree.map(lambda *h: jnp.stack(h), *[held_mask(m, union) for m in spec.maps])
+    return jax.tree.map(lambda *h: jnp.stack(h), *[held_mask(m, self._union_shapes) for m in spec.maps])
 
   def _in_union(self, spec: "RoundSpec", state: ServerState, variables: Sequence[Variables], groups: jax.Array,
                 held: Variables) -> Variables:
@@ -175,8 +175,7 @@ class UnionCohorts(ProgramCohorts):
     if all(spec.federation_of[g] == f and spec.federations[f].maps[spec.member_of[g]] == spec.maps[g]
            for g in range(len(spec.groups))) and layout(state.models[f]) == layout(self._union_shapes):
       return jax.tree.map(lambda h, v: jnp.where(h > 0, v, 0).astype(v.dtype), held, state.models[f])
-    union = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._union_shapes)
-    placed = [embed(v, _window_map(m), union) for v, m in zip(variables, spec.maps)]
+    placed = [embed(v, _window_map(m), self._union_shapes) for v, m in zip(variables, spec.maps)]
     return jax.tree.map(lambda *v: jnp.stack(v)[groups], *placed)
 
   def _trainer(self, spec: "RoundSpec") -> LocalTrainer:
@@ -188,7 +187,7 @@ class UnionCohorts(ProgramCohorts):
   def train(self, spec: "RoundSpec", x: RoundRows, state: ServerState, starts: Sequence[Any], shares: Sequence[Any],
             data: RoundData) -> tuple[list[Any], tuple[Any, ...]]:
     key = round_key(spec.seed, x.index)
-    clients, sizes, group_of_slot, positions = pack_participants(x, self.capacity)
+    clients, sizes, slot_weights, group_of_slot, positions = pack_participants(x, self.capacity)
     held = jax.tree.map(lambda h: h[group_of_slot], self._held(spec))
     client_starts = self._in_union(spec, state, starts, group_of_slot, held)
     trainer = self._trainer(spec)
@@ -200,8 +199,7 @@ class UnionCohorts(ProgramCohorts):
                                                                        mask, i, 1), begun)
     # A group whose trainer has no terms uploads only its weighted delta: every group's sum in one product over
     # the slots, in the union's layout (zeros outside a group's window on both sides of the difference).
-    weights = jnp.stack([jnp.zeros(self.capacity).at[p].set(c.weights, mode="drop")
-                         for c, p in zip(x.cohorts, positions)])
+    weights = jnp.where(jnp.arange(len(spec.groups))[:, None] == group_of_slot, slot_weights, 0.0)  # [G, S]
     delta_sums = jax.tree.map(lambda new, old: jnp.tensordot(weights, new - old, axes=1), trained.variables,
                               client_starts)
     results, memory = [], list(state.memory)
@@ -239,17 +237,28 @@ class UnionCohorts(ProgramCohorts):
     return cohort.with_stacked(result, cohort.pad_stacked(stacked_uploads, rows.count), trainer.reductions), memory
 
 
-def pack_participants(x: RoundRows, slots: int) -> tuple[jax.Array, jax.Array, jax.Array, list[jax.Array]]:
-  """The round's sampled clients packed group after group into ``slots`` (the rest padding: client 0 with no
-  sample): their ids, sample counts and groups, and per group the slot of each of its cohort's rows (``slots``
-  for padding rows, which the scatters drop)."""
+class Slots(NamedTuple):
+  """A round's sampled clients packed group after group into the union's slots (the rest padding: client 0 with no
+  sample and weight 0)."""
+
+  clients: jax.Array  # [S] int32 ids
+  sizes: jax.Array  # [S] int32 sample counts
+  weights: jax.Array  # [S] float32 aggregation weights
+  groups: jax.Array  # [S] int32 architecture groups
+  positions: list[jax.Array]  # per group, the slot of each of its cohort's rows (S for padding rows: dropped)
+
+
+def pack_participants(x: RoundRows, slots: int) -> Slots:
+  """The round's sampled clients packed group after group into ``slots`` (`Slots`)."""
   counts = jnp.stack([jnp.asarray(c.count, jnp.int32) for c in x.cohorts])
   offsets = jnp.cumsum(counts) - counts
   positions = [jnp.where(jnp.arange(len(c.clients)) < c.count, offsets[g] + jnp.arange(len(c.clients)), slots)
                for g, c in enumerate(x.cohorts)]
-  clients, sizes, group_of_slot = (jnp.zeros((slots,), jnp.int32) for _ in range(3))
+  clients, sizes, groups = (jnp.zeros((slots,), jnp.int32) for _ in range(3))
+  weights = jnp.zeros((slots,), jnp.float32)
   for g, (c, p) in enumerate(zip(x.cohorts, positions)):
     clients = clients.at[p].set(c.clients, mode="drop")
     sizes = sizes.at[p].set(c.sizes, mode="drop")
-    group_of_slot = group_of_slot.at[p].set(g, mode="drop")
-  return clients, sizes, group_of_slot, positions
+    weights = weights.at[p].set(c.weights, mode="drop")
+    groups = groups.at[p].set(g, mode="drop")
+  return Slots(clients, sizes, weights, groups, positions)

@@ -15,12 +15,14 @@ and compiled, and its optimized HLO read:
 * ``trace_s`` and ``lower_s``: seconds of jax's tracing and lowering of the program (with the load of the
   executable, what a first round costs on a warm compilation cache);
 * ``compile_s`` and ``compile_cpu_s``: wall and CPU seconds of XLA's compilation (the second counts every
-  thread XLA used).
+  thread XLA used);
+* ``evaluation_compile_s`` and ``evaluation_compile_cpu_s``: the same of the evaluation's program (every group's
+  test accuracy, `rounds.simulation.Simulation.evaluation`), which a run compiles at its first evaluated round.
 
 The counts and their ratios between drivers carry over from a CPU to an accelerator (the same program is
 compiled, though each backend fuses differently); absolute compile times do not. Prints one JSON line per
 driver, then the ratios to the first driver. ``--cut PART,...`` compiles the round without some of its parts
-(``evaluation``: zero counts; ``server``: the server steps keep the model; ``local-steps``: no client steps), so
+(``server``: the server steps keep the model; ``local-steps``: no client steps), so
 that the difference to the whole round is what those parts cost to compile. ``--by-source N`` first prints, per
 driver, the N lines of the library under which the most ops were traced (before XLA's optimization): where a
 program's size comes from.
@@ -121,16 +123,14 @@ def ops_by_source(mlir: str) -> collections.Counter:
   return counts
 
 
-CUTS = ("evaluation", "server", "local-steps")
+CUTS = ("server", "local-steps")
 
 
 @contextlib.contextmanager
 def without(parts: Sequence[str]):
   """The round's program built without ``parts`` (`CUTS`) while the context is open: the library's pieces that
   compute them are replaced, and restored on exit."""
-  import jax.numpy as jnp
-
-  from fedjax_hetero.rounds import body, client_eval, cohort, mapping
+  from fedjax_hetero.rounds import body, cohort
 
   unknown = set(parts) - set(CUTS)
   if unknown:
@@ -141,9 +141,6 @@ def without(parts: Sequence[str]):
     replaced.append((owner, name, getattr(owner, name)))
     setattr(owner, name, value)
 
-  if "evaluation" in parts:
-    replace(mapping.ProgramCohorts, "correct", lambda self, spec, state, x, data: (
-        jnp.zeros(len(spec.groups), jnp.int32), client_eval.zero_counts(spec)))
   if "server" in parts:
     replace(body, "server_round", lambda spec, f, state, starts, results, x: (state.models[f], state.steps[f], {}))
   if "local-steps" in parts:
@@ -191,9 +188,14 @@ def measure_simulation(sim: Any, driver: str, by_source: int = 0, cut: Sequence[
   compiled = lowered.compile()
   wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
   ops, heavy, total = step_loop(compiled.as_text())
+  evaluation = sim.evaluation.lower(np.int32(1), (state.models, state.steps), RoundData.of(spec))
+  evaluation_wall, evaluation_cpu = time.perf_counter(), time.process_time()
+  evaluation.compile()
+  evaluation_wall, evaluation_cpu = time.perf_counter() - evaluation_wall, time.process_time() - evaluation_cpu
   return {"driver": driver, "groups": ",".join(g.name for g in spec.groups), "cut": ",".join(cut),
           "ops_per_step": ops, "convolutions_per_step": heavy, "module_ops": total, "trace_s": round(trace_s, 2),
           "lower_s": round(lower_s, 2), "compile_s": round(wall, 2), "compile_cpu_s": round(cpu, 2),
+          "evaluation_compile_s": round(evaluation_wall, 2), "evaluation_compile_cpu_s": round(evaluation_cpu, 2),
           "platform": jax.default_backend()}
 
 
@@ -229,7 +231,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     emit_json_lines(rows[-1:])
   for row in rows[1:]:
     ratios = {f"{k}_ratio": round(row[k] / rows[0][k], 3)
-              for k in ("ops_per_step", "trace_s", "lower_s", "compile_s", "compile_cpu_s") if rows[0][k]}
+              for k in ("ops_per_step", "trace_s", "lower_s", "compile_s", "compile_cpu_s",
+                        "evaluation_compile_cpu_s") if rows[0][k]}
     print(json.dumps({"driver": row["driver"], "over": rows[0]["driver"], **ratios}), flush=True)
   emit_json_lines(rows, args.output, echo=False)
   return rows

@@ -348,8 +348,11 @@ def test_every_number_a_method_reads_is_traced_in_its_program(method, family):
   batch = ManyRuns([base, base], [concrete, concrete], specialize)
   states = [base.init_state(), base.init_state()]
   calls, statics = batch.plan([0, 1], states, 1, {1})
-  carry, outputs = jax.eval_shape(batch.program(statics), *batch.arguments([0, 1], [0, 1], calls, states, 1))
-  assert outputs.correct.shape == (2, 1, len(base.spec.groups))
+  values, server, memory, inputs, count, data = batch.arguments([0, 1], [0, 1], calls, states, 1)
+  carry, outputs = jax.eval_shape(batch.program(statics), values, server, memory, inputs, count, data)
+  assert outputs.loss_sum[0].shape == (2, 1)
+  correct, _ = jax.eval_shape(batch._evaluation(2), values, np.int32(1), carry[:2], data)  # (its own program)
+  assert correct.shape == (2, len(base.spec.groups))
 
 
 def test_an_error_about_one_run_of_a_job_names_that_run(tmp_path, capsys):

@@ -163,12 +163,13 @@ def launches_per_call(sim: Simulation, rounds: int = 3) -> int:
 
 def test_one_device_launch_per_call_whatever_the_groups_clients_and_steps():
   """The structure a GPU needs, counted on the CPU: the host loop launches programs per group, client and
-  step (dozens a round); the round program launches one per call of K rounds."""
+  step (dozens a round); the round program launches one per call of K rounds, cut after each evaluated round,
+  and its evaluation one of its own: rounds 2 to 4 evaluated after 2 and 4 are two pieces and two evaluations."""
   small = tiny_simulation("HeteroScaffold", "vmap", widths=(1.0,), clients_per_round=2)
   local = LocalConfig(epochs=4, batch_size=4, learning_rate=1e-2)  # 4x the steps
   large = tiny_simulation("HeteroScaffold", "vmap", widths=(1.0, 0.5), clients_per_round=6)
   large = fused(large, local=local, method=build_method("HeteroScaffold", MethodConfig(), local))
-  assert launches_per_call(fused(small)) == launches_per_call(large) == 1
+  assert launches_per_call(fused(small)) == launches_per_call(large) == 4
   assert launches_per_call(small) > 3 * 10
 
 

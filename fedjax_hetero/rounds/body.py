@@ -47,8 +47,9 @@ class RoundOutputs(NamedTuple):
   loss_sum: tuple[Any, ...]  # per group: summed training loss
   num_examples: tuple[Any, ...]  # per group: real examples trained on
   server_metrics: tuple[Any, ...]  # per federation: its steps' metrics (None where the host skipped it)
-  # Per group: correct test predictions after the round (None or zeros outside evaluation rounds; on the host loop a
-  # function that counts them, called once the round's time is taken).
+  # Per group: correct test predictions after the round (None outside evaluation rounds and inside a device program,
+  # whose evaluation is a program of its own; on the host loop a function that counts them, called once the round's
+  # time is taken).
   correct: Any
   # Per federation: the largest magnitude of a weight of its model after the round (inf where one is not finite).
   largest_weight: tuple[Any, ...] = ()

@@ -117,13 +117,6 @@ def program_counts(spec: "RoundSpec", variables: Sequence[Any], data: "RoundData
   return tuple(counts)
 
 
-def zero_counts(spec: "RoundSpec") -> tuple[jax.Array, ...]:
-  """`program_counts`' shapes, zeros: a device program's outputs outside evaluation rounds."""
-  if spec.client_eval is None:
-    return ()
-  return tuple(jnp.zeros(len(g.clients), jnp.int32) for g in spec.groups)
-
-
 def summary(accuracies: np.ndarray) -> dict[str, float]:
   """The mean, the worst 10% (the mean of the lowest `WORST_SHARE` of the clients, at least one) and the spread
   (population standard deviation) of clients' accuracies."""

@@ -78,6 +78,17 @@ class Call(NamedTuple):
                      tuple(jax.tree.map(lambda a: a[i], c) for c in self.inputs.cohorts),
                      tuple(p.inputs for p in self.plans[i]), self.statics)
 
+  def pieces(self, evaluate: Collection[int]) -> list[tuple[int, int]]:
+    """The call's rounds ``[a, b)`` cut after every round in ``evaluate`` (1-based): what a device program runs
+    before each evaluation."""
+    ends = [i + 1 for i in range(self.count - 1) if self.first + i + 1 in evaluate] + [self.count]
+    return list(zip([0] + ends[:-1], ends))
+
+  def inputs_from(self, i: int) -> CallInputs:
+    """The call's rows from its round ``i`` on, padded as `plan_call` pads them (the last row repeated)."""
+    return self.inputs if i == 0 else jax.tree.map(
+        lambda a: np.concatenate([a[i:], np.repeat(a[-1:], i, axis=0)]), self.inputs)
+
   def trained(self, i: int) -> list[bool]:
     """Per group, whether any of its clients trained in the call's round ``i``."""
     return [len(cohort) > 0 for cohort in self.drawn[i][1]]

@@ -12,6 +12,8 @@ settings swept between the runs, as arrays; each run's program is the first run'
 - ``"map"`` (on a CPU, where a vmapped convolution is a slower grouped one) runs them one after another, each
   computing exactly what the run alone computes: a job of seeds equals its runs alone bit for bit.
 
+Their evaluation is a program of its own, mapped over the runs alike, after a call's evaluated rounds.
+
 Memory grows with the runs of one program: every program is compiled before any compute and, when XLA's estimate
 of its memory does not fit the device, the runs go in chunks that do (or fail naming the estimate when one run
 alone does not fit).
@@ -171,13 +173,14 @@ class ManyRuns:
       raise NotBatchable(f"{self.sims[0].spec.method.name} evaluates with statistics of the training images, which "
                          "differ between these runs (a subset drawn per seed): run them one after another")
     self._programs: dict[tuple, Any] = {}
+    self._evaluations: dict[int, Callable] = {}  # by runs per program
 
   def replace(self, run: int, sim: Simulation, settings: Sequence[dict[str, float]], specialize: Specialize) -> None:
     """Run ``run`` goes on with ``sim`` (after a rollback, with a lower learning rate), every run with ``settings``
     (which may now hold the learning rate) and ``specialize``."""
     self.sims[run], self.settings, self.specialize = sim, list(settings), specialize
     check_batchable(self.sims)
-    self._programs = {}
+    self._programs, self._evaluations = {}, {}
 
   # ----------------------------------------------------------------------------------------------- the data
 
@@ -228,13 +231,38 @@ class ManyRuns:
       return jax.vmap(one_run, in_axes=(0, 0, 0, input_axes, None, self._data_axes))
 
     def mapped(values, server, memory, inputs, count, data):
-      own = RoundData(*[d if a is not None else None for d, a in zip(data, self._data_axes)])
-      shared = RoundData(*[d if a is None else None for d, a in zip(data, self._data_axes)])
-      merge = lambda mine: RoundData(*[m if s is None else s for m, s in zip(mine, shared)])
+      own, merge = self._own_data(data)
       return jax.lax.map(lambda x: one_run(x[0], x[1], x[2], x[3], count, merge(x[4])),
                          (values, server, memory, inputs, own))
 
     return mapped
+
+  def _own_data(self, data: RoundData) -> tuple[RoundData, Callable[[RoundData], RoundData]]:
+    """The runs' own parts of ``data`` (None where shared), to map over, and how one run's slice of them is
+    merged back with the shared parts."""
+    own = RoundData(*[d if a is not None else None for d, a in zip(data, self._data_axes)])
+    return own, lambda mine: RoundData(*[d if a is None else m for m, d, a in zip(mine, data, self._data_axes)])
+
+  def _evaluation(self, runs: int) -> Callable:
+    """The runs' evaluation program (`ProgramCohorts.counts` mapped over them as `program` maps the rounds):
+    ``(values, round, server, data) -> (correct, client correct)``, each with a leading runs axis."""
+    if runs not in self._evaluations:
+      template, cohorts = self.sims[0].spec, self.sims[0].cohorts
+
+      def one_run(values: RunValues, index, server, data: RoundData):
+        spec = template.with_values(seed=values.seed, label_counts=values.label_counts)
+        if values.settings:
+          spec = self.specialize(spec, values.settings)
+        return cohorts.counts(spec, ServerState(index, *server, (), ()), data)
+
+      if self.mapping == "vmap":
+        mapped = jax.vmap(one_run, in_axes=(0, None, 0, self._data_axes))
+      else:
+        def mapped(values, index, server, data):
+          own, merge = self._own_data(data)
+          return jax.lax.map(lambda x: one_run(x[0], index, x[1], merge(x[2])), (values, server, own))
+      self._evaluations[runs] = jax.jit(mapped)
+    return self._evaluations[runs]
 
   def _compiled(self, statics: tuple, args: tuple):
     """The program for ``statics`` and the runs' count of ``args``, compiled (once per count)."""
@@ -294,14 +322,18 @@ class ManyRuns:
                 states: Sequence[ServerState], count: int) -> tuple:
     """The program's arguments for the runs ``chunk`` (of ``runs``, whose ``calls`` and ``states`` these are)."""
     at = [runs.index(r) for r in chunk]
-    inputs = _stack([calls[i].inputs for i in at])
-    if self.mapping == "vmap":  # (see `program`: one round index and loop count for every run)
-      inputs = inputs._replace(rounds=inputs.rounds[0], evaluate=inputs.evaluate[0], steps=inputs.steps.max(0),
-                               cohorts=tuple(c._replace(steps=c.steps.max(0)) for c in inputs.cohorts))
     data = RoundData(*[d if a is None else jax.tree.map(lambda x: x[jnp.asarray(chunk)], d)
                        for d, a in zip(self._data, self._data_axes)])
     return (self.run_values(chunk), _stack([(states[i].models, states[i].steps) for i in at]),
-            _stack([states[i].memory for i in at]), inputs, np.int32(count), data)
+            _stack([states[i].memory for i in at]), self._inputs([calls[i] for i in at]), np.int32(count), data)
+
+  def _inputs(self, calls: Sequence[Call], first: int = 0) -> CallInputs:
+    """The program's rows of ``calls`` (one per run of a chunk) from their round ``first`` on."""
+    inputs = _stack([c.inputs_from(first) for c in calls])
+    if self.mapping == "vmap":  # (see `program`: one round index and loop count for every run)
+      inputs = inputs._replace(rounds=inputs.rounds[0], evaluate=inputs.evaluate[0], steps=inputs.steps.max(0),
+                               cohorts=tuple(c._replace(steps=c.steps.max(0)) for c in inputs.cohorts))
+    return inputs
 
   def run(self, runs: Sequence[int], states: Sequence[ServerState], count: int, evaluate: Collection[int]
           ) -> list[tuple[ServerState, list[dict] | Exception]]:
@@ -312,17 +344,31 @@ class ManyRuns:
     args_of = lambda chunk: self.arguments(chunk, runs, calls, states, count)
     results = []
     for chunk in self.chunks(list(runs), statics, args_of):
-      t0 = time.perf_counter()
-      carry, outputs = self._compiled(statics, args := args_of(chunk))(*args)
-      outputs = jax.device_get(outputs)
-      seconds = (time.perf_counter() - t0) / count
+      program = self._compiled(statics, args := args_of(chunk))
+      values, server, memory, _, _, data = args
+      per_round, seconds = [[] for _ in chunk], []
+      for a, b in calls[0].pieces(evaluate):  # (the runs' calls: the same rounds, evaluated alike)
+        t0 = time.perf_counter()
+        inputs = args[3] if a == 0 else self._inputs([calls[runs.index(r)] for r in chunk], a)
+        (*server, memory), outputs = program(values, tuple(server), memory, inputs, np.int32(b - a), data)
+        outputs = jax.device_get(outputs)
+        seconds += [(time.perf_counter() - t0) / (b - a)] * (b - a)
+        if calls[0].first + b in evaluate:
+          correct, clients = jax.device_get(self._evaluation(len(chunk))(values, np.int32(calls[0].first + b),
+                                                                         tuple(server), data))
+        for j in range(len(chunk)):
+          rows = [jax.tree.map(lambda x: x[j, k], outputs) for k in range(b - a)]
+          if calls[0].first + b in evaluate:
+            rows[-1] = rows[-1]._replace(correct=correct[j], client_correct=jax.tree.map(lambda x: x[j], clients))
+          per_round[j] += rows
+      carry = (*server, memory)
       for j, (models, steps, memory) in enumerate(_unstack(carry, len(chunk))):
         i = runs.index(chunk[j])
         state, call = states[i], calls[i]
         new = ServerState(state.round + count, models, steps, state.sampler, memory)
         try:
-          rows = [call_row(self.sims[chunk[j]].spec, call, k, jax.tree.map(lambda a: a[j, k], outputs), seconds,
-                           evaluate) for k in range(count)]
+          rows = [call_row(self.sims[chunk[j]].spec, call, k, per_round[j][k], seconds[k], evaluate)
+                  for k in range(count)]
         except ArithmeticError as e:  # (NonFiniteLossError)
           rows = e
         results.append((new, rows))

@@ -12,6 +12,7 @@ client's on its held-out samples: `rounds.client_eval`). Two mappings:
 - `ProgramCohorts`: inside a device program (`rounds.simulation`), every group's cohort vmapped (or
   ``lax.map``-ped) and all groups stepping side by side in one device loop over the round's local steps (a
   group whose clients are done skips the rest, so a round costs the sum of the groups' longest clients' steps).
+  Its evaluation (`ProgramCohorts.counts`) is a program of its own, run after a call's evaluated rounds.
 """
 
 from __future__ import annotations
@@ -169,13 +170,14 @@ class ProgramCohorts:
     return results, tuple(memory)
 
   def correct(self, spec: "RoundSpec", state: ServerState, x: RoundRows, data: RoundData) -> tuple[Any, Any]:
-    """Every group's correct test predictions and, with per-client evaluation, every client's on its held-out
-    samples (`client_eval`); zeros outside evaluation rounds."""
-    def counts():
-      variables = [spec.evaluated_variables(spec.group_variables(state, i), i) for i in range(len(spec.groups))]
-      tests = jnp.stack([count_correct(g.model, variables[i], data.test_images, data.test_labels, spec.store.mean,
-                                       spec.store.std, self.eval_batch) for i, g in enumerate(spec.groups)])
-      return tests.astype(jnp.int32), client_eval.program_counts(spec, variables, data, self.eval_batch)
-    return jax.lax.cond(x.evaluate, counts,
-                        lambda: (jnp.zeros(len(spec.groups), jnp.int32), client_eval.zero_counts(spec)))
+    """Nothing: a device program's rounds do not evaluate. Evaluation is a program of its own (`counts`), run after
+    a call's evaluated rounds (`simulation.Simulation.run_call`), so the round's program compiles without it."""
+    return None, ()
 
+  def counts(self, spec: "RoundSpec", state: ServerState, data: RoundData) -> tuple[jax.Array, Any]:
+    """Every group's correct test predictions in ``state`` and, with per-client evaluation, every client's on its
+    held-out samples (`client_eval`): the body of the evaluation program."""
+    variables = [spec.evaluated_variables(spec.group_variables(state, i), i) for i in range(len(spec.groups))]
+    tests = jnp.stack([count_correct(g.model, variables[i], data.test_images, data.test_labels, spec.store.mean,
+                                     spec.store.std, self.eval_batch) for i, g in enumerate(spec.groups)])
+    return tests.astype(jnp.int32), client_eval.program_counts(spec, variables, data, self.eval_batch)

@@ -3,15 +3,17 @@
 `Simulation.run_rounds` cuts rounds into calls (`inputs.call_length`), plans each call on the host
 (`inputs.plan_call`) and runs it: on the host loop one round at a time, the round's body run eagerly; in a device
 program (`ProgramCohorts`) up to ``rounds_per_call`` rounds as one jitted function of the server state, the body
-traced once, the rounds a device loop, the metrics read once per call. Either way every round's metrics row is
-written by `rows.call_row`. Every call of a program runs the program compiled for ``rounds_per_call`` rounds,
-whatever its length, so nothing compiles after the first; a call also ends where a server step's static plan
-changes. `make_simulation` is the one place that chooses the mapping (see docs/performance.md).
+traced once, the rounds a device loop, the metrics read once per call; a call runs in pieces cut after its
+evaluated rounds, each followed by the evaluation's own program (`Simulation.evaluation`). Either way every
+round's metrics row is written by `rows.call_row`. Every call of a program runs the program compiled for
+``rounds_per_call`` rounds, whatever its length, so nothing compiles after the first; a call also ends where a
+server step's static plan changes. `make_simulation` is the one place that chooses the mapping (see docs/performance.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Callable, Collection
 
@@ -188,12 +190,19 @@ class Simulation:
       raise ValueError(f"a round of {spec.method.name} has {most} participants; the union mapping holds "
                        f"--clients-per-round ({capacity}): use --round-program fused")
     if in_program:
-      carry, outputs = self.program(call.statics)((state.models, state.steps), state.memory, call.inputs,
-                                                  np.int32(count), RoundData.of(spec))
-      outputs = jax.device_get(outputs)
-      seconds = [(time.perf_counter() - t0) / count] * count
-      per_round = [jax.tree.map(lambda a: a[i], outputs) for i in range(count)]
-      state = ServerState(state.round + count, *carry[:2], state.sampler, carry[2])
+      per_round, seconds, data = [], [], RoundData.of(spec)
+      server, memory = (state.models, state.steps), state.memory
+      for a, b in call.pieces(evaluate):
+        (*server, memory), outputs = self.program(call.statics)(tuple(server), memory, call.inputs_from(a),
+                                                                np.int32(b - a), data)
+        outputs = jax.device_get(outputs)
+        seconds += [(time.perf_counter() - t0) / (b - a)] * (b - a)
+        per_round += [jax.tree.map(lambda x: x[i], outputs) for i in range(b - a)]
+        if call.first + b in evaluate:  # (not timed, as the host loop's)
+          correct, clients = jax.device_get(self.evaluation(np.int32(call.first + b), server, data))
+          per_round[-1] = per_round[-1]._replace(correct=correct, client_correct=clients)
+        t0 = time.perf_counter()
+      state = ServerState(state.round + count, *server, state.sampler, memory)
     else:
       state, per_round, seconds = self._host_call(state, call, t0)
     return state, [call_row(spec, call, i, per_round[i], seconds[i], evaluate) for i in range(count)]
@@ -210,6 +219,13 @@ class Simulation:
       per_round.append(jax.device_get(outputs._replace(correct=counted, client_correct=clients)))
       t0 = time.perf_counter()
     return state, per_round, seconds
+
+  @functools.cached_property
+  def evaluation(self) -> Callable:
+    """The jitted evaluation of a device program's state: ``(round, (models, steps), data) -> (correct, client
+    correct)`` (`ProgramCohorts.counts`), a program of its own."""
+    return jax.jit(lambda index, server, data: self.cohorts.counts(self.spec, ServerState(index, *server, (), ()),
+                                                                   data))
 
   def program(self, statics: tuple) -> Callable:
     """The jitted program of a call for one static plan (`program_call`). The client memory is donated (updated in

@@ -147,6 +147,19 @@ def test_a_call_of_k_rounds_equals_k_calls_of_one(method):
   assert strip(rows) == strip(single)
 
 
+def test_the_evaluation_compiles_once_beside_the_rounds_program():
+  """Its own program, compiled in a thread while the round's program compiles: each once, in the first call."""
+  sim = fused(tiny_simulation("HeteroAvg", "vmap", widths=(1.0, 0.5)))
+  state = sim.init_state()
+  with CompileLog() as log:
+    state, rows = sim.run_rounds(state, 3, evaluate={1, 3})
+  assert sorted(log.names) == ["jit(call)", "jit(evaluation)"]
+  assert [r["test_accuracy"] is None for r in rows] == [False, True, False]
+  with CompileLog() as log:
+    sim.run_rounds(state, 3, evaluate={5})
+  assert log.names == []
+
+
 def call_lengths(sim: Simulation, first: int, count: int) -> list[int]:
   lengths = []
   while sum(lengths) < count:

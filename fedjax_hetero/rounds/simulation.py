@@ -12,6 +12,7 @@ server step's static plan changes. `make_simulation` is the one place that choos
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import time
@@ -121,6 +122,7 @@ class Simulation:
   cohorts: HostCohorts | ProgramCohorts
   rounds_per_call: int = 1
   _programs: dict = dataclasses.field(default_factory=dict, repr=False)
+  _compiling: dict = dataclasses.field(default_factory=dict, repr=False)  # futures of programs compiled in threads
 
   def with_values(self, **values: Any) -> "Simulation":
     """This simulation with other values of its spec (`RoundSpec.with_values`): a lower learning rate after a
@@ -192,14 +194,18 @@ class Simulation:
     if in_program:
       per_round, seconds, data = [], [], RoundData.of(spec)
       server, memory = (state.models, state.steps), state.memory
-      for a, b in call.pieces(evaluate):
+      pieces = call.pieces(evaluate)
+      if any(call.first + b in evaluate for _, b in pieces):
+        evaluation = self._compile_evaluation(state, data)
+      for a, b in pieces:
         (*server, memory), outputs = self.program(call.statics)(tuple(server), memory, call.inputs_from(a),
                                                                 np.int32(b - a), data)
         outputs = jax.device_get(outputs)
         seconds += [(time.perf_counter() - t0) / (b - a)] * (b - a)
         per_round += [jax.tree.map(lambda x: x[i], outputs) for i in range(b - a)]
         if call.first + b in evaluate:  # (not timed, as the host loop's)
-          correct, clients = jax.device_get(self.evaluation(np.int32(call.first + b), server, data))
+          evaluation.result()  # (compiled)
+          correct, clients = jax.device_get(self.evaluation(np.int32(call.first + b), tuple(server), data))
           per_round[-1] = per_round[-1]._replace(correct=correct, client_correct=clients)
         t0 = time.perf_counter()
       state = ServerState(state.round + count, *server, state.sampler, memory)
@@ -220,12 +226,25 @@ class Simulation:
       t0 = time.perf_counter()
     return state, per_round, seconds
 
+  def _compile_evaluation(self, state: ServerState, data: RoundData) -> concurrent.futures.Future:
+    """The evaluation's program compiled in a thread of its own, started once: XLA compiles a module on one core,
+    so on a call's first evaluation it compiles beside the round's program (a first call's time is the longer of
+    the two); a later call of the jitted `evaluation` finds it compiled."""
+    if "evaluation" not in self._compiling:
+      pool = concurrent.futures.ThreadPoolExecutor(1)
+      self._compiling["evaluation"] = pool.submit(lambda: self.evaluation.lower(
+          np.int32(state.round), (state.models, state.steps), data).compile())
+      pool.shutdown(wait=False)
+    return self._compiling["evaluation"]
+
   @functools.cached_property
   def evaluation(self) -> Callable:
     """The jitted evaluation of a device program's state: ``(round, (models, steps), data) -> (correct, client
     correct)`` (`ProgramCohorts.counts`), a program of its own."""
-    return jax.jit(lambda index, server, data: self.cohorts.counts(self.spec, ServerState(index, *server, (), ()),
-                                                                   data))
+    def evaluation(index, server, data):
+      return self.cohorts.counts(self.spec, ServerState(index, *server, (), ()), data)
+
+    return jax.jit(evaluation)
 
   def program(self, statics: tuple) -> Callable:
     """The jitted program of a call for one static plan (`program_call`). The client memory is donated (updated in

@@ -7,7 +7,8 @@ traced once, the rounds a device loop, the metrics read once per call; a call ru
 evaluated rounds, each followed by the evaluation's own program (`Simulation.evaluation`). Either way every
 round's metrics row is written by `rows.call_row`. Every call of a program runs the program compiled for
 ``rounds_per_call`` rounds, whatever its length, so nothing compiles after the first; a call also ends where a
-server step's static plan changes. `make_simulation` is the one place that chooses the mapping (see docs/performance.md).
+server step's static plan changes. `make_simulation` is the one place that chooses the mapping (see
+docs/performance.md).
 """
 
 from __future__ import annotations

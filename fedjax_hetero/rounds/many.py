@@ -34,7 +34,7 @@ from fedjax_hetero.rounds.body import RoundData
 from fedjax_hetero.rounds.client_eval import HeldOut
 from fedjax_hetero.rounds.inputs import Call, CallInputs, Cohort, plan_call
 from fedjax_hetero.rounds.rows import call_row
-from fedjax_hetero.rounds.simulation import Simulation, program_call
+from fedjax_hetero.rounds.simulation import Simulation, piece_rows, program_call, run_pieces
 from fedjax_hetero.rounds.spec import RoundSpec
 from fedjax_hetero.rounds.state import ServerState
 
@@ -345,30 +345,24 @@ class ManyRuns:
     results = []
     for chunk in self.chunks(list(runs), statics, args_of):
       program = self._compiled(statics, args := args_of(chunk))
-      values, server, memory, _, _, data = args
-      per_round, seconds = [[] for _ in chunk], []
-      for a, b in calls[0].pieces(evaluate):  # (the runs' calls: the same rounds, evaluated alike)
-        t0 = time.perf_counter()
-        inputs = args[3] if a == 0 else self._inputs([calls[runs.index(r)] for r in chunk], a)
-        (*server, memory), outputs = program(values, tuple(server), memory, inputs, np.int32(b - a), data)
-        outputs = jax.device_get(outputs)
-        seconds += [(time.perf_counter() - t0) / (b - a)] * (b - a)
-        if calls[0].first + b in evaluate:
-          correct, clients = jax.device_get(self._evaluation(len(chunk))(values, np.int32(calls[0].first + b),
-                                                                         tuple(server), data))
-        for j in range(len(chunk)):
-          rows = [jax.tree.map(lambda x: x[j, k], outputs) for k in range(b - a)]
-          if calls[0].first + b in evaluate:
-            rows[-1] = rows[-1]._replace(correct=correct[j], client_correct=jax.tree.map(lambda x: x[j], clients))
-          per_round[j] += rows
-      carry = (*server, memory)
+      values, server, memory, inputs, _, data = args
+      own_calls = [calls[runs.index(r)] for r in chunk]
+
+      def run_piece(carry, first, n):
+        rows = inputs if first == 0 else self._inputs(own_calls, first)
+        return program(values, carry[:2], carry[2], rows, np.int32(n), data)
+
+      # (The runs' calls have the same rounds, evaluated alike: the first run's pieces are every run's.)
+      carry, pieces, seconds = run_pieces(calls[0], evaluate, (*server, memory), time.perf_counter(), run_piece,
+                                          lambda index, server: self._evaluation(len(chunk))(values, index, server,
+                                                                                              data))
       for j, (models, steps, memory) in enumerate(_unstack(carry, len(chunk))):
         i = runs.index(chunk[j])
         state, call = states[i], calls[i]
         new = ServerState(state.round + count, models, steps, state.sampler, memory)
         try:
-          rows = [call_row(self.sims[chunk[j]].spec, call, k, per_round[j][k], seconds[k], evaluate)
-                  for k in range(count)]
+          outputs = [row for piece in pieces for row in piece_rows(*piece, (j,))]
+          rows = [call_row(self.sims[chunk[j]].spec, call, k, outputs[k], seconds[k], evaluate) for k in range(count)]
         except ArithmeticError as e:  # (NonFiniteLossError)
           rows = e
         results.append((new, rows))

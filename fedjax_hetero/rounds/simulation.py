@@ -114,6 +114,35 @@ def program_call(spec: RoundSpec, cohorts: ProgramCohorts, statics: tuple, round
   return call
 
 
+def run_pieces(call: Call, evaluate: Collection[int], carry: tuple, t0: float, run: Callable, evaluation: Callable
+               ) -> tuple[tuple, list[tuple[int, Any, Any]], list[float]]:
+  """A device program's call in pieces cut after its evaluated rounds (`Call.pieces`), from ``carry`` (models,
+  steps, memory) and the time ``t0`` its first piece's time counts from: ``run(carry, first, count) -> (carry,
+  outputs)`` runs a piece, ``evaluation(round, server) -> counts`` evaluates the models and steps after an
+  evaluated one (untimed, as the host loop's evaluation). The carry after the call, per piece its rounds, its
+  outputs and its counts (None where not evaluated), on the host, and every round's seconds."""
+  pieces, seconds = [], []
+  for a, b in call.pieces(evaluate):
+    carry, outputs = run(carry, a, b - a)
+    outputs = jax.device_get(outputs)
+    seconds += [(time.perf_counter() - t0) / (b - a)] * (b - a)
+    index = call.first + b
+    pieces.append((b - a, outputs, jax.device_get(evaluation(np.int32(index), carry[:2])) if index in evaluate
+                   else None))
+    t0 = time.perf_counter()
+  return carry, pieces, seconds
+
+
+def piece_rows(count: int, outputs: Any, counts: Any, at: tuple[int, ...] = ()) -> list[RoundOutputs]:
+  """A piece's ``count`` rounds' outputs (of `run_pieces`; ``at``: the leading indices before the rounds axis, a
+  run's), its last round's with the evaluation's ``counts`` where it was evaluated."""
+  rows = [jax.tree.map(lambda x: x[(*at, k)], outputs) for k in range(count)]
+  if counts is not None:
+    correct, clients = jax.tree.map(lambda x: x[at], counts)
+    rows[-1] = rows[-1]._replace(correct=correct, client_correct=clients)
+  return rows
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Simulation:
   """``spec``'s rounds with its cohorts mapped by ``cohorts``, in calls of at most ``rounds_per_call`` rounds
@@ -193,23 +222,19 @@ class Simulation:
       raise ValueError(f"a round of {spec.method.name} has {most} participants; the union mapping holds "
                        f"--clients-per-round ({capacity}): use --round-program fused")
     if in_program:
-      per_round, seconds, data = [], [], RoundData.of(spec)
-      server, memory = (state.models, state.steps), state.memory
-      pieces = call.pieces(evaluate)
-      if any(call.first + b in evaluate for _, b in pieces):
-        evaluation = self._compile_evaluation(state, data)
-      for a, b in pieces:
-        (*server, memory), outputs = self.program(call.statics)(tuple(server), memory, call.inputs_from(a),
-                                                                np.int32(b - a), data)
-        outputs = jax.device_get(outputs)
-        seconds += [(time.perf_counter() - t0) / (b - a)] * (b - a)
-        per_round += [jax.tree.map(lambda x: x[i], outputs) for i in range(b - a)]
-        if call.first + b in evaluate:  # (not timed, as the host loop's)
-          evaluation.result()  # (compiled)
-          correct, clients = jax.device_get(self.evaluation(np.int32(call.first + b), tuple(server), data))
-          per_round[-1] = per_round[-1]._replace(correct=correct, client_correct=clients)
-        t0 = time.perf_counter()
-      state = ServerState(state.round + count, *server, state.sampler, memory)
+      data, program = RoundData.of(spec), self.program(call.statics)
+      if any(call.first + b in evaluate for _, b in call.pieces(evaluate)):
+        compiling = self._compile_evaluation(state, data)
+
+      def evaluation(index, server):
+        compiling.result()  # (compiled)
+        return self.evaluation(index, server, data)
+
+      carry, pieces, seconds = run_pieces(
+          call, evaluate, (state.models, state.steps, state.memory), t0,
+          lambda carry, first, n: program(carry[:2], carry[2], call.inputs_from(first), np.int32(n), data), evaluation)
+      per_round = [row for piece in pieces for row in piece_rows(*piece)]
+      state = ServerState(state.round + count, *carry[:2], state.sampler, carry[2])
     else:
       state, per_round, seconds = self._host_call(state, call, t0)
     return state, [call_row(spec, call, i, per_round[i], seconds[i], evaluate) for i in range(count)]

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from fedjax_hetero.client.local import make_optimizer
+from fedjax_hetero.compilation import CompileLog
 from fedjax_hetero.config import LocalConfig, MethodConfig, RunConfig, declare
 from fedjax_hetero.config.declare import substituted, value_at
 from fedjax_hetero.data import synthetic_dataset
@@ -26,6 +27,7 @@ from fedjax_hetero.run.jobs import parse_sweep, run_together, runs_of
 from fedjax_hetero.run.runner import run_experiment
 from tests import golden
 from tests.golden_setting import TINY_FEDGEN, golden_simulation
+from tests.helpers import tiny_simulation
 from tests.test_round_program import FUSED_GOLDEN, fused
 from tests.test_runner import restore
 
@@ -119,6 +121,23 @@ def test_run_r_of_a_batched_job_equals_the_run_alone(method, swept, value, backe
       assert group_sums(sim, state) == pytest.approx(group_sums(sim, alone_state),
                                                      rel=golden.TOLERANCE["parameter_sum"])
   assert together[0][1][-1]["train_loss"] != together[1][1][-1]["train_loss"], "the seeds differ"
+
+
+@pytest.mark.parametrize("mapping", ["map", "vmap"])
+def test_a_jobs_evaluation_compiles_once_beside_its_rounds_program(mapping):
+  """As a run alone (tests/test_round_program.py): the runs' evaluation is a program of its own, compiled in a thread
+  while the rounds' program compiles, each once in the first call that evaluates; a later call compiles nothing."""
+  base = fused(tiny_simulation("HeteroAvg", "vmap", widths=(1.0, 0.5)))
+  sims = [fused(base, config=dataclasses.replace(base.spec.config, seed=seed)) for seed in (0, 1)]
+  batch, states = ManyRuns(sims, mapping=mapping), [s.init_state() for s in sims]
+  with CompileLog() as log:
+    together = batch.run([0, 1], states, 3, {1, 3})
+  programs = [name for name in log.names if name in ("jit(mapped)", "jit(one_run)")]  # (as each mapping names them)
+  assert len(programs) == 2 and batch._compiling[2].done(), log.names  # the rounds' and the evaluation's
+  assert [[row["test_accuracy"] is None for row in rows] for _, rows in together] == [[False, True, False]] * 2
+  with CompileLog() as log:
+    batch.run([0, 1], [state for state, _ in together], 3, {5})
+  assert log.names == []
 
 
 def tiny_config(output_dir, **changes) -> RunConfig:

@@ -21,6 +21,7 @@ alone does not fit).
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import os
 import time
@@ -174,13 +175,14 @@ class ManyRuns:
                          "differ between these runs (a subset drawn per seed): run them one after another")
     self._programs: dict[tuple, Any] = {}
     self._evaluations: dict[int, Callable] = {}  # by runs per program
+    self._compiling: dict[int, concurrent.futures.Future] = {}  # evaluations compiling, by runs per program
 
   def replace(self, run: int, sim: Simulation, settings: Sequence[dict[str, float]], specialize: Specialize) -> None:
     """Run ``run`` goes on with ``sim`` (after a rollback, with a lower learning rate), every run with ``settings``
     (which may now hold the learning rate) and ``specialize``."""
     self.sims[run], self.settings, self.specialize = sim, list(settings), specialize
     check_batchable(self.sims)
-    self._programs, self._evaluations = {}, {}
+    self._programs, self._evaluations, self._compiling = {}, {}, {}
 
   # ----------------------------------------------------------------------------------------------- the data
 
@@ -264,6 +266,22 @@ class ManyRuns:
       self._evaluations[runs] = jax.jit(mapped)
     return self._evaluations[runs]
 
+  def _compile_evaluation(self, args: tuple) -> None:
+    """The evaluation's program for the runs of ``args`` (`arguments`) compiled in a thread of its own, beside the
+    rounds' program (as `Simulation._compile_evaluation`)."""
+    values, server, _, _, _, data = args
+    evaluation = self._evaluation(len(values.seed))
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    self._compiling[len(values.seed)] = pool.submit(
+        lambda: evaluation.lower(values, np.int32(0), server, data).compile())
+    pool.shutdown(wait=False)
+
+  def _evaluate(self, values: RunValues, index, server, data: RoundData):
+    """The runs' evaluation (`_evaluation`), once its program has compiled where `_compile_evaluation` started it."""
+    if (compiling := self._compiling.get(len(values.seed))) is not None:
+      compiling.result()
+    return self._evaluation(len(values.seed))(values, index, server, data)
+
   def _compiled(self, statics: tuple, args: tuple):
     """The program for ``statics`` and the runs' count of ``args``, compiled (once per count)."""
     key = (statics, len(args[0].seed))
@@ -342,6 +360,11 @@ class ManyRuns:
     error its rows raised (`rows.NonFiniteLossError`)."""
     calls, statics = self.plan(runs, states, count, evaluate)
     args_of = lambda chunk: self.arguments(chunk, runs, calls, states, count)
+    # Started once per count of runs, before the memory budget chunks them: the first count it tries is a guess (a
+    # chunk of another count compiles its evaluation at its first evaluated round).
+    size = min(self.chunk_size or self.max_runs_per_program, len(runs))
+    if size not in self._compiling and any(states[0].round < r <= states[0].round + count for r in evaluate):
+      self._compile_evaluation(args_of(list(runs)[:size]))
     results = []
     for chunk in self.chunks(list(runs), statics, args_of):
       program = self._compiled(statics, args := args_of(chunk))
@@ -354,8 +377,7 @@ class ManyRuns:
 
       # (The runs' calls have the same rounds, evaluated alike: the first run's pieces are every run's.)
       carry, pieces, seconds = run_pieces(calls[0], evaluate, (*server, memory), time.perf_counter(), run_piece,
-                                          lambda index, server: self._evaluation(len(chunk))(values, index, server,
-                                                                                              data))
+                                          lambda index, server: self._evaluate(values, index, server, data))
       for j, (models, steps, memory) in enumerate(_unstack(carry, len(chunk))):
         i = runs.index(chunk[j])
         state, call = states[i], calls[i]

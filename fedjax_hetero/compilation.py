@@ -275,6 +275,15 @@ def compile_side_by_side(jobs: list[Callable[[], Any]]) -> None:
     list(pool.map(lambda job: job(), jobs))  # re-raises a job's error
 
 
+def compile_beside(jitted: Any, *args) -> concurrent.futures.Future:
+  """``jitted``'s program for ``args`` compiled in a thread of its own, beside what the caller compiles next (XLA
+  compiles one program per core); jit's cache keeps it, so a call after the future's result finds it compiled."""
+  pool = concurrent.futures.ThreadPoolExecutor(1)
+  compiling = pool.submit(lambda: jitted.lower(*args).compile())
+  pool.shutdown(wait=False)
+  return compiling
+
+
 class ChunkPrograms:
   """A group's jitted chunk of ``count`` unrolled steps, compiled for every chunk length the schedule can
   use (`LocalConfig.chunk_lengths`) when the first chunk runs (or earlier, from `compile_jobs`), side by

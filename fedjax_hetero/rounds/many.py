@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_hetero.compilation import compile_beside
 from fedjax_hetero.rounds.body import RoundData
 from fedjax_hetero.rounds.client_eval import HeldOut
 from fedjax_hetero.rounds.inputs import Call, CallInputs, Cohort, plan_call
@@ -270,11 +271,8 @@ class ManyRuns:
     """The evaluation's program for the runs of ``args`` (`arguments`) compiled in a thread of its own, beside the
     rounds' program (as `Simulation._compile_evaluation`)."""
     values, server, _, _, _, data = args
-    evaluation = self._evaluation(len(values.seed))
-    pool = concurrent.futures.ThreadPoolExecutor(1)
-    self._compiling[len(values.seed)] = pool.submit(
-        lambda: evaluation.lower(values, np.int32(0), server, data).compile())
-    pool.shutdown(wait=False)
+    self._compiling[len(values.seed)] = compile_beside(self._evaluation(len(values.seed)), values, np.int32(0),
+                                                       server, data)
 
   def _evaluate(self, values: RunValues, index, server, data: RoundData):
     """The runs' evaluation (`_evaluation`), once its program has compiled where `_compile_evaluation` started it."""

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_hetero.compilation import mapping_headroom
+from fedjax_hetero.compilation import compile_beside, mapping_headroom
 from fedjax_hetero.config.run import AUTO_ROUNDS_PER_CALL, ROUND_PROGRAMS
 from fedjax_hetero.methods.api import Method
 from fedjax_hetero.models.evaluation import ACCELERATOR_EVAL_BATCH, EVAL_BATCH
@@ -257,10 +257,8 @@ class Simulation:
     so on a call's first evaluation it compiles beside the round's program (a first call's time is the longer of
     the two); a later call of the jitted `evaluation` finds it compiled."""
     if "evaluation" not in self._compiling:
-      pool = concurrent.futures.ThreadPoolExecutor(1)
-      self._compiling["evaluation"] = pool.submit(lambda: self.evaluation.lower(
-          np.int32(state.round), (state.models, state.steps), data).compile())
-      pool.shutdown(wait=False)
+      self._compiling["evaluation"] = compile_beside(self.evaluation, np.int32(state.round),
+                                                     (state.models, state.steps), data)
     return self._compiling["evaluation"]
 
   @functools.cached_property

@@ -12,13 +12,14 @@ XLA:CPU compiles for the host's vector instructions, so float results differ in 
 (AVX2 against AVX-512: ~1e-7 relative after three rounds; MOON's contrastive loss under Adam turns such bits
 into percent-level differences), and so do XLA:CPU's LLVM optimization levels and emitters. The file therefore
 holds one record per signature (`signature`: the instruction-set extensions XLA and its kernels dispatch on, and
-the level and emitters ``XLA_FLAGS`` sets; the test suite runs at level 0 with the older emitters, see
-tests/conftest.py). A machine with a record of its own is held to it bit for bit; another is compared with the
-first record within `TOLERANCE`. ``python -m tests.golden`` adds (or replaces) the record of the machine it runs on;
+the level, emitters and, with the older emitters, code parts ``XLA_FLAGS`` sets; the test suite runs at level 0
+with the older emitters compiled as one part, see tests/conftest.py). A machine with a record of its own is held
+to it bit for bit; another is compared with the first record within `TOLERANCE`. ``python -m tests.golden`` adds (or replaces) the record of the machine it runs on;
 record on the commit *before* a change, so the record pins the old behaviour. The first record (cpu null) was made
 on the machines of the sessions before 2026-11-25, whose signature was not recorded; the second on an AVX-512 AMD
 EPYC (Zen 4), from the same commit. The records at level 0 were made on a commit that reproduced the default level's
-record bit for bit, and the record with the older emitters on one that reproduced the level-0 record bit for bit.
+record bit for bit, the record with the older emitters on one that reproduced the level-0 record bit for bit, and
+the one with the older emitters in one code part on one that reproduced the older emitters' record (in 32 parts).
 
 The setting: 6 synthetic clients of unequal sizes (`tiny_federation`), two depth groups of a small MLP
 (hidden 16-16 and 16-16-16, so InCo has a same-shape pair, hidden3 <- hidden2), 3 clients per round,
@@ -90,12 +91,17 @@ def cpu_signature() -> str:
 
 def signature() -> str:
   """`cpu_signature`, with the XLA:CPU settings of ``XLA_FLAGS`` that change the last bits of float results too:
-  the LLVM optimization level, and the older (non-fusion) emitters (the test suite sets both, tests/conftest.py)."""
+  the LLVM optimization level, the older (non-fusion) emitters and, with them, the number of parts their code is
+  compiled in (the test suite sets all three, tests/conftest.py; under the default emitters one part and XLA's
+  default give the same bits)."""
   flags = os.environ.get("XLA_FLAGS", "")
   levels = re.findall(r"--xla_backend_optimization_level=(\d+)", flags)
   emitters = re.findall(r"--xla_cpu_use_fusion_emitters=(\w+)", flags)
+  parts = re.findall(r"--xla_cpu_parallel_codegen_split_count=(\d+)", flags)
+  older = bool(emitters) and emitters[-1].lower() in ("false", "0")
   return (cpu_signature() + (f" xla_backend_optimization_level={levels[-1]}" if levels else "")
-          + (" xla_cpu_use_fusion_emitters=false" if emitters and emitters[-1].lower() in ("false", "0") else ""))
+          + (" xla_cpu_use_fusion_emitters=false" if older else "")
+          + (f" xla_cpu_parallel_codegen_split_count={parts[-1]}" if older and parts else ""))
 
 
 class PairedMLP(MLP):

@@ -14,10 +14,10 @@ into percent-level differences), and so do XLA:CPU's LLVM optimization levels an
 holds one record per signature (`signature`: the instruction-set extensions XLA and its kernels dispatch on, and
 the level, emitters and, with the older emitters, code parts ``XLA_FLAGS`` sets; the test suite runs at level 0
 with the older emitters compiled as one part, see tests/conftest.py). A machine with a record of its own is held
-to it bit for bit; another is compared with the first record within `TOLERANCE`. ``python -m tests.golden`` adds (or replaces) the record of the machine it runs on;
-record on the commit *before* a change, so the record pins the old behaviour. The first record (cpu null) was made
-on the machines of the sessions before 2026-11-25, whose signature was not recorded; the second on an AVX-512 AMD
-EPYC (Zen 4), from the same commit. The records at level 0 were made on a commit that reproduced the default level's
+to it bit for bit; another is compared with the first record within `TOLERANCE`. ``python -m tests.golden`` adds
+(or replaces) the record of the machine it runs on; record on the commit *before* a change, so the record pins the
+old behaviour. The first record (cpu null) was made on the machines of the sessions before 2026-11-25, whose
+signature was not recorded; the second on an AVX-512 AMD EPYC (Zen 4), from the same commit. The records at level 0 were made on a commit that reproduced the default level's
 record bit for bit, the record with the older emitters on one that reproduced the level-0 record bit for bit, and
 the one with the older emitters in one code part on one that reproduced the older emitters' record (in 32 parts).
 
@@ -92,8 +92,8 @@ def cpu_signature() -> str:
 def signature() -> str:
   """`cpu_signature`, with the XLA:CPU settings of ``XLA_FLAGS`` that change the last bits of float results too:
   the LLVM optimization level, the older (non-fusion) emitters and, with them, the number of parts their code is
-  compiled in (the test suite sets all three, tests/conftest.py; under the default emitters one part and XLA's
-  default give the same bits)."""
+  compiled in (the test suite sets all three, tests/conftest.py; under the default emitters the entries checked there,
+  tests/test_golden.py's chunked ones, keep their level-0 bits in one part)."""
   flags = os.environ.get("XLA_FLAGS", "")
   levels = re.findall(r"--xla_backend_optimization_level=(\d+)", flags)
   emitters = re.findall(r"--xla_cpu_use_fusion_emitters=(\w+)", flags)

@@ -19,7 +19,8 @@ to it bit for bit; another is compared with the first record within `TOLERANCE`.
 old behaviour. The first record (cpu null) was made on the machines of the sessions before 2026-11-25, whose
 signature was not recorded; the second on an AVX-512 AMD EPYC (Zen 4), from the same commit. The records at
 level 0 were made on a commit that reproduced the default level's record bit for bit, the record with the older
-emitters on one that reproduced the level-0 record bit for bit, and the one with the older emitters in one code part on one that reproduced the older emitters' record (in 32 parts).
+emitters on one that reproduced the level-0 record bit for bit, and the one with the older emitters in one code
+part on one that reproduced the older emitters' record (in 32 parts).
 
 The setting: 6 synthetic clients of unequal sizes (`tiny_federation`), two depth groups of a small MLP
 (hidden 16-16 and 16-16-16, so InCo has a same-shape pair, hidden3 <- hidden2), 3 clients per round,

@@ -52,21 +52,22 @@ TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", OLDER_EMITTERS, ONE_CODE
 PROBED = (OLDER_EMITTERS, ONE_CODEGEN_PART)  # newer flags, which a later jaxlib may drop
 
 
-def _xla_knows(flag: str) -> bool:
-  """Whether the installed XLA accepts ``flag`` (it aborts on a flag it does not know). Asked once, by the first
-  process: the xdist workers inherit the flags it set."""
-  env = {**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
+def _xla_knows(flags: list[str]) -> bool:
+  """Whether the installed XLA accepts every one of ``flags`` (it aborts on a flag it does not know). Asked once,
+  by the first process: the xdist workers inherit the flags it set."""
+  env = {**os.environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
   probe = [sys.executable, "-c", "import jax.numpy as jnp; jnp.zeros(1).block_until_ready()"]
   return subprocess.run(probe, env=env, capture_output=True).returncode == 0
 
 
 if os.environ.get(FULL_OPTIMIZATION_ENV) != "1":
-  for _flag in TEST_XLA_FLAGS:
-    _set = os.environ.get("XLA_FLAGS", "")
-    if (_flag.split("=")[0] in _set or (_flag == OLDER_EMITTERS and os.environ.get(DEFAULT_EMITTERS_ENV) == "1")
-        or (_flag in PROBED and not _xla_knows(_flag))):
-      continue
-    os.environ["XLA_FLAGS"] = f"{_set} {_flag}".strip()
+  _set = os.environ.get("XLA_FLAGS", "")
+  _wanted = [f for f in TEST_XLA_FLAGS if f.split("=")[0] not in _set
+             and not (f == OLDER_EMITTERS and os.environ.get(DEFAULT_EMITTERS_ENV) == "1")]
+  _probed = [f for f in _wanted if f in PROBED]
+  if _probed and not _xla_knows(_probed):  # (one probe, ~2 s, for all; each alone only when one is refused)
+    _wanted = [f for f in _wanted if f not in PROBED or _xla_knows([f])]
+  os.environ["XLA_FLAGS"] = " ".join([_set, *_wanted]).strip()
 
 import jax  # noqa: E402 - after XLA_FLAGS
 import pytest  # noqa: E402

@@ -12,6 +12,8 @@ and compiled, and its optimized HLO read:
   convolutions and matrix products), counting through conditionals and calls, a fusion as one instruction:
   what a GPU launches per local step, roughly;
 * ``convolutions_per_step``: convolutions and matrix products among them (inside fusions too);
+* ``fusions`` and ``distinct_kernels``: the module's fusions, and how many distinct bodies they have: XLA compiles
+  each distinct kernel once, so compile time follows the second (docs/performance.md);
 * ``trace_s`` and ``lower_s``: seconds of jax's tracing and lowering of the program (with the load of the
   executable, what a first round costs on a warm compilation cache);
 * ``compile_s`` and ``compile_cpu_s``: wall and CPU seconds of XLA's compilation (the second counts every
@@ -100,6 +102,17 @@ def step_loop(text: str) -> tuple[int, int, int]:
   return ops, heavy, sum(len(v) for v in computations.values())
 
 
+def distinct_kernels(text: str) -> tuple[int, int]:
+  """(fusions, distinct fused computations) of an optimized HLO module: XLA compiles each distinct kernel once,
+  so its compile time follows the second (names and metadata aside, two fusions of one body are one kernel)."""
+  computations = parse_hlo(text)
+  called = [name for instructions in computations.values() for opcode, line in instructions if opcode == "fusion"
+            for name in _callees(line, ("calls",))]
+  body = lambda name: "\n".join(re.sub(r"%[\w.\-]+", "%", re.sub(r", metadata=\{[^}]*\}", "", line))
+                                 for _, line in computations.get(name, ()))
+  return len(called), len({body(name) for name in called})
+
+
 def ops_by_source(mlir: str) -> collections.Counter:
   """Ops of a lowered module (before XLA's optimization; constants left out) under each line of the library:
   an op counts for every fedjax_hetero line on its call stack, so a line's count includes what it calls."""
@@ -173,7 +186,8 @@ def measure_simulation(sim: Any, driver: str, by_source: int = 0, cut: Sequence[
   spec, state = sim.spec, sim.init_state()
   slots = [sim.cohorts.slots(spec, g) for g in range(len(spec.groups))]
   call = plan_call(spec, state, 1, (), slots, 1)
-  args = ((state.models, state.steps), state.memory, call.inputs, np.int32(1), RoundData.of(spec))
+  data = RoundData.of(spec, sim.cohorts.offsets())
+  args = ((state.models, state.steps), state.memory, call.inputs, np.int32(1), data)
   seconds = time.perf_counter()
   program = jax.jit(program_call(spec, sim.cohorts, call.statics, 1), donate_argnums=1)  # (as `sim.program`'s,
   with without(cut):  # but traced anew: the cut pieces are read while it is traced)
@@ -187,13 +201,15 @@ def measure_simulation(sim: Any, driver: str, by_source: int = 0, cut: Sequence[
   wall, cpu = time.perf_counter(), time.process_time()
   compiled = lowered.compile()
   wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-  ops, heavy, total = step_loop(compiled.as_text())
-  evaluation = sim.evaluation.lower(np.int32(1), (state.models, state.steps), RoundData.of(spec))
+  text = compiled.as_text()
+  (ops, heavy, total), (fusions, kernels) = step_loop(text), distinct_kernels(text)
+  evaluation = sim.evaluation.lower(np.int32(1), (state.models, state.steps), data)
   evaluation_wall, evaluation_cpu = time.perf_counter(), time.process_time()
   evaluation.compile()
   evaluation_wall, evaluation_cpu = time.perf_counter() - evaluation_wall, time.process_time() - evaluation_cpu
   return {"driver": driver, "groups": ",".join(g.name for g in spec.groups), "cut": ",".join(cut),
-          "ops_per_step": ops, "convolutions_per_step": heavy, "module_ops": total, "trace_s": round(trace_s, 2),
+          "ops_per_step": ops, "convolutions_per_step": heavy, "module_ops": total, "fusions": fusions,
+          "distinct_kernels": kernels, "trace_s": round(trace_s, 2),
           "lower_s": round(lower_s, 2), "compile_s": round(wall, 2), "compile_cpu_s": round(cpu, 2),
           "evaluation_compile_s": round(evaluation_wall, 2), "evaluation_compile_cpu_s": round(evaluation_cpu, 2),
           "platform": jax.default_backend()}
@@ -231,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     emit_json_lines(rows[-1:])
   for row in rows[1:]:
     ratios = {f"{k}_ratio": round(row[k] / rows[0][k], 3)
-              for k in ("ops_per_step", "trace_s", "lower_s", "compile_s", "compile_cpu_s",
+              for k in ("ops_per_step", "distinct_kernels", "trace_s", "lower_s", "compile_s", "compile_cpu_s",
                         "evaluation_compile_cpu_s") if rows[0][k]}
     print(json.dumps({"driver": row["driver"], "over": rows[0]["driver"], **ratios}), flush=True)
   emit_json_lines(rows, args.output, echo=False)

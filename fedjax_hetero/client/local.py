@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedjax_hetero.client.flat import FlatLayout
 from fedjax_hetero.client.terms import (Batch, ClientFinal, ClientTerm, Outputs, RoundInput, StepContext, check_term,
                                         term_cuts, tree_sub)
 from fedjax_hetero.config.client import LocalConfig
@@ -155,9 +156,9 @@ class LocalTrainer:
   std: tuple[float, ...]
   terms: tuple[ClientTerm, ...] = ()
   combine: GradientRule | None = None
-  # The optimizer over one flat vector of the parameters (`optax.flatten`): the same elementwise update with far
-  # fewer ops per step, for a step vmapped over many clients (the union mapping).
-  flat_optimizer: bool = False
+  # The state's variables as one vector per collection, the model reading them through this layout
+  # (`client.flat`): the same step in far fewer kernels, for a step vmapped over many clients (the union mapping).
+  flat: FlatLayout | None = None
   begin: ClassVar[Callable | None] = None  # (state, ids, index_row, num_examples, key, inputs) -> (state, ids)
 
   def __post_init__(self):
@@ -170,8 +171,7 @@ class LocalTrainer:
 
   @property
   def tx(self) -> optax.GradientTransformation:
-    tx = make_optimizer(self.config)
-    return optax.flatten(tx) if self.flat_optimizer else tx
+    return make_optimizer(self.config)
 
   @property
   def reductions(self) -> tuple[str | None, ...]:
@@ -243,7 +243,11 @@ class LocalTrainer:
 
     def losses(params):
       variables = {**state.variables, "params": params}
+      if self.flat:
+        variables = self.flat.unravel(variables)
       outputs, updates = self.forward(variables, x, True, forward_mask, self.plan.cuts)
+      if self.flat:
+        updates = self.flat.ravel(updates)
       logits = outputs.logits
       for term in self.terms:
         if term.logits:

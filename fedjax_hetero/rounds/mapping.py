@@ -138,6 +138,10 @@ class ProgramCohorts:
   def place(self, state: ServerState) -> ServerState:
     return state
 
+  def offsets(self) -> tuple[Any, ...]:
+    """The scalars the program takes in `RoundData.offsets` (none here)."""
+    return ()
+
   def train(self, spec: "RoundSpec", x: RoundRows, state: ServerState, starts: Sequence[Any], shares: Sequence[Any],
             data: RoundData) -> tuple[list[Any], tuple[Any, ...]]:
     """Every group's cohort trained, all groups in one device loop over the round's steps."""

@@ -222,7 +222,7 @@ class Simulation:
       raise ValueError(f"a round of {spec.method.name} has {most} participants; the union mapping holds "
                        f"--clients-per-round ({capacity}): use --round-program fused")
     if in_program:
-      data, program = RoundData.of(spec), self.program(call.statics)
+      data, program = RoundData.of(spec, self.cohorts.offsets()), self.program(call.statics)
       if any(call.first + b in evaluate for _, b in call.pieces(evaluate)):
         compiling = self._compile_evaluation(state, data)
 

@@ -11,7 +11,8 @@ outside the group's window set to zero:
 
 Its gradient is masked to the group's window (the held elements), so the zeros stay zeros, the optimizer's state
 of them stays zero, and a client's trajectory is its sub-model's up to the order of float sums. The round's
-sampled clients (not groups x capacity) are the slots of one vmapped step, with no per-group branch. After the
+sampled clients (not groups x capacity) are the slots of one vmapped step, with no per-group branch; a slot's
+variables are one vector per collection (`client.flat`: each elementwise pass of the step is then one kernel). After the
 steps, a group whose trainer has no terms uploads only its weighted delta sum: every such group's is one product
 over the slots in the union's layout, cut to the group's shape. A group with terms is taken back to its shape,
 and its trainer finishes and reduces its clients as the per-group mapping does. Either way every method's server
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from fedjax_hetero.client.flat import FlatLayout
 from fedjax_hetero.client.local import LocalTrainer
 from fedjax_hetero.client.terms import ClientTerm
 from fedjax_hetero.hetero.maps import SubmodelMap, Variables, embed, extract
@@ -152,36 +154,42 @@ class UnionCohorts(ProgramCohorts):
   """The mapping inside a device program that trains a round's sampled clients as one vmapped cohort of the union
   model (see the module docstring); build it for a spec that `union_reason` accepts."""
 
-  def __init__(self, spec: "RoundSpec", eval_batch: int = EVAL_BATCH, flat_optimizer: bool = True):
+  def __init__(self, spec: "RoundSpec", eval_batch: int = EVAL_BATCH):
     super().__init__("vmap", eval_batch)
-    self.flat_optimizer = flat_optimizer
     self.name = "union"
     union = jax.eval_shape(spec.groups[spec.global_index].model.init, jax.random.key(0),
                            jnp.zeros((1,) + tuple(spec.store.images.shape[1:]), jnp.float32))
     self._union_shapes = union
+    self.layout = FlatLayout.of(union)  # the slots' variables: one vector per collection
     self.capacity = spec.config.clients_per_round  # the slots: a round's participants, whatever their groups
 
-  def _held(self, spec: "RoundSpec") -> Variables:
-    """Every group's `held_mask`, stacked ``[G, ...]`` (constants of the program)."""
-    return jax.tree.map(lambda *h: jnp.stack(h), *[held_mask(m, self._union_shapes) for m in spec.maps])
+  def offsets(self) -> tuple[np.int32, ...]:
+    return self.layout.offsets
+
+  def _held(self, spec: "RoundSpec") -> dict[str, jax.Array]:
+    """Every group's `held_mask` in the slots' layout, stacked ``[G, P]`` per collection (constants of the
+    program)."""
+    return jax.tree.map(lambda *h: jnp.stack(h), *[self.layout.ravel(held_mask(m, self._union_shapes))
+                                                   for m in spec.maps])
 
   def _in_union(self, spec: "RoundSpec", state: ServerState, variables: Sequence[Variables], groups: jax.Array,
-                held: Variables) -> Variables:
-    """Groups ``groups``' ``variables`` (their federation's model through each group's map) in the union's layout,
-    zeros outside each group's window, stacked ``[N, ...]``; ``held`` is their held masks, ``[N, ...]``. Where
-    every group takes its window of one federation's union-shaped model, that is one select per leaf."""
+                held: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Groups ``groups``' ``variables`` (their federation's model through each group's map) in the slots' flat
+    layout of the union, zeros outside each group's window, stacked ``[N, P]``; ``held`` is their held masks,
+    ``[N, P]``. Where every group takes its window of one federation's union-shaped model, that is one select."""
     layout = lambda tree: jax.tree.map(lambda a: (a.shape, a.dtype), tree)
     f = spec.federation_of[0]
     if all(spec.federation_of[g] == f and spec.federations[f].maps[spec.member_of[g]] == spec.maps[g]
            for g in range(len(spec.groups))) and layout(state.models[f]) == layout(self._union_shapes):
-      return jax.tree.map(lambda h, v: jnp.where(h > 0, v, 0).astype(v.dtype), held, state.models[f])
-    placed = [embed(v, _window_map(m), self._union_shapes) for v, m in zip(variables, spec.maps)]
+      return jax.tree.map(lambda h, v: jnp.where(h > 0, v, 0).astype(v.dtype), held,
+                          self.layout.ravel(state.models[f]))
+    placed = [self.layout.ravel(embed(v, _window_map(m), self._union_shapes)) for v, m in zip(variables, spec.maps)]
     return jax.tree.map(lambda *v: jnp.stack(v)[groups], *placed)
 
-  def _trainer(self, spec: "RoundSpec") -> LocalTrainer:
+  def _trainer(self, spec: "RoundSpec", layout: FlatLayout) -> LocalTrainer:
     store = spec.store
     return LocalTrainer(spec.groups[spec.global_index].model, spec.local, store.mean, store.std, (held_term(),),
-                        flat_optimizer=self.flat_optimizer)
+                        flat=layout)
 
 
   def train(self, spec: "RoundSpec", x: RoundRows, state: ServerState, starts: Sequence[Any], shares: Sequence[Any],
@@ -190,7 +198,8 @@ class UnionCohorts(ProgramCohorts):
     clients, sizes, slot_weights, group_of_slot, positions = pack_participants(x, self.capacity)
     held = jax.tree.map(lambda h: h[group_of_slot], self._held(spec))
     client_starts = self._in_union(spec, state, starts, group_of_slot, held)
-    trainer = self._trainer(spec)
+    layout = self.layout.at(data.offsets) if data.offsets else self.layout
+    trainer = self._trainer(spec, layout)
     schedule = max(1, spec.local.num_steps(data.index_table.shape[1]))
     keys = jax.vmap(lambda c: jax.random.fold_in(key, c))(clients)  # (as `cohort.start`: a client's own draws)
     ids, mask = jax.vmap(lambda r, n, k: trainer.schedule(r, n, k, schedule))(data.index_table[clients], sizes, keys)
@@ -200,14 +209,14 @@ class UnionCohorts(ProgramCohorts):
     # A group whose trainer has no terms uploads only its weighted delta: every group's sum in one product over
     # the slots, in the union's layout (zeros outside a group's window on both sides of the difference).
     weights = jnp.where(jnp.arange(len(spec.groups))[:, None] == group_of_slot, slot_weights, 0.0)  # [G, S]
-    delta_sums = jax.tree.map(lambda new, old: jnp.tensordot(weights, new - old, axes=1), trained.variables,
-                              client_starts)
+    delta_sums = layout.unravel(jax.tree.map(lambda new, old: jnp.tensordot(weights, new - old, axes=1),
+                                             trained.variables, client_starts))
     results, memory = [], list(state.memory)
     for g, rows in enumerate(x.cohorts):
       slots = jnp.minimum(positions[g], self.capacity - 1)
       if spec.trainers[g].terms:
         result, memory[g] = self._group_result(spec, g, rows, trained, slots, starts[g], shares[g], memory[g], key,
-                                               data)
+                                               data, layout)
       else:
         count = lambda a: jnp.where(rows.real > 0, a[slots], 0.0).sum()
         result = cohort.GroupResult(extract(jax.tree.map(lambda s: s[g], delta_sums), _window_map(spec.maps[g])),
@@ -216,12 +225,13 @@ class UnionCohorts(ProgramCohorts):
     return results, tuple(memory)
 
   def _group_result(self, spec: "RoundSpec", g: int, rows: Any, trained: Any, slots: jax.Array, start: Any,
-                    share: Any, memory: Any, key: jax.Array, data: RoundData) -> tuple[Any, Any]:
+                    share: Any, memory: Any, key: jax.Array, data: RoundData, layout: FlatLayout
+                    ) -> tuple[Any, Any]:
     """Group ``g``'s clients (union ``slots``) taken back to the group's shape, finished and reduced by the group's
     own trainer as the per-group program does: its result and its client memory with their rows written."""
     trainer, real = spec.trainers[g], rows.real > 0
     window = _window_map(spec.maps[g])
-    final = jax.vmap(lambda v: extract(v, window))(jax.tree.map(lambda v: v[slots], trained.variables))
+    final = jax.vmap(lambda v: extract(layout.unravel(v), window))(jax.tree.map(lambda v: v[slots], trained.variables))
     final = jax.tree.map(lambda f, s: jnp.where(real.reshape((-1,) + (1,) * s.ndim), f, s), final, start)
     memory_rows = jax.tree.map(lambda m: jnp.take(m, rows.rows, axis=0, mode="clip"), memory)
     # The group's terms' round state (e.g. FedNova's), from its own start; its schedule is not used.

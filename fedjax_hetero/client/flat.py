@@ -61,16 +61,15 @@ class FlatLayout:
 
   def unravel(self, flat: dict[str, jax.Array]) -> Variables:
     """The variables tree of ``flat`` (`ravel`'s inverse; leading axes before the vectors' are kept)."""
-    leaves = {}
+    leaves, starts = {}, self.offsets if self.starts is None else self.starts
     for name, vector in flat.items():
       members = [(i, path, shape) for i, (path, shape) in enumerate(self.leaves) if path[0] == name]
-      shapes = tuple(shape for _, _, shape in members)
+      shapes, at = tuple(shape for _, _, shape in members), tuple(starts[i] for i, _, _ in members)
       if self.starts is None:
-        starts = [int(self.offsets[i]) for i, _, _ in members]
         values = [jax.lax.slice_in_dim(vector, s, s + math.prod(shape), axis=-1).reshape(vector.shape[:-1] + shape)
-                  for s, shape in zip(starts, shapes)]
+                  for s, shape in zip(map(int, at), shapes)]
       else:
-        values = _read(vector, tuple(self.starts[i] for i, _, _ in members), _Shapes(shapes))
+        values = _read(vector, at, _Shapes(shapes))
       leaves.update({path: value for (_, path, _), value in zip(members, values)})
     return traverse_util.unflatten_dict(leaves)
 

@@ -40,6 +40,7 @@ from fedjax_hetero.client.flat import FlatLayout
 from fedjax_hetero.client.local import LocalTrainer
 from fedjax_hetero.client.terms import ClientTerm
 from fedjax_hetero.hetero.maps import SubmodelMap, Variables, embed, extract
+from fedjax_hetero.models.batch_norm import fused_batch_norm
 from fedjax_hetero.models.cnn import CNN
 from fedjax_hetero.models.evaluation import EVAL_BATCH
 from fedjax_hetero.models.resnet import ResNet
@@ -118,7 +119,8 @@ def _probe_reason(spec: "RoundSpec") -> str | None:
     for group, group_map, window in zip(spec.groups, spec.maps, windows):
       held = held_mask(group_map, union)
       logits, new, grads = outputs(group.model, extract(union, window), x)
-      u_logits, u_new, u_grads = outputs(union_model, jax.tree.map(jnp.multiply, union, held), x)
+      with fused_batch_norm():  # (as the union trains)
+        u_logits, u_new, u_grads = outputs(union_model, jax.tree.map(jnp.multiply, union, held), x)
       u_grads = extract({"params": jax.tree.map(jnp.multiply, u_grads, held["params"])}, window)["params"]
       found.append([(logits, u_logits), (new, extract(u_new, window) if new else {}), (grads, u_grads)])
     return found
@@ -204,8 +206,9 @@ class UnionCohorts(ProgramCohorts):
     keys = jax.vmap(lambda c: jax.random.fold_in(key, c))(clients)  # (as `cohort.start`: a client's own draws)
     ids, mask = jax.vmap(lambda r, n, k: trainer.schedule(r, n, k, schedule))(data.index_table[clients], sizes, keys)
     begun = jax.vmap(lambda v, h, k: trainer.init_state(v, (), (h,), k))(client_starts, held["params"], keys)
-    trained = jax.lax.fori_loop(0, x.steps, lambda i, s: cohort.steps(trainer, s, data.images, data.labels, ids,
-                                                                       mask, i, 1), begun)
+    with fused_batch_norm():  # (traced here: the step's BatchNorm as a few kernels, `models.batch_norm`)
+      trained = jax.lax.fori_loop(0, x.steps, lambda i, s: cohort.steps(trainer, s, data.images, data.labels, ids,
+                                                                         mask, i, 1), begun)
     # A group whose trainer has no terms uploads only its weighted delta: every group's sum in one product over
     # the slots, in the union's layout (zeros outside a group's window on both sides of the difference).
     weights = jnp.where(jnp.arange(len(spec.groups))[:, None] == group_of_slot, slot_weights, 0.0)  # [G, S]

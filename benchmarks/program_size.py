@@ -155,7 +155,8 @@ def without(parts: Sequence[str]):
     setattr(owner, name, value)
 
   if "server" in parts:
-    replace(body, "server_round", lambda spec, f, state, starts, results, x: (state.models[f], state.steps[f], {}))
+    replace(body, "server_round",
+            lambda spec, f, state, starts, results, x, mean=None: (state.models[f], state.steps[f], {}))
   if "local-steps" in parts:
     replace(cohort, "steps", lambda trainer, states, *args, **kwargs: states)
   try:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fedjax_hetero import aggregators
 from fedjax_hetero.config import LocalConfig
 from fedjax_hetero.hetero.maps import extract
 from fedjax_hetero.rounds import make_backend, make_simulation
@@ -77,6 +78,21 @@ def test_depth_groups_on_the_union_are_the_per_group_program():
   sim = depth_simulation()
   assert isinstance(sim.cohorts, UnionCohorts)
   assert_same_run(per_group(sim), sim, rounds=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make", [depth_simulation, width_simulation], ids=["depths", "widths"])
+def test_heteroavg_on_the_union_is_a_masked_mean_over_the_slots(make, monkeypatch):
+  """HeteroAvg's mean comes from the union's slots in its layout: the server sums and embeds no group's deltas
+  (the numbers are held to the per-group program's by the tests above)."""
+  sim = make()
+
+  def refuse(*args, **kwargs):
+    raise AssertionError("the server summed the groups' cut deltas itself")
+
+  monkeypatch.setattr(aggregators, "heterogeneous_sums", refuse)
+  state, rows = sim.run_rounds(sim.init_state(), 1, evaluate={1})
+  assert np.isfinite(rows[0]["train_loss"]) and state.round == 1
 
 
 @pytest.mark.slow

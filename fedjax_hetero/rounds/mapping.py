@@ -1,8 +1,9 @@
 """How a round's cohorts are mapped onto the hardware: the seam of the round (`rounds.body.run_round`).
 
 This is FedJAX's ``for_each_client``: the round hands a mapping every group's start variables, share and cohort
-rows, and gets back every group's sums (`cohort.GroupResult`) and the client memory with the cohort's rows
-written; the mapping also counts the evaluation's correct predictions (and, with per-client evaluation, every
+rows, and gets back every group's sums (`cohort.GroupResult`), the client memory with the cohort's rows
+written and, per federation, the layer-wise mean of the deltas where the mapping computes it itself (the union
+mapping, `rounds.union`; None here); the mapping also counts the evaluation's correct predictions (and, with per-client evaluation, every
 client's on its held-out samples: `rounds.client_eval`). Two mappings:
 
 - `HostCohorts`: the host loop. Each group's cohort trains through a `backends.Backend` (one client after
@@ -53,7 +54,7 @@ class HostCohorts:
     return ServerState(state.round, *self.backend.place((state.models, state.steps, state.sampler, state.memory)))
 
   def train(self, spec: "RoundSpec", x: RoundRows, state: ServerState, starts: Sequence[Any], shares: Sequence[Any],
-            data: RoundData) -> tuple[list[Any], tuple[Any, ...]]:
+            data: RoundData) -> tuple[list[Any], tuple[Any, ...], tuple[Any, ...]]:
     key, stacked = round_key(spec.seed, x.index), spec.method.sharing.stacked
 
     def train(g: int):
@@ -87,7 +88,7 @@ class HostCohorts:
         results.append(result._replace(memory=()))
     if not self._warm:
       self._compile_every_federation(spec, x, state, starts, results)
-    return results, tuple(memory)
+    return results, tuple(memory), (None,) * len(spec.federations)
 
   def _compile_every_federation(self, spec: "RoundSpec", x: RoundRows, state: ServerState, starts: Sequence[Any],
                                 results: Sequence[Any]) -> None:
@@ -143,7 +144,7 @@ class ProgramCohorts:
     return ()
 
   def train(self, spec: "RoundSpec", x: RoundRows, state: ServerState, starts: Sequence[Any], shares: Sequence[Any],
-            data: RoundData) -> tuple[list[Any], tuple[Any, ...]]:
+            data: RoundData) -> tuple[list[Any], tuple[Any, ...], tuple[Any, ...]]:
     """Every group's cohort trained, all groups in one device loop over the round's steps."""
     stacked, key = spec.method.sharing.stacked, round_key(spec.seed, x.index)
     schedule = max(1, spec.local.num_steps(data.index_table.shape[1]))
@@ -171,7 +172,7 @@ class ProgramCohorts:
       if memory[g]:
         memory[g] = jax.tree.map(lambda m, new: m.at[rows.rows].set(new, mode="drop"), memory[g], new_rows)
       results.append(cohort.with_stacked(result, cohort.pad_stacked(stacked_uploads, rows.count), trainer.reductions))
-    return results, tuple(memory)
+    return results, tuple(memory), (None,) * len(spec.federations)
 
   def correct(self, spec: "RoundSpec", state: ServerState, x: RoundRows, data: RoundData) -> tuple[Any, Any]:
     """Nothing: a device program's rounds do not evaluate. Evaluation is a program of its own (`counts`), run after

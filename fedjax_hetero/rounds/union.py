@@ -16,7 +16,9 @@ variables are one vector per collection (`client.flat`: each elementwise pass of
 steps, a group whose trainer has no terms uploads only its weighted delta sum: every such group's is one product
 over the slots in the union's layout, cut to the group's shape. A group with terms is taken back to its shape,
 and its trainer finishes and reduces its clients as the per-group mapping does. Either way every method's server
-steps, uploads and client memory see what they see there.
+steps, uploads and client memory see what they see there; where every group shares one model and uploads its plain
+delta, the layer-wise mean of HeteroAvg (`server.steps.mean_delta`) is handed over ready, a masked weighted mean
+in the union's layout. The step's BatchNorm is `models.batch_norm`'s (the same function, fewer kernels).
 
 Each group starts from its own federation's model (one shared model, or one per group as the per-architecture
 baselines), placed into the union's layout. `union_reason` says why a spec cannot train this way (one group, a
@@ -36,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from fedjax_hetero.aggregators.hetero_avg import masked_mean
 from fedjax_hetero.client.flat import FlatLayout
 from fedjax_hetero.client.local import LocalTrainer
 from fedjax_hetero.client.terms import ClientTerm
@@ -174,17 +177,40 @@ class UnionCohorts(ProgramCohorts):
     return jax.tree.map(lambda *h: jnp.stack(h), *[self.layout.ravel(held_mask(m, self._union_shapes))
                                                    for m in spec.maps])
 
+  def _one_union_model(self, spec: "RoundSpec", state: ServerState) -> bool:
+    """Whether every group takes its window of one federation's union-shaped model."""
+    layout = lambda tree: jax.tree.map(lambda a: (a.shape, a.dtype), tree)
+    f = spec.federation_of[0]
+    return all(spec.federation_of[g] == f and spec.federations[f].maps[spec.member_of[g]] == spec.maps[g]
+               for g in range(len(spec.groups))) and layout(state.models[f]) == layout(self._union_shapes)
+
+  def _federation_mean(self, spec: "RoundSpec", state: ServerState, x: RoundRows, group_sums: dict[str, jax.Array],
+                       held: dict[str, jax.Array], layout: FlatLayout) -> tuple[Any, ...]:
+    """The one federation's layer-wise mean of the deltas and its denominator (`server.steps.RoundInputs.mean`),
+    from the groups' weighted delta sums and held masks in the slots' layout (``[G, P]`` each): HeteroAvg as a
+    masked weighted mean, one kernel per collection, read into the model's leaves at the layout's offsets (a kernel
+    per leaf shape, where the groups' sums cut to their shapes and embedded made one per leaf and set of groups
+    holding it). Where every group takes its window of that federation's model, pushes back what it pulls (its
+    held elements are its coverage) and uploads its plain delta (no terms); else None."""
+    if len(spec.federations) != 1 or not self._one_union_model(spec, state) or any(t.terms for t in spec.trainers) \
+        or any(m.push != m.pull for m in spec.maps):
+      return (None,) * len(spec.federations)
+    weights = jnp.stack([jnp.sum(c.weights) for c in x.cohorts])
+    numerator = jax.tree.map(lambda s: jnp.sum(s, axis=0), group_sums)
+    denominator = jax.tree.map(lambda h: jnp.tensordot(weights, h, axes=1), held)
+    mean = masked_mean(numerator, denominator, jax.tree.map(jnp.zeros_like, numerator))
+    tree = jax.tree.structure(state.models[0])
+    in_model = lambda flat: jax.tree.unflatten(tree, jax.tree.leaves(layout.unravel(flat)))
+    return ((in_model(mean), in_model(denominator)),)
+
   def _in_union(self, spec: "RoundSpec", state: ServerState, variables: Sequence[Variables], groups: jax.Array,
                 held: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """Groups ``groups``' ``variables`` (their federation's model through each group's map) in the slots' flat
     layout of the union, zeros outside each group's window, stacked ``[N, P]``; ``held`` is their held masks,
     ``[N, P]``. Where every group takes its window of one federation's union-shaped model, that is one select."""
-    layout = lambda tree: jax.tree.map(lambda a: (a.shape, a.dtype), tree)
-    f = spec.federation_of[0]
-    if all(spec.federation_of[g] == f and spec.federations[f].maps[spec.member_of[g]] == spec.maps[g]
-           for g in range(len(spec.groups))) and layout(state.models[f]) == layout(self._union_shapes):
+    if self._one_union_model(spec, state):
       return jax.tree.map(lambda h, v: jnp.where(h > 0, v, 0).astype(v.dtype), held,
-                          self.layout.ravel(state.models[f]))
+                          self.layout.ravel(state.models[spec.federation_of[0]]))
     placed = [self.layout.ravel(embed(v, _window_map(m), self._union_shapes)) for v, m in zip(variables, spec.maps)]
     return jax.tree.map(lambda *v: jnp.stack(v)[groups], *placed)
 
@@ -195,10 +221,11 @@ class UnionCohorts(ProgramCohorts):
 
 
   def train(self, spec: "RoundSpec", x: RoundRows, state: ServerState, starts: Sequence[Any], shares: Sequence[Any],
-            data: RoundData) -> tuple[list[Any], tuple[Any, ...]]:
+            data: RoundData) -> tuple[list[Any], tuple[Any, ...], tuple[Any, ...]]:
     key = round_key(spec.seed, x.index)
     clients, sizes, slot_weights, group_of_slot, positions = pack_participants(x, self.capacity)
-    held = jax.tree.map(lambda h: h[group_of_slot], self._held(spec))
+    group_held = self._held(spec)
+    held = jax.tree.map(lambda h: h[group_of_slot], group_held)
     client_starts = self._in_union(spec, state, starts, group_of_slot, held)
     layout = self.layout.at(data.offsets) if data.offsets else self.layout
     trainer = self._trainer(spec, layout)
@@ -212,8 +239,9 @@ class UnionCohorts(ProgramCohorts):
     # A group whose trainer has no terms uploads only its weighted delta: every group's sum in one product over
     # the slots, in the union's layout (zeros outside a group's window on both sides of the difference).
     weights = jnp.where(jnp.arange(len(spec.groups))[:, None] == group_of_slot, slot_weights, 0.0)  # [G, S]
-    delta_sums = layout.unravel(jax.tree.map(lambda new, old: jnp.tensordot(weights, new - old, axes=1),
-                                             trained.variables, client_starts))
+    flat_sums = jax.tree.map(lambda new, old: jnp.tensordot(weights, new - old, axes=1), trained.variables,
+                             client_starts)
+    delta_sums = layout.unravel(flat_sums)
     results, memory = [], list(state.memory)
     for g, rows in enumerate(x.cohorts):
       slots = jnp.minimum(positions[g], self.capacity - 1)
@@ -225,7 +253,7 @@ class UnionCohorts(ProgramCohorts):
         result = cohort.GroupResult(extract(jax.tree.map(lambda s: s[g], delta_sums), _window_map(spec.maps[g])),
                                     rows.weights.sum(), count(trained.loss_sum), count(trained.num_examples))
       results.append(result)
-    return results, tuple(memory)
+    return results, tuple(memory), self._federation_mean(spec, state, x, flat_sums, group_held, layout)
 
   def _group_result(self, spec: "RoundSpec", g: int, rows: Any, trained: Any, slots: jax.Array, start: Any,
                     share: Any, memory: Any, key: jax.Array, data: RoundData, layout: FlatLayout

@@ -62,6 +62,9 @@ class RoundInputs(NamedTuple):
   round: Any  # round index (0-based)
   key: jax.Array  # this federation's server key of the round
   federation: Federation
+  # The layer-wise mean of the groups' deltas and its denominator (`aggregators.heterogeneous_sums`) where the
+  # round's mapping computed them itself, in one pass over its clients (`rounds.union`); else None.
+  mean: tuple[Variables, Variables] | None = None
 
   def uploads(self, term) -> list[Any]:
     """Every member group's upload of client ``term`` (a term in the reading step's ``reads``)."""
@@ -106,9 +109,10 @@ class ServerStep(NamedTuple):
 
 
 def run_server_steps(steps: Sequence[ServerStep], federation: Federation, model, states, starts, results, valid,
-                     cohorts, round_index, key, inputs, statics) -> tuple[Variables, tuple[Any, ...], dict[str, Any]]:
+                     cohorts, round_index, key, inputs, statics, mean=None
+                     ) -> tuple[Variables, tuple[Any, ...], dict[str, Any]]:
   """The steps in order on one round's `RoundInputs`, as a pure function: ``(model, step states, metrics)``."""
-  round_inputs = RoundInputs(model, starts, results, valid, cohorts, round_index, key, federation)
+  round_inputs = RoundInputs(model, starts, results, valid, cohorts, round_index, key, federation, mean)
   carry, new_states = Carry(model), []
   for step, state, static, dynamic in zip(steps, states, statics, inputs):
     carry, state = step.update(carry, state, round_inputs, Plan(static, dynamic))
@@ -144,12 +148,13 @@ def _paths(tree: Any) -> dict[str, Any]:
 
 def server_program(steps: Sequence[ServerStep], federation: Federation):
   """`run_server_steps` as one jitted program per round: ``(model, step states, starts, results, valid, cohorts,
-  round, key, plan inputs, statics=plan statics) -> (model, step states, metrics)``."""
+  round, key, plan inputs, statics=plan statics, mean=the mapping's mean or None) -> (model, step states,
+  metrics)``."""
 
   @functools.partial(jax.jit, static_argnames="statics")
-  def run(model, states, starts, results, valid, cohorts, round_index, key, inputs, statics):
+  def run(model, states, starts, results, valid, cohorts, round_index, key, inputs, statics, mean=None):
     return run_server_steps(steps, federation, model, states, starts, results, valid, cohorts, round_index, key,
-                            inputs, statics)
+                            inputs, statics, mean)
 
   return run
 
@@ -164,10 +169,12 @@ def mean_delta() -> ServerStep:
   Elements nobody held get a zero update."""
 
   def update(carry, state, inputs, plan):
-    zeros = _zeros_like(carry.model)
+    if inputs.mean is not None:
+      delta, den = inputs.mean
+      return carry._replace(delta=delta, coverage=den), state
     num, den = aggregators.heterogeneous_sums([r.delta_sum for r in inputs.results], inputs.weights,
                                               inputs.federation.maps, carry.model, inputs.offset)
-    return carry._replace(delta=aggregators.masked_mean(num, den, zeros), coverage=den), state
+    return carry._replace(delta=aggregators.masked_mean(num, den, _zeros_like(carry.model)), coverage=den), state
 
   return ServerStep("mean", update)
 

@@ -59,6 +59,17 @@ def test_a_masked_example_does_not_move_the_statistics_and_zero_channels_stay_ze
   assert float(jnp.max(jnp.abs(y[..., 3:]))) == 0.0
 
 
+def test_a_non_boolean_mask_keeps_every_example_it_does_not_zero_as_flax_does():
+  bn = nn.BatchNorm(use_running_average=False)
+  x = jax.random.normal(jax.random.key(0), (4, 3, 3, 2))
+  variables = bn.init(jax.random.key(1), x)
+  mask = jnp.array([1.0, 1.0, 0.5, 0.0]).reshape(4, 1, 1, 1)
+  want = bn.apply(variables, x, mask=mask, mutable=["batch_stats"])
+  with fused_batch_norm():
+    have = bn.apply(variables, x, mask=mask, mutable=["batch_stats"])
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), have, want)
+
+
 def test_an_empty_mask_gives_finite_numbers():
   bn = nn.BatchNorm(use_running_average=False)
   x = jnp.ones((2, 4, 3))

@@ -34,7 +34,8 @@ Array = jax.Array
 def batch_norm(x: Array, mask: Array, scale: Array, bias: Array, epsilon: float) -> tuple[Array, Array, Array]:
   """``(y, mean, var)`` of training-mode BatchNorm over every axis of ``x`` but the last, the statistics over the
   examples where ``mask`` ([B, 1, ...], float) is 1 (see the module docstring). Differentiable in ``x``, ``scale``
-  and ``bias`` through ``y`` only: the statistics feed the running averages, which take no gradient."""
+  and ``bias`` through ``y`` only (reverse mode: it is a ``custom_vjp``): the statistics feed the running averages,
+  which take no gradient. Where every example is masked the statistics are zeros (flax's are NaN)."""
   return _forward(x, mask, scale, bias, epsilon)[0]
 
 
@@ -79,8 +80,9 @@ def _route(next_fun, args, kwargs, context):
                                   kwargs.get("use_running_average", args[1] if len(args) > 1 else None))
   if running or not _served(module, x, mask):
     return next_fun(*args, **kwargs)
+  # (Any nonzero mask entry keeps its example, as flax's `where=` reads it.)
   mask = jnp.ones((x.shape[0],) + (1,) * (x.ndim - 1), x.dtype) if mask is None else \
-      jnp.broadcast_to(mask, (x.shape[0],) + (1,) * (x.ndim - 1)).astype(x.dtype)
+      jnp.broadcast_to(mask, (x.shape[0],) + (1,) * (x.ndim - 1)).astype(bool).astype(x.dtype)
   y, mean, var = batch_norm(x, mask, module.get_variable("params", "scale"), module.get_variable("params", "bias"),
                             module.epsilon)
   for name, value in (("mean", mean), ("var", var)):

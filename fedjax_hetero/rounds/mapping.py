@@ -3,8 +3,8 @@
 This is FedJAX's ``for_each_client``: the round hands a mapping every group's start variables, share and cohort
 rows, and gets back every group's sums (`cohort.GroupResult`), the client memory with the cohort's rows
 written and, per federation, the layer-wise mean of the deltas where the mapping computes it itself (the union
-mapping, `rounds.union`; None here); the mapping also counts the evaluation's correct predictions (and, with per-client evaluation, every
-client's on its held-out samples: `rounds.client_eval`). Two mappings:
+mapping, `rounds.union`; None here); the mapping also counts the evaluation's correct predictions (and, with
+per-client evaluation, every client's on its held-out samples: `rounds.client_eval`). Two mappings:
 
 - `HostCohorts`: the host loop. Each group's cohort trains through a `backends.Backend` (one client after
   another as jitted chunks, a vmapped cohort, or a cohort sharded over a device mesh), and every piece of the

@@ -166,7 +166,8 @@ def _zeros_like(tree: Variables) -> Variables:
 def mean_delta() -> ServerStep:
   """Layer-wise mean of the client deltas over the clients holding each element (InCo Sec. 3.1,
   `aggregators.heterogeneous_mean_delta`); FedAvg (McMahan et al. 2017, Alg. 1) with one group.
-  Elements nobody held get a zero update."""
+  Elements nobody held get a zero update. Where the round's mapping computed the mean itself
+  (`RoundInputs.mean`), it is taken as it is."""
 
   def update(carry, state, inputs, plan):
     if inputs.mean is not None:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from fedjax_hetero import models
+from fedjax_hetero import compilation, models
 from fedjax_hetero.models import MODEL_NAMES, build_model, parse_group_spec
 from fedjax_hetero.hetero.maps import flatten
 from fedjax_hetero.models.common import SMALL_MAP_POSITIONS, convolution, max_pool
@@ -342,3 +342,26 @@ def test_resnet_uses_the_tiny_map_convolution():
   # convolve; the other 8 of stages 3-4 (2x2 and 1x1 maps) multiply, as does the head.
   names = [eqn.primitive.name for eqn in jaxpr.jaxpr.eqns]
   assert names.count("conv_general_dilated") == 12 and names.count("dot_general") == 8 + 1
+
+
+def test_building_a_simulation_traces_each_model_once_for_its_shapes():
+  """The checks, the choice of the global model, the union's layout and the initialization share one trace of a
+  model's shapes (`models.variable_shapes`): building a simulation and its initial state traces a group's model
+  once for them and twice for the dissimilarity's low and high parts (the initialization's program, traced on the
+  thread that compiles it, adds one for the global model at most)."""
+  from tests.helpers import simulation, tiny_resnet
+
+  compilation.release_programs()
+  models.common._cached_shapes.cache_clear()
+  traced = []
+
+  def count(next_fun, args, kwargs, context):
+    if isinstance(context.module, models.ResNet) and context.method_name == "__call__":
+      traced.append(context.module.width)
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(count):
+    sim = simulation("HeteroAvg", [("r@1", tiny_resnet()), ("r@0.5", tiny_resnet(width=0.5))],
+                     track_dissimilarity=True)
+    sim.init_state()
+  assert traced.count(0.5) == 3 and traced.count(1.0) <= 4, traced

@@ -22,7 +22,8 @@ import flax.linen as nn
 from fedjax_hetero.data.checks import check_num_classes
 from fedjax_hetero.models.cnn import CNN
 from fedjax_hetero.models.cnn_cifar import CNNCifar
-from fedjax_hetero.models.common import bn_mask, cut_shape, parameter_split, resolve_cut, run_parts, scale_channels
+from fedjax_hetero.models.common import (bn_mask, cut_shape, parameter_split, resolve_cut, run_parts, scale_channels,
+                                         variable_shapes)
 from fedjax_hetero.models.mlp import MLP
 from fedjax_hetero.models.preact_resnet import PreActBottleneck, PreActResNet, resnet20_preact
 from fedjax_hetero.models.resnet import (RESNET_PRESETS, BasicBlock, ResNet, resnet10, resnet14, resnet18,
@@ -109,5 +110,5 @@ __all__ = [
     "BasicBlock", "CNN", "CNNCifar", "MLP", "MODEL_NAMES", "PreActBottleneck", "PreActResNet", "RESNET_PRESETS",
     "ResNet", "VGG16", "ViT", "bn_mask", "build_model", "cut_shape", "parameter_split", "parse_group_spec", "resnet10", "resnet14", "resnet18",
     "resnet18_cifar", "resnet20_preact", "resnet22", "resnet26", "resnet_preset", "resolve_cut", "run_parts",
-    "scale_channels",
+    "scale_channels", "variable_shapes",
 ]

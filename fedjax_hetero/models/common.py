@@ -43,6 +43,34 @@ class StepSize(nn.Module):
     return x * self.param("scale", nn.initializers.ones, ()).astype(x.dtype)
 
 
+def variable_shapes(model: nn.Module, input_shape: Sequence[int]) -> Any:
+  """The shapes (`jax.ShapeDtypeStruct`) of ``model``'s variables for images of ``input_shape`` (one example's).
+  Traced once per model and shape (`_shapes`): the checks, the builders and the probes of a run all ask for them,
+  and a trace of a deep model takes a good part of a second. Returns a fresh tree (its dicts are the caller's)."""
+  return jax.tree.map(lambda leaf: leaf, _shapes(model, tuple(input_shape))[1])
+
+
+def output_shape(model: nn.Module, input_shape: Sequence[int]) -> Any:
+  """The shape of ``model``'s inference output (its logits) for one example of ``input_shape``: the same trace."""
+  return _shapes(model, tuple(input_shape))[0]
+
+
+def _shapes(model: nn.Module, input_shape: tuple[int, ...]) -> tuple[Any, Any]:
+  try:
+    hash(model)
+  except TypeError:  # a model with an unhashable field: traced every time
+    return _trace_shapes(model, input_shape)
+  return _cached_shapes(model, input_shape)
+
+
+def _trace_shapes(model: nn.Module, input_shape: tuple[int, ...]) -> tuple[Any, Any]:
+  """(output, variables): ``model.init`` runs the inference forward pass (``train`` is False by default)."""
+  return jax.eval_shape(model.init_with_output, jax.random.key(0), jnp.zeros((1, *input_shape), jnp.float32))
+
+
+_cached_shapes = functools.lru_cache(maxsize=64)(_trace_shapes)
+
+
 def module_leaves(model: nn.Module, sample_input: Array, kinds: tuple[type, ...]) -> frozenset[Path]:
   """The variable leaves (``(collection, *module path, name)``, every collection) that the submodules of the
   given types own directly, e.g. every BatchNorm's scale, bias, mean and var. Found by tracing a training
@@ -54,7 +82,7 @@ def module_leaves(model: nn.Module, sample_input: Array, kinds: tuple[type, ...]
       paths.add(tuple(context.module.path))
     return next_fun(*args, **kwargs)
 
-  variables = jax.eval_shape(model.init, jax.random.key(0), sample_input)
+  variables = variable_shapes(model, sample_input.shape[1:])
   with nn.intercept_methods(record):
     jax.eval_shape(lambda v, x: model.apply(v, x, train=True, mutable=True), variables, sample_input)
   return frozenset(path for path in traverse_util.flatten_dict(dict(variables)) if path[1:-1] in paths)
@@ -207,7 +235,7 @@ def resolve_cut(model, cut: str | None = None) -> str:
 
 def cut_shape(model, sample_input: Array, cut: str) -> tuple[int, ...]:
   """The shape of one example's activation at ``cut`` (shape-only: nothing is computed)."""
-  variables = jax.eval_shape(model.init, jax.random.key(0), sample_input)
+  variables = variable_shapes(model, sample_input.shape[1:])
   return tuple(jax.eval_shape(lambda v, x: model.apply(v, x, stop=cut), variables, sample_input).shape[1:])
 
 
@@ -218,17 +246,17 @@ def parameter_split(model, sample_input: Array, cut: str):
   False in both. Found by tracing each part and looking at which parameters its program reads, so no
   parameter name is matched.
   """
-  variables = jax.eval_shape(model.init, jax.random.key(0), sample_input)
-  features = jax.eval_shape(lambda v, x: model.apply(v, x, stop=cut), variables, sample_input)
+  variables = variable_shapes(model, sample_input.shape[1:])
+  leaves, treedef = jax.tree.flatten(variables["params"])
+  others = {k: v for k, v in variables.items() if k != "params"}
 
   def reads(part, inputs):
-    leaves, treedef = jax.tree.flatten(variables["params"])
-    others = {k: v for k, v in variables.items() if k != "params"}
-    closed = jax.make_jaxpr(lambda ps, rest, x: part({**rest, "params": treedef.unflatten(ps)}, x))(leaves, others,
-                                                                                                  inputs)
+    """Which leaves ``part`` reads, and its output's shape."""
+    closed, out = jax.make_jaxpr(lambda ps, rest, x: part({**rest, "params": treedef.unflatten(ps)}, x),
+                                 return_shape=True)(leaves, others, inputs)
     used = {id(v) for eqn in closed.jaxpr.eqns for v in eqn.invars} | {id(v) for v in closed.jaxpr.outvars}
-    return treedef.unflatten([id(v) in used for v in closed.jaxpr.invars[:len(leaves)]])
+    return treedef.unflatten([id(v) in used for v in closed.jaxpr.invars[:len(leaves)]]), out
 
-  low = reads(lambda v, x: model.apply(v, x, stop=cut), sample_input)
-  high = reads(lambda v, h: model.apply(v, h, start=cut), features)
+  low, features = reads(lambda v, x: model.apply(v, x, stop=cut), sample_input)
+  high, _ = reads(lambda v, h: model.apply(v, h, start=cut), features)
   return low, high

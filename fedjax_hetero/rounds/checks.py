@@ -11,13 +11,13 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from fedjax_hetero.config import FederationConfig, LocalConfig
 from fedjax_hetero.data import checks
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.methods.api import Method
+from fedjax_hetero.models.common import output_shape, variable_shapes
 from fedjax_hetero.validation import first_line
 
 def _check_group(index: int, group: Any, num_clients: int) -> np.ndarray:
@@ -67,17 +67,16 @@ def check_test_set(test_images: Any, test_labels: Any, store: FederatedStore) ->
 
 def check_models(groups: Sequence[Any], image_shape: tuple[int, ...], num_classes: int) -> None:
   """Every group's model takes images of ``image_shape`` and gives one logit per class (traced for shapes only)."""
-  sample = jnp.zeros((1, *image_shape), jnp.float32)
   for index, group in enumerate(groups):
     try:
-      shapes = jax.eval_shape(group.model.init, jax.random.key(0), sample)
+      shapes = variable_shapes(group.model, image_shape)
     except Exception as e:  # noqa: BLE001 - whatever the model raises on an input it cannot take
       raise ValueError(f"groups[{index}] ({group.name}): its model cannot take images of shape {image_shape} "
                        f"({first_line(e, 200)})") from None
     if any(0 in leaf.shape for leaf in jax.tree.leaves(shapes)):
       raise ValueError(f"groups[{index}] ({group.name}): images of shape {image_shape} are too small for its model "
                        "(a layer would have no values)")
-    logits = jax.eval_shape(lambda v, x: group.model.apply(v, x, train=False), shapes, sample)
+    logits = output_shape(group.model, image_shape)
     if getattr(logits, "shape", (num_classes,))[-1:] != (num_classes,):
       raise ValueError(f"groups[{index}] ({group.name}): its model gives {logits.shape[-1]} logits, but the data have "
                        f"{num_classes} classes; build it with num_classes={num_classes}")

@@ -27,6 +27,7 @@ from fedjax_hetero.config.declare import cli_name
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.hetero.maps import SubmodelMap, Variables, complete, extract, identity_map, pick_global, separate
 from fedjax_hetero.methods.api import Method
+from fedjax_hetero.models.common import variable_shapes
 from fedjax_hetero.rounds.checks import check_simulation_inputs
 from fedjax_hetero.rounds.client_eval import ClientEval
 from fedjax_hetero.rounds.state import ServerState, server_key
@@ -135,7 +136,7 @@ class RoundSpec:
       raise ValueError(f"{method.name} keeps per-client memory in its group's shape; it cannot redraw groups")
     groups = tuple(dataclasses.replace(g, model=method.wrap_model(g.model)) for g in groups)
     sample = jnp.zeros((1,) + tuple(store.images.shape[1:]), jnp.float32)
-    shapes = [jax.eval_shape(g.model.init, jax.random.key(0), sample) for g in groups]
+    shapes = [variable_shapes(g.model, sample.shape[1:]) for g in groups]
     global_index = pick_global(shapes, [g.name for g in groups])
     base_maps = tuple(method.submodel(shapes[global_index], s, g.name) for g, s in zip(groups, shapes))
     maps = base_maps

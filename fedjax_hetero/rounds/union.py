@@ -45,6 +45,7 @@ from fedjax_hetero.client.terms import ClientTerm
 from fedjax_hetero.hetero.maps import SubmodelMap, Variables, embed, extract
 from fedjax_hetero.models.batch_norm import fused_batch_norm
 from fedjax_hetero.models.cnn import CNN
+from fedjax_hetero.models.common import variable_shapes
 from fedjax_hetero.models.evaluation import EVAL_BATCH
 from fedjax_hetero.models.resnet import ResNet
 from fedjax_hetero.rounds import cohort
@@ -162,8 +163,7 @@ class UnionCohorts(ProgramCohorts):
   def __init__(self, spec: "RoundSpec", eval_batch: int = EVAL_BATCH):
     super().__init__("vmap", eval_batch)
     self.name = "union"
-    union = jax.eval_shape(spec.groups[spec.global_index].model.init, jax.random.key(0),
-                           jnp.zeros((1,) + tuple(spec.store.images.shape[1:]), jnp.float32))
+    union = variable_shapes(spec.groups[spec.global_index].model, spec.store.images.shape[1:])
     self._union_shapes = union
     self.layout = FlatLayout.of(union)  # the slots' variables: one vector per collection
     self.capacity = spec.config.clients_per_round  # the slots: a round's participants, whatever their groups

@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from fedjax_hetero import models
@@ -89,7 +88,7 @@ def _image_problem(name: str, width: float, image_shape: tuple[int, ...]) -> str
   values), None if it can; shapes only, nothing computed."""
   model = models.build_model(name, 10, width)
   try:
-    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, *image_shape), jnp.float32))
+    shapes = models.variable_shapes(model, image_shape)
   except Exception as e:  # noqa: BLE001 - whatever the model raises on a too small input
     return first_line(e, 160)
   empty = [jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]
@@ -142,7 +141,7 @@ def _warn_collapsed_layers(config: Any, image_shape: tuple[int, ...], num_classe
     if width >= 1:
       continue
     model = models.build_model(name, num_classes, width)
-    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, *image_shape), jnp.float32))
+    shapes = models.variable_shapes(model, image_shape)
     leaves = jax.tree_util.tree_flatten_with_path(shapes)[0]
     single = [jax.tree_util.keystr(path[:-1]) for path, leaf in leaves if len(leaf.shape) >= 2 and leaf.shape[-1] == 1]
     if single:

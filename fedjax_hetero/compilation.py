@@ -97,10 +97,17 @@ class light_jit:  # noqa: N801 (used like jax.jit)
   def __init__(self, fun: Callable, **jit_kwargs):
     self._fun, self._kwargs, self._light = fun, jit_kwargs, None
     self._plain = jax.jit(fun, **jit_kwargs)
+    self._compiling: concurrent.futures.Future | None = None  # `compile_beside`'s
     functools.update_wrapper(self, fun)
 
+  def compile_beside(self, *args) -> None:
+    """Starts compiling the program for ``args`` (concrete arrays) on a thread of its own, beside what the caller
+    does next; the next call from outside a trace waits for it (jit's cache then holds the program)."""
+    if self._compiling is None:
+      self._compiling = compile_beside(self._program(args), *args)
+
   def _program(self, args):
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+    if _traced(args):
       return self._plain
     if self._light is None:
       cpu = jax.default_backend() == "cpu"
@@ -108,10 +115,17 @@ class light_jit:  # noqa: N801 (used like jax.jit)
     return self._light
 
   def __call__(self, *args, **kwargs):
+    if self._compiling is not None and not _traced((args, kwargs)):
+      self._compiling, compiling = None, self._compiling
+      compiling.result()
     return self._program((args, kwargs))(*args, **kwargs)
 
   def lower(self, *args, **kwargs):
     return self._program((args, kwargs)).lower(*args, **kwargs)
+
+
+def _traced(args: Any) -> bool:
+  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
 
 
 def shared_by_value(maxsize: int) -> Callable[[Builder], Builder]:

@@ -166,3 +166,18 @@ def test_a_light_program_inside_a_trace_is_a_plain_jit():
   assert float(double(jnp.float32(2))) == 4.0
   assert float(jax.jit(lambda x: double(x) + 1)(jnp.float32(2))) == 5.0
   assert float(jax.grad(lambda x: double(x))(jnp.float32(1))) == 2.0
+
+
+def test_a_light_program_compiled_beside_is_not_compiled_again_by_its_call():
+  """`light_jit.compile_beside` compiles on a thread while the caller goes on; the next call waits for it and
+  finds the program in jit's cache (the initialization compiles while a spec is built)."""
+  model = build_model("cnn", 10, 0.25)
+  key, sample = jax.random.key(0), jnp.zeros((1, 28, 28, 1), jnp.float32)
+  init = compilation.light_jit(model.init)
+  with compilation.CompileLog() as log:
+    init.compile_beside(key, sample)
+    variables = init(key, sample)
+  assert log.count == 1, log.names  # the thread's
+  want = compilation.light_jit(model.init)(key, sample)
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(variables)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

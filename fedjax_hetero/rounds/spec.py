@@ -138,6 +138,8 @@ class RoundSpec:
     sample = jnp.zeros((1,) + tuple(store.images.shape[1:]), jnp.float32)
     shapes = [variable_shapes(g.model, sample.shape[1:]) for g in groups]
     global_index = pick_global(shapes, [g.name for g in groups])
+    # The initialization compiles on a thread of its own (XLA's work, outside Python) while the rest is built.
+    _init_program(groups[global_index].model).compile_beside(jax.random.key(config.seed), sample)
     base_maps = tuple(method.submodel(shapes[global_index], s, g.name) for g, s in zip(groups, shapes))
     maps = base_maps
     if method.own_leaves and method.sharing.shared and len(groups) > 1:
@@ -206,7 +208,7 @@ class RoundSpec:
       global_vars = complete(global_vars, self.base_maps, self.maps)
     models = []
     for f in self.federations:
-      model = global_vars if len(f.members) > 1 else extract(global_vars, self.maps[f.members[0]])
+      model = global_vars if len(f.members) > 1 else _extract_program(self.maps[f.members[0]])(global_vars, 0)
       if self.method.sharing.stacked:
         model = jax.tree.map(lambda x: jnp.broadcast_to(x, (self.config.clients_per_round,) + x.shape), model)
       models.append(model)
@@ -215,7 +217,7 @@ class RoundSpec:
     sampler = self.method.sampler.init(self.sampling) if self.method.sampler.init else ()
     memory = []
     for group, trainer, group_map in zip(self.groups, self.trainers, self.maps):
-      row = trainer.init_memory(extract(global_vars, group_map))
+      row = trainer.init_memory(_extract_program(group_map)(global_vars, 0)) if trainer.keeps_memory else ()
       memory.append(jax.tree.map(lambda x, n=len(group.clients): jnp.broadcast_to(x, (n,) + x.shape), row))
     return ServerState(0, tuple(models), steps, sampler, tuple(memory))
 

@@ -29,10 +29,9 @@ from fedjax_hetero.client.terms import term_cuts
 from fedjax_hetero.config import DataConfig, RunConfig, check_federation, declare
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.methods import Method, adaptive, build_method, check_options, dissimilarity, get_entry, privacy
-from fedjax_hetero.rounds import (ArchGroup, RoundSpec, ServerState, Simulation, assign_groups, make_backend,
-                                  make_simulation)
+from fedjax_hetero.rounds import ArchGroup, RoundSpec, Simulation, assign_groups, make_backend, make_simulation
 from fedjax_hetero.run import history as run_history
-from fedjax_hetero.run import preflight
+from fedjax_hetero.run import preflight, results_folder
 
 def run_method(config: RunConfig, method: Method | None = None) -> Method:
   """The run's method, checked against the config: built from the catalog by ``config.method`` (its name and
@@ -225,20 +224,27 @@ def malicious_report(sim: Simulation) -> str:
   return "\n".join(lines) + "\n"
 
 
-def initial_state(sim: Simulation, parts: Sequence[np.ndarray], out: str, main: bool, resumed: bool) -> ServerState:
-  """The initial state, compiled while the partition report and plot are written (process 0; a resume keeps the
-  ones its run wrote: it trains on the same partition, `results_folder.check_data`)."""
+def write_partition(sim: Simulation, parts: Sequence[np.ndarray], out: str, main: bool, resumed: bool
+                    ) -> concurrent.futures.Future:
+  """partition.txt and partition.png, written beside what follows (`results_folder.write_beside`; process 0; a
+  resume keeps the ones its run wrote: it trains on the same partition, `results_folder.check_data`): the plot is a
+  second or two of matplotlib, which the initialization and the first round's compilation (XLA's, outside Python)
+  hide."""
   written = all(os.path.exists(os.path.join(out, name)) for name in ("partition.txt", "partition.png"))
-  with concurrent.futures.ThreadPoolExecutor(1) as pool:
-    initial = pool.submit(sim.init_state)
-    if main and not (resumed and written):
-      store = sim.spec.store
-      labels = np.asarray(store.labels)
-      with open(os.path.join(out, "partition.txt"), "w") as f:
-        f.write(fdata.partition_report(labels, parts, store.num_classes) + malicious_report(sim))
-      fdata.plot_partition(fdata.class_counts(labels, parts, store.num_classes),
-                           os.path.join(out, "partition.png"))
-    return initial.result()
+  if not main or (resumed and written):
+    done = concurrent.futures.Future()
+    done.set_result(None)
+    return done
+  store = sim.spec.store
+  labels = np.asarray(store.labels)
+  report = malicious_report(sim)
+
+  def write():
+    with open(os.path.join(out, "partition.txt"), "w") as f:
+      f.write(fdata.partition_report(labels, parts, store.num_classes) + report)
+    fdata.plot_partition(fdata.class_counts(labels, parts, store.num_classes), os.path.join(out, "partition.png"))
+
+  return results_folder.write_beside(out, write)
 
 
 class Planned(NamedTuple):

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import errno
 import fcntl
@@ -148,7 +149,20 @@ def lock(output_dir: str, enabled: bool = True) -> Iterator[None]:
     yield
   finally:
     _MADE_HERE.discard(os.path.abspath(output_dir))
+    concurrent.futures.wait(_WRITING.pop(os.path.abspath(output_dir), ()))
     _release(fd, output_dir, made_folder)
+
+
+_WRITING: dict[str, list[concurrent.futures.Future]] = {}  # `write_beside`'s, by folder
+_writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fedjax_hetero-folder")
+
+
+def write_beside(output_dir: str, write: Callable[[], None]) -> concurrent.futures.Future:
+  """``write`` (of files into the locked folder ``output_dir``) run on a thread of its own while the caller goes on;
+  `lock` holds the folder until it has ended. The future's result raises what it raised."""
+  future = _writer.submit(write)
+  _WRITING.setdefault(os.path.abspath(output_dir), []).append(future)
+  return future
 
 
 def left_empty(output_dir: str) -> bool:

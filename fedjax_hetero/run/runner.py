@@ -14,6 +14,7 @@ checkpoints (orbax's multi-process checkpointing), so the folder must be on a fi
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -31,7 +32,7 @@ from fedjax_hetero.rounds.client_eval import final_summary
 from fedjax_hetero.rounds.rows import NonFiniteLossError
 from fedjax_hetero.run import checkpoints, continuation, metrics_log, preflight, privacy_accounting, results_folder
 from fedjax_hetero.run import history as run_history
-from fedjax_hetero.run.build import (Planned, build_simulation, initial_state, partitioned_dataset, run_method,
+from fedjax_hetero.run.build import (Planned, build_simulation, partitioned_dataset, run_method, write_partition,
                                      training_parts, with_run_settings)
 from fedjax_hetero.run.guard import (DivergenceError, DivergenceWatch, diverged_round, in_restored_model, ranked,
                                      repeated, rollback_reason, rollback_record, rolled_back, stop_advice)
@@ -126,9 +127,9 @@ def open_run(planned: Planned, log: Log) -> "_Run":
   if main:
     continuation.prepare_folder(config)
     results_folder.record_data(config, planned.data)
-  state = initial_state(planned.sim, planned.parts, config.output.dir, main, config.output.resume)
-  run = _Run(config, log, planned.method, planned.sim, planned.history, main)
-  run.begin(state, planned.changed)
+  partition = write_partition(planned.sim, planned.parts, config.output.dir, main, config.output.resume)
+  run = _Run(config, log, planned.method, planned.sim, planned.history, main, partition)
+  run.begin(planned.sim.init_state(), planned.changed)
   return run
 
 
@@ -137,9 +138,9 @@ class _Run:
   rows so far, the history, the checkpoints and the divergence guard."""
 
   def __init__(self, config: RunConfig, log: Log, method: Method, sim: Simulation, history: run_history.History,
-               main: bool):
+               main: bool, partition: concurrent.futures.Future):
     self.config, self.log, self.method, self.sim = config, log, method, sim  # (the method before `with_run_settings`)
-    self.history, self.main, self.out = history, main, config.output.dir
+    self.history, self.main, self.out, self.partition = history, main, config.output.dir, partition  # (being written)
     self.metrics_path = os.path.join(self.out, "metrics.jsonl")
     self.rows: list[dict[str, Any]] = []
     self.state: ServerState | None = None
@@ -340,6 +341,7 @@ class _Run:
              ) -> dict[str, Any]:
     """Writes summary.json and accuracy.png (process 0); returns the summary (a finished run's, as it was, when
     a resume had nothing to add: `_nothing_to_train`)."""
+    self.partition.result()
     if self.kept_summary is not None and stopped is None and interrupted is None:
       self._plot(only_if_missing=True)
       return self.kept_summary

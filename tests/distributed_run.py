@@ -30,7 +30,7 @@ from fedjax_hetero.rounds import Simulation
 def _die_before(process: int, round_number: int, after: str, stamp: str) -> None:
   train = Simulation.run_call
 
-  def run_call(self, state, count, evaluate):
+  def run_call(self, state, count, evaluate, *rest):
     if jax.process_index() == process and state.round + 1 == round_number:
       deadline = time.monotonic() + 120
       while not os.path.isdir(after) and time.monotonic() < deadline:
@@ -38,7 +38,7 @@ def _die_before(process: int, round_number: int, after: str, stamp: str) -> None
       with open(stamp, "w") as f:
         f.write(repr(time.time()))
       os.kill(os.getpid(), signal.SIGKILL)
-    return train(self, state, count, evaluate)
+    return train(self, state, count, evaluate, *rest)
 
   Simulation.run_call = run_call
 
@@ -46,10 +46,10 @@ def _die_before(process: int, round_number: int, after: str, stamp: str) -> None
 def _signal_before(process: int, round_number: int, name: str) -> None:
   train = Simulation.run_call
 
-  def run_call(self, state, count, evaluate):
+  def run_call(self, state, count, evaluate, *rest):
     if jax.process_index() == process and state.round + 1 == round_number:
       os.kill(os.getpid(), getattr(signal, name))
-    return train(self, state, count, evaluate)
+    return train(self, state, count, evaluate, *rest)
 
   Simulation.run_call = run_call
 

@@ -190,10 +190,10 @@ def test_resume_after_a_crash_between_checkpoints(dataset, straight, tmp_path, m
   config = base_config(tmp_path / "crashed")
   run_call = Simulation.run_call
 
-  def crash_in_round_4(self, state, count, evaluate):
+  def crash_in_round_4(self, state, count, evaluate, *rest):
     if state.round == 3:
       raise Interrupted()
-    return run_call(self, state, count, evaluate)
+    return run_call(self, state, count, evaluate, *rest)
 
   monkeypatch.setattr(Simulation, "run_call", crash_in_round_4)
   with pytest.raises(Interrupted):

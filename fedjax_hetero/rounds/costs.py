@@ -174,23 +174,32 @@ def static_costs(spec: RoundSpec) -> dict[str, GroupCost]:
 
 
 class InBackground(Mapping):
-  """`static_costs` of a spec, traced on a thread of their own from when it is made: a run's first round compiles
-  meanwhile, mostly outside Python, so the accounting adds little to the run's time. Read as the mapping it
-  becomes (the first read waits for it)."""
+  """`static_costs` of a spec, traced on a thread of their own from `start` on: a run starts them once its first
+  program is traced (`Simulation.run_call`'s ``while_compiling``: their Python would slow the tracing), and XLA
+  compiles it meanwhile, outside Python, so the accounting adds little to the run's time. Read as the mapping it
+  becomes (the first read starts it if nothing has, and waits for it)."""
 
   _pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fedjax_hetero-costs")
 
   def __init__(self, spec: RoundSpec):
-    self._costs = self._pool.submit(static_costs, spec)
+    self._spec, self._costs = spec, None
+
+  def start(self) -> None:
+    if self._costs is None:
+      self._costs = self._pool.submit(static_costs, self._spec)
+
+  def _result(self) -> dict[str, GroupCost]:
+    self.start()
+    return self._costs.result()
 
   def __getitem__(self, group: str) -> GroupCost:
-    return self._costs.result()[group]
+    return self._result()[group]
 
   def __iter__(self) -> Iterator[str]:
-    return iter(self._costs.result())
+    return iter(self._result())
 
   def __len__(self) -> int:
-    return len(self._costs.result())
+    return len(self._result())
 
 
 def round_costs(static: Mapping[str, GroupCost], clients: Mapping[str, int], examples: Mapping[str, int]) -> Row:

@@ -17,7 +17,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import time
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -153,6 +153,7 @@ class Simulation:
   rounds_per_call: int = 1
   _programs: dict = dataclasses.field(default_factory=dict, repr=False)
   _compiling: dict = dataclasses.field(default_factory=dict, repr=False)  # futures of programs compiled in threads
+  _compiled: set = dataclasses.field(default_factory=set, repr=False)  # the call programs `_compile_traced` compiled
 
   def with_values(self, **values: Any) -> "Simulation":
     """This simulation with other values of its spec (`RoundSpec.with_values`): a lower learning rate after a
@@ -210,9 +211,11 @@ class Simulation:
       rows += call_rows
     return state, rows
 
-  def run_call(self, state: ServerState, count: int, evaluate: Collection[int]) -> tuple[ServerState, list[dict]]:
+  def run_call(self, state: ServerState, count: int, evaluate: Collection[int],
+               while_compiling: Callable[[], Any] | None = None) -> tuple[ServerState, list[dict]]:
     """One call of ``count`` rounds (at most ``rounds_per_call``, with one static plan) from ``state``, whose client
-    memory it consumes: the new state and the rounds' rows."""
+    memory it consumes: the new state and the rounds' rows. ``while_compiling``: work for another thread, started
+    once the call's program is traced (at once on the host loop), so that its Python does not slow the tracing."""
     t0 = time.perf_counter()
     spec, in_program = self.spec, self.cohorts.in_program
     slots = [self.cohorts.slots(spec, g) for g in range(len(spec.groups))]
@@ -223,11 +226,14 @@ class Simulation:
                        f"--clients-per-round ({capacity}): use --round-program fused")
     if in_program:
       data, program = RoundData.of(spec, self.cohorts.offsets()), self.program(call.statics)
+      (a, b), beside = call.pieces(evaluate)[0], [while_compiling] if while_compiling else []
       if any(call.first + b in evaluate for _, b in call.pieces(evaluate)):
-        compiling = self._compile_evaluation(state, data)
+        beside.append(lambda: self._compile_evaluation(state, data))
+      self._compile_traced((state.models, state.steps), state.memory, call.inputs_from(a), np.int32(b - a), data,
+                           program=program, beside=beside)
 
       def evaluation(index, server):
-        compiling.result()  # (compiled)
+        self._compiling["evaluation"].result()  # (compiled)
         return self.evaluation(index, server, data)
 
       carry, pieces, seconds = run_pieces(
@@ -236,6 +242,8 @@ class Simulation:
       per_round = [row for piece in pieces for row in piece_rows(*piece)]
       state = ServerState(state.round + count, *carry[:2], state.sampler, carry[2])
     else:
+      if while_compiling:
+        while_compiling()
       state, per_round, seconds = self._host_call(state, call, t0)
     return state, [call_row(spec, call, i, per_round[i], seconds[i], evaluate) for i in range(count)]
 
@@ -251,6 +259,19 @@ class Simulation:
       per_round.append(jax.device_get(outputs._replace(correct=counted, client_correct=clients)))
       t0 = time.perf_counter()
     return state, per_round, seconds
+
+  def _compile_traced(self, *args, program: Any, beside: Sequence[Callable[[], Any]]) -> None:
+    """``program``'s first call for ``args`` traced and lowered here, then compiled while the work ``beside`` starts
+    (threads whose Python, started before, would slow the tracing: one GIL); jit's cache keeps the program."""
+    if program in self._compiled:
+      lowered = None
+    else:
+      lowered = program.trace(*args).lower()
+      self._compiled.add(program)
+    for job in beside:
+      job()
+    if lowered is not None:
+      lowered.compile()
 
   def _compile_evaluation(self, state: ServerState, data: RoundData) -> concurrent.futures.Future:
     """The evaluation's program compiled in a thread of its own, started once: XLA compiles a module on one core,

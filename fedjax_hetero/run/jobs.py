@@ -294,6 +294,7 @@ class _Together:
   def train(self) -> list[dict[str, Any]]:
     for run in self.runs:
       run.wall_start = time.perf_counter()
+      run.static_costs.start()
     with StopRequests(self.log) as stop:  # also while the runs end: a signal then waits for their files
       try:
         signum, late = stop.agree([False] * len(self.runs))

@@ -45,7 +45,8 @@ __all__ = ["advance", "run_experiment"]
 Log = Callable[[str], None]
 
 
-def advance(sim: Simulation, state: ServerState, config: RunConfig) -> tuple[ServerState, list[dict[str, Any]]]:
+def advance(sim: Simulation, state: ServerState, config: RunConfig,
+            while_compiling: Callable[[], Any] | None = None) -> tuple[ServerState, list[dict[str, Any]]]:
   """The training loop's one step: ``state`` advanced by one call of the simulation, which ends at the next
   checkpoint round or the last round (a call is the unit of checkpoints, of the divergence stop and of a stop
   request; on the host loop it is one round), and its rounds' metrics rows (with the test accuracy on evaluation
@@ -54,7 +55,7 @@ def advance(sim: Simulation, state: ServerState, config: RunConfig) -> tuple[Ser
   count = sim.call_length(state.round, min(config.rounds, (state.round // every + 1) * every))
   evaluate = {r for r in range(state.round + 1, state.round + count + 1)
               if r % config.eval_every == 0 or r == config.rounds}
-  return sim.run_call(state, count, evaluate)
+  return sim.run_call(state, count, evaluate, while_compiling)
 
 
 def _quiet(_: str) -> None:
@@ -263,7 +264,7 @@ class _Run:
     """One call of rounds (`advance`) trained, logged and checkpointed; the divergence it shows, if any (the
     state then stays where it was, and the call's rows after the diverged round are dropped)."""
     try:
-      state, rows = advance(self.sim, self.state, self.config)
+      state, rows = advance(self.sim, self.state, self.config, self.static_costs.start)
     except NonFiniteLossError as e:
       return self.diverged(e)
     return self.accept(state, rows)
@@ -337,8 +338,7 @@ class _Run:
     advice = stop_advice(self.config, len(self.history.rollbacks), best, self.manager.directory, error, again)
     raise DivergenceError(f"{error}; {advice}", error.round, error.group) from None
 
-  def finish(self, stopped: dict[str, Any] | None = None, interrupted: dict[str, Any] | None = None
-             ) -> dict[str, Any]:
+  def finish(self, stopped: dict | None = None, interrupted: dict | None = None) -> dict[str, Any]:
     """Writes summary.json and accuracy.png (process 0); returns the summary (a finished run's, as it was, when
     a resume had nothing to add: `_nothing_to_train`)."""
     self.partition.result()

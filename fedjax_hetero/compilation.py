@@ -98,12 +98,14 @@ class light_jit:  # noqa: N801 (used like jax.jit)
     self._fun, self._kwargs, self._light = fun, jit_kwargs, None
     self._plain = jax.jit(fun, **jit_kwargs)
     self._compiling: concurrent.futures.Future | None = None  # `compile_beside`'s
+    self._called: set[str] = set()  # the argument types it was called with from outside a trace (compiled)
     functools.update_wrapper(self, fun)
 
   def compile_beside(self, *args) -> None:
     """Starts compiling the program for ``args`` (concrete arrays) on a thread of its own, beside what the caller
-    does next; the next call from outside a trace waits for it (jit's cache then holds the program)."""
-    if self._compiling is None:
+    does next, unless it has been called with such arguments; the next call from outside a trace waits for it
+    (jit's cache then holds the program)."""
+    if self._compiling is None and _signature(args) not in self._called:
       self._compiling = compile_beside(self._program(args), *args)
 
   def _program(self, args):
@@ -115,9 +117,12 @@ class light_jit:  # noqa: N801 (used like jax.jit)
     return self._light
 
   def __call__(self, *args, **kwargs):
-    if self._compiling is not None and not _traced((args, kwargs)):
+    if _traced((args, kwargs)):
+      return self._plain(*args, **kwargs)
+    if self._compiling is not None:
       self._compiling, compiling = None, self._compiling
       compiling.result()
+    self._called.add(_signature((args, kwargs)))
     return self._program((args, kwargs))(*args, **kwargs)
 
   def lower(self, *args, **kwargs):
@@ -126,6 +131,10 @@ class light_jit:  # noqa: N801 (used like jax.jit)
 
 def _traced(args: Any) -> bool:
   return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
+
+
+def _signature(args: Any) -> str:
+  return str(jax.tree.map(lambda x: (np.shape(x), getattr(x, "dtype", type(x))), args))
 
 
 def shared_by_value(maxsize: int) -> Callable[[Builder], Builder]:

@@ -178,6 +178,10 @@ def test_a_light_program_compiled_beside_is_not_compiled_again_by_its_call():
     init.compile_beside(key, sample)
     variables = init(key, sample)
   assert log.count == 1, log.names  # the thread's
+  with compilation.CompileLog() as log:  # called with such arguments: nothing to compile
+    init.compile_beside(key, sample)
+    init(key, sample)
+  assert log.count == 0, log.names
   want = compilation.light_jit(model.init)(key, sample)
   for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(variables)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -162,3 +162,17 @@ def test_program_size_compiles_the_round_without_the_parts_cut_and_restores_them
   with pytest.raises(ValueError, match="unknown parts"):
     with without(("server", "clients")):
       pass
+
+
+@pytest.mark.slow
+def test_startup_times_each_phase_of_a_run_through_the_driver(capsys):
+  from benchmarks import startup
+  from tests.helpers import skip_without_fashion_mnist
+
+  skip_without_fashion_mnist()
+  row = startup.main(["--groups", "cnn@0.25,cnn@0.125", "--round-program", "host", "--max-train-samples", "600",
+                      "--batch-size", "32"])
+  assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == row
+  assert row["driver"] == "sequential" and row["platform"] == "cpu"
+  assert all(row[k] > 0 for k in ("import_s", "setup_s", "first_call_s", "second_call_s")), row
+  assert row["second_call_s"] < row["first_call_s"], row  # (the first compiles)

@@ -170,7 +170,7 @@ def test_startup_times_each_phase_of_a_run_through_the_driver(capsys):
   from tests.helpers import skip_without_fashion_mnist
 
   skip_without_fashion_mnist()
-  row = startup.main(["--groups", "cnn@0.25,cnn@0.125", "--round-program", "host", "--max-train-samples", "600",
+  row = startup.main(["--groups", "cnn@0.25,cnn@0.125", "--round-program", "host", "--max-train-samples", "3000",
                       "--batch-size", "32"])
   assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == row
   assert row["driver"] == "sequential" and row["platform"] == "cpu"

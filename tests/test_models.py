@@ -347,8 +347,8 @@ def test_resnet_uses_the_tiny_map_convolution():
 def test_building_a_simulation_traces_each_model_once_for_its_shapes():
   """The checks, the choice of the global model, the union's layout and the initialization share one trace of a
   model's shapes (`models.variable_shapes`): building a simulation and its initial state traces a group's model
-  once for them and twice for the dissimilarity's low and high parts (the initialization's program, traced on the
-  thread that compiles it, adds one for the global model at most)."""
+  once for them and twice for the dissimilarity's low and high parts (the initialization's program adds one for the
+  global model)."""
   from tests.helpers import simulation, tiny_resnet
 
   compilation.release_programs()

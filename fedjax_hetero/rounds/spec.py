@@ -126,10 +126,12 @@ class RoundSpec:
   @classmethod
   def build(cls, groups: Sequence[ArchGroup], store: FederatedStore, local: LocalConfig, method: Method,
             config: FederationConfig, test_images: jax.Array, test_labels: jax.Array,
-            held_out: Sequence[np.ndarray] | None = None) -> "RoundSpec":
+            held_out: Sequence[np.ndarray] | None = None, compile_init: bool = False) -> "RoundSpec":
     """The spec of ``groups`` training ``method`` on ``store``; ValueError naming the argument that does not fit
     (`rounds.checks`), before anything is traced or computed. ``held_out``: every client's held-out sample ids
-    (into the store's images, none of them in its training part: `data.hold_out`), for per-client evaluation."""
+    (into the store's images, none of them in its training part: `data.hold_out`), for per-client evaluation.
+    ``compile_init``: the initialization starts compiling on a thread once the global model is chosen, while the
+    rest is built in Python (for a caller that initializes next, as the experiment driver does)."""
     check_simulation_inputs(groups, store, local, method, config, test_images, test_labels)
     check_federation(config, store.num_clients, [g.name for g in groups], method)
     if config.group_draw and any(t.memory for t in method.terms):
@@ -138,8 +140,8 @@ class RoundSpec:
     sample = jnp.zeros((1,) + tuple(store.images.shape[1:]), jnp.float32)
     shapes = [variable_shapes(g.model, sample.shape[1:]) for g in groups]
     global_index = pick_global(shapes, [g.name for g in groups])
-    # The initialization compiles on a thread of its own (XLA's work, outside Python) while the rest is built.
-    _init_program(groups[global_index].model).compile_beside(jax.random.key(config.seed), sample)
+    if compile_init:
+      _init_program(groups[global_index].model).compile_beside(jax.random.key(config.seed), sample)
     base_maps = tuple(method.submodel(shapes[global_index], s, g.name) for g, s in zip(groups, shapes))
     maps = base_maps
     if method.own_leaves and method.sharing.shared and len(groups) > 1:

@@ -170,10 +170,11 @@ def with_run_settings(config: RunConfig, method: Method) -> Method:
 
 
 def build_simulation(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
-                     log: Callable[[str], None] = print, method: Method | None = None
+                     log: Callable[[str], None] = print, method: Method | None = None, compile_init: bool = False
                      ) -> tuple[Simulation, list[np.ndarray]]:
   """Loads and partitions the data and builds the simulation (no training yet); ``method``: the run's method
-  as `run_method` made it (made here when not given). The parts returned are the clients' training parts."""
+  as `run_method` made it (made here when not given). The parts returned are the clients' training parts.
+  ``compile_init``: `RoundSpec.build`'s (a caller that initializes next)."""
   method = method or run_method(config)
   dataset, parts = partitioned_dataset(config, dataset)
   parts, held_out = training_parts(config, parts)
@@ -187,7 +188,8 @@ def build_simulation(config: RunConfig, dataset: fdata.ArrayDataset | None = Non
   backend = make_backend(config.backend)
   terms = ", ".join(t.name for t in method.terms)
   spec = RoundSpec.build(groups, store, config.client, with_run_settings(config, method), config.federation,
-                         jnp.asarray(dataset.test_images), jnp.asarray(dataset.test_labels), held_out)
+                         jnp.asarray(dataset.test_images), jnp.asarray(dataset.test_labels), held_out,
+                         compile_init=compile_init)
   sim = make_simulation(spec, backend, config.round_program, config.rounds_per_call)
   split = config.data.partition_file or config.data.partition
   log(f"{dataset.name}: {len(dataset.train_labels)} train / {len(dataset.test_labels)} test samples, "

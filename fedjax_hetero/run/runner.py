@@ -115,7 +115,7 @@ def plan(config: RunConfig, dataset: fdata.ArrayDataset | None, log: Log, method
   config.data.check_paths()
   config, history, changed = continuation.history(config, log)
   method = method_for(config, method)  # (a resume goes on with the learning rate a rollback left)
-  sim, parts = build_simulation(config, dataset, log, method)  # the data loads before the folder is made
+  sim, parts = build_simulation(config, dataset, log, method, compile_init=True)  # (before the folder is made)
   data = results_folder.check_data(config, sim.spec, log)  # a resume trains on the data it started on
   return Planned(config, history, changed, method, sim, parts, data)
 

@@ -226,11 +226,11 @@ class Simulation:
                        f"--clients-per-round ({capacity}): use --round-program fused")
     if in_program:
       data, program = RoundData.of(spec, self.cohorts.offsets()), self.program(call.statics)
-      (a, b), beside = call.pieces(evaluate)[0], [while_compiling] if while_compiling else []
-      if any(call.first + b in evaluate for _, b in call.pieces(evaluate)):
+      pieces, beside = call.pieces(evaluate), [while_compiling] if while_compiling else []
+      if any(call.first + end in evaluate for _, end in pieces):
         beside.append(lambda: self._compile_evaluation(state, data))
-      self._compile_traced((state.models, state.steps), state.memory, call.inputs_from(a), np.int32(b - a), data,
-                           program=program, beside=beside)
+      self._compile_traced((state.models, state.steps), state.memory, call.inputs, np.int32(pieces[0][1]), data,
+                           program=program, beside=beside)  # (as `run_pieces` calls it first: from round 0)
 
       def evaluation(index, server):
         self._compiling["evaluation"].result()  # (compiled)

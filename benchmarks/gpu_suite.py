@@ -61,9 +61,11 @@ class Suite:
   def left(self) -> float:
     return self.budget_s - (time.perf_counter() - self.start)
 
-  def run(self, name: str, argv: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[int, str]:
-    """Runs ``argv`` (logs to OUT/name.log); its exit status (124 on timeout) and stdout."""
-    timeout = max(1.0, min(timeout * (SMOKE_SLOWER if self.smoke else 1), self.left()))
+  def run(self, name: str, argv: list[str], timeout: float, env: dict[str, str] | None = None,
+          reserve_s: float = 0.0) -> tuple[int, str]:
+    """Runs ``argv`` (logs to OUT/name.log); its exit status (124 on timeout) and stdout. ``reserve_s``: seconds
+    of the budget kept for the steps after it."""
+    timeout = max(1.0, min(timeout * (SMOKE_SLOWER if self.smoke else 1), self.left() - reserve_s))
     t0 = time.perf_counter()
     with open(os.path.join(self.out, f"{name}.log"), "w") as log:
       # A session of its own, killed whole on timeout: a step's own subprocesses (peer_torch's sides) would
@@ -98,11 +100,12 @@ def json_rows(stdout: str) -> list[dict[str, Any]]:
   return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
-def probes(suite: Suite) -> dict[str, Any]:
+def probes(suite: Suite, skip: set[str]) -> dict[str, Any]:
   """The decision probes: which per-client convolution, union or per-group steps, and which cohort mapping."""
-  small = suite.smoke
-  _, conv = suite.run("client_conv", [sys.executable, "-m", "benchmarks.client_conv", "--widths", "0.25",
-                                      *(["--batch", "8", "--steps", "2"] if small else [])], 40)
+  small, conv = suite.smoke, ""
+  if "client_conv" not in skip:
+    _, conv = suite.run("client_conv", [sys.executable, "-m", "benchmarks.client_conv", "--widths", "0.25",
+                                        *(["--batch", "8", "--steps", "2"] if small else [])], 40)
   size = ["--width", "0.125", "--clients-per-group", "1", "--batch", "16", "--steps", "2"] if small else []
   _, union = suite.run("depth_union", [sys.executable, "-m", "benchmarks.depth_union", "--variants",
                                        "union,groups", *size], 90)
@@ -132,7 +135,8 @@ def xla_flags(suite: Suite) -> dict[str, Any]:
   return {"rows": rows, "chosen": chosen}
 
 
-def peer(suite: Suite, width: str, program: str, rounds: int, sides: str, cap: float, tag: str = "") -> dict[str, Any]:
+def peer(suite: Suite, width: str, program: str, rounds: int, sides: str, cap: float, tag: str = "",
+         reserve_s: float = 0.0) -> dict[str, Any]:
   size = (["--num-clients", "8", "--clients-per-round", "4", "--rounds", "3", "--max-train-samples", "2000",
            "--eval-samples", "200"] if suite.smoke else ["--num-clients", "100", "--clients-per-round", "10",
                                                            "--rounds", str(rounds)])
@@ -140,7 +144,7 @@ def peer(suite: Suite, width: str, program: str, rounds: int, sides: str, cap: f
   groups = SMOKE_GROUPS if suite.smoke else INCO.format(w=width)
   argv = [sys.executable, "-m", "benchmarks.peer_torch", "--groups", groups, "--device", device, *size,
           "--round-program", program, "--sides", sides]
-  _, out = suite.run(f"peer_{width}_{program}{tag}", argv, cap)
+  _, out = suite.run(f"peer_{width}_{program}{tag}", argv, cap, reserve_s=reserve_s)
   side = lambda s: next((r for r in json_rows(out) if r.get("side") == s), {})
   return {"ours": side("jax"), "torch": side("torch"), "program": program}
 
@@ -301,20 +305,22 @@ def main(argv: list[str] | None = None) -> str:
   p.add_argument("--budget-s", type=float, default=470.0, help="the whole suite's time budget")
   p.add_argument("--smoke", action="store_true", help="toy sizes on any platform (checks the script)")
   p.add_argument("--round-program", default="union", help="our driver in the peer rows (union, fused, host)")
-  p.add_argument("--skip", default="", 
-                 help="comma-separated steps to leave out: flags, probes, throughput, peer1, many_runs")
+  p.add_argument("--skip", default="",
+                 help="comma-separated steps to leave out: flags, probes (or one of them: client_conv), throughput, "
+                      "peer1, many_runs")
   args = p.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
   suite, skip = Suite(args.out, args.budget_s, args.smoke), set(args.skip.split(","))
   results: dict[str, Any] = {"flags": {} if "flags" in skip else xla_flags(suite)}
-  results.update({"probes": {} if "probes" in skip else probes(suite), "peer": {}})
+  results.update({"probes": {} if "probes" in skip else probes(suite, skip), "peer": {}})
   results["peer"]["0.25"] = peer(suite, "0.25", args.round_program, 4, "both", 150)
   # The same program again, from the persistent cache the first run filled (gpu_suite.sh's fresh directory).
   results["peer_warm"] = peer(suite, "0.25", args.round_program, 2, "jax", 45, "_warm")
   results["demo"] = demo(suite)
   results["throughput"] = [] if "throughput" in skip else throughput(suite)
   if "peer1" not in skip:
-    results["peer"]["1"] = peer(suite, "1", args.round_program, 3, "jax", 150)  # (its first round: 114 s on an H200)
+    # (its first round: 114 s on an H200), leaving the InCo protocol enough for two calls (first 80 s, then ~8 s)
+    results["peer"]["1"] = peer(suite, "1", args.round_program, 3, "jax", 150, reserve_s=0 if args.smoke else 100)
   results["many_runs"] = {} if "many_runs" in skip else many_runs(suite)
   results["inco"] = inco_protocol(suite, 30.0 if args.smoke else max(20.0, suite.left() - 5))
   text = table(results, suite.notes, args.smoke)

@@ -150,7 +150,8 @@ def check_command(command: list[str]) -> None:
 ARGPARSE_MAINS = {"experiments.compare", "experiments.analyze", "experiments.launch", "benchmarks.throughput",
                   "benchmarks.method_overhead", "benchmarks.peer_torch", "benchmarks.scaling",
                   "benchmarks.layer_profile", "benchmarks.program_size", "benchmarks.depth_union",
-                  "benchmarks.client_conv", "benchmarks.cost_overhead", "benchmarks.startup"}
+                  "benchmarks.client_conv", "benchmarks.cost_overhead", "benchmarks.startup",
+                  "benchmarks.device_profile"}
 
 
 def check_module(name: str, argv: list[str]) -> None:

@@ -6,8 +6,13 @@ C clients, each with its own 3x3 kernel and its own batch of B maps, one layer o
 inputs (stage 1 at 7x7 ... stage 4 at 1x1, channels 64, 128, 256, 512 times the width). Each form runs
 ``--steps`` forward + backward passes (gradients of the input and the kernels) in one device loop:
 
-* ``grouped``: ``vmap`` of the convolution over clients, which XLA turns into one grouped convolution
-  (``feature_group_count = C``), what a vmapped client step runs today;
+* ``grouped``: the gradient of ``vmap`` of the convolution over clients, which XLA turns into one grouped
+  convolution (``feature_group_count = C``), its kernel gradient one with ``batch_group_count = C``;
+* ``client_gradients``: ``vmap`` over clients of each client's gradient, as a vmapped client step computes it
+  with jax's own convolution: the kernel gradient becomes a convolution with ``feature_group_count = C`` over
+  the clients' batches, which cuDNN runs as C convolutions;
+* ``client_gradients_batch_groups``: the same through `models.client_conv.client_convolution`, whose kernel
+  gradient under ``vmap`` is ``grouped``'s (what the library runs on an accelerator);
 * ``patches``: the maps' 3x3 patches (``lax.conv_general_dilated_patches``) times each client's kernel
   reshaped to (9 * in, out), one batched matrix product over clients;
 * ``batch``: the limit, not per-client: one kernel over all C x B maps (one plain convolution).
@@ -26,8 +31,9 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import emit_json_lines
+from fedjax_hetero.models.client_conv import client_convolution
 
-FORMS = ("grouped", "patches", "batch")
+FORMS = ("grouped", "client_gradients", "client_gradients_batch_groups", "patches", "batch")
 STAGES = ((7, 64), (4, 128), (2, 256), (1, 512))  # (map side, channels at width 1) after the ImageNet stem
 _NHWC = ("NHWC", "HWIO", "NHWC")
 
@@ -49,14 +55,20 @@ def patches_convolution(lhs, rhs, window_strides, padding, lhs_dilation=None, rh
   return jax.lax.dot_general(patches, kernel, (((3,), (0,)), ((), ())), precision=precision)
 
 
+def client_conv(x, kernel):
+  return client_convolution(x, kernel, (1, 1), ((1, 1), (1, 1)), dimension_numbers=_NHWC)
+
+
 def patches_conv(x, kernel):
   return patches_convolution(x, kernel, (1, 1), ((1, 1), (1, 1)))
 
 
 def layer(form: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
   """A layer over client-stacked maps [C, B, H, W, in] and kernels [C, 3, 3, in, out] (``batch``: one kernel)."""
-  if form == "grouped":
+  if form in ("grouped", "client_gradients"):
     return jax.vmap(conv)
+  if form == "client_gradients_batch_groups":
+    return jax.vmap(client_conv)
   if form == "patches":
     return jax.vmap(patches_conv)
   return lambda x, k: conv(x.reshape((-1,) + x.shape[2:]), k[0]).reshape(x.shape[:-1] + k.shape[-1:])
@@ -68,7 +80,12 @@ def program(form: str, steps: int):
   def run(x, kernels):
     def step(_, carry):
       x, kernels = carry
-      gx, gk = jax.grad(lambda x, k: jnp.sum(jnp.tanh(apply(x, k))), argnums=(0, 1))(x, kernels)
+      loss = lambda x, k: jnp.sum(jnp.tanh(apply(x, k)))
+      if form.startswith("client_gradients"):  # each client's gradient of its own layer, vmapped
+        one = client_conv if form.endswith("batch_groups") else conv
+        gx, gk = jax.vmap(jax.grad(lambda x, k: jnp.sum(jnp.tanh(one(x, k))), argnums=(0, 1)))(x, kernels)
+      else:
+        gx, gk = jax.grad(loss, argnums=(0, 1))(x, kernels)
       return x - 1e-3 * gx, kernels - 1e-3 * gk
     return jax.lax.fori_loop(0, steps, step, (x, kernels))
 
@@ -114,6 +131,12 @@ def _check_forms_agree() -> None:
   same = jnp.broadcast_to(k[:1], k.shape)
   if not jnp.allclose(layer("batch")(x, same), layer("grouped")(x, same), rtol=1e-4, atol=1e-4):
     raise SystemExit("error: the batch form differs from the grouped convolution")
+  loss = lambda f: lambda x, k: jnp.sum(jnp.tanh(f(x, k)))
+  whole = jax.grad(loss(layer("grouped")), argnums=(0, 1))(x, k)
+  for one in (conv, client_conv):
+    each = jax.vmap(jax.grad(loss(one), argnums=(0, 1)))(x, k)
+    if not all(jnp.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(whole, each)):
+      raise SystemExit(f"error: the clients' gradients through {one.__name__} differ from the grouped form's")
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:

@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fedjax_hetero.models.common import Part, max_pool, run_parts, scale_channels, scaler
+from fedjax_hetero.models.common import Part, lax_convolution, max_pool, run_parts, scale_channels, scaler
 
 Array = jax.Array
 
@@ -46,7 +46,8 @@ class CNN(nn.Module):
     rate = self.width if self.scaler else None
 
     def conv(name: str, channels: int, h: Array) -> Array:
-      h = nn.Conv(scale_channels(channels, self.width), (3, 3), padding="SAME", name=name)(h)
+      h = nn.Conv(scale_channels(channels, self.width), (3, 3), padding="SAME", name=name,
+                  conv_general_dilated=lax_convolution)(h)
       return max_pool(nn.relu(scaler(h, rate, train)), (2, 2), (2, 2))
 
     def features(h: Array) -> Array:

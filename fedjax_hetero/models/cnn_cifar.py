@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 
 from fedjax_hetero.models.cnn import flatten_channel_major
-from fedjax_hetero.models.common import Part, max_pool, run_parts, scale_channels
+from fedjax_hetero.models.common import Part, lax_convolution, max_pool, run_parts, scale_channels
 from fedjax_hetero.models.resnet import dense_init
 
 Array = jax.Array
@@ -39,7 +39,7 @@ class CNNCifar(nn.Module):
 
     def conv(name: str, channels: int, h: Array) -> Array:
       h = nn.Conv(scale_channels(channels, self.width), (5, 5), padding="VALID", kernel_init=dense_init,
-                  name=name)(h)
+                  conv_general_dilated=lax_convolution, name=name)(h)
       return max_pool(nn.relu(h), (2, 2), (2, 2))
 
     def dense(name: str, size: int, h: Array) -> Array:

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from fedjax_hetero.models import client_conv
+
 Array = jax.Array
 Part = tuple[str, Callable[[Array], Array]]
 Path = tuple[str, ...]
@@ -152,6 +154,21 @@ SMALL_MAP_POSITIONS = 4
 _NHWC = ("NHWC", "HWIO", "NHWC")
 
 
+def lax_convolution(lhs: Array, rhs: Array, window_strides: Sequence[int], padding: str | Sequence[tuple[int, int]],
+                    lhs_dilation: Sequence[int] | None = None, rhs_dilation: Sequence[int] | None = None,
+                    dimension_numbers: Any = None, feature_group_count: int = 1, precision: Any = None,
+                    preferred_element_type: Any = None) -> Array:
+  """``lax.conv_general_dilated``, a drop-in for ``nn.Conv(conv_general_dilated=...)``; on an accelerator (one
+  group, no preferred element type) with its kernel gradient batched over clients as one grouped
+  backward-filter convolution (`models.client_conv`)."""
+  if feature_group_count == 1 and preferred_element_type is None and client_conv.by_batch_groups():
+    return client_conv.client_convolution(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+                                          dimension_numbers, precision)
+  return jax.lax.conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+                                      dimension_numbers, feature_group_count, precision=precision,
+                                      preferred_element_type=preferred_element_type)
+
+
 def convolution(lhs: Array, rhs: Array, window_strides: Sequence[int], padding: str | Sequence[tuple[int, int]],
                 lhs_dilation: Sequence[int] | None = None, rhs_dilation: Sequence[int] | None = None,
                 dimension_numbers: Any = None, feature_group_count: int = 1, precision: Any = None,
@@ -165,12 +182,11 @@ def convolution(lhs: Array, rhs: Array, window_strides: Sequence[int], padding: 
   XLA:CPU runs such a layer's forward and backward 1.5-5x faster than its convolution there
   (docs/performance.md, "Convolutions on tiny maps"). The result is the same sum in another order.
   Anything else (larger maps, 1x1 kernels, dilation, groups, other layouts, empty outputs, negative
-  padding, taps that all read padding) is ``lax.conv_general_dilated``.
+  padding, taps that all read padding) is `lax_convolution`.
   """
   def lax_conv():
-    return jax.lax.conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
-                                        dimension_numbers, feature_group_count, precision=precision,
-                                        preferred_element_type=preferred_element_type)
+    return lax_convolution(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+                           feature_group_count, precision, preferred_element_type)
 
   if lhs.ndim != 4 or feature_group_count != 1 or preferred_element_type is not None:
     return lax_conv()

@@ -29,7 +29,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fedjax_hetero.models.common import Part, bn_mask, convolution, run_parts, scale_channels
+from fedjax_hetero.models.common import Part, bn_mask, convolution, lax_convolution, run_parts, scale_channels
 from fedjax_hetero.models.resnet import conv_init, dense_init
 
 Array = jax.Array
@@ -112,7 +112,8 @@ class PreActResNet(nn.Module):
     def stem(h: Array) -> Array:
       # No BN-ReLU here: the first block pre-activates its input.
       return nn.Conv(scale_channels(self.base_channels, self.width), (3, 3), padding=((1, 1), (1, 1)),
-                     use_bias=False, kernel_init=conv_init, dtype=self.dtype, name="stem_conv")(h)
+                     use_bias=False, kernel_init=conv_init, dtype=self.dtype,
+                     conv_general_dilated=lax_convolution, name="stem_conv")(h)
 
     def stage(index: int, h: Array) -> Array:
       planes = scale_channels(self.base_channels * 2**index, self.width)

@@ -24,8 +24,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fedjax_hetero.models.common import (Part, StepSize, bn_mask, convolution, max_pool, run_parts, scale_channels,
-                                         scaler)
+from fedjax_hetero.models.common import (Part, StepSize, bn_mask, convolution, lax_convolution, max_pool, run_parts,
+                                         scale_channels, scaler)
 
 Array = jax.Array
 
@@ -166,7 +166,7 @@ class ResNet(nn.Module):
       else:
         kernel, strides, pad = (3, 3), (1, 1), ((1, 1), (1, 1))
       h = nn.Conv(channels, kernel, strides, padding=pad, use_bias=False, kernel_init=conv_init,
-                  dtype=self.dtype, name="stem_conv")(h)
+                  dtype=self.dtype, conv_general_dilated=lax_convolution, name="stem_conv")(h)
       h = scaler(h, rate, train)
       h = nn.relu(_batch_norm(train, self.dtype, "stem_bn")(h, mask=bn_mask(mask, h)))
       if self.stem == "imagenet":

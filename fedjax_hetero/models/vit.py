@@ -25,7 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fedjax_hetero.models.common import Part, run_parts, scale_channels
+from fedjax_hetero.models.common import Part, lax_convolution, run_parts, scale_channels
 from fedjax_hetero.models.resnet import dense_init
 
 Array = jax.Array
@@ -123,7 +123,7 @@ class ViT(nn.Module):
     def embedding(h: Array) -> Array:
       p = self.patch_size
       h = nn.Conv(embed, (p, p), (p, p), padding="VALID", kernel_init=dense_init, dtype=self.dtype,
-                  name="patch_embed")(h)
+                  conv_general_dilated=lax_convolution, name="patch_embed")(h)
       h = h.reshape(h.shape[0], -1, embed)
       cls = self.param("cls_token", nn.initializers.normal(1e-6), (1, 1, embed))
       h = jnp.concatenate([jnp.broadcast_to(cls, (h.shape[0], 1, embed)).astype(h.dtype), h], axis=1)

@@ -1,0 +1,98 @@
+"""models.client_conv: clients' kernel gradients as one grouped backward-filter convolution under vmap."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_hetero import models
+from fedjax_hetero.models import client_conv
+
+NHWC = ("NHWC", "HWIO", "NHWC")
+
+
+@pytest.fixture
+def on_this_platform(monkeypatch):
+  """`models.common.convolution` and the stems use `client_convolution` here too (an accelerator's choice)."""
+  monkeypatch.setattr(client_conv, "KERNEL_GRADIENT_BY_BATCH_GROUPS", (jax.default_backend(),))
+
+
+def conv_loss(convolve):
+  return lambda x, k: jnp.sum(jnp.tanh(convolve(x, k, (2, 1), ((1, 0), (1, 1)), dimension_numbers=NHWC)))
+
+
+def inputs(clients=3):
+  x = jax.random.normal(jax.random.key(0), (clients, 2, 6, 5, 3))
+  k = 0.3 * jax.random.normal(jax.random.key(1), (clients, 3, 2, 3, 4))
+  return x, k
+
+
+def test_a_vmapped_clients_kernel_gradient_is_one_batch_grouped_convolution_with_jax_own_values():
+  x, k = inputs()
+  ours = jax.jit(jax.vmap(jax.grad(conv_loss(client_conv.client_convolution), argnums=(0, 1))))
+  jaxs = jax.jit(jax.vmap(jax.grad(conv_loss(jax.lax.conv_general_dilated), argnums=(0, 1))))
+  assert "batch_group_count = 3" in ours.lower(x, k).as_text()
+  assert "batch_group_count = 3" not in jaxs.lower(x, k).as_text()  # (jax's own: feature groups over the batch)
+  for a, b in zip(ours(x, k), jaxs(x, k)):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+
+def test_unbatched_its_gradient_is_jax_own_to_the_bit():
+  x, k = inputs()
+  ours = jax.grad(conv_loss(client_conv.client_convolution), argnums=(0, 1))(x[0], k[0])
+  jaxs = jax.grad(conv_loss(jax.lax.conv_general_dilated), argnums=(0, 1))(x[0], k[0])
+  for a, b in zip(ours, jaxs):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("in_axes", [(None, 0), (0, None)])
+def test_one_side_batched_gives_jax_own_gradients(in_axes):
+  x, k = inputs()
+  x, k = (x[0] if in_axes[0] is None else x), (k[0] if in_axes[1] is None else k)
+  grads = lambda convolve: jax.vmap(jax.grad(conv_loss(convolve), argnums=(0, 1)), in_axes=in_axes)(x, k)
+  for a, b in zip(grads(client_conv.client_convolution), grads(jax.lax.conv_general_dilated)):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+
+def test_runs_of_clients_nested_vmaps_give_jax_own_gradients():
+  x, k = inputs(4)
+  x, k = x.reshape((2, 2) + x.shape[1:]), k.reshape((2, 2) + k.shape[1:])
+  grads = lambda convolve: jax.vmap(jax.vmap(jax.grad(conv_loss(convolve), argnums=(0, 1))))(x, k)
+  for a, b in zip(grads(client_conv.client_convolution), grads(jax.lax.conv_general_dilated)):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+
+def resnet_client_gradients():
+  model = models.build_model("resnet10", 10, 0.125)
+  x = jax.random.normal(jax.random.key(3), (3, 4, 28, 28, 1))
+  variables = jax.vmap(lambda key: model.init(key, x[0], train=False))(jax.random.split(jax.random.key(4), 3))
+
+  def loss(variables, x):
+    logits, _ = model.apply(variables, x, train=True, mutable=["batch_stats"])
+    return jnp.sum(logits ** 2)
+
+  step = jax.jit(jax.vmap(jax.grad(loss)))
+  return step.lower(variables, x).as_text(), step(variables, x)
+
+
+def test_a_resnet_trains_its_clients_convolutions_by_batch_groups_where_chosen(on_this_platform):
+  text, ours = resnet_client_gradients()
+  assert text.count("batch_group_count = 3") >= 4  # the stem and the 3x3 convolutions of the larger maps
+  client_conv.KERNEL_GRADIENT_BY_BATCH_GROUPS = ()
+  default_text, jaxs = resnet_client_gradients()
+  assert "batch_group_count = 3" not in default_text
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(ours)[0], jax.tree.leaves(jaxs)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(b))), err_msg=str(path))
+
+
+def test_a_cpu_keeps_jax_own_kernel_gradient():
+  assert "cpu" not in client_conv.KERNEL_GRADIENT_BY_BATCH_GROUPS
+  if jax.default_backend() == "cpu":
+    assert not client_conv.by_batch_groups()
+
+
+def test_the_benchmark_forms_compute_the_same_layer_and_gradients():
+  from benchmarks import client_conv as bench
+
+  bench.check_forms_agree()  # (raises SystemExit naming the form that differs)
+  assert {"client_gradients", "client_gradients_batch_groups"} <= set(bench.FORMS)

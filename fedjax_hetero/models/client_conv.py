@@ -14,9 +14,9 @@ backward-filter convolution. `client_convolution` computes its kernel gradient t
 (`jax.custom_batching.custom_vmap`), and as jax does otherwise. The input's gradient and the forward pass are
 jax's own.
 
-XLA:CPU runs the ``batch_group_count`` form 4-14 times slower than the other (`python -m
-benchmarks.client_conv --kernel-gradient`), so on a CPU `convolution` keeps jax's own gradient
-(`KERNEL_GRADIENT_BY_BATCH_GROUPS` says where this one is used).
+XLA:CPU runs the ``batch_group_count`` form slower than the other (1.2-1.4x a layer's pass at the InCo @0.25
+shapes, `python -m benchmarks.client_conv --widths 0.25`), so on a CPU `models.common.lax_convolution` keeps
+jax's own gradient (`KERNEL_GRADIENT_BY_BATCH_GROUPS` says where this one is used).
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ device loop, compiled ahead, and is timed over three runs after a first:
 * ``batch``: the limit, not a federated computation: one model trained on the C clients' batches at once
   (C x batch samples a step).
 
-Prints one JSON line per (model, C, variant): compile seconds, milliseconds per step, samples per second and
-the variant's speed as a fraction of ``batch``'s.
+Prints one JSON line per (model, C, variant) as it is measured (``batch`` first): compile seconds, milliseconds
+per step, samples per second and the variant's speed as a fraction of ``batch``'s.
 """
 
 from __future__ import annotations
@@ -103,11 +103,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   rows = []
   for spec in args.models.split(","):
     for clients in (int(c) for c in args.clients.split(",")):
-      measured = {v: measure(spec, clients, v, args.batch, args.steps) for v in variants}
-      limit = measured.get("batch", {}).get("samples_per_s")
-      for row in measured.values():
+      limit = None  # (the limit first, so that each row is printed as soon as it is measured)
+      for variant in sorted(variants, key=lambda v: v != "batch"):
+        row = measure(spec, clients, variant, args.batch, args.steps)
+        limit = row["samples_per_s"] if variant == "batch" else limit
         rows.append({**row, "of_batch_limit": round(row["samples_per_s"] / limit, 3) if limit else None})
-  emit_json_lines(rows, args.output)
+        emit_json_lines(rows[-1:])
+  emit_json_lines(rows, args.output, echo=False)
   return rows
 
 

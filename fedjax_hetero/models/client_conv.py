@@ -48,16 +48,16 @@ def _kernel_gradient(params: tuple, kernel_shape: tuple[int, ...]) -> Callable[[
 
   @jax.custom_batching.custom_vmap
   def gradient(lhs: Array, cotangent: Array) -> Array:
-    zeros = jnp.zeros(kernel_shape, cotangent.dtype)
-    return jax.vjp(lambda kernel: _conv(lhs, kernel, params), zeros)[1](cotangent)[0]
+    kernel = jax.ShapeDtypeStruct(kernel_shape, cotangent.dtype)
+    return jax.linear_transpose(lambda kernel: _conv(lhs, kernel, params), kernel)(cotangent)[0]
 
   @gradient.def_vmap
   def batched(size: int, in_batched: tuple[bool, bool], lhs: Array, cotangent: Array) -> tuple[Array, bool]:
     lhs, cotangent = (x if b else jnp.broadcast_to(x, (size,) + x.shape)
                       for x, b in zip((lhs, cotangent), in_batched))
-    zeros = jnp.zeros((size,) + kernel_shape, cotangent.dtype)
+    kernels = jax.ShapeDtypeStruct((size,) + kernel_shape, cotangent.dtype)
     each = jax.vmap(lambda x, kernel: _conv(x, kernel, params))
-    return jax.vjp(lambda kernels: each(lhs, kernels), zeros)[1](cotangent)[0], True
+    return jax.linear_transpose(lambda kernels: each(lhs, kernels), kernels)(cotangent)[0], True
 
   return gradient
 
@@ -73,7 +73,7 @@ def _forward(lhs: Array, rhs: Array, params: tuple) -> tuple[Array, tuple[Array,
 
 def _backward(params: tuple, residuals: tuple[Array, Array], cotangent: Array) -> tuple[Array, Array]:
   lhs, rhs = residuals
-  input_gradient = jax.vjp(lambda x: _conv(x, rhs, params), lhs)[1](cotangent)[0]
+  input_gradient = jax.linear_transpose(lambda x: _conv(x, rhs, params), lhs)(cotangent)[0]
   return input_gradient, _kernel_gradient(params, rhs.shape)(lhs, cotangent)
 
 

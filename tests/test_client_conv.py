@@ -62,9 +62,9 @@ def test_runs_of_clients_nested_vmaps_give_jax_own_gradients():
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
 
 
-def resnet_client_gradients():
-  model = models.build_model("resnet10", 10, 0.125)
-  x = jax.random.normal(jax.random.key(3), (3, 4, 28, 28, 1))
+def client_gradients(name):
+  model = models.build_model(name.split("@")[0], 10, float(name.split("@")[1]))
+  x = jax.random.normal(jax.random.key(3), (3, 2, 16, 16, 1))
   variables = jax.vmap(lambda key: model.init(key, x[0], train=False))(jax.random.split(jax.random.key(4), 3))
 
   def loss(variables, x):
@@ -75,11 +75,13 @@ def resnet_client_gradients():
   return step.lower(variables, x).as_text(), step(variables, x)
 
 
-def test_a_resnet_trains_its_clients_convolutions_by_batch_groups_where_chosen(on_this_platform):
-  text, ours = resnet_client_gradients()
-  assert text.count("batch_group_count = 3") >= 4  # the stem and the 3x3 convolutions of the larger maps
+@pytest.mark.parametrize("name, convolutions", [
+    ("cnn@0.25", 2), pytest.param("resnet10@0.125", 4, marks=pytest.mark.slow)])  # (the stem and larger maps')
+def test_a_models_clients_train_their_convolutions_by_batch_groups_where_chosen(on_this_platform, name, convolutions):
+  text, ours = client_gradients(name)
+  assert text.count("batch_group_count = 3") >= convolutions
   client_conv.KERNEL_GRADIENT_BY_BATCH_GROUPS = ()
-  default_text, jaxs = resnet_client_gradients()
+  default_text, jaxs = client_gradients(name)
   assert "batch_group_count = 3" not in default_text
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(ours)[0], jax.tree.leaves(jaxs)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(b))), err_msg=str(path))

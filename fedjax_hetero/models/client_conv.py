@@ -5,8 +5,8 @@ is first derived for one client, then batched over the clients. For one client, 
 a convolution of the input with the output's cotangent, the batch acting as the channels summed over; batched
 over C clients (each with its own kernel) that becomes a convolution with ``feature_group_count = C`` over a
 [C * batch]-channel input. A GPU's cuDNN runs that form as C separate convolutions, each a poor fit for its
-kernels: on an H200, the InCo union's 28x28- and 14x14-map layers spent 63 of a round's 87 ms there
-(`benchmarks.device_profile`, peer @0.25).
+kernels: on an H200, the kernel gradients of the InCo union's stage-1 3x3 convolutions (7x7 maps) took 63 of a
+round's 87 ms that way, the stem's 9 more (`benchmarks.device_profile`, peer @0.25).
 
 Differentiating the already batched convolution instead (C clients' kernels as one grouped convolution) gives
 jax's other form of the same sum, ``batch_group_count = C``, which XLA hands to cuDNN as one grouped
@@ -33,7 +33,8 @@ KERNEL_GRADIENT_BY_BATCH_GROUPS = ("gpu", "cuda", "rocm", "tpu")
 
 
 def by_batch_groups() -> bool:
-  """Whether `models.common.convolution` uses `client_convolution` on the default backend."""
+  """Whether `models.common.lax_convolution` uses `client_convolution` on the default backend (read while a
+  program is traced)."""
   return jax.default_backend() in KERNEL_GRADIENT_BY_BATCH_GROUPS
 
 

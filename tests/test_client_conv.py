@@ -14,6 +14,7 @@ NHWC = ("NHWC", "HWIO", "NHWC")
 @pytest.fixture
 def on_this_platform(monkeypatch):
   """`models.common.convolution` and the stems use `client_convolution` here too (an accelerator's choice)."""
+  monkeypatch.delenv(client_conv.KERNEL_GRADIENT_VARIABLE, raising=False)
   monkeypatch.setattr(client_conv, "KERNEL_GRADIENT_BY_BATCH_GROUPS", (jax.default_backend(),))
 
 
@@ -87,10 +88,20 @@ def test_a_models_clients_train_their_convolutions_by_batch_groups_where_chosen(
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(b))), err_msg=str(path))
 
 
-def test_a_cpu_keeps_jax_own_kernel_gradient():
+def test_a_cpu_keeps_jax_own_kernel_gradient(monkeypatch):
+  monkeypatch.delenv(client_conv.KERNEL_GRADIENT_VARIABLE, raising=False)
   assert "cpu" not in client_conv.KERNEL_GRADIENT_BY_BATCH_GROUPS
   if jax.default_backend() == "cpu":
     assert not client_conv.by_batch_groups()
+
+
+def test_the_environment_chooses_the_form_on_any_platform(monkeypatch):
+  for choice, chosen in (("batch_groups", True), ("jax", False)):
+    monkeypatch.setenv(client_conv.KERNEL_GRADIENT_VARIABLE, choice)
+    assert client_conv.by_batch_groups() is chosen
+  monkeypatch.setenv(client_conv.KERNEL_GRADIENT_VARIABLE, "fast")
+  with pytest.raises(ValueError, match="auto, batch_groups or jax"):
+    client_conv.by_batch_groups()
 
 
 def test_the_benchmark_forms_compute_the_same_layer_and_gradients():

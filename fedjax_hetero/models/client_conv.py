@@ -16,12 +16,15 @@ jax's own.
 
 XLA:CPU runs the ``batch_group_count`` form slower than the other (1.2-1.4x a layer's pass at the InCo @0.25
 shapes, `python -m benchmarks.client_conv --widths 0.25`), so on a CPU `models.common.lax_convolution` keeps
-jax's own gradient (`KERNEL_GRADIENT_BY_BATCH_GROUPS` says where this one is used).
+jax's own gradient (`KERNEL_GRADIENT_BY_BATCH_GROUPS` says where this one is used). The environment variable
+``FEDJAX_HETERO_KERNEL_GRADIENT`` (``batch_groups`` or ``jax``; default ``auto``) chooses one form on every
+platform, to compare them on one machine.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Callable
 
 import jax
@@ -30,12 +33,16 @@ import jax.numpy as jnp
 Array = jax.Array
 # Platforms whose clients' kernel gradients are computed as one grouped backward-filter convolution.
 KERNEL_GRADIENT_BY_BATCH_GROUPS = ("gpu", "cuda", "rocm", "tpu")
+KERNEL_GRADIENT_VARIABLE = "FEDJAX_HETERO_KERNEL_GRADIENT"
 
 
 def by_batch_groups() -> bool:
-  """Whether `models.common.lax_convolution` uses `client_convolution` on the default backend (read while a
-  program is traced)."""
-  return jax.default_backend() in KERNEL_GRADIENT_BY_BATCH_GROUPS
+  """Whether `models.common.lax_convolution` uses `client_convolution`: on the default backend, unless
+  ``FEDJAX_HETERO_KERNEL_GRADIENT`` says (read while a program is traced)."""
+  choice = os.environ.get(KERNEL_GRADIENT_VARIABLE, "auto")
+  if choice not in ("auto", "batch_groups", "jax"):
+    raise ValueError(f"{KERNEL_GRADIENT_VARIABLE}={choice!r}: use auto, batch_groups or jax")
+  return jax.default_backend() in KERNEL_GRADIENT_BY_BATCH_GROUPS if choice == "auto" else choice == "batch_groups"
 
 
 def _conv(lhs: Array, rhs: Array, params: tuple) -> Array:

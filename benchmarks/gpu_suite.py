@@ -319,7 +319,8 @@ def main(argv: list[str] | None = None) -> str:
   results["demo"] = demo(suite)
   results["throughput"] = [] if "throughput" in skip else throughput(suite)
   if "peer1" not in skip:
-    # (its first round: 114 s on an H200), leaving the InCo protocol enough for two calls (first 80 s, then ~8 s)
+    # (its first round: 27 s on an H200, 114 s before), leaving the InCo protocol enough for two calls (the first
+    # 91 s, then ~8 s)
     results["peer"]["1"] = peer(suite, "1", args.round_program, 3, "jax", 150, reserve_s=0 if args.smoke else 100)
   results["many_runs"] = {} if "many_runs" in skip else many_runs(suite)
   results["inco"] = inco_protocol(suite, 30.0 if args.smoke else max(20.0, suite.left() - 5))

@@ -7,10 +7,11 @@ Steps (each a subprocess, so each whole-process time is real; each capped so tha
 a step that fails or passes its cap is reported as such, never dropped silently; the table is printed from
 whatever finished):
 
-1. the decision probes (about two minutes): XLA's GPU options (`FLAG_SETS`) on the InCo depths' union step, the
-   chosen set then used by every later step; per-client convolutions (`benchmarks.client_conv`, 10 clients, @0.25),
-   the InCo depths' one local step as a masked union against per-group steps (`benchmarks.depth_union`), and
-   how a cohort of 10 clients shares the GPU (`benchmarks.client_mapping`);
+1. the decision probes (about two minutes): per-client convolutions and their kernel gradients' two forms
+   (`benchmarks.client_conv`, 10 clients, @0.25), the InCo depths' one local step as a masked union against
+   per-group steps (`benchmarks.depth_union`), and how a cohort of 10 clients shares the GPU
+   (`benchmarks.client_mapping`); with ``--with-flags`` first XLA's GPU options (`FLAG_SETS`) on the union step,
+   the chosen set then used by every later step (measured on an H200: none helps, so it is off by default);
 2. the peer workload (`benchmarks.peer_torch`: HeteroAvg, ResNet10...26, 100 clients, 10 per round, one epoch
    of Adam at batch 64) at width 0.25, 4 rounds: the PyTorch loop and our ``--round-program`` (default union)
    side by side; then ours again for 2 rounds, its first round from the persistent cache the first run filled;
@@ -172,7 +173,8 @@ def demo(suite: Suite) -> dict[str, Any]:
 def many_runs(suite: Suite) -> dict[str, Any]:
   """R = 8 seeds of the InCo @0.25 workload in one program against one run alone (`benchmarks.many_runs`)."""
   size = ["--smoke", "--runs", "8"] if suite.smoke else ["--workload", "inco", "--runs", "8", "--rounds", "3"]
-  _, out = suite.run("many_runs", [sys.executable, "-m", "benchmarks.many_runs", *size], 90)
+  _, out = suite.run("many_runs", [sys.executable, "-m", "benchmarks.many_runs", *size], 90,
+                     reserve_s=0 if suite.smoke else 100)  # (the InCo protocol's two calls, as peer @1 keeps)
   rows = json_rows(out)
   alone = next((r["samples_per_s"] for r in rows if r.get("alone")), None)
   eight = next((r["samples_per_s"] for r in rows if r.get("runs") == 8 and not r.get("alone")), None)
@@ -302,16 +304,17 @@ def table(results: dict[str, Any], notes: list[str], smoke: bool = False) -> str
 def main(argv: list[str] | None = None) -> str:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("out", help="folder for the logs, JSON lines and table.md")
-  p.add_argument("--budget-s", type=float, default=470.0, help="the whole suite's time budget")
+  p.add_argument("--budget-s", type=float, default=480.0, help="the whole suite's time budget (seconds)")
+  p.add_argument("--with-flags", action="store_true", help="first the XLA flags probe (3 processes, up to 3 minutes)")
   p.add_argument("--smoke", action="store_true", help="toy sizes on any platform (checks the script)")
   p.add_argument("--round-program", default="union", help="our driver in the peer rows (union, fused, host)")
   p.add_argument("--skip", default="",
-                 help="comma-separated steps to leave out: flags, probes (or one of them: client_conv), throughput, "
-                      "peer1, many_runs")
+                 help="comma-separated steps to leave out: probes (or one of them: client_conv), throughput, peer1, "
+                      "many_runs")
   args = p.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
   suite, skip = Suite(args.out, args.budget_s, args.smoke), set(args.skip.split(","))
-  results: dict[str, Any] = {"flags": {} if "flags" in skip else xla_flags(suite)}
+  results: dict[str, Any] = {"flags": xla_flags(suite) if args.with_flags else {}}
   results.update({"probes": {} if "probes" in skip else probes(suite, skip), "peer": {}})
   results["peer"]["0.25"] = peer(suite, "0.25", args.round_program, 4, "both", 150)
   # The same program again, from the persistent cache the first run filled (gpu_suite.sh's fresh directory).

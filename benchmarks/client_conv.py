@@ -65,27 +65,32 @@ def patches_conv(x, kernel):
 
 def layer(form: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
   """A layer over client-stacked maps [C, B, H, W, in] and kernels [C, 3, 3, in, out] (``batch``: one kernel)."""
-  if form in ("grouped", "client_gradients"):
+  if form == "grouped":
     return jax.vmap(conv)
-  if form == "client_gradients_batch_groups":
-    return jax.vmap(client_conv)
   if form == "patches":
     return jax.vmap(patches_conv)
   return lambda x, k: conv(x.reshape((-1,) + x.shape[2:]), k[0]).reshape(x.shape[:-1] + k.shape[-1:])
 
 
+def loss(apply: Callable[[jax.Array, jax.Array], jax.Array]) -> Callable[[jax.Array, jax.Array], jax.Array]:
+  return lambda x, k: jnp.sum(jnp.tanh(apply(x, k)))
+
+
+def gradients(form: str) -> Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+  """(maps, kernels) -> their gradients: of the whole layer's loss, or (``client_gradients*``) each client's
+  gradient of its own layer, vmapped over the clients."""
+  if form.startswith("client_gradients"):
+    return jax.vmap(jax.grad(loss(client_conv if form.endswith("batch_groups") else conv), argnums=(0, 1)))
+  return jax.grad(loss(layer(form)), argnums=(0, 1))
+
+
 def program(form: str, steps: int):
-  apply = layer(form)
+  gradient = gradients(form)
 
   def run(x, kernels):
     def step(_, carry):
       x, kernels = carry
-      loss = lambda x, k: jnp.sum(jnp.tanh(apply(x, k)))
-      if form.startswith("client_gradients"):  # each client's gradient of its own layer, vmapped
-        one = client_conv if form.endswith("batch_groups") else conv
-        gx, gk = jax.vmap(jax.grad(lambda x, k: jnp.sum(jnp.tanh(one(x, k))), argnums=(0, 1)))(x, kernels)
-      else:
-        gx, gk = jax.grad(loss, argnums=(0, 1))(x, kernels)
+      gx, gk = gradient(x, kernels)
       return x - 1e-3 * gx, kernels - 1e-3 * gk
     return jax.lax.fori_loop(0, steps, step, (x, kernels))
 
@@ -131,12 +136,10 @@ def _check_forms_agree() -> None:
   same = jnp.broadcast_to(k[:1], k.shape)
   if not jnp.allclose(layer("batch")(x, same), layer("grouped")(x, same), rtol=1e-4, atol=1e-4):
     raise SystemExit("error: the batch form differs from the grouped convolution")
-  loss = lambda f: lambda x, k: jnp.sum(jnp.tanh(f(x, k)))
-  whole = jax.grad(loss(layer("grouped")), argnums=(0, 1))(x, k)
-  for one in (conv, client_conv):
-    each = jax.vmap(jax.grad(loss(one), argnums=(0, 1)))(x, k)
-    if not all(jnp.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(whole, each)):
-      raise SystemExit(f"error: the clients' gradients through {one.__name__} differ from the grouped form's")
+  whole = gradients("grouped")(x, k)
+  for form in ("client_gradients", "client_gradients_batch_groups"):
+    if not all(jnp.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(whole, gradients(form)(x, k))):
+      raise SystemExit(f"error: the {form} form's gradients differ from the grouped form's")
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:

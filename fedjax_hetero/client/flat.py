@@ -65,38 +65,14 @@ class FlatLayout:
     for name, vector in flat.items():
       members = [(i, path, shape) for i, (path, shape) in enumerate(self.leaves) if path[0] == name]
       shapes, at = tuple(shape for _, _, shape in members), tuple(starts[i] for i, _, _ in members)
+      # (not for differentiation: autodiff's gradient of a read is a vector-sized update per leaf; a
+      # differentiated function reads the leaves first, see `client.local.LocalTrainer.train_step`)
       if self.starts is None:
-        values = [jax.lax.slice_in_dim(vector, s, s + math.prod(shape), axis=-1).reshape(vector.shape[:-1] + shape)
+        values = [jax.lax.slice_in_dim(vector, s, s + math.prod(shape), axis=-1)
                   for s, shape in zip(map(int, at), shapes)]
       else:
-        values = _read(vector, at, _Shapes(shapes))
+        values = [jax.lax.dynamic_slice_in_dim(vector, s, math.prod(shape), axis=-1) for s, shape in zip(at, shapes)]
+      values = [v.reshape(vector.shape[:-1] + shape) for v, shape in zip(values, shapes)]
       leaves.update({path: value for (_, path, _), value in zip(members, values)})
     return traverse_util.unflatten_dict(leaves)
 
-
-@jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True)
-class _Shapes:
-  shapes: tuple[tuple[int, ...], ...]
-
-
-@jax.custom_vjp
-def _read(vector: jax.Array, starts: tuple[jax.Array, ...], shapes: _Shapes) -> list[jax.Array]:
-  """The leaves of ``shapes`` at ``starts`` of the last axis of ``vector``. Its gradient is the leaves'
-  cotangents concatenated (autodiff's would add a vector-sized update per leaf)."""
-  lead = vector.shape[:-1]
-  return [jax.lax.dynamic_slice_in_dim(vector, start, math.prod(shape), axis=-1).reshape(lead + shape)
-          for start, shape in zip(starts, shapes.shapes)]
-
-
-def _read_forward(vector, starts, shapes):
-  return _read(vector, starts, shapes), (vector.shape[:-1], starts)
-
-
-def _read_backward(residuals, cotangents):
-  lead, starts = residuals
-  vector = jnp.concatenate([c.reshape(lead + (-1,)) for c in cotangents], axis=-1)
-  return vector, tuple(np.zeros(np.shape(s), jax.dtypes.float0) for s in starts), None
-
-
-_read.defvjp(_read_forward, _read_backward)

@@ -241,10 +241,13 @@ class LocalTrainer:
     # NaN, which a grouped convolution of the cohort's clients may carry into the other clients' results.
     forward_mask = mask | ~mask.any()
 
+    # With a flat layout the model's leaves are read from the vectors before differentiating, and the gradient's
+    # leaves concatenated after: differentiating the reads would add a vector-sized update per leaf.
+    flat_params = state.variables["params"]
+    model_variables = self.flat.unravel(state.variables) if self.flat else state.variables
+
     def losses(params):
-      variables = {**state.variables, "params": params}
-      if self.flat:
-        variables = self.flat.unravel(variables)
+      variables = {**model_variables, "params": params}
       outputs, updates = self.forward(variables, x, True, forward_mask, self.plan.cuts)
       if self.flat:
         updates = self.flat.ravel(updates)
@@ -264,12 +267,14 @@ class LocalTrainer:
       parts, aux = losses(params)
       return parts["local"], aux
 
-    params = state.variables["params"]
+    params = model_variables["params"]
     if len(self.plan.gradient_names) == 1:
       (_, (model_updates, total, outputs)), grads = jax.value_and_grad(local_loss, has_aux=True)(params)
     else:
       parts, pullback, (model_updates, total, outputs) = jax.vjp(losses, params, has_aux=True)
       grads = self.combine({name: pullback({n: jnp.float32(n == name) for n in parts})[0] for name in parts})
+    if self.flat:
+      grads, params = self.flat.ravel({"params": grads})["params"], flat_params
     for term, term_state in zip(self.terms, state.terms):
       if term.grad:
         grads = term.grad(grads, term_state)

@@ -63,8 +63,10 @@ PROBE_TOLERANCE = dict(rtol=1e-4, atol=1e-5)
 
 
 def held_term() -> ClientTerm:
-  """The union's one client term: the client's gradient masked to its group's window (the term's state)."""
-  return ClientTerm("held", init=lambda r: r.share, grad=lambda g, held: jax.tree.map(jnp.multiply, g, held),
+  """The union's one client term: the client's gradient masked to its group's window (the term's state: a boolean
+  mask, a quarter of a float one's bytes, read by every local step)."""
+  return ClientTerm("held", init=lambda r: r.share,
+                    grad=lambda g, held: jax.tree.map(lambda a, h: jnp.where(h, a, jnp.zeros_like(a)), g, held),
                     share=True)
 
 
@@ -207,9 +209,10 @@ class UnionCohorts(ProgramCohorts):
                 held: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """Groups ``groups``' ``variables`` (their federation's model through each group's map) in the slots' flat
     layout of the union, zeros outside each group's window, stacked ``[N, P]``; ``held`` is their held masks,
-    ``[N, P]``. Where every group takes its window of one federation's union-shaped model, that is one select."""
+    ``[N, P]`` booleans. Where every group takes its window of one federation's union-shaped model, that is one
+    select."""
     if self._one_union_model(spec, state):
-      return jax.tree.map(lambda h, v: jnp.where(h > 0, v, 0).astype(v.dtype), held,
+      return jax.tree.map(lambda h, v: jnp.where(h, v, 0).astype(v.dtype), held,
                           self.layout.ravel(state.models[spec.federation_of[0]]))
     placed = [self.layout.ravel(embed(v, _window_map(m), self._union_shapes)) for v, m in zip(variables, spec.maps)]
     return jax.tree.map(lambda *v: jnp.stack(v)[groups], *placed)
@@ -225,7 +228,7 @@ class UnionCohorts(ProgramCohorts):
     key = round_key(spec.seed, x.index)
     clients, sizes, slot_weights, group_of_slot, positions = pack_participants(x, self.capacity)
     group_held = self._held(spec)
-    held = jax.tree.map(lambda h: h[group_of_slot], group_held)
+    held = jax.tree.map(lambda h: h[group_of_slot] > 0, group_held)
     client_starts = self._in_union(spec, state, starts, group_of_slot, held)
     layout = self.layout.at(data.offsets) if data.offsets else self.layout
     trainer = self._trainer(spec, layout)

@@ -71,7 +71,8 @@ class FlatLayout:
         values = [jax.lax.slice_in_dim(vector, s, s + math.prod(shape), axis=-1)
                   for s, shape in zip(map(int, at), shapes)]
       else:
-        values = [jax.lax.dynamic_slice_in_dim(vector, s, math.prod(shape), axis=-1) for s, shape in zip(at, shapes)]
+        values = [jax.lax.dynamic_slice_in_dim(vector, s, math.prod(shape), axis=-1, allow_negative_indices=False)
+                  for s, shape in zip(at, shapes)]
       values = [v.reshape(vector.shape[:-1] + shape) for v, shape in zip(values, shapes)]
       leaves.update({path: value for (_, path, _), value in zip(members, values)})
     return traverse_util.unflatten_dict(leaves)

@@ -187,7 +187,7 @@ def measure_simulation(sim: Any, driver: str, by_source: int = 0, cut: Sequence[
   spec, state = sim.spec, sim.init_state()
   slots = [sim.cohorts.slots(spec, g) for g in range(len(spec.groups))]
   call = plan_call(spec, state, 1, (), slots, 1)
-  data = RoundData.of(spec, sim.cohorts.offsets())
+  data = RoundData.of(spec, sim.cohorts.arguments())
   args = ((state.models, state.steps), state.memory, call.inputs, np.int32(1), data)
   seconds = time.perf_counter()
   program = jax.jit(program_call(spec, sim.cohorts, call.statics, 1), donate_argnums=1)  # (as `sim.program`'s,

@@ -14,7 +14,8 @@ from fedjax_hetero.config import LocalConfig
 from fedjax_hetero.hetero.maps import extract
 from fedjax_hetero.rounds import make_backend, make_simulation
 from fedjax_hetero.models import build_model
-from fedjax_hetero.rounds.union import UnionCohorts, _probe_reason, declared_exact, held_mask, union_reason
+from fedjax_hetero.rounds.union import (UnionCohorts, _probe_reason, declared_exact, held_mask, held_vectors,
+                                        union_reason)
 from tests import golden
 from tests.golden_setting import golden_spec
 from tests.helpers import simulation, tiny_resnet
@@ -63,6 +64,19 @@ def test_held_mask_holds_exactly_the_groups_elements():
         np.prod(link.window.shape) for link in group_map.pull if link.client[0] != "params")
     held = extract(jax.tree.map(jnp.multiply, union, mask), group_map)
     jax.tree.map(np.testing.assert_array_equal, held, extract(union, group_map))
+
+
+@pytest.mark.parametrize("make", [width_simulation, depth_simulation])
+def test_the_programs_held_vectors_are_the_held_masks_in_the_slots_layout(make):
+  sim = make()
+  union, layout = sim.spec.init_state().models[0], sim.cohorts.layout
+  for g, group_map in enumerate(sim.spec.maps):
+    expected = layout.ravel(held_mask(group_map, union))
+    vectors = held_vectors(layout, group_map)
+    assert set(vectors) == set(expected) and all(v.dtype == bool for v in vectors.values())
+    jax.tree.map(lambda v, e: np.testing.assert_array_equal(v, np.asarray(e) > 0), vectors, expected)
+    jax.tree.map(lambda h, v: np.testing.assert_array_equal(np.asarray(h[g]), v), sim.cohorts.arguments().held,
+                 vectors)
 
 
 @pytest.mark.slow

@@ -36,14 +36,15 @@ class RoundData(NamedTuple):
   test_images: jax.Array
   test_labels: jax.Array
   held_out: tuple[Any, ...] = ()  # per group, its clients' held-out samples (`client_eval.HeldOut`; () without)
-  # Scalars the mapping reads as arguments rather than constants (the union's leaf offsets, so that XLA compiles a
-  # kernel per leaf shape, not per leaf: `client.flat`); () for the others (`mapping.ProgramCohorts.offsets`).
-  offsets: tuple[Any, ...] = ()
+  # What the mapping reads as arguments rather than building as constants (the union's leaf offsets, so that XLA
+  # compiles a kernel per leaf shape, not per leaf, and its groups' held masks: `union.UnionInputs`); () for the
+  # others (`mapping.ProgramCohorts.arguments`).
+  mapping: Any = ()
 
   @classmethod
-  def of(cls, spec: "RoundSpec", offsets: tuple[Any, ...] = ()) -> "RoundData":
+  def of(cls, spec: "RoundSpec", mapping: Any = ()) -> "RoundData":
     store, held = spec.store, spec.client_eval.held if spec.client_eval is not None else ()
-    return cls(store.images, store.labels, store.index_table, spec.test_images, spec.test_labels, held, offsets)
+    return cls(store.images, store.labels, store.index_table, spec.test_images, spec.test_labels, held, mapping)
 
 
 class RoundOutputs(NamedTuple):

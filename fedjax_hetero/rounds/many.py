@@ -204,7 +204,7 @@ class ManyRuns:
       data.append(jnp.asarray(arrays[0]) if same else jnp.stack([jnp.asarray(a) for a in arrays]))
       axes.append(None if same else 0)
     held, held_axis = _stacked_held_out(specs)
-    return RoundData(*data, held, self.sims[0].cohorts.offsets()), RoundData(*axes, held_axis, None)
+    return RoundData(*data, held, self.sims[0].cohorts.arguments()), RoundData(*axes, held_axis, None)
 
   def run_values(self, runs: Sequence[int]) -> RunValues:
     return RunValues(jnp.asarray([self.sims[r].spec.seed for r in runs], jnp.uint32),

@@ -139,8 +139,8 @@ class ProgramCohorts:
   def place(self, state: ServerState) -> ServerState:
     return state
 
-  def offsets(self) -> tuple[Any, ...]:
-    """The scalars the program takes in `RoundData.offsets` (none here)."""
+  def arguments(self) -> Any:
+    """What the program takes in `RoundData.mapping` (nothing here)."""
     return ()
 
   def train(self, spec: "RoundSpec", x: RoundRows, state: ServerState, starts: Sequence[Any], shares: Sequence[Any],

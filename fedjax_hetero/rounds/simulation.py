@@ -225,7 +225,7 @@ class Simulation:
       raise ValueError(f"a round of {spec.method.name} has {most} participants; the union mapping holds "
                        f"--clients-per-round ({capacity}): use --round-program fused")
     if in_program:
-      data, program = RoundData.of(spec, self.cohorts.offsets()), self.program(call.statics)
+      data, program = RoundData.of(spec, self.cohorts.arguments()), self.program(call.statics)
       pieces, beside = call.pieces(evaluate), [while_compiling] if while_compiling else []
       if any(call.first + end in evaluate for _, end in pieces):
         beside.append(lambda: self._compile_evaluation(state, data))

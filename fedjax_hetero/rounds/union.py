@@ -83,6 +83,26 @@ def held_mask(group_map: SubmodelMap, union: Variables) -> Variables:
   return embed(ones, _window_map(group_map), union)
 
 
+def held_vectors(layout: FlatLayout, group_map: SubmodelMap) -> dict[str, np.ndarray]:
+  """`held_mask` in ``layout``'s vectors, as booleans computed on the host (for a union's group: every leaf it holds
+  a leading window of the same leaf, `_structural_reason`)."""
+  windows = {link.global_: link.window.shape for link in group_map.pull}
+  vectors: dict[str, list[np.ndarray]] = {}
+  for path, shape in layout.leaves:
+    held = np.zeros(shape, bool)
+    if path in windows:
+      held[tuple(slice(0, n) for n in windows[path])] = True
+    vectors.setdefault(path[0], []).append(held.ravel())
+  return {name: np.concatenate(parts) for name, parts in vectors.items()}
+
+
+class UnionInputs(NamedTuple):
+  """What the union's program takes as arguments (`RoundData.mapping`) rather than building as constants."""
+
+  offsets: tuple[Any, ...]  # every leaf's offset in its collection's vector (`client.flat.FlatLayout.at`)
+  held: dict[str, jax.Array]  # every group's held elements, ``[G, P]`` booleans per collection
+
+
 def _structural_reason(spec: "RoundSpec") -> str | None:
   if len(spec.groups) < 2:
     return "it has one architecture group: there is no union of groups to train"
@@ -169,15 +189,12 @@ class UnionCohorts(ProgramCohorts):
     self._union_shapes = union
     self.layout = FlatLayout.of(union)  # the slots' variables: one vector per collection
     self.capacity = spec.config.clients_per_round  # the slots: a round's participants, whatever their groups
+    # (placed once; built in the program they were ~2,000 traced operations of every round)
+    self._inputs = UnionInputs(self.layout.offsets, jax.tree.map(
+        lambda *h: jnp.asarray(np.stack(h)), *[held_vectors(self.layout, m) for m in spec.maps]))
 
-  def offsets(self) -> tuple[np.int32, ...]:
-    return self.layout.offsets
-
-  def _held(self, spec: "RoundSpec") -> dict[str, jax.Array]:
-    """Every group's `held_mask` in the slots' layout, stacked ``[G, P]`` per collection (constants of the
-    program)."""
-    return jax.tree.map(lambda *h: jnp.stack(h), *[self.layout.ravel(held_mask(m, self._union_shapes))
-                                                   for m in spec.maps])
+  def arguments(self) -> UnionInputs:
+    return self._inputs
 
   def _one_union_model(self, spec: "RoundSpec", state: ServerState) -> bool:
     """Whether every group takes its window of one federation's union-shaped model."""
@@ -199,7 +216,7 @@ class UnionCohorts(ProgramCohorts):
       return (None,) * len(spec.federations)
     weights = jnp.stack([jnp.sum(c.weights) for c in x.cohorts])
     numerator = jax.tree.map(lambda s: jnp.sum(s, axis=0), group_sums)
-    denominator = jax.tree.map(lambda h: jnp.tensordot(weights, h, axes=1), held)
+    denominator = jax.tree.map(lambda h: jnp.tensordot(weights, h.astype(weights.dtype), axes=1), held)
     mean = masked_mean(numerator, denominator, jax.tree.map(jnp.zeros_like, numerator))
     tree = jax.tree.structure(state.models[0])
     in_model = lambda flat: jax.tree.unflatten(tree, jax.tree.leaves(layout.unravel(flat)))
@@ -227,10 +244,10 @@ class UnionCohorts(ProgramCohorts):
             data: RoundData) -> tuple[list[Any], tuple[Any, ...], tuple[Any, ...]]:
     key = round_key(spec.seed, x.index)
     clients, sizes, slot_weights, group_of_slot, positions = pack_participants(x, self.capacity)
-    group_held = self._held(spec)
-    held = jax.tree.map(lambda h: h[group_of_slot] > 0, group_held)
+    offsets, group_held = data.mapping
+    held = jax.tree.map(lambda h: h[group_of_slot], group_held)
     client_starts = self._in_union(spec, state, starts, group_of_slot, held)
-    layout = self.layout.at(data.offsets) if data.offsets else self.layout
+    layout = self.layout.at(offsets)
     trainer = self._trainer(spec, layout)
     schedule = max(1, spec.local.num_steps(data.index_table.shape[1]))
     keys = jax.vmap(lambda c: jax.random.fold_in(key, c))(clients)  # (as `cohort.start`: a client's own draws)

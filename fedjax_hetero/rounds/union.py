@@ -189,9 +189,14 @@ class UnionCohorts(ProgramCohorts):
     self._union_shapes = union
     self.layout = FlatLayout.of(union)  # the slots' variables: one vector per collection
     self.capacity = spec.config.clients_per_round  # the slots: a round's participants, whatever their groups
-    # (placed once; built in the program they were ~2,000 traced operations of every round)
-    self._inputs = UnionInputs(self.layout.offsets, jax.tree.map(
-        lambda *h: jnp.asarray(np.stack(h)), *[held_vectors(self.layout, m) for m in spec.maps]))
+    self._maps = spec.maps
+
+  @functools.cached_property
+  def _inputs(self) -> UnionInputs:
+    """Placed once, at the first program's call (a job of many runs calls its first run's alone); built in the
+    program, the masks were about 2,000 traced operations of every round."""
+    return UnionInputs(self.layout.offsets, jax.tree.map(
+        lambda *h: jnp.asarray(np.stack(h)), *[held_vectors(self.layout, m) for m in self._maps]))
 
   def arguments(self) -> UnionInputs:
     return self._inputs

@@ -243,7 +243,6 @@ class LocalTrainer:
 
     # With a flat layout the model's leaves are read from the vectors before differentiating, and the gradient's
     # leaves concatenated after: differentiating the reads would add a vector-sized update per leaf.
-    flat_params = state.variables["params"]
     model_variables = self.flat.unravel(state.variables) if self.flat else state.variables
 
     def losses(params):
@@ -274,7 +273,7 @@ class LocalTrainer:
       parts, pullback, (model_updates, total, outputs) = jax.vjp(losses, params, has_aux=True)
       grads = self.combine({name: pullback({n: jnp.float32(n == name) for n in parts})[0] for name in parts})
     if self.flat:
-      grads, params = self.flat.ravel({"params": grads})["params"], flat_params
+      grads, params = self.flat.ravel({"params": grads})["params"], state.variables["params"]
     for term, term_state in zip(self.terms, state.terms):
       if term.grad:
         grads = term.grad(grads, term_state)

@@ -73,7 +73,7 @@ class FlatLayout:
       else:
         values = [jax.lax.dynamic_slice_in_dim(vector, s, math.prod(shape), axis=-1, allow_negative_indices=False)
                   for s, shape in zip(at, shapes)]
-      values = [v.reshape(vector.shape[:-1] + shape) for v, shape in zip(values, shapes)]
+      values = [jax.lax.reshape(v, vector.shape[:-1] + shape) for v, shape in zip(values, shapes)]
       leaves.update({path: value for (_, path, _), value in zip(members, values)})
     return traverse_util.unflatten_dict(leaves)
 

@@ -39,6 +39,9 @@ def batch_norm(x: Array, mask: Array, scale: Array, bias: Array, epsilon: float)
   return _forward(x, mask, scale, bias, epsilon)[0]
 
 
+# Jitted so that a ResNet's many BatchNorms of one shape are traced once (a program's tracing is Python: each
+# jnp operation costs it about as much as a convolution; inlined by XLA, the program is the same).
+@functools.partial(jax.jit, static_argnums=4)
 def _forward(x, mask, scale, bias, epsilon):
   axes = tuple(range(x.ndim - 1))
   # At least 1: a slot with no examples (padding) gets finite numbers, which its discarded step then drops.
@@ -50,6 +53,7 @@ def _forward(x, mask, scale, bias, epsilon):
   return (x * a + (bias - mean * a), mean, var), (x, mask, mean, inv, scale, n)
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def _backward(epsilon, residuals, cotangents):
   x, mask, mean, inv, scale, n = residuals
   dy, axes = cotangents[0], tuple(range(x.ndim - 1))
@@ -80,15 +84,25 @@ def _route(next_fun, args, kwargs, context):
                                   kwargs.get("use_running_average", args[1] if len(args) > 1 else None))
   if running or not _served(module, x, mask):
     return next_fun(*args, **kwargs)
-  # (Any nonzero mask entry keeps its example, as flax's `where=` reads it.)
-  mask = jnp.ones((x.shape[0],) + (1,) * (x.ndim - 1), x.dtype) if mask is None else \
-      jnp.broadcast_to(mask, (x.shape[0],) + (1,) * (x.ndim - 1)).astype(bool).astype(x.dtype)
-  y, mean, var = batch_norm(x, mask, module.get_variable("params", "scale"), module.get_variable("params", "bias"),
-                            module.epsilon)
+  y, mean, var = batch_norm(x, _example_mask(x, mask), module.get_variable("params", "scale"),
+                            module.get_variable("params", "bias"), module.epsilon)
   for name, value in (("mean", mean), ("var", var)):
-    old = module.get_variable("batch_stats", name)
-    module.put_variable("batch_stats", name, module.momentum * old + (1 - module.momentum) * value)
+    module.put_variable("batch_stats", name,
+                        _moving_average(module.get_variable("batch_stats", name), value, module.momentum))
   return y
+
+
+@jax.jit
+def _example_mask(x: Array, mask: Array | None) -> Array:
+  """``mask`` as ``[B, 1, ...]`` floats of ``x``'s dtype, every example where None (any nonzero entry keeps its
+  example, as flax's ``where=`` reads it)."""
+  shape = (x.shape[0],) + (1,) * (x.ndim - 1)
+  return jnp.ones(shape, x.dtype) if mask is None else jnp.broadcast_to(mask, shape).astype(bool).astype(x.dtype)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _moving_average(old: Array, new: Array, momentum: float) -> Array:
+  return momentum * old + (1 - momentum) * new
 
 
 @contextlib.contextmanager

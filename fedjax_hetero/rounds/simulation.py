@@ -104,10 +104,13 @@ def program_call(spec: RoundSpec, cohorts: ProgramCohorts, statics: tuple, round
     shapes = jax.eval_shape(one_round, carry, jax.tree.map(lambda a: a[0], inputs), data)[1]
     buffers = jax.tree.map(lambda s: jnp.zeros((rounds_per_call,) + s.shape, s.dtype), shapes)
 
-    def body(i, loop):
+    def body(i, loop):  # (lax's indexing: ``i`` is in range, and jnp's would add a bounds check per leaf)
       carry, buffers = loop
-      carry, out = one_round(carry, jax.tree.map(lambda a: a[i], inputs), data)
-      return carry, jax.tree.map(lambda b, o: b.at[i].set(o), buffers, out)
+      x = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False, allow_negative_indices=False),
+                       inputs)
+      carry, out = one_round(carry, x, data)
+      return carry, jax.tree.map(
+          lambda b, o: jax.lax.dynamic_update_index_in_dim(b, o, i, 0, allow_negative_indices=False), buffers, out)
 
     return jax.lax.fori_loop(0, count, body, (carry, buffers))
 

@@ -275,7 +275,8 @@ class UnionCohorts(ProgramCohorts):
                                                data, layout)
       else:
         count = lambda a: jnp.where(rows.real > 0, a[slots], 0.0).sum()
-        result = cohort.GroupResult(extract(jax.tree.map(lambda s: s[g], delta_sums), _window_map(spec.maps[g])),
+        own_sums = jax.tree.map(lambda s: jax.lax.index_in_dim(s, g, keepdims=False), delta_sums)
+        result = cohort.GroupResult(extract(own_sums, _window_map(spec.maps[g])),
                                     rows.weights.sum(), count(trained.loss_sum), count(trained.num_examples))
       results.append(result)
     return results, tuple(memory), self._federation_mean(spec, state, x, flat_sums, group_held, layout)

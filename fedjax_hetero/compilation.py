@@ -24,6 +24,7 @@ from typing import Any, Callable, TypeVar
 import jax
 import numpy as np
 from jax._src import xla_bridge  # private, but jax has no public way to ask whether it has computed yet
+from jax.extend.core import find_top_trace
 
 CACHE_ENV = "FEDJAX_HETERO_CACHE_DIR"  # a directory, or "off"
 CPU_FUSIONS_ENV = "FEDJAX_HETERO_XLA_CPU_FUSIONS"  # comma-separated fusion types, or "off"
@@ -130,7 +131,12 @@ class light_jit:  # noqa: N801 (used like jax.jit)
 
 
 def _traced(args: Any) -> bool:
-  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
+  """Whether a call with ``args`` is traced: an argument is a tracer, or the call is inside a trace (host arrays
+  passed to a function that `jax.eval_shape` traces)."""
+  return not isinstance(find_top_trace(jax.tree.leaves(args)), _EVAL_TRACE)
+
+
+_EVAL_TRACE = type(find_top_trace(()))  # (this module is imported outside any trace)
 
 
 def _signature(args: Any) -> str:

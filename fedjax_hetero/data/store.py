@@ -50,8 +50,9 @@ class FederatedStore:
     table = np.zeros((len(parts), max(1, int(sizes.max()))), np.int32)
     for row, part in zip(table, parts):
       row[:len(part)] = part
-    return cls(images=jnp.asarray(images, jnp.uint8), labels=jnp.asarray(labels, jnp.int32),
-               index_table=jnp.asarray(table), sizes=sizes, num_classes=num_classes,
+    # (`jax.device_put` of host arrays: `jnp.asarray` compiles a program per array on the device)
+    return cls(images=jax.device_put(np.asarray(images, np.uint8)),
+               labels=jax.device_put(np.asarray(labels, np.int32)), index_table=jax.device_put(table), sizes=sizes, num_classes=num_classes,
                mean=tuple(float(m) for m in mean), std=tuple(float(s) for s in std))
 
   @property

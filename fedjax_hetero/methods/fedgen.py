@@ -93,7 +93,7 @@ def generator_training(config: gen.FedGenConfig, regularizer: ClientTerm) -> Ser
     if len(federation.models) != 1:
       raise ValueError("FedGen's generator needs one federation per architecture group")
     init_fn = jax.jit(gen.init_generator, static_argnums=(0, 2))
-    return init_fn(generator(federation), federation.init_key, config.weight_decay)
+    return init_fn(generator(federation), federation.init_key(), config.weight_decay)
 
   def update(carry, state, inputs, plan):
     federation = inputs.federation

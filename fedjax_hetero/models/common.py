@@ -66,8 +66,9 @@ def _shapes(model: nn.Module, input_shape: tuple[int, ...]) -> tuple[Any, Any]:
 
 
 def _trace_shapes(model: nn.Module, input_shape: tuple[int, ...]) -> tuple[Any, Any]:
-  """(output, variables): ``model.init`` runs the inference forward pass (``train`` is False by default)."""
-  return jax.eval_shape(model.init_with_output, jax.random.key(0), jnp.zeros((1, *input_shape), jnp.float32))
+  """(output, variables): ``model.init`` runs the inference forward pass (``train`` is False by default). Its key
+  and input are made inside the trace: made outside, on the device, each would compile a program."""
+  return jax.eval_shape(lambda: model.init_with_output(jax.random.key(0), jnp.zeros((1, *input_shape), jnp.float32)))
 
 
 _cached_shapes = functools.lru_cache(maxsize=64)(_trace_shapes)

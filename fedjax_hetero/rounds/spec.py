@@ -67,7 +67,8 @@ def _federations(groups: Sequence[ArchGroup], shapes: Sequence[Variables], maps:
         index, chosen[0].name if one else "global", tuple(group_ids), tuple(g.name for g in chosen),
         tuple(g.model for g in chosen), tuple(identity_map(shapes[g]) if one else maps[g] for g in group_ids),
         tuple(g.clients for g in chosen), stack_sizes, groups[group_ids[0] if one else global_index].model, store,
-        config.seed, server_key(config.seed, 0, store.num_clients, len(groups) + index), method.terms))
+        config.seed, functools.partial(server_key, config.seed, 0, store.num_clients, len(groups) + index),
+        method.terms))
   return tuple(out)
 
 
@@ -80,7 +81,8 @@ def _trainers(groups: Sequence[ArchGroup], store: FederatedStore, local: LocalCo
 
 @program_cache
 def _init_program(model: nn.Module):
-  return light_jit(model.init)
+  """``(seed, sample) -> variables``: the key is made inside (made on the device, it costs programs of its own)."""
+  return light_jit(lambda seed, sample: model.init(jax.random.key(seed), sample))
 
 
 @program_cache
@@ -137,11 +139,11 @@ class RoundSpec:
     if config.group_draw and any(t.memory for t in method.terms):
       raise ValueError(f"{method.name} keeps per-client memory in its group's shape; it cannot redraw groups")
     groups = tuple(dataclasses.replace(g, model=method.wrap_model(g.model)) for g in groups)
-    sample = jnp.zeros((1,) + tuple(store.images.shape[1:]), jnp.float32)
+    sample = np.zeros((1,) + tuple(store.images.shape[1:]), np.float32)
     shapes = [variable_shapes(g.model, sample.shape[1:]) for g in groups]
     global_index = pick_global(shapes, [g.name for g in groups])
     if compile_init:
-      _init_program(groups[global_index].model).compile_beside(jax.random.key(config.seed), sample)
+      _init_program(groups[global_index].model).compile_beside(np.uint32(config.seed), sample)
     base_maps = tuple(method.submodel(shapes[global_index], s, g.name) for g, s in zip(groups, shapes))
     maps = base_maps
     if method.own_leaves and method.sharing.shared and len(groups) > 1:
@@ -203,9 +205,9 @@ class RoundSpec:
 
   def init_state(self) -> ServerState:
     """Every federation starts from one initialization of the largest model."""
-    sample = jnp.zeros((1,) + tuple(self.store.images.shape[1:]), jnp.float32)
+    sample = np.zeros((1,) + tuple(self.store.images.shape[1:]), np.float32)
     # One jitted program: eager init compiles a random kernel per leaf shape.
-    global_vars = _init_program(self.groups[self.global_index].model)(jax.random.key(self.config.seed), sample)
+    global_vars = _init_program(self.groups[self.global_index].model)(np.uint32(self.config.seed), sample)
     if self.maps is not self.base_maps:
       global_vars = complete(global_vars, self.base_maps, self.maps)
     models = []

@@ -196,7 +196,7 @@ class UnionCohorts(ProgramCohorts):
     """Placed once, at the first program's call (a job of many runs calls its first run's alone); built in the
     program, the masks were about 2,000 traced operations of every round."""
     return UnionInputs(self.layout.offsets, jax.tree.map(
-        lambda *h: jnp.asarray(np.stack(h)), *[held_vectors(self.layout, m) for m in self._maps]))
+        lambda *h: jax.device_put(np.stack(h)), *[held_vectors(self.layout, m) for m in self._maps]))
 
   def arguments(self) -> UnionInputs:
     return self._inputs

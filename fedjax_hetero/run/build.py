@@ -20,7 +20,6 @@ import urllib.parse
 from typing import Callable, NamedTuple, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from fedjax_hetero import models
@@ -188,7 +187,7 @@ def build_simulation(config: RunConfig, dataset: fdata.ArrayDataset | None = Non
   backend = make_backend(config.backend)
   terms = ", ".join(t.name for t in method.terms)
   spec = RoundSpec.build(groups, store, config.client, with_run_settings(config, method), config.federation,
-                         jnp.asarray(dataset.test_images), jnp.asarray(dataset.test_labels), held_out,
+                         jax.device_put(dataset.test_images), jax.device_put(dataset.test_labels), held_out,
                          compile_init=compile_init)
   sim = make_simulation(spec, backend, config.round_program, config.rounds_per_call)
   split = config.data.partition_file or config.data.partition

@@ -47,7 +47,8 @@ class Federation(NamedTuple):
   largest: nn.Module  # the model whose variables the federation keeps
   store: FederatedStore
   seed: int
-  init_key: jax.Array  # server randomness for the steps' init
+  init_key: Callable[[], jax.Array]  # server randomness for the steps' init (made when called: made on a device,
+  # a key costs a program compilation per operation, at the setup of every run that never reads it)
   terms: tuple = ()  # the method's client terms, in the order of every result's uploads
 
 

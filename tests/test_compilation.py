@@ -185,3 +185,28 @@ def test_a_light_program_compiled_beside_is_not_compiled_again_by_its_call():
   want = compilation.light_jit(model.init)(key, sample)
   for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(variables)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_light_program_called_with_host_arrays_inside_a_trace_is_traced_in():
+  """No argument is a tracer, but the call is inside `jax.eval_shape` (a spec's state shapes trace the
+  initialization with a host seed and sample): the plain program, which a trace can inline."""
+  double = compilation.light_jit(lambda x: 2 * x)
+  assert jax.eval_shape(lambda: double(np.float32(2))).shape == ()
+  assert float(double(np.float32(2))) == 4.0
+
+
+def test_a_runs_setup_compiles_only_the_initialization(tmp_path):
+  """Data placed with `jax.device_put`, the init's key made inside its program, shapes traced from inside: on an
+  accelerator every eager operation of the setup compiles a program of its own."""
+  from fedjax_hetero.config import RunConfig
+  from fedjax_hetero.data import synthetic_dataset
+  from fedjax_hetero.run import runner
+  # (shapes no other test places, so that no program is in jit's cache already)
+  dataset = synthetic_dataset(num_train=91, num_test=37, image_shape=(9, 7, 1), num_classes=3, seed=3)
+  config = RunConfig.from_flags(dataset="synthetic", groups=("mlp@1", "mlp@0.5"), num_clients=5,
+                                clients_per_round=2, rounds=1, progress=False, output_dir=str(tmp_path / "run"))
+  with compilation.CompileLog() as log:
+    run = runner.prepare(config, dataset, lambda _: None, runner.run_method(config))
+    jax.block_until_ready(run.state)
+    run.partition.result()
+  assert log.names == ["jit(initialize)"], log.names

@@ -82,7 +82,11 @@ def _trainers(groups: Sequence[ArchGroup], store: FederatedStore, local: LocalCo
 @program_cache
 def _init_program(model: nn.Module):
   """``(seed, sample) -> variables``: the key is made inside (made on the device, it costs programs of its own)."""
-  return light_jit(lambda seed, sample: model.init(jax.random.key(seed), sample))
+
+  def initialize(seed, sample):
+    return model.init(jax.random.key(seed), sample)
+
+  return light_jit(initialize)
 
 
 @program_cache

@@ -52,8 +52,8 @@ class FederatedStore:
       row[:len(part)] = part
     # (`jax.device_put` of host arrays: `jnp.asarray` compiles a program per array on the device)
     return cls(images=jax.device_put(np.asarray(images, np.uint8)),
-               labels=jax.device_put(np.asarray(labels, np.int32)), index_table=jax.device_put(table), sizes=sizes, num_classes=num_classes,
-               mean=tuple(float(m) for m in mean), std=tuple(float(s) for s in std))
+               labels=jax.device_put(np.asarray(labels, np.int32)), index_table=jax.device_put(table), sizes=sizes,
+               num_classes=num_classes, mean=tuple(float(m) for m in mean), std=tuple(float(s) for s in std))
 
   @property
   def num_clients(self) -> int:

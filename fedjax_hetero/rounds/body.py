@@ -35,7 +35,7 @@ class RoundData(NamedTuple):
   index_table: jax.Array
   test_images: jax.Array
   test_labels: jax.Array
-  held_out: tuple[Any, ...] = ()  # per group, its clients' held-out samples (`client_eval.HeldOut`; () without)
+  held_out: tuple[Any, ...] = ()  # per group, its clients' held-out samples (`held_out.HeldOut`; () without)
   # What the mapping reads as arguments rather than building as constants (the union's leaf offsets, so that XLA
   # compiles a kernel per leaf shape, not per leaf, and its groups' held masks: `union.UnionInputs`); () for the
   # others (`mapping.ProgramCohorts.arguments`).

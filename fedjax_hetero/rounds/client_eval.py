@@ -2,19 +2,18 @@
 with its group's model as the method evaluates it, in evaluation rounds.
 
 The build step splits every client's samples once (`data.hold_out`); the training store holds the training parts,
-and `ClientEval` the held-out parts: per group, the sample ids of its clients' held-out samples (into the store's
-images, which hold every sample) and each one's owner, as the client's position among the group's clients. The
-evaluation seam of each driver (`rounds.mapping`) counts every client's correct predictions: the group's model
-predicts its clients' held-out samples in batches and ``segment_sum`` adds each sample's hit to its owner. The
-host loop runs each batch as its own jitted program (as XLA:CPU runs fastest), a device program runs them as a
-device loop under the evaluation round's ``lax.cond``. `accuracy_row` turns the counts into the metrics row's
-``client_accuracy``.
+and `held_out.ClientEval` the held-out parts: per group, the sample ids of its clients' held-out samples (into the
+store's images, which hold every sample) and each one's owner, as the client's position among the group's
+clients. The evaluation seam of each driver (`rounds.mapping`) counts every client's correct predictions: the
+group's model predicts its clients' held-out samples in batches and ``segment_sum`` adds each sample's hit to its
+owner. The host loop runs each batch as its own jitted program (as XLA:CPU runs fastest), a device program runs
+them as a device loop under the evaluation round's ``lax.cond``. `accuracy_row` turns the counts into the metrics
+row's ``client_accuracy``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,42 +21,13 @@ import numpy as np
 
 from fedjax_hetero.compilation import program_cache
 from fedjax_hetero.data.store import normalize
+from fedjax_hetero.rounds.held_out import HeldOut
 
 if TYPE_CHECKING:
   from fedjax_hetero.rounds.body import RoundData
   from fedjax_hetero.rounds.spec import RoundSpec
 
 WORST_SHARE = 0.1  # `worst_10pct`: the mean of this share of a group's clients with the lowest accuracy (at least one)
-
-
-class HeldOut(NamedTuple):
-  """One group's held-out samples (device arrays, one entry per sample, client after client)."""
-
-  ids: jax.Array  # int32 [S]: sample ids into the store's images and labels
-  owners: jax.Array  # int32 [S]: the sample's client, as its position among the group's clients (padding: past them)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class ClientEval:
-  """Every group's held-out samples (`HeldOut`), and how many each of its clients holds (host, for the rows)."""
-
-  held: tuple[HeldOut, ...]
-  sizes: tuple[np.ndarray, ...]
-
-  @classmethod
-  def build(cls, held_out: Sequence[np.ndarray], group_clients: Sequence[np.ndarray]) -> "ClientEval":
-    """From every client's held-out sample ids (``held_out[c]``) and every group's clients; ValueError for a
-    client without a held-out sample (its accuracy would be undefined)."""
-    held, sizes = [], []
-    for clients in group_clients:
-      parts = [np.asarray(held_out[c], np.int64) for c in clients]
-      empty = [int(c) for c, p in zip(clients, parts) if not len(p)]
-      if empty:
-        raise ValueError(f"client {empty[0]} has no held-out sample to evaluate on")
-      owners = np.repeat(np.arange(len(clients)), [len(p) for p in parts])
-      held.append(HeldOut(jnp.asarray(np.concatenate(parts), jnp.int32), jnp.asarray(owners, jnp.int32)))
-      sizes.append(np.array([len(p) for p in parts], np.int64))
-    return cls(tuple(held), tuple(sizes))
 
 
 def _batch_counts(model: Any, mean: tuple[float, ...], std: tuple[float, ...], variables: Any, images: jax.Array,

@@ -33,7 +33,7 @@ import numpy as np
 
 from fedjax_hetero.compilation import compile_beside
 from fedjax_hetero.rounds.body import RoundData
-from fedjax_hetero.rounds.client_eval import HeldOut
+from fedjax_hetero.rounds.held_out import HeldOut
 from fedjax_hetero.rounds.inputs import Call, CallInputs, Cohort, plan_call
 from fedjax_hetero.rounds.rows import call_row
 from fedjax_hetero.rounds.simulation import Simulation, piece_rows, program_call, run_pieces

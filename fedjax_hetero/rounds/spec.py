@@ -29,7 +29,7 @@ from fedjax_hetero.hetero.maps import SubmodelMap, Variables, complete, extract,
 from fedjax_hetero.methods.api import Method
 from fedjax_hetero.models.common import variable_shapes
 from fedjax_hetero.rounds.checks import check_simulation_inputs
-from fedjax_hetero.rounds.client_eval import ClientEval
+from fedjax_hetero.rounds.held_out import ClientEval
 from fedjax_hetero.rounds.state import ServerState, server_key
 from fedjax_hetero.sampling.availability import Availability, availability, read_trace
 from fedjax_hetero.sampling.samplers import Participants, SamplingInfo

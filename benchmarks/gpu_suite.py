@@ -15,7 +15,8 @@ whatever finished):
 2. the peer workload (`benchmarks.peer_torch`: HeteroAvg, ResNet10...26, 100 clients, 10 per round, one epoch
    of Adam at batch 64) at width 0.25, 4 rounds: the PyTorch loop and our ``--round-program`` (default union)
    side by side; then ours again for 2 rounds, its first round from the persistent cache the first run filled;
-3. the demo (``python -m experiments.fmnist`` with its defaults), whole-process wall time;
+3. the demo (``python -m experiments.fmnist`` with its defaults), whole-process wall time, then where its time
+   goes (`benchmarks.startup` on its settings: import, setup, first and second call);
 4. FedAvg throughput against the centralized limit (`benchmarks.throughput`, the CNN);
 5. the peer workload at width 1, ours alone, 3 rounds;
 6. many runs in one program (`benchmarks.many_runs`): 8 seeds of the InCo @0.25 workload against one run;
@@ -167,7 +168,18 @@ def demo(suite: Suite) -> dict[str, Any]:
                                  "--no-progress", *size], 60)
   wall = time.perf_counter() - t0
   summary = _read_json(os.path.join(out, "summary.json"))
-  return {"wall_s": wall if status == 0 else None, "accuracy": (summary or {}).get("best_mean_accuracy")}
+  return {"wall_s": wall if status == 0 else None, "accuracy": (summary or {}).get("best_mean_accuracy"),
+          "phases": demo_phases(suite)}
+
+
+def demo_phases(suite: Suite) -> dict[str, Any]:
+  """Where the demo's process time goes (`benchmarks.startup` on its groups and batch, calls of 10 rounds, no
+  compilation cache): the library's import, the setup, the first call (compiled) and the second."""
+  size = ["--max-train-samples", "2000", "--rounds-per-call", "2"] if suite.smoke else \
+      ["--max-train-samples", "0", "--rounds-per-call", "10"]
+  _, out = suite.run("demo_phases", [sys.executable, "-m", "benchmarks.startup", "--groups", "cnn@1,cnn@0.5,cnn@0.25",
+                                     "--batch-size", "32", "--round-program", "union", *size], 40)
+  return next(iter(json_rows(out)), {})
 
 
 def many_runs(suite: Suite) -> dict[str, Any]:
@@ -273,6 +285,11 @@ def table(results: dict[str, Any], notes: list[str], smoke: bool = False) -> str
   d = results["demo"]
   lines.append(f"| demo, whole process (s), best accuracy {fmt(d['accuracy'], 4)} | {fmt(d['wall_s'])} | — | "
                f"{fmt(d['wall_s'])} s | <= 12 s | {verdict(d['wall_s'], TARGETS['demo_s'], True)} |")
+  phases = d.get("phases") or {}
+  if phases:
+    lines.append(f"| demo's phases ({phases['driver']}, no cache), seconds of import / setup / first call of "
+                 f"{phases['rounds_per_call']} rounds / second call | {phases['import_s']} / {phases['setup_s']} / "
+                 f"{phases['first_call_s']} / {phases['second_call_s']} | — | — | — | — |")
   m = results.get("many_runs", {})
   lines.append(f"| InCo @0.25, 8 seeds in one program / one run alone ({fmt(m.get('alone'), 0)}), samples/s | "
                f"{fmt(m.get('runs_8'), 0)} | — | {fmt(m.get('ratio'))}x | >= 5x | "

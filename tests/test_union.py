@@ -15,7 +15,7 @@ from fedjax_hetero.hetero.maps import extract
 from fedjax_hetero.rounds import make_backend, make_simulation
 from fedjax_hetero.models import build_model
 from fedjax_hetero.rounds.union import (UnionCohorts, _probe_reason, declared_exact, held_mask, held_vectors,
-                                        union_reason)
+                                        union_reason, uploads_in_layout)
 from tests import golden
 from tests.golden_setting import golden_spec
 from tests.helpers import simulation, tiny_resnet
@@ -107,6 +107,32 @@ def test_heteroavg_on_the_union_is_a_masked_mean_over_the_slots(make, monkeypatc
   monkeypatch.setattr(aggregators, "heterogeneous_sums", refuse)
   state, rows = sim.run_rounds(sim.init_state(), 1, evaluate={1})
   assert np.isfinite(rows[0]["train_loss"]) and state.round == 1
+
+
+@pytest.mark.slow
+def test_the_dissimilarity_metric_is_summed_in_the_unions_layout(monkeypatch):
+  """Its term only uploads per-leaf sums of the update (`uploads_in_layout`): the union sums them over its slots in
+  its layout, no group is taken back to its shape, HeteroAvg's mean is still handed over, and the run is the
+  per-group program's (rows, the metric included, and models)."""
+  models = [(f"resnet{s}", tiny_resnet(s)) for s in ((1, 1), (2, 2))]
+  sim = simulation("HeteroAvg", models, local=LOCAL, backend="vmap", track_dissimilarity=True, round_program="union",
+                   clients_per_round=4)
+  assert isinstance(sim.cohorts, UnionCohorts) and uploads_in_layout(sim.spec.trainers[0].terms)
+  assert_same_run(per_group(sim), sim, rounds=2)
+  rows = [s.run_rounds(s.init_state(), 2, evaluate={2})[1] for s in (per_group(sim), sim)]
+  for want, have in zip(*rows):
+    for group, values in want["dissimilarity"].items():
+      for name, value in values.items():
+        np.testing.assert_allclose(*(np.nan if v is None else v for v in (have["dissimilarity"][group][name], value)),
+                                   rtol=1e-4, err_msg=f"{group} {name}")
+
+  def refuse(*args, **kwargs):
+    raise AssertionError("a group was finished in its shape, or the server summed the groups' deltas")
+
+  monkeypatch.setattr(UnionCohorts, "_group_result", refuse)
+  monkeypatch.setattr(aggregators, "heterogeneous_sums", refuse)
+  _, rows = sim.run_rounds(sim.init_state(), 1, evaluate={1})
+  assert set(rows[0]["dissimilarity"]) == {"resnet(1, 1)", "resnet(2, 2)"}
 
 
 @pytest.mark.slow

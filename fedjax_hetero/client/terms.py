@@ -116,6 +116,17 @@ class Upload(NamedTuple):
 
   value: AfterRound
   reduce: str = "weighted"
+  # Set where ``value`` is, for every ``params`` leaf of the client's update, the sum of this elementwise function
+  # of its elements (zero at zero), as one vector (`update_leaf_sums`): a mapping that holds the updates in a
+  # larger layout (the union's) computes it there.
+  update_leaf_sum: Callable[[jax.Array], jax.Array] | None = None
+
+
+def update_leaf_sums(f: Callable[[jax.Array], jax.Array], reduce: str = "weighted") -> Upload:
+  """An `Upload` of ``sum(f(d))`` for every ``params`` leaf ``d`` of the client's update, one vector in the order
+  of ``jax.tree.leaves`` (``f`` elementwise, with ``f(0) == 0``)."""
+  return Upload(lambda _, final, memory, share: jnp.stack([jnp.sum(f(d)) for d in jax.tree.leaves(
+      final.delta["params"])]), reduce, f)
 
 
 class Memory(NamedTuple):

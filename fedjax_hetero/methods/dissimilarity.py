@@ -23,8 +23,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from fedjax_hetero.client.terms import ClientTerm, Upload
+from fedjax_hetero.client.terms import ClientTerm, update_leaf_sums
 from fedjax_hetero.methods.api import Method
 from fedjax_hetero.models import parameter_split, resolve_cut
 from fedjax_hetero.server.steps import ServerStep
@@ -38,27 +39,27 @@ NO_SPREAD = 1e-6
 
 @functools.cache  # one term: trainers that carry it stay equal, and share their programs
 def update_norms() -> ClientTerm:
-  """Uploads the squared norm of each ``params`` leaf of the client's update, weighted-summed over the cohort."""
+  """Uploads the squared norm of each ``params`` leaf of the client's update (one vector in the leaves' order),
+  weighted-summed over the cohort."""
 
-  def norms(_, final, memory, share):
-    return jax.tree.map(lambda d: jnp.sum(jnp.square(d)), final.delta["params"])
-
-  return ClientTerm(NAME, upload=Upload(norms, "weighted"))
+  return ClientTerm(NAME, upload=update_leaf_sums(jnp.square))
 
 
 def gradient_dissimilarity(delta_sum: Any, weight_sum: jax.Array, norm_sums: Any,
                            parts: dict[str, Any]) -> dict[str, jax.Array]:
   """``D_part`` (module docstring) for every part, and its numerator as ``<part>_spread``, from a cohort's sums:
-  ``delta_sum = sum_c w_c d_c`` (variables), ``norm_sums = sum_c w_c ||d_c leaf||^2`` (per ``params`` leaf) and
-  ``parts``: name -> a tree of bools over ``params`` marking the part's leaves. NaN when the mean update of a
+  ``delta_sum = sum_c w_c d_c`` (variables), ``norm_sums = sum_c w_c ||d_c leaf||^2`` (one entry per ``params``
+  leaf, in the order of ``jax.tree.leaves``) and ``parts``: name -> a tree of bools over ``params`` marking the part's leaves. NaN when the mean update of a
   part is zero."""
-  mean = jax.tree.map(lambda d: d / weight_sum, delta_sum["params"])
   out = {}
   for name, mask in parts.items():
     if not any(jax.tree.leaves(mask)):
       continue
-    spread = sum(s / weight_sum for s, m in zip(jax.tree.leaves(norm_sums), jax.tree.leaves(mask)) if m)
-    mean_norm = sum(jnp.sum(jnp.square(d)) for d, m in zip(jax.tree.leaves(mean), jax.tree.leaves(mask)) if m)
+    # Each part's leaves as one vector (one reduction, where a sum per leaf is an XLA kernel per leaf shape).
+    norms = jnp.take(norm_sums, np.flatnonzero(jax.tree.leaves(mask)))
+    deltas = jnp.concatenate([jnp.ravel(d) for d, m in zip(jax.tree.leaves(delta_sum["params"]), jax.tree.leaves(mask))
+                              if m])
+    spread, mean_norm = jnp.sum(norms) / weight_sum, jnp.sum(jnp.square(deltas / weight_sum))
     spread = jnp.maximum(spread - mean_norm, 0.0)  # >= 0 but for float cancellation
     spread = jnp.where(spread > NO_SPREAD * mean_norm, spread, jnp.nan)
     out[f"{name}_spread"], out[name] = spread, spread / mean_norm

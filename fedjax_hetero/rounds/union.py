@@ -14,7 +14,9 @@ of them stays zero, and a client's trajectory is its sub-model's up to the order
 sampled clients (not groups x capacity) are the slots of one vmapped step, with no per-group branch; a slot's
 variables are one vector per collection (`client.flat`: each elementwise pass of the step is then one kernel). After the
 steps, a group whose trainer has no terms uploads only its weighted delta sum: every such group's is one product
-over the slots in the union's layout, cut to the group's shape. A group with terms is taken back to its shape,
+over the slots in the union's layout, cut to the group's shape (and so does a group whose terms only upload
+per-leaf sums of the update, as the dissimilarity metric's norms: summed per leaf in the layout,
+`uploads_in_layout`). A group with other terms is taken back to its shape,
 and its trainer finishes and reduces its clients as the per-group mapping does. Either way every method's server
 steps, uploads and client memory see what they see there; where every group shares one model and uploads its plain
 delta, the layer-wise mean of HeteroAvg (`server.steps.mean_delta`) is handed over ready, a masked weighted mean
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import jax
@@ -101,6 +104,15 @@ class UnionInputs(NamedTuple):
 
   offsets: tuple[Any, ...]  # every leaf's offset in its collection's vector (`client.flat.FlatLayout.at`)
   held: dict[str, jax.Array]  # every group's held elements, ``[G, P]`` booleans per collection
+  param_leaf: jax.Array  # int32 [P]: which ``params`` leaf (in the layout's order) each element of that vector is
+
+
+def uploads_in_layout(terms: Sequence[ClientTerm]) -> bool:
+  """Whether the union computes every upload of ``terms`` in its own layout: each term only uploads a weighted
+  per-leaf sum of its update's elements (`client.terms.update_leaf_sums`, e.g. the dissimilarity metric's norms),
+  which the zeros outside a group's window leave unchanged."""
+  return all(t == ClientTerm(t.name, upload=t.upload) and t.upload.update_leaf_sum is not None
+             and t.upload.reduce == "weighted" for t in terms)
 
 
 def _structural_reason(spec: "RoundSpec") -> str | None:
@@ -195,8 +207,10 @@ class UnionCohorts(ProgramCohorts):
   def _inputs(self) -> UnionInputs:
     """Placed once, at the first program's call (a job of many runs calls its first run's alone); built in the
     program, the masks were about 2,000 traced operations of every round."""
+    sizes = [math.prod(shape) for path, shape in self.layout.leaves if path[0] == "params"]
     return UnionInputs(self.layout.offsets, jax.tree.map(
-        lambda *h: jax.device_put(np.stack(h)), *[held_vectors(self.layout, m) for m in self._maps]))
+        lambda *h: jax.device_put(np.stack(h)), *[held_vectors(self.layout, m) for m in self._maps]),
+                       jax.device_put(np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)))
 
   def arguments(self) -> UnionInputs:
     return self._inputs
@@ -216,8 +230,8 @@ class UnionCohorts(ProgramCohorts):
     per leaf shape, where the groups' sums cut to their shapes and embedded made one per leaf and set of groups
     holding it). Where every group takes its window of that federation's model, pushes back what it pulls (its
     held elements are its coverage) and uploads its plain delta (no terms); else None."""
-    if len(spec.federations) != 1 or not self._one_union_model(spec, state) or any(t.terms for t in spec.trainers) \
-        or any(m.push != m.pull for m in spec.maps):
+    if len(spec.federations) != 1 or not self._one_union_model(spec, state) \
+        or not all(uploads_in_layout(t.terms) for t in spec.trainers) or any(m.push != m.pull for m in spec.maps):
       return (None,) * len(spec.federations)
     weights = jnp.stack([jnp.sum(c.weights) for c in x.cohorts])
     numerator = jax.tree.map(lambda s: jnp.sum(s, axis=0), group_sums)
@@ -249,7 +263,7 @@ class UnionCohorts(ProgramCohorts):
             data: RoundData) -> tuple[list[Any], tuple[Any, ...], tuple[Any, ...]]:
     key = round_key(spec.seed, x.index)
     clients, sizes, slot_weights, group_of_slot, positions = pack_participants(x, self.capacity)
-    offsets, group_held = data.mapping
+    offsets, group_held = data.mapping.offsets, data.mapping.held
     held = jax.tree.map(lambda h: h[group_of_slot], group_held)
     client_starts = self._in_union(spec, state, starts, group_of_slot, held)
     layout = self.layout.at(offsets)
@@ -266,20 +280,42 @@ class UnionCohorts(ProgramCohorts):
     weights = jnp.where(jnp.arange(len(spec.groups))[:, None] == group_of_slot, slot_weights, 0.0)  # [G, S]
     flat_sums = jax.tree.map(lambda new, old: jnp.tensordot(weights, new - old, axes=1), trained.variables,
                              client_starts)
-    delta_sums = layout.unravel(flat_sums)
+    leaf_sums = {}  # per elementwise function of the layout's uploads: every group's weighted per-leaf sums [G, K]
     results, memory = [], list(state.memory)
     for g, rows in enumerate(x.cohorts):
       slots = jnp.minimum(positions[g], self.capacity - 1)
-      if spec.trainers[g].terms:
+      terms = spec.trainers[g].terms
+      if not uploads_in_layout(terms):
         result, memory[g] = self._group_result(spec, g, rows, trained, slots, starts[g], shares[g], memory[g], key,
                                                data, layout)
       else:
         count = lambda a: jnp.where(rows.real > 0, a[slots], 0.0).sum()
-        own_sums = jax.tree.map(lambda s: jax.lax.index_in_dim(s, g, keepdims=False), delta_sums)
-        result = cohort.GroupResult(extract(own_sums, _window_map(spec.maps[g])),
-                                    rows.weights.sum(), count(trained.loss_sum), count(trained.num_examples))
+        # (the group's row read at the layout's runtime offsets: leaves of one shape share their kernels)
+        own_sums = layout.unravel(jax.tree.map(lambda s: jax.lax.index_in_dim(s, g, keepdims=False), flat_sums))
+        uploads = []
+        for term in terms:
+          f = term.upload.update_leaf_sum
+          if f not in leaf_sums:
+            leaf_sums[f] = weights @ self._update_leaf_sums(f, trained.variables["params"] - client_starts["params"],
+                                                            data.mapping.param_leaf)
+          uploads.append(jnp.take(leaf_sums[f][g], self._leaf_indices(starts[g]["params"])))
+        result = cohort.GroupResult(extract(own_sums, _window_map(spec.maps[g])), rows.weights.sum(),
+                                    count(trained.loss_sum), count(trained.num_examples), tuple(uploads))
       results.append(result)
     return results, tuple(memory), self._federation_mean(spec, state, x, flat_sums, group_held, layout)
+
+  def _update_leaf_sums(self, f: Any, deltas: jax.Array, param_leaf: jax.Array) -> jax.Array:
+    """``[S, K]``: every slot's sum of ``f`` over each of the ``K`` params leaves of its update ``deltas`` (``[S,
+    P]`` in the layout; zero outside the slot's window, where ``f`` is zero)."""
+    leaves = sum(1 for path, _ in self.layout.leaves if path[0] == "params")
+    return jax.vmap(lambda d: jax.ops.segment_sum(f(d), param_leaf, leaves, indices_are_sorted=True))(deltas)
+
+  def _leaf_indices(self, params: Variables) -> np.ndarray:
+    """The layout's index among its params leaves of each leaf of a group's ``params``, in the order of
+    ``jax.tree.leaves`` (the group's leaves are the union's of the same paths, `_structural_reason`)."""
+    index = {path[1:]: k for k, (path, _) in enumerate(p for p in self.layout.leaves if p[0][0] == "params")}
+    paths = jax.tree_util.tree_flatten_with_path(params)[0]
+    return np.array([index[tuple(k.key for k in path)] for path, _ in paths], np.int32)
 
   def _group_result(self, spec: "RoundSpec", g: int, rows: Any, trained: Any, slots: jax.Array, start: Any,
                     share: Any, memory: Any, key: jax.Array, data: RoundData, layout: FlatLayout

@@ -45,12 +45,12 @@ def update_norms() -> ClientTerm:
   return ClientTerm(NAME, upload=update_leaf_sums(jnp.square))
 
 
-def gradient_dissimilarity(delta_sum: Any, weight_sum: jax.Array, norm_sums: Any,
+def gradient_dissimilarity(delta_sum: Any, weight_sum: jax.Array, norm_sums: jax.Array,
                            parts: dict[str, Any]) -> dict[str, jax.Array]:
   """``D_part`` (module docstring) for every part, and its numerator as ``<part>_spread``, from a cohort's sums:
   ``delta_sum = sum_c w_c d_c`` (variables), ``norm_sums = sum_c w_c ||d_c leaf||^2`` (one entry per ``params``
-  leaf, in the order of ``jax.tree.leaves``) and ``parts``: name -> a tree of bools over ``params`` marking the part's leaves. NaN when the mean update of a
-  part is zero."""
+  leaf, in the order of ``jax.tree.leaves``) and ``parts``: name -> a tree of bools over ``params`` marking the
+  part's leaves. NaN when the mean update of a part is zero."""
   out = {}
   for name, mask in parts.items():
     if not any(jax.tree.leaves(mask)):

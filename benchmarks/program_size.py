@@ -226,6 +226,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   p.add_argument("--max-train-samples", type=int, default=None, help="class-balanced training subset")
   p.add_argument("--drivers", default="fused,union", help="comma-separated: fused, union")
   p.add_argument("--output", default=None, help="also write the JSON lines to this file")
+  p.add_argument("--dissimilarity", action="store_true", help="with the gradient-dissimilarity metric, as the "
+                 "experiment driver runs by default (off here: the rows measure the method alone)")
   p.add_argument("--by-source", type=int, default=0, metavar="N", help="also print the N library source lines "
                  "under which the most ops of each program were traced (before XLA's optimization)")
   p.add_argument("--cut", default="", metavar="PART,...", help=f"compile the round without these parts "
@@ -241,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
       dataset="fashion_mnist", groups=tuple(args.groups.split(",")), method=args.method,
       num_clients=args.num_clients, clients_per_round=args.clients_per_round, partition="dirichlet", alpha=0.5,
       epochs=1, batch_size=args.batch_size, optimizer="adam", learning_rate=1e-3, rounds=1,
-      max_train_samples=args.max_train_samples, progress=False, dissimilarity=False, backend="vmap")
+      max_train_samples=args.max_train_samples, progress=False, dissimilarity=args.dissimilarity, backend="vmap")
   rows = []
   for driver in args.drivers.split(","):
     rows.append(measure(config, driver, args.by_source, cut))

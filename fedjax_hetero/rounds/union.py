@@ -229,7 +229,8 @@ class UnionCohorts(ProgramCohorts):
     masked weighted mean, one kernel per collection, read into the model's leaves at the layout's offsets (a kernel
     per leaf shape, where the groups' sums cut to their shapes and embedded made one per leaf and set of groups
     holding it). Where every group takes its window of that federation's model, pushes back what it pulls (its
-    held elements are its coverage) and uploads its plain delta (no terms); else None."""
+    held elements are its coverage) and uploads its plain delta (no terms, or only terms whose uploads the union
+    sums itself, `uploads_in_layout`); else None."""
     if len(spec.federations) != 1 or not self._one_union_model(spec, state) \
         or not all(uploads_in_layout(t.terms) for t in spec.trainers) or any(m.push != m.pull for m in spec.maps):
       return (None,) * len(spec.federations)

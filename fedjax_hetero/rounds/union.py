@@ -200,6 +200,8 @@ class UnionCohorts(ProgramCohorts):
     union = variable_shapes(spec.groups[spec.global_index].model, spec.store.images.shape[1:])
     self._union_shapes = union
     self.layout = FlatLayout.of(union)  # the slots' variables: one vector per collection
+    # (path within ``params``, shape) of every leaf of the ``params`` vector, in its order
+    self._param_leaves = [(path[1:], shape) for path, shape in self.layout.leaves if path[0] == "params"]
     self.capacity = spec.config.clients_per_round  # the slots: a round's participants, whatever their groups
     self._maps = spec.maps
 
@@ -207,7 +209,7 @@ class UnionCohorts(ProgramCohorts):
   def _inputs(self) -> UnionInputs:
     """Placed once, at the first program's call (a job of many runs calls its first run's alone); built in the
     program, the masks were about 2,000 traced operations of every round."""
-    sizes = [math.prod(shape) for path, shape in self.layout.leaves if path[0] == "params"]
+    sizes = [math.prod(shape) for _, shape in self._param_leaves]
     return UnionInputs(self.layout.offsets, jax.tree.map(
         lambda *h: jax.device_put(np.stack(h)), *[held_vectors(self.layout, m) for m in self._maps]),
                        jax.device_put(np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)))
@@ -308,13 +310,13 @@ class UnionCohorts(ProgramCohorts):
   def _update_leaf_sums(self, f: Any, deltas: jax.Array, param_leaf: jax.Array) -> jax.Array:
     """``[S, K]``: every slot's sum of ``f`` over each of the ``K`` params leaves of its update ``deltas`` (``[S,
     P]`` in the layout; zero outside the slot's window, where ``f`` is zero)."""
-    leaves = sum(1 for path, _ in self.layout.leaves if path[0] == "params")
-    return jax.vmap(lambda d: jax.ops.segment_sum(f(d), param_leaf, leaves, indices_are_sorted=True))(deltas)
+    count = len(self._param_leaves)
+    return jax.vmap(lambda d: jax.ops.segment_sum(f(d), param_leaf, count, indices_are_sorted=True))(deltas)
 
   def _leaf_indices(self, params: Variables) -> np.ndarray:
     """The layout's index among its params leaves of each leaf of a group's ``params``, in the order of
     ``jax.tree.leaves`` (the group's leaves are the union's of the same paths, `_structural_reason`)."""
-    index = {path[1:]: k for k, (path, _) in enumerate(p for p in self.layout.leaves if p[0][0] == "params")}
+    index = {path: k for k, (path, _) in enumerate(self._param_leaves)}
     paths = jax.tree_util.tree_flatten_with_path(params)[0]
     return np.array([index[tuple(k.key for k in path)] for path, _ in paths], np.int32)
 

@@ -156,7 +156,7 @@ def without(parts: Sequence[str]):
 
   if "server" in parts:
     replace(body, "server_round",
-            lambda spec, f, state, starts, results, x, mean=None: (state.models[f], state.steps[f], {}))
+            lambda spec, f, state, starts, results, x, mapped=None: (state.models[f], state.steps[f], {}))
   if "local-steps" in parts:
     replace(cohort, "steps", lambda trainer, states, *args, **kwargs: states)
   try:

@@ -16,6 +16,7 @@ from fedjax_hetero.rounds import make_backend, make_simulation
 from fedjax_hetero.models import build_model
 from fedjax_hetero.rounds.union import (UnionCohorts, _probe_reason, declared_exact, held_mask, held_vectors,
                                         union_reason, uploads_in_layout)
+from fedjax_hetero.server import steps
 from tests import golden
 from tests.golden_setting import golden_spec
 from tests.helpers import simulation, tiny_resnet
@@ -112,8 +113,8 @@ def test_heteroavg_on_the_union_is_a_masked_mean_over_the_slots(make, monkeypatc
 @pytest.mark.slow
 def test_the_dissimilarity_metric_is_summed_in_the_unions_layout(monkeypatch):
   """Its term only uploads per-leaf sums of the update (`uploads_in_layout`): the union sums them over its slots in
-  its layout, no group is taken back to its shape, HeteroAvg's mean is still handed over, and the run is the
-  per-group program's (rows, the metric included, and models)."""
+  its layout, no group is taken back to its shape, HeteroAvg's mean and the groups' delta norms are handed over,
+  and the run is the per-group program's (rows, the metric included, and models)."""
   models = [(f"resnet{s}", tiny_resnet(s)) for s in ((1, 1), (2, 2))]
   sim = simulation("HeteroAvg", models, local=LOCAL, backend="vmap", track_dissimilarity=True, round_program="union",
                    clients_per_round=4)
@@ -131,6 +132,7 @@ def test_the_dissimilarity_metric_is_summed_in_the_unions_layout(monkeypatch):
 
   monkeypatch.setattr(UnionCohorts, "_group_result", refuse)
   monkeypatch.setattr(aggregators, "heterogeneous_sums", refuse)
+  monkeypatch.setattr(steps, "squared_norm", refuse)  # (the groups' delta norms too: summed in the layout)
   _, rows = sim.run_rounds(sim.init_state(), 1, evaluate={1})
   assert set(rows[0]["dissimilarity"]) == {"resnet(1, 1)", "resnet(2, 2)"}
 

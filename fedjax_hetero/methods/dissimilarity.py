@@ -45,31 +45,21 @@ def update_norms() -> ClientTerm:
   return ClientTerm(NAME, upload=update_leaf_sums(jnp.square))
 
 
-def gradient_dissimilarity(delta_sum: Any, weight_sum: jax.Array, norm_sums: jax.Array,
-                           parts: dict[str, Any]) -> dict[str, jax.Array]:
-  """``D_part`` (module docstring) for every part, and its numerator as ``<part>_spread``, from a cohort's sums:
-  ``delta_sum = sum_c w_c d_c`` (variables), ``norm_sums = sum_c w_c ||d_c leaf||^2`` (one entry per ``params``
-  leaf, in the order of ``jax.tree.leaves``) and ``parts``: name -> a tree of bools over ``params`` marking the
-  part's leaves. NaN when the mean update of a part is zero."""
-  out = {}
-  for name, mask in parts.items():
-    if not any(jax.tree.leaves(mask)):
-      continue
-    # Each part's leaves as one vector (one reduction, where a sum per leaf is an XLA kernel per leaf shape).
-    norms = jnp.take(norm_sums, np.flatnonzero(jax.tree.leaves(mask)))
-    deltas = jnp.concatenate([jnp.ravel(d) for d, m in zip(jax.tree.leaves(delta_sum["params"]), jax.tree.leaves(mask))
-                              if m])
-    spread, mean_norm = jnp.sum(norms) / weight_sum, jnp.sum(jnp.square(deltas / weight_sum))
-    spread = jnp.maximum(spread - mean_norm, 0.0)  # >= 0 but for float cancellation
-    spread = jnp.where(spread > NO_SPREAD * mean_norm, spread, jnp.nan)
-    out[f"{name}_spread"], out[name] = spread, spread / mean_norm
-  return out
+def gradient_dissimilarity(weight_sum: jax.Array, norm_sum: jax.Array, delta_norm: jax.Array) -> tuple[Any, Any]:
+  """``(D, spread)`` of one part (module docstring) from a cohort's sums over the part's elements: ``weight_sum =
+  sum_c w_c``, ``norm_sum = sum_c w_c ||d_c||^2`` and ``delta_norm = ||sum_c w_c d_c||^2``. NaN when the mean update
+  is zero, or the spread only float rounding (`NO_SPREAD`)."""
+  spread, mean_norm = norm_sum / weight_sum, delta_norm / jnp.square(weight_sum)
+  spread = jnp.maximum(spread - mean_norm, 0.0)  # >= 0 but for float cancellation
+  spread = jnp.where(spread > NO_SPREAD * mean_norm, spread, jnp.nan)
+  return spread / mean_norm, spread
 
 
 @functools.lru_cache(maxsize=64)
-def _parts(model, input_shape: tuple[int, ...], cut: str | None) -> dict[str, Any]:
+def _parts(model, input_shape: tuple[int, ...], cut: str | None) -> dict[str, np.ndarray]:
+  """Each part's ``params`` leaves, as indices in the order of ``jax.tree.leaves``."""
   low, high = parameter_split(model, jnp.zeros((1,) + input_shape, jnp.float32), resolve_cut(model, cut))
-  return {"low": low, "high": high}
+  return {"low": np.flatnonzero(jax.tree.leaves(low)), "high": np.flatnonzero(jax.tree.leaves(high))}
 
 
 def dissimilarity_step(norms: ClientTerm, cut: str | None = None) -> ServerStep:
@@ -83,12 +73,16 @@ def dissimilarity_step(norms: ClientTerm, cut: str | None = None) -> ServerStep:
     return ()
 
   def update(carry, state, inputs, plan):
-    federation = inputs.federation
+    federation, values = inputs.federation, {}
     shape = tuple(federation.store.images.shape[1:])
-    values = {name: gradient_dissimilarity(result.delta_sum, result.weight_sum, norm_sums,
-                                           _parts(model, shape, cut))
-              for name, model, result, norm_sums in zip(federation.group_names, federation.models, inputs.results,
-                                                        inputs.uploads(norms))}
+    for member, (group, model, weight, norm_sums) in enumerate(zip(
+        federation.group_names, federation.models, inputs.weights, inputs.uploads(norms))):
+      values[group] = {}
+      for part, leaves in _parts(model, shape, cut).items():
+        if len(leaves):
+          d, spread = gradient_dissimilarity(weight, jnp.sum(jnp.take(norm_sums, leaves)),
+                                             inputs.delta_norm(member, leaves))
+          values[group].update({f"{part}_spread": spread, part: d})
     return carry._replace(metrics={**carry.metrics, NAME: values}), state
 
   return ServerStep(NAME, update, init, reads=(norms,))

@@ -86,16 +86,17 @@ def select(flag: Any, new: Any, old: Any) -> Any:
 
 
 def server_round(spec: "RoundSpec", federation: int, state: ServerState, starts: Sequence[Any],
-                 results: Sequence[Any], x: RoundRows, mean: Any = None) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
-  """Federation ``federation``'s server steps on its groups' results (and the mapping's ``mean``, see
-  `server.steps.RoundInputs`): its new model, step states and metrics."""
+                 results: Sequence[Any], x: RoundRows, mapped: Any = None
+                 ) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+  """Federation ``federation``'s server steps on its groups' results (and what the mapping computed itself,
+  `server.steps.MappedSums`): its new model, step states and metrics."""
   f = spec.federations[federation]
   cohorts = [x.cohorts[g] for g in f.members]
   return spec.server_programs[federation](
       state.models[federation], state.steps[federation], tuple(starts[g] for g in f.members),
       tuple(results[g] for g in f.members), tuple(c.real > 0 for c in cohorts), tuple(c.server_ids for c in cohorts),
       x.index, server_key(spec.seed, x.index, spec.store.num_clients, federation), x.plans, statics=x.statics,
-      mean=mean)
+      mapped=mapped)
 
 
 def run_round(spec: "RoundSpec", cohorts: Any, state: ServerState, x: RoundRows, data: RoundData
@@ -105,14 +106,14 @@ def run_round(spec: "RoundSpec", cohorts: Any, state: ServerState, x: RoundRows,
   groups = range(len(spec.groups))
   starts = tuple(spec.start_variables(state, g) for g in groups)  # broadcast
   shares = tuple(spec.group_share(state, g) for g in groups)
-  results, memory, means = cohorts.train(spec, x, state, starts, shares, data)  # map
+  results, memory, mapped = cohorts.train(spec, x, state, starts, shares, data)  # map
   models, steps, metrics = list(state.models), list(state.steps), []
   for f in spec.federations:  # reduce
     trains = any_of([x.cohorts[g].count > 0 for g in f.members])
     if trains is False:
       metrics.append(None)
       continue
-    model, new_steps, federation_metrics = server_round(spec, f.index, state, starts, results, x, means[f.index])
+    model, new_steps, federation_metrics = server_round(spec, f.index, state, starts, results, x, mapped[f.index])
     models[f.index] = select(trains, model, models[f.index])
     steps[f.index] = select(trains, new_steps, steps[f.index])
     metrics.append(federation_metrics)

@@ -2,8 +2,9 @@
 
 This is FedJAX's ``for_each_client``: the round hands a mapping every group's start variables, share and cohort
 rows, and gets back every group's sums (`cohort.GroupResult`), the client memory with the cohort's rows
-written and, per federation, the layer-wise mean of the deltas where the mapping computes it itself (the union
-mapping, `rounds.union`; None here); the mapping also counts the evaluation's correct predictions (and, with
+written and, per federation, what the mapping computes itself in its own layout (the layer-wise mean of the
+deltas and the groups' per-leaf squared norms, `server.steps.MappedSums`: the union mapping, `rounds.union`; None
+here); the mapping also counts the evaluation's correct predictions (and, with
 per-client evaluation, every client's on its held-out samples: `rounds.client_eval`). Two mappings:
 
 - `HostCohorts`: the host loop. Each group's cohort trains through a `backends.Backend` (one client after

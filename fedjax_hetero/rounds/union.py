@@ -56,6 +56,7 @@ from fedjax_hetero.rounds.body import RoundData
 from fedjax_hetero.rounds.inputs import RoundRows
 from fedjax_hetero.rounds.mapping import ProgramCohorts
 from fedjax_hetero.rounds.state import ServerState, round_key
+from fedjax_hetero.server.steps import MappedSums
 
 if TYPE_CHECKING:
   from fedjax_hetero.rounds.spec import RoundSpec
@@ -224,25 +225,27 @@ class UnionCohorts(ProgramCohorts):
     return all(spec.federation_of[g] == f and spec.federations[f].maps[spec.member_of[g]] == spec.maps[g]
                for g in range(len(spec.groups))) and layout(state.models[f]) == layout(self._union_shapes)
 
-  def _federation_mean(self, spec: "RoundSpec", state: ServerState, x: RoundRows, group_sums: dict[str, jax.Array],
-                       held: dict[str, jax.Array], layout: FlatLayout) -> tuple[Any, ...]:
-    """The one federation's layer-wise mean of the deltas and its denominator (`server.steps.RoundInputs.mean`),
-    from the groups' weighted delta sums and held masks in the slots' layout (``[G, P]`` each): HeteroAvg as a
-    masked weighted mean, one kernel per collection, read into the model's leaves at the layout's offsets (a kernel
-    per leaf shape, where the groups' sums cut to their shapes and embedded made one per leaf and set of groups
-    holding it). Where every group takes its window of that federation's model, pushes back what it pulls (its
-    held elements are its coverage) and uploads its plain delta (no terms, or only terms whose uploads the union
-    sums itself, `uploads_in_layout`); else None."""
+  def _mapped_sums(self, spec: "RoundSpec", state: ServerState, x: RoundRows, group_sums: dict[str, jax.Array],
+                   mapping: UnionInputs, layout: FlatLayout, starts: Sequence[Any]) -> tuple[Any, ...]:
+    """The one federation's `server.steps.MappedSums`, from the groups' weighted delta sums (``[G, P]``) and held
+    masks in the slots' layout. The mean: HeteroAvg as a masked weighted mean, one kernel per collection, read into
+    the model's leaves at the layout's offsets (a kernel per leaf shape, where the groups' sums cut to their shapes
+    and embedded made one per leaf and set of groups holding it); the groups' per-leaf squared norms: one segment
+    sum (cut to each group's shape, a kernel per leaf and group). Where every group takes its window of that
+    federation's model, pushes back what it pulls (its held elements are its coverage) and uploads its plain delta
+    (no terms, or only terms whose uploads the union sums itself, `uploads_in_layout`); else None."""
     if len(spec.federations) != 1 or not self._one_union_model(spec, state) \
         or not all(uploads_in_layout(t.terms) for t in spec.trainers) or any(m.push != m.pull for m in spec.maps):
       return (None,) * len(spec.federations)
     weights = jnp.stack([jnp.sum(c.weights) for c in x.cohorts])
     numerator = jax.tree.map(lambda s: jnp.sum(s, axis=0), group_sums)
-    denominator = jax.tree.map(lambda h: jnp.tensordot(weights, h.astype(weights.dtype), axes=1), held)
+    denominator = jax.tree.map(lambda h: jnp.tensordot(weights, h.astype(weights.dtype), axes=1), mapping.held)
     mean = masked_mean(numerator, denominator, jax.tree.map(jnp.zeros_like, numerator))
     tree = jax.tree.structure(state.models[0])
     in_model = lambda flat: jax.tree.unflatten(tree, jax.tree.leaves(layout.unravel(flat)))
-    return ((in_model(mean), in_model(denominator)),)
+    norms = self._leaf_sums(jnp.square(group_sums["params"]), mapping.param_leaf)  # [G, K]
+    group_norms = tuple(jnp.take(norms[g], self._leaf_indices(start["params"])) for g, start in enumerate(starts))
+    return (MappedSums(in_model(mean), in_model(denominator), group_norms),)
 
   def _in_union(self, spec: "RoundSpec", state: ServerState, variables: Sequence[Variables], groups: jax.Array,
                 held: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -299,19 +302,19 @@ class UnionCohorts(ProgramCohorts):
         for term in terms:
           f = term.upload.update_leaf_sum
           if f not in leaf_sums:
-            leaf_sums[f] = weights @ self._update_leaf_sums(f, trained.variables["params"] - client_starts["params"],
-                                                            data.mapping.param_leaf)
+            leaf_sums[f] = weights @ self._leaf_sums(f(trained.variables["params"] - client_starts["params"]),
+                                                     data.mapping.param_leaf)
           uploads.append(jnp.take(leaf_sums[f][g], self._leaf_indices(starts[g]["params"])))
         result = cohort.GroupResult(extract(own_sums, _window_map(spec.maps[g])), rows.weights.sum(),
                                     count(trained.loss_sum), count(trained.num_examples), tuple(uploads))
       results.append(result)
-    return results, tuple(memory), self._federation_mean(spec, state, x, flat_sums, group_held, layout)
+    return results, tuple(memory), self._mapped_sums(spec, state, x, flat_sums, data.mapping, layout, starts)
 
-  def _update_leaf_sums(self, f: Any, deltas: jax.Array, param_leaf: jax.Array) -> jax.Array:
-    """``[S, K]``: every slot's sum of ``f`` over each of the ``K`` params leaves of its update ``deltas`` (``[S,
-    P]`` in the layout; zero outside the slot's window, where ``f`` is zero)."""
+  def _leaf_sums(self, values: jax.Array, param_leaf: jax.Array) -> jax.Array:
+    """``[N, K]``: the sums of ``values`` (``[N, P]``, in the layout's params vector) over each of its ``K`` leaves:
+    one segment sum (a reduction per leaf would be a kernel per leaf size)."""
     count = len(self._param_leaves)
-    return jax.vmap(lambda d: jax.ops.segment_sum(f(d), param_leaf, count, indices_are_sorted=True))(deltas)
+    return jax.vmap(lambda v: jax.ops.segment_sum(v, param_leaf, count, indices_are_sorted=True))(values)
 
   def _leaf_indices(self, params: Variables) -> np.ndarray:
     """The layout's index among its params leaves of each leaf of a group's ``params``, in the order of

@@ -52,6 +52,14 @@ class Federation(NamedTuple):
   terms: tuple = ()  # the method's client terms, in the order of every result's uploads
 
 
+class MappedSums(NamedTuple):
+  """What a round's mapping computed itself in one pass over its clients (`rounds.union`), in its own layout."""
+
+  mean: Variables  # the layer-wise mean of the member groups' deltas (`aggregators.heterogeneous_sums`)
+  coverage: Variables  # its denominator
+  delta_norms: tuple[jax.Array, ...]  # per member group: ``sum(d ** 2)`` of each ``params`` leaf d of its delta sum
+
+
 class RoundInputs(NamedTuple):
   """What every server step reads in a round (per member group where a tuple)."""
 
@@ -63,9 +71,7 @@ class RoundInputs(NamedTuple):
   round: Any  # round index (0-based)
   key: jax.Array  # this federation's server key of the round
   federation: Federation
-  # The layer-wise mean of the groups' deltas and its denominator (`aggregators.heterogeneous_sums`) where the
-  # round's mapping computed them itself, in one pass over its clients (`rounds.union`); else None.
-  mean: tuple[Variables, Variables] | None = None
+  mapped: MappedSums | None = None  # where the round's mapping computed them; else None
 
   def uploads(self, term) -> list[Any]:
     """Every member group's upload of client ``term`` (a term in the reading step's ``reads``)."""
@@ -73,6 +79,13 @@ class RoundInputs(NamedTuple):
     if index is None:
       raise ValueError(f"client term {getattr(term, 'name', term)!r} is not among the method's terms")
     return [r.uploads[index] for r in self.results]
+
+  def delta_norm(self, member: int, leaves: Sequence[int]) -> jax.Array:
+    """The squared norm of member group ``member``'s delta sum over its ``params`` leaves ``leaves`` (indices in the
+    order of ``jax.tree.leaves``)."""
+    if self.mapped is not None:
+      return jnp.sum(jnp.take(self.mapped.delta_norms[member], np.asarray(leaves)))
+    return squared_norm([jax.tree.leaves(self.results[member].delta_sum["params"])[k] for k in leaves])
 
   @property
   def weights(self) -> list[jax.Array]:
@@ -82,6 +95,12 @@ class RoundInputs(NamedTuple):
   def offset(self) -> Any:
     """The sub-model maps' window offset (FedRolex's rolling window moves one step per round)."""
     return self.round
+
+
+def squared_norm(arrays: Sequence[jax.Array]) -> jax.Array:
+  """``sum(x ** 2)`` over the elements of ``arrays`` as one vector (one reduction, where a sum per array is an XLA
+  kernel per shape)."""
+  return jnp.sum(jnp.square(jnp.concatenate([jnp.ravel(x) for x in arrays])))
 
 
 class Carry(NamedTuple):
@@ -110,10 +129,10 @@ class ServerStep(NamedTuple):
 
 
 def run_server_steps(steps: Sequence[ServerStep], federation: Federation, model, states, starts, results, valid,
-                     cohorts, round_index, key, inputs, statics, mean=None
+                     cohorts, round_index, key, inputs, statics, mapped=None
                      ) -> tuple[Variables, tuple[Any, ...], dict[str, Any]]:
   """The steps in order on one round's `RoundInputs`, as a pure function: ``(model, step states, metrics)``."""
-  round_inputs = RoundInputs(model, starts, results, valid, cohorts, round_index, key, federation, mean)
+  round_inputs = RoundInputs(model, starts, results, valid, cohorts, round_index, key, federation, mapped)
   carry, new_states = Carry(model), []
   for step, state, static, dynamic in zip(steps, states, statics, inputs):
     carry, state = step.update(carry, state, round_inputs, Plan(static, dynamic))
@@ -149,13 +168,13 @@ def _paths(tree: Any) -> dict[str, Any]:
 
 def server_program(steps: Sequence[ServerStep], federation: Federation):
   """`run_server_steps` as one jitted program per round: ``(model, step states, starts, results, valid, cohorts,
-  round, key, plan inputs, statics=plan statics, mean=the mapping's mean or None) -> (model, step states,
+  round, key, plan inputs, statics=plan statics, mapped=the mapping's `MappedSums` or None) -> (model, step states,
   metrics)``."""
 
   @functools.partial(jax.jit, static_argnames="statics")
-  def run(model, states, starts, results, valid, cohorts, round_index, key, inputs, statics, mean=None):
+  def run(model, states, starts, results, valid, cohorts, round_index, key, inputs, statics, mapped=None):
     return run_server_steps(steps, federation, model, states, starts, results, valid, cohorts, round_index, key,
-                            inputs, statics, mean)
+                            inputs, statics, mapped)
 
   return run
 
@@ -168,12 +187,11 @@ def mean_delta() -> ServerStep:
   """Layer-wise mean of the client deltas over the clients holding each element (InCo Sec. 3.1,
   `aggregators.heterogeneous_mean_delta`); FedAvg (McMahan et al. 2017, Alg. 1) with one group.
   Elements nobody held get a zero update. Where the round's mapping computed the mean itself
-  (`RoundInputs.mean`), it is taken as it is."""
+  (`RoundInputs.mapped`), it is taken as it is."""
 
   def update(carry, state, inputs, plan):
-    if inputs.mean is not None:
-      delta, den = inputs.mean
-      return carry._replace(delta=delta, coverage=den), state
+    if inputs.mapped is not None:
+      return carry._replace(delta=inputs.mapped.mean, coverage=inputs.mapped.coverage), state
     num, den = aggregators.heterogeneous_sums([r.delta_sum for r in inputs.results], inputs.weights,
                                               inputs.federation.maps, carry.model, inputs.offset)
     return carry._replace(delta=aggregators.masked_mean(num, den, _zeros_like(carry.model)), coverage=den), state

@@ -31,7 +31,6 @@ from fedjax_hetero.models import parameter_split, resolve_cut
 from fedjax_hetero.server.steps import ServerStep
 
 NAME = "dissimilarity"
-PARTS = ("low", "high")
 # A spread below this fraction of the mean update's squared norm is float rounding, not dissimilarity: what a
 # single client's update leaves (its spread is exactly 0). It is logged as no value (NaN, None in metrics.jsonl).
 NO_SPREAD = 1e-6

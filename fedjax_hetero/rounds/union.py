@@ -244,7 +244,8 @@ class UnionCohorts(ProgramCohorts):
     tree = jax.tree.structure(state.models[0])
     in_model = lambda flat: jax.tree.unflatten(tree, jax.tree.leaves(layout.unravel(flat)))
     norms = self._leaf_sums(jnp.square(group_sums["params"]), mapping.param_leaf)  # [G, K]
-    group_norms = tuple(jnp.take(norms[g], self._leaf_indices(start["params"])) for g, start in enumerate(starts))
+    members = spec.federations[0].members
+    group_norms = tuple(jnp.take(norms[g], self._leaf_indices(starts[g]["params"])) for g in members)
     return (MappedSums(in_model(mean), in_model(denominator), group_norms),)
 
   def _in_union(self, spec: "RoundSpec", state: ServerState, variables: Sequence[Variables], groups: jax.Array,

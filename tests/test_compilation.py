@@ -14,7 +14,7 @@ import pytest
 
 from fedjax_hetero import compilation
 from fedjax_hetero.models import build_model
-from tests.helpers import tiny_resnet
+from tests.helpers import tiny_resnet, tiny_simulation
 
 FLAG = "--xla_cpu_experimental_ynn_fusion_type"
 
@@ -210,3 +210,17 @@ def test_a_runs_setup_compiles_only_the_initialization(tmp_path):
     jax.block_until_ready(run.state)
     run.partition.result()
   assert log.names == ["jit(initialize)"], log.names
+
+
+def test_a_host_loops_stand_in_for_an_empty_group_compiles_nothing():
+  """A group none of whose clients was sampled gets zeros made on the host and placed: made by jax operations,
+  every leaf's shape compiled a program of its own (on an accelerator, a compilation each)."""
+  sim = tiny_simulation("HeteroAvg", widths=(1.0, 0.5), hidden=(13,))  # (shapes no other test compiles)
+  spec, state = sim.spec, sim.init_state()
+  start, share = spec.start_variables(state, 1), spec.group_share(state, 1)
+  with compilation.CompileLog() as log:
+    empty = sim.cohorts._empty_result(spec, 1, start, share, state)
+    jax.block_until_ready(empty)
+  assert log.names == [], log.names
+  assert jax.tree.structure(empty.delta_sum) == jax.tree.structure(start)
+  assert not any(np.any(np.asarray(x)) for x in jax.tree.leaves(empty))

@@ -102,13 +102,16 @@ class HostCohorts:
 
   def _empty_result(self, spec: "RoundSpec", group: int, start: Any, share: Any, state: ServerState) -> Any:
     """Zeros shaped as the group's result (the stand-in for a group none of whose clients was sampled), made once
-    (made again, they would compile in a later round) and placed as the backend places real results."""
+    on the host and placed as the backend places real results (made by jax operations, each leaf's shape would
+    compile a program of its own: on an accelerator, a compilation each)."""
     if group not in self._empty:
       # Shapes only: the round may have consumed the state's memory.
       row = (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.memory[group])
              if state.memory[group] else ())
-      self._empty[group] = self.backend.place(cohort.empty_group_result(spec.trainers[group], start, row, share,
-                                                                        spec.stack_size(group)))
+      shapes = jax.eval_shape(lambda *a: cohort.empty_group_result(spec.trainers[group], *a, spec.stack_size(group)),
+                              start, row, share)
+      zeros = jax.tree.map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype)), shapes)
+      self._empty[group] = self.backend.place(zeros)
     return self._empty[group]
 
   def correct(self, spec: "RoundSpec", state: ServerState, x: RoundRows, data: RoundData) -> tuple[Any, Any]:

@@ -224,3 +224,19 @@ def test_a_host_loops_stand_in_for_an_empty_group_compiles_nothing():
   assert log.names == [], log.names
   assert jax.tree.structure(empty.delta_sum) == jax.tree.structure(start)
   assert not any(np.any(np.asarray(x)) for x in jax.tree.leaves(empty))
+
+
+def test_counting_correct_predictions_compiles_only_its_batch_programs():
+  """The batches' counts are summed on the host: summed by jax operations, an evaluation compiled programs of its
+  own besides the batches' (on an accelerator, a compilation each)."""
+  from fedjax_hetero.models.evaluation import correct_predictions
+  model = build_model("mlp", 3, 1.0)
+  images = jnp.asarray(np.random.default_rng(0).random((10, 4, 4, 1), np.float32))
+  labels = jnp.asarray(np.arange(10) % 3, jnp.int32)
+  variables = model.init(jax.random.key(0), images[:1])
+  jax.clear_caches()  # (the scalar sums' programs may be cached by an earlier test)
+  with compilation.CompileLog() as log:
+    count = correct_predictions(model, variables, images, labels, (0.0,), (1.0,), batch_size=4)
+  assert log.names == ["jit(<lambda>)", "jit(<lambda>)"], log.names  # two full batches' program, the remainder's
+  want = int(np.sum(np.argmax(model.apply(variables, images), -1) == labels))
+  assert count == want

@@ -8,6 +8,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fedjax_hetero.compilation import program_cache
 from fedjax_hetero.data.store import normalize
@@ -34,14 +35,13 @@ def correct_predictions(model: nn.Module, variables: Variables, images: jax.Arra
   """
   n = int(labels.shape[0])
   batch_size = min(batch_size, n)
-  correct = jnp.zeros((), jnp.int32)
   full = n - n % batch_size
   step = _batched(model, mean, std, batch_size)
-  for start in range(0, full, batch_size):
-    correct = correct + step(variables, images, labels, start)
+  counts = [step(variables, images, labels, start) for start in range(0, full, batch_size)]
   if full < n:
-    correct = correct + _batched(model, mean, std, n - full)(variables, images, labels, full)
-  return int(correct)
+    counts.append(_batched(model, mean, std, n - full)(variables, images, labels, full))
+  # (summed on the host: summed by jax operations, the first round compiled programs of their own)
+  return int(sum(np.asarray(jax.device_get(counts), np.int64)))
 
 
 def _count_batch(model: nn.Module, mean: tuple[float, ...], std: tuple[float, ...], variables: Variables,

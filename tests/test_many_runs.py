@@ -140,6 +140,17 @@ def test_a_jobs_evaluation_compiles_once_beside_its_rounds_program(mapping):
   assert log.names == []
 
 
+def test_a_jobs_first_call_compiles_only_its_own_programs():
+  """The runs' data, values and states are stacked on the host or in one program: stacked by jax operations, every
+  leaf shape compiled a program of its own (on an accelerator, a compilation each)."""
+  base = fused(tiny_simulation("HeteroAvg", "vmap", widths=(1.0, 0.5), hidden=(11,)))  # (shapes no other test has)
+  sims = [fused(base, config=dataclasses.replace(base.spec.config, seed=seed)) for seed in (0, 1)]
+  states = [s.init_state() for s in sims]
+  with CompileLog() as log:
+    ManyRuns(sims, mapping="map").run([0, 1], states, 2, set())
+  assert set(log.names) <= {"jit(mapped)", "jit(_stack_on_device)", "jit(_unstack)"}, log.names
+
+
 def tiny_config(output_dir, **changes) -> RunConfig:
   flags = dict(dataset="synthetic", groups=("mlp@1", "mlp@0.5"), num_clients=6, clients_per_round=3, rounds=4,
                checkpoint_every=2, eval_every=2, progress=False, output_dir=str(output_dir), batch_size=16,

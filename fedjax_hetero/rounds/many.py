@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_hetero.compilation import compile_beside
+from fedjax_hetero.compilation import compile_beside, light_jit
 from fedjax_hetero.rounds.body import RoundData
 from fedjax_hetero.rounds.held_out import HeldOut
 from fedjax_hetero.rounds.inputs import Call, CallInputs, Cohort, plan_call
@@ -73,8 +73,8 @@ def _stacked_held_out(specs: Sequence[RoundSpec]) -> tuple[tuple[HeldOut, ...], 
   for g, group in enumerate(specs[0].groups):
     width = max(int(h[g].ids.shape[0]) for h in held)
     pad = lambda a, fill: np.pad(np.asarray(a), (0, width - a.shape[0]), constant_values=fill)
-    stacked.append(HeldOut(jnp.asarray(np.stack([pad(h[g].ids, 0) for h in held])),
-                           jnp.asarray(np.stack([pad(h[g].owners, len(group.clients)) for h in held]))))
+    stacked.append(HeldOut(jax.device_put(np.stack([pad(h[g].ids, 0) for h in held])),
+                           jax.device_put(np.stack([pad(h[g].owners, len(group.clients)) for h in held]))))
   return tuple(stacked), 0
 
 
@@ -119,7 +119,25 @@ def _shapes(tree: Any) -> Any:
 
 
 def _stack(trees: Sequence[Any]) -> Any:
-  return jax.tree.map(lambda *xs: np.stack(xs) if isinstance(xs[0], np.ndarray) else jnp.stack(xs), *trees)
+  """``trees`` (of one structure) as one tree of their leaves stacked on a new leading axis: host arrays on the
+  host, device arrays in one program (stacked by jax operations one by one, every leaf shape would compile a
+  program of its own: on an accelerator, a compilation each)."""
+  columns = list(zip(*(jax.tree.leaves(t) for t in trees)))
+  on_device = [i for i, c in enumerate(columns) if not isinstance(c[0], np.ndarray)]
+  stacked = [np.stack(c) if isinstance(c[0], np.ndarray) else None for c in columns]
+  for i, leaf in zip(on_device, _stack_on_device([columns[i] for i in on_device]) if on_device else ()):
+    stacked[i] = leaf
+  return jax.tree.unflatten(jax.tree.structure(trees[0]), stacked)
+
+
+@light_jit
+def _stack_on_device(columns: list[tuple[jax.Array, ...]]) -> list[jax.Array]:
+  return [jnp.stack(c) for c in columns]
+
+
+@light_jit
+def _take_runs(tree: Any, runs: np.ndarray) -> Any:
+  return jax.tree.map(lambda x: jnp.take(x, runs, axis=0), tree)
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -201,15 +219,16 @@ class ManyRuns:
       same = all(a is arrays[0] or (a.shape == arrays[0].shape and np.array_equal(np.asarray(a),
                                                                                  np.asarray(arrays[0])))
                  for a in arrays[1:])
-      data.append(jnp.asarray(arrays[0]) if same else jnp.stack([jnp.asarray(a) for a in arrays]))
+      # (on the host: stacked by jax operations, each part's shape compiled a program of its own)
+      data.append(jax.device_put(arrays[0]) if same else jax.device_put(np.stack([np.asarray(a) for a in arrays])))
       axes.append(None if same else 0)
     held, held_axis = _stacked_held_out(specs)
     return RoundData(*data, held, self.sims[0].cohorts.arguments()), RoundData(*axes, held_axis, None)
 
   def run_values(self, runs: Sequence[int]) -> RunValues:
-    return RunValues(jnp.asarray([self.sims[r].spec.seed for r in runs], jnp.uint32),
-                     jnp.asarray(np.stack([self.sims[r].spec.store.label_counts for r in runs]), jnp.int32),
-                     {path: jnp.asarray([self.settings[r][path] for r in runs], jnp.float32)
+    return RunValues(jax.device_put(np.asarray([self.sims[r].spec.seed for r in runs], np.uint32)),
+                     jax.device_put(np.stack([self.sims[r].spec.store.label_counts for r in runs]).astype(np.int32)),
+                     {path: jax.device_put(np.asarray([self.settings[r][path] for r in runs], np.float32))
                       for path in self.settings[0]})
 
   # ---------------------------------------------------------------------------------------------- the program
@@ -338,7 +357,8 @@ class ManyRuns:
                 states: Sequence[ServerState], count: int) -> tuple:
     """The program's arguments for the runs ``chunk`` (of ``runs``, whose ``calls`` and ``states`` these are)."""
     at = [runs.index(r) for r in chunk]
-    data = RoundData(*[d if a is None else jax.tree.map(lambda x: x[jnp.asarray(chunk)], d)
+    every = list(chunk) == list(range(len(self.sims)))
+    data = RoundData(*[d if a is None or every else _take_runs(d, np.asarray(chunk, np.int32))
                        for d, a in zip(self._data, self._data_axes)])
     return (self.run_values(chunk), _stack([(states[i].models, states[i].steps) for i in at]),
             _stack([states[i].memory for i in at]), self._inputs([calls[i] for i in at]), np.int32(count), data)

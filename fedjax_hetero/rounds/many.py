@@ -22,22 +22,21 @@ alone does not fit).
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import os
 import time
 from typing import Any, Callable, Collection, NamedTuple, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from fedjax_hetero.compilation import compile_beside, light_jit
+from fedjax_hetero.compilation import compile_beside
 from fedjax_hetero.rounds.body import RoundData
 from fedjax_hetero.rounds.held_out import HeldOut
 from fedjax_hetero.rounds.inputs import Call, CallInputs, Cohort, plan_call
 from fedjax_hetero.rounds.rows import call_row
 from fedjax_hetero.rounds.simulation import Simulation, piece_rows, program_call, run_pieces
 from fedjax_hetero.rounds.spec import RoundSpec
+from fedjax_hetero.rounds.stacking import stack, take_rows, unstack
 from fedjax_hetero.rounds.state import ServerState
 
 # What tracing raises where a traced value is used as a concrete one (an ``if``, a shape, ``float()``).
@@ -118,34 +117,6 @@ def _shapes(tree: Any) -> Any:
   return jax.tree.structure(tree), [(x.shape, x.dtype) for x in jax.tree.leaves(tree)]
 
 
-def _stack(trees: Sequence[Any]) -> Any:
-  """``trees`` (of one structure) as one tree of their leaves stacked on a new leading axis: host arrays on the
-  host, device arrays in one program (stacked by jax operations one by one, every leaf shape would compile a
-  program of its own: on an accelerator, a compilation each)."""
-  columns = list(zip(*(jax.tree.leaves(t) for t in trees)))
-  on_device = [i for i, c in enumerate(columns) if not isinstance(c[0], np.ndarray)]
-  stacked = [np.stack(c) if isinstance(c[0], np.ndarray) else None for c in columns]
-  for i, leaf in zip(on_device, _stack_on_device([columns[i] for i in on_device]) if on_device else ()):
-    stacked[i] = leaf
-  return jax.tree.unflatten(jax.tree.structure(trees[0]), stacked)
-
-
-@light_jit
-def _stack_on_device(columns: list[tuple[jax.Array, ...]]) -> list[jax.Array]:
-  return [jnp.stack(c) for c in columns]
-
-
-@light_jit
-def _take_runs(tree: Any, runs: np.ndarray) -> Any:
-  return jax.tree.map(lambda x: jnp.take(x, runs, axis=0), tree)
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _unstack(tree: Any, count: int) -> list[Any]:
-  """Every run's part of ``tree`` (one program, not one slice per leaf and run)."""
-  return [jax.tree.map(lambda x: x[r], tree) for r in range(count)]
-
-
 def _device_memory() -> int:
   stats = jax.devices()[0].memory_stats() or {}
   if "bytes_limit" in stats:
@@ -219,7 +190,6 @@ class ManyRuns:
       same = all(a is arrays[0] or (a.shape == arrays[0].shape and np.array_equal(np.asarray(a),
                                                                                  np.asarray(arrays[0])))
                  for a in arrays[1:])
-      # (on the host: stacked by jax operations, each part's shape compiled a program of its own)
       data.append(jax.device_put(arrays[0]) if same else jax.device_put(np.stack([np.asarray(a) for a in arrays])))
       axes.append(None if same else 0)
     held, held_axis = _stacked_held_out(specs)
@@ -358,14 +328,14 @@ class ManyRuns:
     """The program's arguments for the runs ``chunk`` (of ``runs``, whose ``calls`` and ``states`` these are)."""
     at = [runs.index(r) for r in chunk]
     every = list(chunk) == list(range(len(self.sims)))
-    data = RoundData(*[d if a is None or every else _take_runs(d, np.asarray(chunk, np.int32))
+    data = RoundData(*[d if a is None or every else take_rows(d, np.asarray(chunk, np.int32))
                        for d, a in zip(self._data, self._data_axes)])
-    return (self.run_values(chunk), _stack([(states[i].models, states[i].steps) for i in at]),
-            _stack([states[i].memory for i in at]), self._inputs([calls[i] for i in at]), np.int32(count), data)
+    return (self.run_values(chunk), stack([(states[i].models, states[i].steps) for i in at]),
+            stack([states[i].memory for i in at]), self._inputs([calls[i] for i in at]), np.int32(count), data)
 
   def _inputs(self, calls: Sequence[Call], first: int = 0) -> CallInputs:
     """The program's rows of ``calls`` (one per run of a chunk) from their round ``first`` on."""
-    inputs = _stack([c.inputs_from(first) for c in calls])
+    inputs = stack([c.inputs_from(first) for c in calls])
     if self.mapping == "vmap":  # (see `program`: one round index and loop count for every run)
       inputs = inputs._replace(rounds=inputs.rounds[0], evaluate=inputs.evaluate[0], steps=inputs.steps.max(0),
                                cohorts=tuple(c._replace(steps=c.steps.max(0)) for c in inputs.cohorts))
@@ -396,7 +366,7 @@ class ManyRuns:
       # (The runs' calls have the same rounds, evaluated alike: the first run's pieces are every run's.)
       carry, pieces, seconds = run_pieces(calls[0], evaluate, (*server, memory), time.perf_counter(), run_piece,
                                           lambda index, server: self._evaluate(values, index, server, data))
-      for j, (models, steps, memory) in enumerate(_unstack(carry, len(chunk))):
+      for j, (models, steps, memory) in enumerate(unstack(carry, len(chunk))):
         i = runs.index(chunk[j])
         state, call = states[i], calls[i]
         new = ServerState(state.round + count, models, steps, state.sampler, memory)

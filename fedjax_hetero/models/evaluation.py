@@ -41,7 +41,7 @@ def correct_predictions(model: nn.Module, variables: Variables, images: jax.Arra
   if full < n:
     counts.append(_batched(model, mean, std, n - full)(variables, images, labels, full))
   # (summed on the host: summed by jax operations, the first round compiled programs of their own)
-  return int(sum(np.asarray(jax.device_get(counts), np.int64)))
+  return int(np.sum(jax.device_get(counts), dtype=np.int64))
 
 
 def _count_batch(model: nn.Module, mean: tuple[float, ...], std: tuple[float, ...], variables: Variables,

@@ -13,9 +13,14 @@ inputs (stage 1 at 7x7 ... stage 4 at 1x1, channels 64, 128, 256, 512 times the 
   the clients' batches, which cuDNN runs as C convolutions;
 * ``client_gradients_batch_groups``: the same through `models.client_conv.client_convolution`, whose kernel
   gradient under ``vmap`` is ``grouped``'s (what the library runs on an accelerator);
+* ``client_gradients_canonical``: the same through `models.client_conv.canonical_convolution`, its gradients in
+  the layout XLA:CPU runs fast inside a loop (what the library runs on a CPU);
+* ``sequential``, ``sequential_canonical``: each client's gradient, one client after another (``lax.map``, the
+  ``sequential`` backend in a device program), with jax's gradient or the canonical one;
 * ``patches``: the maps' 3x3 patches (``lax.conv_general_dilated_patches``) times each client's kernel
   reshaped to (9 * in, out), one batched matrix product over clients;
-* ``batch``: the limit, not per-client: one kernel over all C x B maps (one plain convolution).
+* ``batch``, ``batch_canonical``: the limit, not per-client: one kernel over all C x B maps (one plain
+  convolution), with jax's gradient or the canonical one.
 
 Prints one JSON line per (width, stage, form): milliseconds per forward + backward and the form's time
 over ``batch``'s.
@@ -31,9 +36,10 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import emit_json_lines
-from fedjax_hetero.models.client_conv import client_convolution
+from fedjax_hetero.models.client_conv import canonical_convolution, client_convolution
 
-FORMS = ("grouped", "client_gradients", "client_gradients_batch_groups", "patches", "batch")
+FORMS = ("grouped", "client_gradients", "client_gradients_batch_groups", "client_gradients_canonical", "sequential",
+         "sequential_canonical", "patches", "batch", "batch_canonical")
 STAGES = ((7, 64), (4, 128), (2, 256), (1, 512))  # (map side, channels at width 1) after the ImageNet stem
 _NHWC = ("NHWC", "HWIO", "NHWC")
 
@@ -59,6 +65,10 @@ def client_conv(x, kernel):
   return client_convolution(x, kernel, (1, 1), ((1, 1), (1, 1)), dimension_numbers=_NHWC)
 
 
+def canonical_conv(x, kernel):
+  return canonical_convolution(x, kernel, (1, 1), ((1, 1), (1, 1)))
+
+
 def patches_conv(x, kernel):
   return patches_convolution(x, kernel, (1, 1), ((1, 1), (1, 1)))
 
@@ -69,7 +79,8 @@ def layer(form: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
     return jax.vmap(conv)
   if form == "patches":
     return jax.vmap(patches_conv)
-  return lambda x, k: conv(x.reshape((-1,) + x.shape[2:]), k[0]).reshape(x.shape[:-1] + k.shape[-1:])
+  one = canonical_conv if form.endswith("canonical") else conv
+  return lambda x, k: one(x.reshape((-1,) + x.shape[2:]), k[0]).reshape(x.shape[:-1] + k.shape[-1:])
 
 
 def loss(apply: Callable[[jax.Array, jax.Array], jax.Array]) -> Callable[[jax.Array, jax.Array], jax.Array]:
@@ -77,10 +88,13 @@ def loss(apply: Callable[[jax.Array, jax.Array], jax.Array]) -> Callable[[jax.Ar
 
 
 def gradients(form: str) -> Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
-  """(maps, kernels) -> their gradients: of the whole layer's loss, or (``client_gradients*``) each client's
-  gradient of its own layer, vmapped over the clients."""
+  """(maps, kernels) -> their gradients: of the whole layer's loss, or (``client_gradients*``, ``sequential*``)
+  each client's gradient of its own layer, vmapped over the clients or one after another."""
+  one = client_conv if form.endswith("batch_groups") else canonical_conv if form.endswith("canonical") else conv
   if form.startswith("client_gradients"):
-    return jax.vmap(jax.grad(loss(client_conv if form.endswith("batch_groups") else conv), argnums=(0, 1)))
+    return jax.vmap(jax.grad(loss(one), argnums=(0, 1)))
+  if form.startswith("sequential"):
+    return lambda x, k: jax.lax.map(lambda xk: jax.grad(loss(one), argnums=(0, 1))(*xk), (x, k))
   return jax.grad(loss(layer(form)), argnums=(0, 1))
 
 
@@ -134,10 +148,12 @@ def _check_forms_agree() -> None:
                       atol=1e-4):
     raise SystemExit("error: the patches form of a strided, unevenly padded convolution differs")
   same = jnp.broadcast_to(k[:1], k.shape)
-  if not jnp.allclose(layer("batch")(x, same), layer("grouped")(x, same), rtol=1e-4, atol=1e-4):
-    raise SystemExit("error: the batch form differs from the grouped convolution")
+  for form in ("batch", "batch_canonical"):
+    if not jnp.allclose(layer(form)(x, same), layer("grouped")(x, same), rtol=1e-4, atol=1e-4):
+      raise SystemExit(f"error: the {form} form differs from the grouped convolution")
   whole = gradients("grouped")(x, k)
-  for form in ("client_gradients", "client_gradients_batch_groups"):
+  for form in ("client_gradients", "client_gradients_batch_groups", "client_gradients_canonical", "sequential",
+               "sequential_canonical"):
     if not all(jnp.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(whole, gradients(form)(x, k))):
       raise SystemExit(f"error: the {form} form's gradients differ from the grouped form's")
 
@@ -146,16 +162,21 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--clients", type=int, default=10)
   p.add_argument("--batch", type=int, default=64)
-  p.add_argument("--widths", default="0.25,1", help="comma-separated channel multipliers")
-  p.add_argument("--steps", type=int, default=20, help="forward + backward passes in the device loop")
+  p.add_argument("--widths", default="0.25", help="comma-separated channel multipliers (the papers': 1)")
+  p.add_argument("--steps", type=int, default=10, help="forward + backward passes in the device loop")
+  p.add_argument("--forms", default=",".join(FORMS), help=f"comma-separated, of {', '.join(FORMS)} (batch is "
+                 "always measured: the rows' unit)")
   p.add_argument("--output", default=None, help="also write the JSON lines to this file")
   args = p.parse_args(argv)
+  forms = [f for f in FORMS if f in args.forms.split(",") or f == "batch"]
+  if set(args.forms.split(",")) - set(FORMS):
+    p.error(f"--forms takes {', '.join(FORMS)}; got {args.forms!r}")
   check_forms_agree()
   rows = []
   for width in (float(w) for w in args.widths.split(",")):
     for side, base in STAGES:
       channels = max(1, int(base * width))
-      measured = {f: measure(f, args.clients, args.batch, side, channels, args.steps) for f in FORMS}
+      measured = {f: measure(f, args.clients, args.batch, side, channels, args.steps) for f in forms}
       for row in measured.values():
         row = {**row, "width": width, "over_batch": round(row["ms_per_pass"] / measured["batch"]["ms_per_pass"], 2)}
         rows.append(row)

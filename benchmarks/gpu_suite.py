@@ -50,6 +50,8 @@ FLAG_SETS = {
     "no_autotune": "--xla_gpu_autotune_level=0",
 }
 STEP_SLACK = 1.05  # the flags probe keeps the sets within 5% of the fastest step, then takes the quickest compile
+# The per-client convolution forms an accelerator chooses between (the CPU's canonical and sequential ones left out).
+ACCELERATOR_CONV_FORMS = "grouped,client_gradients,client_gradients_batch_groups,patches,batch"
 TARGETS = {"peer@0.25": 25.0, "peer@1": 10.0, "first_round_s": 15.0, "throughput": 0.6, "demo_s": 12.0,
            "inco_projected_min": 5.0, "many_runs_8": 5.0}
 
@@ -107,6 +109,7 @@ def probes(suite: Suite, skip: set[str]) -> dict[str, Any]:
   small, conv = suite.smoke, ""
   if "client_conv" not in skip:
     _, conv = suite.run("client_conv", [sys.executable, "-m", "benchmarks.client_conv", "--widths", "0.25",
+                                        "--forms", ACCELERATOR_CONV_FORMS, "--steps", "20",
                                         *(["--batch", "8", "--steps", "2"] if small else [])], 40)
   size = ["--width", "0.125", "--clients-per-group", "1", "--batch", "16", "--steps", "2"] if small else []
   _, union = suite.run("depth_union", [sys.executable, "-m", "benchmarks.depth_union", "--variants",

@@ -1,4 +1,5 @@
-"""A convolution whose kernel gradient, vmapped over clients, is one grouped backward-filter convolution.
+"""A convolution's gradients in the form each platform runs fast: on an accelerator the clients' kernel
+gradients as one grouped backward-filter convolution, on a CPU in the layout XLA:CPU runs fast inside a loop.
 
 Clients train side by side as a `jax.vmap` of one client's training step, so a convolution's kernel gradient
 is first derived for one client, then batched over the clients. For one client, jax's transpose writes it as
@@ -15,10 +16,12 @@ backward-filter convolution. `client_convolution` computes its kernel gradient t
 jax's own.
 
 XLA:CPU runs the ``batch_group_count`` form slower than the other (1.2-1.4x a layer's pass at the InCo @0.25
-shapes, `python -m benchmarks.client_conv --widths 0.25`), so on a CPU `models.common.lax_convolution` keeps
-jax's own gradient (`KERNEL_GRADIENT_BY_BATCH_GROUPS` says where this one is used). The environment variable
-``FEDJAX_HETERO_KERNEL_GRADIENT`` (``batch_groups`` or ``jax``; default ``auto``) chooses one form on every
-platform, to compare them on one machine.
+shapes, `python -m benchmarks.client_conv --widths 0.25`), so a CPU takes `canonical_convolution` instead: jax's
+gradients with their operands laid out as XLA:CPU's fast convolution reads them. XLA:CPU lays them out so itself
+outside a loop, but not in a while loop's body (a device program's local steps), where the kernel gradient then
+ran 17x slower and the input's 2.7x (`KERNEL_GRADIENT_BY_BATCH_GROUPS` says where each form is used). The
+environment variable ``FEDJAX_HETERO_KERNEL_GRADIENT`` (``batch_groups``, ``canonical`` or ``jax``; default
+``auto``) chooses one form on every platform, to compare them on one machine.
 """
 
 from __future__ import annotations
@@ -36,13 +39,19 @@ KERNEL_GRADIENT_BY_BATCH_GROUPS = ("gpu", "cuda", "rocm", "tpu")
 KERNEL_GRADIENT_VARIABLE = "FEDJAX_HETERO_KERNEL_GRADIENT"
 
 
-def by_batch_groups() -> bool:
-  """Whether `models.common.lax_convolution` uses `client_convolution`: on the default backend, unless
-  ``FEDJAX_HETERO_KERNEL_GRADIENT`` says (read while a program is traced)."""
+KERNEL_GRADIENT_FORMS = ("batch_groups", "canonical", "jax")
+
+
+def kernel_gradient_form() -> str:
+  """The kernel gradient's form `models.common.lax_convolution` uses: ``batch_groups`` (`client_convolution`) on
+  an accelerator, ``canonical`` (`canonical_convolution`) elsewhere, unless ``FEDJAX_HETERO_KERNEL_GRADIENT``
+  says (read while a program is traced)."""
   choice = os.environ.get(KERNEL_GRADIENT_VARIABLE, "auto")
-  if choice not in ("auto", "batch_groups", "jax"):
-    raise ValueError(f"{KERNEL_GRADIENT_VARIABLE}={choice!r}: use auto, batch_groups or jax")
-  return jax.default_backend() in KERNEL_GRADIENT_BY_BATCH_GROUPS if choice == "auto" else choice == "batch_groups"
+  if choice not in ("auto",) + KERNEL_GRADIENT_FORMS:
+    raise ValueError(f"{KERNEL_GRADIENT_VARIABLE}={choice!r}: use auto, {', '.join(KERNEL_GRADIENT_FORMS)}")
+  if choice == "auto":
+    return "batch_groups" if jax.default_backend() in KERNEL_GRADIENT_BY_BATCH_GROUPS else "canonical"
+  return choice
 
 
 def _conv(lhs: Array, rhs: Array, params: tuple) -> Array:
@@ -100,3 +109,61 @@ def client_convolution(lhs: Array, rhs: Array, window_strides: Any, padding: Any
 def _hashable(value: Any) -> Any:
   """``value`` with its lists as tuples (the static arguments of a ``custom_vjp`` are hashed)."""
   return tuple(_hashable(v) for v in value) if isinstance(value, list) else value
+
+
+_NHWC = ("NHWC", "HWIO", "NHWC")
+
+
+def canonical_convolution(lhs: Array, rhs: Array, window_strides: Any, padding: Any,
+                          precision: Any = None) -> Array:
+  """``lax.conv_general_dilated`` over NHWC maps and HWIO kernels (no dilation, one group), its kernel gradient
+  computed with the input's channels as the batch and its batch as the channels:
+
+      dK[i, j, c, o] = sum_{b, p, q} x_pad[b, p*s + i, q*s + j, c] * dy[b, p, q, o],
+
+  a convolution of ``x`` transposed to [C, H, W, B] by ``dy`` transposed to [P, Q, B, O] as the kernel, dilated by
+  the strides. The same sum as jax's (to the bit where XLA lays out jax's form so itself), in the layout XLA:CPU
+  runs fast inside a loop too; so is the input's gradient (``dy`` dilated by the strides, convolved with the
+  kernel flipped and its channels swapped, as jax writes it)."""
+  size, window = lhs.shape[1:3], rhs.shape[:2]
+  pads = jax.lax.padtype_to_pads(size, window, window_strides, padding) if isinstance(padding, str) else padding
+  if any(n + low + high < k for n, (low, high), k in zip(size, pads, window)):  # an empty output: jax's own
+    return jax.lax.conv_general_dilated(lhs, rhs, window_strides, pads, dimension_numbers=_NHWC, precision=precision)
+  return _canonical_convolution(lhs, rhs, (_hashable(window_strides), _hashable(tuple(map(tuple, pads))),
+                                           _hashable(precision)))
+
+
+def _plain_conv(lhs: Array, rhs: Array, params: tuple) -> Array:
+  strides, pads, precision = params
+  return jax.lax.conv_general_dilated(lhs, rhs, strides, pads, dimension_numbers=_NHWC, precision=precision)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _canonical_convolution(lhs: Array, rhs: Array, params: tuple) -> Array:
+  return _plain_conv(lhs, rhs, params)
+
+
+def _canonical_forward(lhs: Array, rhs: Array, params: tuple) -> tuple[Array, tuple[Array, Array]]:
+  return _plain_conv(lhs, rhs, params), (lhs, rhs)
+
+
+def _canonical_backward(params: tuple, residuals: tuple[Array, Array], cotangent: Array) -> tuple[Array, Array]:
+  lhs, rhs = residuals
+  strides, pads, precision = params
+  extents = list(zip(rhs.shape[:2], cotangent.shape[1:3], strides, lhs.shape[1:3], pads))
+  # dx: dy dilated by the strides, convolved with the kernel flipped and its channels swapped (jax's padding).
+  before = [k - 1 - low for k, _, _, _, (low, _) in extents]
+  after = [n + k - 1 - ((out - 1) * s + 1) - b for (k, out, s, n, _), b in zip(extents, before)]
+  input_gradient = jax.lax.conv_general_dilated(
+      cotangent, jnp.transpose(rhs[::-1, ::-1], (0, 1, 3, 2)), (1, 1), list(zip(before, after)),
+      lhs_dilation=strides, dimension_numbers=_NHWC, precision=precision)
+  # dK: the high padding makes the output exactly the kernel's window (rows the strides never reach dropped).
+  high = [k + (out - 1) * s - n - low for k, out, s, n, (low, _) in extents]
+  kernel_gradient = jax.lax.conv_general_dilated(
+      jnp.transpose(lhs, (3, 1, 2, 0)), jnp.transpose(cotangent, (1, 2, 0, 3)), (1, 1),
+      [(low, h) for (_, _, _, _, (low, _)), h in zip(extents, high)], rhs_dilation=strides,
+      dimension_numbers=_NHWC, precision=precision)
+  return input_gradient, jnp.transpose(kernel_gradient, (1, 2, 0, 3))
+
+
+_canonical_convolution.defvjp(_canonical_forward, _canonical_backward)

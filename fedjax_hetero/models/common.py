@@ -155,16 +155,26 @@ SMALL_MAP_POSITIONS = 4
 _NHWC = ("NHWC", "HWIO", "NHWC")
 
 
+def _is_nhwc(lhs: Array, rhs: Array, dimension_numbers: Any) -> bool:
+  return jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers) == \
+      jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, _NHWC)
+
+
 def lax_convolution(lhs: Array, rhs: Array, window_strides: Sequence[int], padding: str | Sequence[tuple[int, int]],
                     lhs_dilation: Sequence[int] | None = None, rhs_dilation: Sequence[int] | None = None,
                     dimension_numbers: Any = None, feature_group_count: int = 1, precision: Any = None,
                     preferred_element_type: Any = None) -> Array:
-  """``lax.conv_general_dilated``, a drop-in for ``nn.Conv(conv_general_dilated=...)``; on an accelerator (one
-  group, no preferred element type) with its kernel gradient batched over clients as one grouped
-  backward-filter convolution (`models.client_conv`)."""
-  if feature_group_count == 1 and preferred_element_type is None and client_conv.by_batch_groups():
+  """``lax.conv_general_dilated``, a drop-in for ``nn.Conv(conv_general_dilated=...)``, with its kernel gradient
+  in the platform's fast form (one group, no preferred element type; `models.client_conv`): on an accelerator
+  batched over clients as one grouped backward-filter convolution, on a CPU in the layout XLA:CPU runs fast in
+  a loop (NHWC maps without dilation)."""
+  form = client_conv.kernel_gradient_form() if feature_group_count == 1 and preferred_element_type is None else "jax"
+  if form == "batch_groups":
     return client_conv.client_convolution(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
                                           dimension_numbers, precision)
+  if form == "canonical" and lhs.ndim == 4 and _is_nhwc(lhs, rhs, dimension_numbers) and \
+      all(d == 1 for d in tuple(lhs_dilation or (1, 1)) + tuple(rhs_dilation or (1, 1))):
+    return client_conv.canonical_convolution(lhs, rhs, window_strides, padding, precision)
   return jax.lax.conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
                                       dimension_numbers, feature_group_count, precision=precision,
                                       preferred_element_type=preferred_element_type)
@@ -193,8 +203,7 @@ def convolution(lhs: Array, rhs: Array, window_strides: Sequence[int], padding: 
     return lax_conv()
   if any(d != 1 for d in tuple(lhs_dilation or (1, 1)) + tuple(rhs_dilation or (1, 1))):
     return lax_conv()
-  if jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers) != \
-      jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, _NHWC):
+  if not _is_nhwc(lhs, rhs, dimension_numbers):
     return lax_conv()
   size, window = lhs.shape[1:3], rhs.shape[:2]
   if isinstance(padding, str):

@@ -1,4 +1,4 @@
-"""Convolutions with a kernel per client: three forms of one layer's forward and backward pass, by shape.
+"""Convolutions with a kernel per client: the forms of one layer's forward and backward pass, by shape.
 
     python -m benchmarks.client_conv --clients 10 --widths 0.25,1
 
@@ -131,7 +131,7 @@ def measure(form: str, clients: int, batch: int, side: int, channels: int, steps
 
 
 def check_forms_agree() -> None:
-  """The three forms compute the same layer (``batch`` with every client holding the first kernel), in float32
+  """The forms compute the same layer (``batch`` with every client holding the first kernel), in float32
   products (a GPU's default TF32 ones differ in the fourth digit)."""
   with jax.default_matmul_precision("float32"):
     _check_forms_agree()

@@ -28,6 +28,12 @@ driver, then the ratios to the first driver. ``--cut PART,...`` compiles the rou
 that the difference to the whole round is what those parts cost to compile. ``--by-source N`` first prints, per
 driver, the N lines of the library under which the most ops were traced (before XLA's optimization): where a
 program's size comes from.
+
+``--lowered-for PLATFORM`` (``cuda``, ``rocm``, ``tpu``) adds the round's and the initialization's module as jax
+lowers it for that platform, before any compiler sees it, measurable without it: ``lowered_ops`` (each function's
+ops counted once per call) and ``lowered_threefry_ops`` (those of jax's random-bit hash; a CPU's lowering is a
+loop, an accelerator's unrolls it), ``init_lowered_ops`` and ``init_lowered_threefry_ops``. Run under
+``JAX_THREEFRY_GPU_KERNEL_LOWERING=1`` it shows what that jax option (one GPU kernel per hash) takes out.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import json
 import re
 import time
@@ -136,6 +143,22 @@ def ops_by_source(mlir: str) -> collections.Counter:
   return counts
 
 
+def lowered_ops(mlir: str) -> tuple[int, int]:
+  """(ops, threefry ops) of a lowered module's ``main``: a function's ops counted once per call, those under a
+  function of jax's threefry hash counted apart too."""
+  bodies = {re.match(r"(?:\w+ )*@([^(]+)\(", f).group(1): f for f in re.split(r"\n  func\.func ", mlir)[1:]}
+
+  @functools.cache
+  def size(name: str) -> tuple[int, int]:
+    body = bodies.get(name, "")
+    ops = len(re.findall(r"= (?:stablehlo|chlo)\.", body))
+    calls = [size(callee) for callee in re.findall(r"call @([^(]+)\(", body)]
+    ops += sum(c for c, _ in calls)
+    return ops, ops if "threefry" in name else sum(t for _, t in calls)
+
+  return size("main")
+
+
 CUTS = ("server", "local-steps")
 
 
@@ -166,16 +189,33 @@ def without(parts: Sequence[str]):
       setattr(owner, name, value)
 
 
-def measure(config: Any, driver: str, by_source: int = 0, cut: Sequence[str] = ()) -> dict[str, Any]:
+def lowered_elsewhere(sim: Any, traced: Any, platform: str) -> dict[str, int]:
+  """The round's (``traced``) and the initialization's module sizes as jax lowers them for ``platform``."""
+  import jax
+  import numpy as np
+
+  spec = sim.spec
+  model = spec.groups[spec.global_index].model
+  sample = np.zeros((1,) + tuple(spec.store.images.shape[1:]), np.float32)
+  initialize = jax.jit(lambda seed, x: model.init(jax.random.key(seed), x)).trace(np.uint32(0), sample)
+  (ops, threefry), (init_ops, init_threefry) = (
+      lowered_ops(t.lower(lowering_platforms=(platform,)).as_text()) for t in (traced, initialize))
+  return {"lowered_for": platform, "lowered_ops": ops, "lowered_threefry_ops": threefry,
+          "init_lowered_ops": init_ops, "init_lowered_threefry_ops": init_threefry}
+
+
+def measure(config: Any, driver: str, by_source: int = 0, cut: Sequence[str] = (),
+            lowered_for: str | None = None) -> dict[str, Any]:
   from fedjax_hetero.run.build import build_simulation
 
   sim, _ = build_simulation(config.replace(round_program=driver, rounds_per_call=1), log=lambda _: None)
   if sim.cohorts.name != driver and not (driver == "fused" and sim.cohorts.in_program):
     raise SystemExit(f"error: the {driver} driver was not built (got {sim.cohorts.name})")
-  return measure_simulation(sim, driver, by_source, cut)
+  return measure_simulation(sim, driver, by_source, cut, lowered_for)
 
 
-def measure_simulation(sim: Any, driver: str, by_source: int = 0, cut: Sequence[str] = ()) -> dict[str, Any]:
+def measure_simulation(sim: Any, driver: str, by_source: int = 0, cut: Sequence[str] = (),
+                       lowered_for: str | None = None) -> dict[str, Any]:
   """The row of ``sim``'s one-round program (a device program's `Simulation`), without the parts ``cut``."""
   import jax
   import numpy as np
@@ -196,6 +236,7 @@ def measure_simulation(sim: Any, driver: str, by_source: int = 0, cut: Sequence[
   trace_s, seconds = time.perf_counter() - seconds, time.perf_counter()
   lowered = traced.lower()
   lower_s = time.perf_counter() - seconds
+  elsewhere = lowered_elsewhere(sim, traced, lowered_for) if lowered_for else {}
   if by_source:
     for frame, ops in ops_by_source(lowered.as_text(debug_info=True)).most_common(by_source):
       print(f"{driver}: {ops:7,d} ops under {frame}", flush=True)
@@ -213,7 +254,7 @@ def measure_simulation(sim: Any, driver: str, by_source: int = 0, cut: Sequence[
           "distinct_kernels": kernels, "trace_s": round(trace_s, 2),
           "lower_s": round(lower_s, 2), "compile_s": round(wall, 2), "compile_cpu_s": round(cpu, 2),
           "evaluation_compile_s": round(evaluation_wall, 2), "evaluation_compile_cpu_s": round(evaluation_cpu, 2),
-          "platform": jax.default_backend()}
+          "platform": jax.default_backend(), **elsewhere}
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
@@ -230,6 +271,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                  "experiment driver runs by default (off here: the rows measure the method alone)")
   p.add_argument("--by-source", type=int, default=0, metavar="N", help="also print the N library source lines "
                  "under which the most ops of each program were traced (before XLA's optimization)")
+  p.add_argument("--lowered-for", default=None, metavar="PLATFORM", help="also count the round's and the "
+                 "initialization's ops as jax lowers them for this platform (cuda, rocm, tpu), before compiling")
   p.add_argument("--cut", default="", metavar="PART,...", help=f"compile the round without these parts "
                  f"(comma-separated: {', '.join(CUTS)}), to see what they cost to compile")
   args = p.parse_args(argv)
@@ -246,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
       max_train_samples=args.max_train_samples, progress=False, dissimilarity=args.dissimilarity, backend="vmap")
   rows = []
   for driver in args.drivers.split(","):
-    rows.append(measure(config, driver, args.by_source, cut))
+    rows.append(measure(config, driver, args.by_source, cut, args.lowered_for))
     emit_json_lines(rows[-1:])
   for row in rows[1:]:
     ratios = {f"{k}_ratio": round(row[k] / rows[0][k], 3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 
 from benchmarks import throughput
@@ -145,6 +146,23 @@ def test_program_size_counts_each_op_under_every_library_line_on_its_stack():
   # An op counts under every library line on its stack: the jit wrapper's line holds them all.
   assert max(counts.values()) == sum(in_body.values()), counts
   assert all(frame.startswith("fedjax_hetero/") for frame in counts)
+
+
+def test_program_size_counts_a_module_lowered_for_a_gpu_with_its_threefry_apart():
+  import jax
+
+  from benchmarks.program_size import lowered_ops
+
+  draw = jax.jit(lambda seed: jax.random.normal(jax.random.key(seed), (3, 5)) * 2.0)
+  lowered = lambda: draw.trace(np.uint32(0)).lower(lowering_platforms=("cuda",)).as_text()
+  ops, threefry = lowered_ops(lowered())
+  assert 100 < threefry < ops, (threefry, ops)  # (twenty rounds unrolled, each a few ops)
+  jax.config.update("jax_threefry_gpu_kernel_lowering", True)
+  try:
+    kernel_ops, kernel_threefry = lowered_ops(lowered())
+  finally:
+    jax.config.update("jax_threefry_gpu_kernel_lowering", False)
+  assert kernel_ops < ops - threefry + 50 and kernel_threefry < 50, (kernel_ops, kernel_threefry)
 
 
 def test_program_size_compiles_the_round_without_the_parts_cut_and_restores_them():

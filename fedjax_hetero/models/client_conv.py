@@ -26,7 +26,6 @@ environment variable ``FEDJAX_HETERO_KERNEL_GRADIENT`` (``batch_groups``, ``cano
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any, Callable
 
@@ -79,22 +78,23 @@ def _kernel_gradient(params: tuple, kernel_shape: tuple[int, ...]) -> Callable[[
   return gradient
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _client_convolution(lhs: Array, rhs: Array, params: tuple) -> Array:
-  return _conv(lhs, rhs, params)
+Backward = Callable[[tuple, tuple[Array, Array], Array], tuple[Array, Array]]
 
 
-def _forward(lhs: Array, rhs: Array, params: tuple) -> tuple[Array, tuple[Array, Array]]:
-  return _conv(lhs, rhs, params), (lhs, rhs)
+def _with_gradients(backward: Backward) -> Callable[[Array, Array, tuple], Array]:
+  """`_conv` (its static ``params`` last) whose gradients ``backward(params, (lhs, rhs), cotangent)`` computes."""
+  convolution = jax.custom_vjp(_conv, nondiff_argnums=(2,))
+  convolution.defvjp(lambda lhs, rhs, params: (_conv(lhs, rhs, params), (lhs, rhs)), backward)
+  return convolution
 
 
-def _backward(params: tuple, residuals: tuple[Array, Array], cotangent: Array) -> tuple[Array, Array]:
+def _client_backward(params: tuple, residuals: tuple[Array, Array], cotangent: Array) -> tuple[Array, Array]:
   lhs, rhs = residuals
   input_gradient = jax.linear_transpose(lambda x: _conv(x, rhs, params), lhs)(cotangent)[0]
   return input_gradient, _kernel_gradient(params, rhs.shape)(lhs, cotangent)
 
 
-_client_convolution.defvjp(_forward, _backward)
+_client_convolution = _with_gradients(_client_backward)
 
 
 def client_convolution(lhs: Array, rhs: Array, window_strides: Any, padding: Any, lhs_dilation: Any = None,
@@ -129,27 +129,13 @@ def canonical_convolution(lhs: Array, rhs: Array, window_strides: Any, padding: 
   pads = jax.lax.padtype_to_pads(size, window, window_strides, padding) if isinstance(padding, str) else padding
   if any(n + low + high < k for n, (low, high), k in zip(size, pads, window)):  # an empty output: jax's own
     return jax.lax.conv_general_dilated(lhs, rhs, window_strides, pads, dimension_numbers=_NHWC, precision=precision)
-  return _canonical_convolution(lhs, rhs, (_hashable(window_strides), _hashable(tuple(map(tuple, pads))),
+  return _canonical_convolution(lhs, rhs, (_hashable(window_strides), tuple(map(tuple, pads)), None, None, _NHWC,
                                            _hashable(precision)))
-
-
-def _plain_conv(lhs: Array, rhs: Array, params: tuple) -> Array:
-  strides, pads, precision = params
-  return jax.lax.conv_general_dilated(lhs, rhs, strides, pads, dimension_numbers=_NHWC, precision=precision)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _canonical_convolution(lhs: Array, rhs: Array, params: tuple) -> Array:
-  return _plain_conv(lhs, rhs, params)
-
-
-def _canonical_forward(lhs: Array, rhs: Array, params: tuple) -> tuple[Array, tuple[Array, Array]]:
-  return _plain_conv(lhs, rhs, params), (lhs, rhs)
 
 
 def _canonical_backward(params: tuple, residuals: tuple[Array, Array], cotangent: Array) -> tuple[Array, Array]:
   lhs, rhs = residuals
-  strides, pads, precision = params
+  strides, pads, _, _, _, precision = params
   extents = list(zip(rhs.shape[:2], cotangent.shape[1:3], strides, lhs.shape[1:3], pads))
   # dx: dy dilated by the strides, convolved with the kernel flipped and its channels swapped (jax's padding).
   before = [k - 1 - low for k, _, _, _, (low, _) in extents]
@@ -166,4 +152,4 @@ def _canonical_backward(params: tuple, residuals: tuple[Array, Array], cotangent
   return input_gradient, jnp.transpose(kernel_gradient, (1, 2, 0, 3))
 
 
-_canonical_convolution.defvjp(_canonical_forward, _canonical_backward)
+_canonical_convolution = _with_gradients(_canonical_backward)

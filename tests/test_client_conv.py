@@ -137,13 +137,9 @@ def test_in_a_loop_the_canonical_form_keeps_xlas_fast_layout():
     program = jax.jit(lambda k, x: jax.lax.fori_loop(0, 2, lambda i, g: g + grad(k, x * i), k * 0))
     return program.lower(k, x).compile().as_text()
 
-  jaxs = looped(lambda x, k, s, p: jax.lax.conv_general_dilated(x, k, s, p, dimension_numbers=NHWC))
-  ours = looped(client_conv.canonical_convolution)
-  labels = lambda text: {line.split("dim_labels=")[1].split(",")[0] for line in text.splitlines()
-                         if " convolution(" in line}
-  if jax.default_backend() == "cpu":
-    assert labels(jaxs) - {"b01f_01io->b01f"}  # (if XLA:CPU lays jax's out itself one day, this form can go)
-  assert labels(ours) == {"b01f_01io->b01f"}
+  labels = {line.split("dim_labels=")[1].split(",")[0] for line in looped(client_conv.canonical_convolution)
+            .splitlines() if " convolution(" in line}
+  assert labels == {"b01f_01io->b01f"}
 
 
 def test_the_benchmark_forms_compute_the_same_layer_and_gradients():

@@ -164,10 +164,10 @@ def lax_convolution(lhs: Array, rhs: Array, window_strides: Sequence[int], paddi
                     lhs_dilation: Sequence[int] | None = None, rhs_dilation: Sequence[int] | None = None,
                     dimension_numbers: Any = None, feature_group_count: int = 1, precision: Any = None,
                     preferred_element_type: Any = None) -> Array:
-  """``lax.conv_general_dilated``, a drop-in for ``nn.Conv(conv_general_dilated=...)``, with its kernel gradient
-  in the platform's fast form (one group, no preferred element type; `models.client_conv`): on an accelerator
-  batched over clients as one grouped backward-filter convolution, on a CPU in the layout XLA:CPU runs fast in
-  a loop (NHWC maps without dilation)."""
+  """``lax.conv_general_dilated``, a drop-in for ``nn.Conv(conv_general_dilated=...)``, with its gradients in
+  the platform's fast form (one group, no preferred element type; `models.client_conv`): on an accelerator the
+  kernel gradient batched over clients as one grouped backward-filter convolution, on a CPU both gradients in
+  the layout XLA:CPU runs fast inside a loop (NHWC maps without dilation)."""
   form = client_conv.kernel_gradient_form() if feature_group_count == 1 and preferred_element_type is None else "jax"
   if form == "batch_groups":
     return client_conv.client_convolution(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,

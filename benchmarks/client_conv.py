@@ -36,12 +36,11 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import emit_json_lines
-from fedjax_hetero.models.client_conv import canonical_convolution, client_convolution
+from fedjax_hetero.models.client_conv import NHWC as _NHWC, canonical_convolution, client_convolution
 
 FORMS = ("grouped", "client_gradients", "client_gradients_batch_groups", "client_gradients_canonical", "sequential",
          "sequential_canonical", "patches", "batch", "batch_canonical")
 STAGES = ((7, 64), (4, 128), (2, 256), (1, 512))  # (map side, channels at width 1) after the ImageNet stem
-_NHWC = ("NHWC", "HWIO", "NHWC")
 
 
 def conv(x, kernel):

@@ -36,9 +36,8 @@ Array = jax.Array
 # Platforms whose clients' kernel gradients are computed as one grouped backward-filter convolution.
 KERNEL_GRADIENT_BY_BATCH_GROUPS = ("gpu", "cuda", "rocm", "tpu")
 KERNEL_GRADIENT_VARIABLE = "FEDJAX_HETERO_KERNEL_GRADIENT"
-
-
 KERNEL_GRADIENT_FORMS = ("batch_groups", "canonical", "jax")
+NHWC = ("NHWC", "HWIO", "NHWC")  # images, kernels, outputs
 
 
 def kernel_gradient_form() -> str:
@@ -111,9 +110,6 @@ def _hashable(value: Any) -> Any:
   return tuple(_hashable(v) for v in value) if isinstance(value, list) else value
 
 
-_NHWC = ("NHWC", "HWIO", "NHWC")
-
-
 def canonical_convolution(lhs: Array, rhs: Array, window_strides: Any, padding: Any,
                           precision: Any = None) -> Array:
   """``lax.conv_general_dilated`` over NHWC maps and HWIO kernels (no dilation, one group), its kernel gradient
@@ -128,8 +124,8 @@ def canonical_convolution(lhs: Array, rhs: Array, window_strides: Any, padding: 
   size, window = lhs.shape[1:3], rhs.shape[:2]
   pads = jax.lax.padtype_to_pads(size, window, window_strides, padding) if isinstance(padding, str) else padding
   if any(n + low + high < k for n, (low, high), k in zip(size, pads, window)):  # an empty output: jax's own
-    return jax.lax.conv_general_dilated(lhs, rhs, window_strides, pads, dimension_numbers=_NHWC, precision=precision)
-  return _canonical_convolution(lhs, rhs, (_hashable(window_strides), tuple(map(tuple, pads)), None, None, _NHWC,
+    return jax.lax.conv_general_dilated(lhs, rhs, window_strides, pads, dimension_numbers=NHWC, precision=precision)
+  return _canonical_convolution(lhs, rhs, (_hashable(window_strides), tuple(map(tuple, pads)), None, None, NHWC,
                                            _hashable(precision)))
 
 
@@ -142,13 +138,13 @@ def _canonical_backward(params: tuple, residuals: tuple[Array, Array], cotangent
   after = [n + k - 1 - ((out - 1) * s + 1) - b for (k, out, s, n, _), b in zip(extents, before)]
   input_gradient = jax.lax.conv_general_dilated(
       cotangent, jnp.transpose(rhs[::-1, ::-1], (0, 1, 3, 2)), (1, 1), list(zip(before, after)),
-      lhs_dilation=strides, dimension_numbers=_NHWC, precision=precision)
+      lhs_dilation=strides, dimension_numbers=NHWC, precision=precision)
   # dK: the high padding makes the output exactly the kernel's window (rows the strides never reach dropped).
   high = [k + (out - 1) * s - n - low for k, out, s, n, (low, _) in extents]
   kernel_gradient = jax.lax.conv_general_dilated(
       jnp.transpose(lhs, (3, 1, 2, 0)), jnp.transpose(cotangent, (1, 2, 0, 3)), (1, 1),
       [(low, h) for (_, _, _, _, (low, _)), h in zip(extents, high)], rhs_dilation=strides,
-      dimension_numbers=_NHWC, precision=precision)
+      dimension_numbers=NHWC, precision=precision)
   return input_gradient, jnp.transpose(kernel_gradient, (1, 2, 0, 3))
 
 

@@ -152,12 +152,11 @@ def max_pool(x: Array, window: tuple[int, int], strides: tuple[int, int],
 # A convolution whose output map has at most this many positions runs as one matrix product over its
 # kernel taps (see `convolution`).
 SMALL_MAP_POSITIONS = 4
-_NHWC = ("NHWC", "HWIO", "NHWC")
-
-
-def _is_nhwc(lhs: Array, rhs: Array, dimension_numbers: Any) -> bool:
-  return jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers) == \
-      jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, _NHWC)
+def _plain_nhwc(lhs: Array, rhs: Array, lhs_dilation: Any, rhs_dilation: Any, dimension_numbers: Any) -> bool:
+  """Whether a convolution maps NHWC images by an HWIO kernel without dilation."""
+  return lhs.ndim == 4 and all(d == 1 for d in tuple(lhs_dilation or (1, 1)) + tuple(rhs_dilation or (1, 1))) and \
+      jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers) == \
+      jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, client_conv.NHWC)
 
 
 def lax_convolution(lhs: Array, rhs: Array, window_strides: Sequence[int], padding: str | Sequence[tuple[int, int]],
@@ -172,8 +171,7 @@ def lax_convolution(lhs: Array, rhs: Array, window_strides: Sequence[int], paddi
   if form == "batch_groups":
     return client_conv.client_convolution(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
                                           dimension_numbers, precision)
-  if form == "canonical" and lhs.ndim == 4 and _is_nhwc(lhs, rhs, dimension_numbers) and \
-      all(d == 1 for d in tuple(lhs_dilation or (1, 1)) + tuple(rhs_dilation or (1, 1))):
+  if form == "canonical" and _plain_nhwc(lhs, rhs, lhs_dilation, rhs_dilation, dimension_numbers):
     return client_conv.canonical_convolution(lhs, rhs, window_strides, padding, precision)
   return jax.lax.conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
                                       dimension_numbers, feature_group_count, precision=precision,
@@ -199,11 +197,8 @@ def convolution(lhs: Array, rhs: Array, window_strides: Sequence[int], padding: 
     return lax_convolution(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
                            feature_group_count, precision, preferred_element_type)
 
-  if lhs.ndim != 4 or feature_group_count != 1 or preferred_element_type is not None:
-    return lax_conv()
-  if any(d != 1 for d in tuple(lhs_dilation or (1, 1)) + tuple(rhs_dilation or (1, 1))):
-    return lax_conv()
-  if not _is_nhwc(lhs, rhs, dimension_numbers):
+  if feature_group_count != 1 or preferred_element_type is not None or \
+      not _plain_nhwc(lhs, rhs, lhs_dilation, rhs_dilation, dimension_numbers):
     return lax_conv()
   size, window = lhs.shape[1:3], rhs.shape[:2]
   if isinstance(padding, str):

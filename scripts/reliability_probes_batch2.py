@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from scripts import reliability_probes_library as lib
-from scripts.reliability_probes_cli import HOLD, LONG, CliProbe, Env, _resume_with_immutable, _wait_for_rows
+from scripts.reliability_probes_cli import (HOLD, LONG, CliProbe, Env, _resume_keeping_immutable,
+                                            _resume_with_immutable, _wait_for_rows)
 from scripts.reliability_probes_readback import _compare, _lines, _resume_after, _write
 from scripts.survey_common import (BASE_ARGS, REPO, Error, Result, Works, call, finish, rounds_are, start_cli,
                                    without)
@@ -101,8 +102,8 @@ CLI = [
     CliProbe("concurrency", "compare on a live run", compare_on_a_live_run, Works()),
     CliProbe("failed writes", "immutable summary.json on --resume", _immutable("summary.json"), Error(("summary.json",))),
     CliProbe("failed writes", "immutable accuracy.png on --resume", _immutable("accuracy.png"), Error(("accuracy.png",))),
-    CliProbe("failed writes", "immutable partition.txt on --resume", _immutable("partition.txt"),
-             Error(("partition.txt",))),
+    CliProbe("failed writes", "immutable partition.txt on --resume (which keeps it)",
+             lambda env: _resume_keeping_immutable(env, "partition.txt", rounds=3), Works()),
     CliProbe("read-back corruption", "metrics.jsonl row of round 0",
              _resume_after(_lines(lambda l: [l[0].replace('"round": 1', '"round": 0'), *l[1:]])),
              Error(("metrics.jsonl", "line 1"))),

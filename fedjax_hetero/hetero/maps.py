@@ -362,7 +362,3 @@ def _pushes(group_map: SubmodelMap) -> dict[Path, list[Link]]:
   for link in group_map.push:
     pushes.setdefault(link.global_, []).append(link)
   return pushes
-
-
-def shapes_of(tree: Variables) -> Variables:
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)

@@ -17,7 +17,8 @@ source scripts/resumable_run.sh
 pair() {
   local preset=$1 name=$2; shift 2
   for method in HeteroAvg InCoAvg; do
-    resumable_run "$preset" "$OUT" "${method}_$name" --method "$method" "$@"
+    # (--steps-per-call 2: the setting these runs were recorded with, docs/reproduction.md)
+    resumable_run "$preset" "$OUT" "${method}_$name" --method "$method" --steps-per-call 2 "$@"
   done
 }
 pair inco-authors-cpu authors_s0 --partition-file "$SPLIT" --seed 0 --rounds 80

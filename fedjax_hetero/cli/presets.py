@@ -32,7 +32,7 @@ class Preset:
 
 _INCO = dict(groups=INCO_RESNETS, num_clients=100, clients_per_round=10, partition="dirichlet", alpha=0.5, epochs=5,
              batch_size=64, optimizer="adam", learning_rate=1e-3, rounds=500, eval_every=10, method="InCoAvg",
-             drop_last=True, steps_per_call=2)
+             drop_last=True)
 _INCO_CPU = {**_INCO, "groups": tuple(f"{g}@0.125" for g in INCO_RESNETS), "rounds": 30, "eval_every": 5}
 _INCO_CPU_REDUCED = "widths x0.125 (base channels 8, stages 8/16/32/64) and 30 rounds instead of 500"
 # FedCross paper (Sec. IV-A): 100 clients, 10% per round, batch 50, 5 epochs, SGD lr 0.01 momentum 0.5, alpha 0.99,

@@ -16,7 +16,10 @@ whatever finished):
    of Adam at batch 64) at width 0.25, 4 rounds: the PyTorch loop and our ``--round-program`` (default union)
    side by side; then ours again for 2 rounds, its first round from the persistent cache the first run filled;
 3. the demo (``python -m experiments.fmnist`` with its defaults), whole-process wall time, then where its time
-   goes (`benchmarks.startup` on its settings: import, setup, first and second call);
+   goes (`benchmarks.startup` on its settings: import, setup, first and second call); with ``--with-threefry``
+   the demo once more under jax's ``JAX_THREEFRY_GPU_KERNEL_LOWERING=1`` (a random-bit hash as one GPU kernel
+   rather than unrolled into the module: the same bits, so the same accuracy, and less to compile), from a
+   compilation cache of its own;
 4. FedAvg throughput against the centralized limit (`benchmarks.throughput`, the CNN);
 5. the peer workload at width 1, ours alone, 3 rounds;
 6. many runs in one program (`benchmarks.many_runs`): 8 seeds of the InCo @0.25 workload against one run;
@@ -34,6 +37,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -162,17 +166,22 @@ def throughput(suite: Suite) -> list[dict[str, Any]]:
   return json_rows(out)
 
 
-def demo(suite: Suite) -> dict[str, Any]:
+def demo(suite: Suite, name: str = "demo", env: dict[str, str] | None = None) -> dict[str, Any]:
   size = ["--rounds", "3", "--num-clients", "8", "--clients-per-round", "4", "--max-train-samples", "2000",
           "--max-test-samples", "500"] if suite.smoke else []
-  out = os.path.join(suite.out, "demo_run")
+  out = os.path.join(suite.out, f"{name}_run")
   t0 = time.perf_counter()
-  status, _ = suite.run("demo", [sys.executable, "-m", "experiments.fmnist", "--output-dir", out, "--overwrite",
-                                 "--no-progress", *size], 60)
+  status, _ = suite.run(name, [sys.executable, "-m", "experiments.fmnist", "--output-dir", out, "--overwrite",
+                               "--no-progress", *size], 60, env)
   wall = time.perf_counter() - t0
   summary = _read_json(os.path.join(out, "summary.json"))
-  return {"wall_s": wall if status == 0 else None, "accuracy": (summary or {}).get("best_mean_accuracy"),
-          "phases": demo_phases(suite)}
+  return {"wall_s": wall if status == 0 else None, "accuracy": (summary or {}).get("best_mean_accuracy")}
+
+
+def demo_threefry(suite: Suite) -> dict[str, Any]:
+  """The demo under ``JAX_THREEFRY_GPU_KERNEL_LOWERING=1``, from a fresh compilation cache of its own."""
+  cache = tempfile.mkdtemp(prefix="threefry_cache_")
+  return demo(suite, "demo_threefry", {"JAX_THREEFRY_GPU_KERNEL_LOWERING": "1", "FEDJAX_HETERO_CACHE_DIR": cache})
 
 
 def demo_phases(suite: Suite) -> dict[str, Any]:
@@ -288,6 +297,12 @@ def table(results: dict[str, Any], notes: list[str], smoke: bool = False) -> str
   d = results["demo"]
   lines.append(f"| demo, whole process (s), best accuracy {fmt(d['accuracy'], 4)} | {fmt(d['wall_s'])} | — | "
                f"{fmt(d['wall_s'])} s | <= 12 s | {verdict(d['wall_s'], TARGETS['demo_s'], True)} |")
+  t = results.get("demo_threefry")
+  if t:
+    same = "the same" if t["accuracy"] == d["accuracy"] else "NOT the same"
+    lines.append(f"| demo under JAX_THREEFRY_GPU_KERNEL_LOWERING=1, whole process (s), best accuracy "
+                 f"{fmt(t['accuracy'], 4)} ({same}) | {fmt(t['wall_s'])} | — | {fmt(t['wall_s'])} s | <= 12 s | "
+                 f"{verdict(t['wall_s'], TARGETS['demo_s'], True)} |")
   phases = d.get("phases") or {}
   if phases:
     lines.append(f"| demo's phases ({phases['driver']}, no cache), seconds of import / setup / first call of "
@@ -326,6 +341,8 @@ def main(argv: list[str] | None = None) -> str:
   p.add_argument("out", help="folder for the logs, JSON lines and table.md")
   p.add_argument("--budget-s", type=float, default=480.0, help="the whole suite's time budget (seconds)")
   p.add_argument("--with-flags", action="store_true", help="first the XLA flags probe (3 processes, up to 3 minutes)")
+  p.add_argument("--with-threefry", action="store_true", help="the demo once more under "
+                 "JAX_THREEFRY_GPU_KERNEL_LOWERING=1 (about 20 s on an H200)")
   p.add_argument("--smoke", action="store_true", help="toy sizes on any platform (checks the script)")
   p.add_argument("--round-program", default="union", help="our driver in the peer rows (union, fused, host)")
   p.add_argument("--skip", default="",
@@ -339,7 +356,9 @@ def main(argv: list[str] | None = None) -> str:
   results["peer"]["0.25"] = peer(suite, "0.25", args.round_program, 4, "both", 150)
   # The same program again, from the persistent cache the first run filled (gpu_suite.sh's fresh directory).
   results["peer_warm"] = peer(suite, "0.25", args.round_program, 2, "jax", 45, "_warm")
-  results["demo"] = demo(suite)
+  results["demo"] = {**demo(suite), "phases": demo_phases(suite)}
+  if args.with_threefry:
+    results["demo_threefry"] = demo_threefry(suite)
   results["throughput"] = [] if "throughput" in skip else throughput(suite)
   if "peer1" not in skip:
     # (its first round: 27 s on an H200, 114 s before), leaving the InCo protocol enough for two calls (the first

@@ -194,3 +194,18 @@ def test_startup_times_each_phase_of_a_run_through_the_driver(capsys):
   assert row["driver"] == "sequential" and row["platform"] == "cpu"
   assert all(row[k] > 0 for k in ("setup_s", "first_call_s", "second_call_s")), row  # (the suite imported it)
   assert row["second_call_s"] < row["first_call_s"], row  # (the first compiles)
+
+
+def test_gpu_suite_table_compares_the_threefry_demo_with_the_demo():
+  from benchmarks import gpu_suite
+
+  results = {"peer": {}, "throughput": [], "inco": {"rounds_done": 3, "projected_min": 7.5},
+             "demo": {"wall_s": 19.6, "accuracy": 0.8514}, "demo_threefry": {"wall_s": 15.2, "accuracy": 0.8514}}
+  rows = [line for line in gpu_suite.table(results, []).splitlines() if line.startswith("| demo")]
+  assert rows[0].startswith("| demo, whole process (s), best accuracy 0.8514 | 19.6 |")
+  assert rows[1].startswith("| demo under JAX_THREEFRY_GPU_KERNEL_LOWERING=1, whole process (s), best accuracy "
+                            "0.8514 (the same) | 15.2 |")
+  results["demo_threefry"]["accuracy"] = 0.8513
+  assert "(NOT the same)" in gpu_suite.table(results, [])
+  del results["demo_threefry"]
+  assert "THREEFRY" not in gpu_suite.table(results, [])

@@ -351,6 +351,27 @@ def test_fedfa_options_are_checked():
     build_method("FedFA", method_options(fedfa_scale=False, fedfa_norm="rms"))
   assert [t.name for t in build_method("FedFA").terms] == ["fedfa", "fedfa_norms"]
   assert build_method("FedFA", method_options(fedfa_scale=False)).terms == ()
+  assert build_method("FedFA").evaluation_variables is None
+  static = build_method("FedFA", method_options(fedfa_static_bn=True))
+  assert [t.name for t in static.terms] == ["fedfa", "fedfa_norms", "static_bn"]
+  assert static.evaluation_variables is not None
+
+
+@pytest.mark.slow
+def test_fedfa_with_static_bn_averages_no_running_statistics(resnet_fedfa):
+  """--fedfa-static-bn (the paper's sBN, Sec. 5.1): the federation's running statistics stay as initialized
+  while its weights train, and each evaluation re-estimates them; without it they are averaged and move."""
+  sim = resnet_simulation("FedFA", fedfa_static_bn=True)
+  start = sim.init_state()
+  state, metrics = run_rounds(sim, 2)
+  chex.assert_trees_all_equal(state.models[0]["batch_stats"], start.models[0]["batch_stats"])
+  kernel = lambda s: s.models[0]["params"]["stem_conv"]["kernel"]
+  assert not np.allclose(kernel(state), kernel(start))
+  assert all(0 < m["fedfa"]["alpha_min"] <= 1 <= m["fedfa"]["alpha_max"] for m in metrics)
+  assert 0.0 <= sim.evaluate(state)["mean"] <= 1.0
+  _, plain, _ = resnet_fedfa  # the same start (seed and models), without sBN
+  stem_mean = lambda s: s.models[0]["batch_stats"]["stem_bn"]["mean"]
+  assert not np.allclose(stem_mean(plain), stem_mean(start))
 
 
 def test_fedrolex_rejects_a_flattened_feature_map():

@@ -106,6 +106,8 @@ class FedFAOptions(Settings):
                       OneOf(FEDFA_NORMS))
   percentile: float = setting(FEDFA_PERCENTILE, "the norm keeps the weights with |w| at most this percentile of |w|",
                               Number(above=0, maximum=100))
+  static_bn: bool = setting(False, "HeteroFL's static BatchNorm, which the paper trains with (Sec. 5.1): no running "
+                            "statistics averaged; re-estimated on training samples before each evaluation", Flag())
 
   def __post_init__(self):
     validate(self)

@@ -64,7 +64,7 @@ def test_paired_statistics_rounds_to_target_and_dissimilarity_columns():
     compare.paired_table(runs, "C")
   rows = compare.table(runs, last=2, target=0.8).splitlines()
   assert "rounds to 80% |" in rows[0] and "dissimilarity low / high" in rows[0]
-  assert rows[2].endswith("| not reached | - / - | 1.0 | 2 |") and rows[5].endswith("| 2 | 1.50 / 3.00 | 1.0 | 2 |")
+  assert rows[2].endswith("| not reached | - / - | 1.0 | 2.0 |") and rows[5].endswith("| 2 | 1.50 / 3.00 | 1.0 | 2.0 |")
 
 
 def test_runs_that_would_be_merged_in_a_paired_table_are_an_error():
@@ -213,7 +213,7 @@ def test_a_statistic_without_values_shows_a_dash_not_a_number():
   do elsewhere in the tables."""
   lines = compare.table([fake_run("A", 0, [0.5]), fake_run("B", 0, [0.6, 0.7])], last=3).splitlines()
   assert lines[2] == "| A_s0 | A | 1 | 50.00 | 50.00 | 50.00 (of 1) | 1.0 | - |"
-  assert lines[3] == "| B_s0 | B | 2 | 70.00 | 70.00 | 65.00 (of 2) | 1.0 | 1 |"
+  assert lines[3] == "| B_s0 | B | 2 | 70.00 | 70.00 | 65.00 (of 2) | 1.0 | 1.0 |"
   spread = compare.table([fake_run("A", 0, [0.5]), fake_run("B", 0, [0.6], dissimilarity=0.5)], last=3)
   assert "| 50.00 (of 1) | - / - | 1.0 | - |" in spread and "| 60.00 (of 1) | 0.50 / 1.00 | 1.0 | - |" in spread
 

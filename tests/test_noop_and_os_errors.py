@@ -229,3 +229,12 @@ def test_a_run_whose_stdout_is_closed_stops_after_its_round_and_resumes(tmp_path
   # (The same command in this process: the resume's process is not under test, and this one spares an interpreter.)
   assert cli.main("synthetic", args + ["--resume"])["final_round"] == 4
   assert json.loads((out / "summary.json").read_text())["final_round"] == 4
+
+
+def test_rounds_per_call_is_named_as_doing_nothing_where_auto_runs_the_host_loop(tmp_path, capsys):
+  """--round-program auto resolves after the settings' checks (on this CPU: the host loop), so the setup line says
+  that --rounds-per-call does nothing there instead of recording it in silence."""
+  cli.main("fashion_mnist", shlex.split(f"{MLP_ARGS} --rounds-per-call 5".format(tmp=tmp_path)))
+  out = capsys.readouterr()
+  assert ("rounds as a host loop (--rounds-per-call 5 has no effect there: --round-program auto runs no round "
+          "program for this run on cpu)") in out.out + out.err

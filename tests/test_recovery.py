@@ -352,6 +352,8 @@ def test_a_resume_with_nothing_left_evaluates_a_last_round_the_schedule_left_out
   out = tmp_path / "stopped"
   run_experiment(base_config(out, rounds=4, checkpoint_every=1, stop_after=1e-9), dataset, log=lambda _: None)
   assert [r["test_accuracy"] for r in read_rows(out)] == [None], "stopped after round 1, which eval_every 2 skips"
+  stopped = json.loads((out / "summary.json").read_text())
+  assert stopped["final_round"] == 1 and stopped["final_accuracy"] is None and stopped["final_accuracy_round"] is None
   summary, said = resumed_with_nothing_to_train(base_config(out, rounds=1, checkpoint_every=1, resume=True), dataset)
   assert "evaluated its last round" in said, said
   [row] = read_rows(out)

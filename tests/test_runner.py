@@ -233,7 +233,7 @@ def test_results_folder(resumed):
   with open(os.path.join(out, "summary.json")) as f:
     on_disk = json.load(f)
   assert on_disk["final_round"] == 4
-  assert on_disk["final_accuracy"] == rows[-1]["test_accuracy"]
+  assert on_disk["final_accuracy"] == rows[-1]["test_accuracy"] and on_disk["final_accuracy_round"] == 4
   assert on_disk["config"]["groups"] == list(GROUPS)
   assert set(on_disk["parameters_per_group"]) == set(GROUPS)
   assert on_disk["parameters_per_group"]["mlp@0.5"] < on_disk["parameters_per_group"]["mlp@1"]

@@ -83,7 +83,7 @@ def table(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]], last
              else "")
   private = " privacy spent: epsilon (delta) |" if any(r.get("privacy") for _, _, rows in runs for r in rows) else ""
   header = (f"| run | method | rounds | final mean acc (%) | best (%) | mean of last {last} evals (%) |{costs}{to}"
-            f"{spread}{dropped}{clients}{private} round 1 (s, compiling) | rounds 2+ (s) |")
+            f"{spread}{dropped}{clients}{private} round 1 (s, compiling) | rounds 2+, total (s) |")
   lines = [header, "|" + "---|" * (header.count("|") - 1)]
   for label, summary, rows in runs:
     accs = [a for _, a in evaluated(rows)]
@@ -109,7 +109,7 @@ def table(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]], last
     few = f" (of {len(tail)})" if len(tail) < last else ""
     first = next((f"{r['round_seconds']:.1f}" for r in rows if r["round"] == 1), "-")
     later_seconds = [r["round_seconds"] for r in rows if r["round"] > 1]
-    later = shown(sum(later_seconds) if later_seconds else None, ".0f")
+    later = shown(sum(later_seconds) if later_seconds else None, ".1f")
     lines.append(f"| {label} | {method_of(summary)} | {rows[-1]['round']} | "
                  f"{100 * accs[-1]:.2f} | {100 * max(accs):.2f} | {100 * sum(tail) / len(tail):.2f}{few} |{reached} "
                  f"{first} | {later} |")

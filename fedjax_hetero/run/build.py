@@ -196,7 +196,10 @@ def build_simulation(config: RunConfig, dataset: fdata.ArrayDataset | None = Non
       f"method {method.name}" + (f" (client terms: {terms})" if terms else "") +
       f", backend {backend.name} on {jax.default_backend()}, " + (
           f"{sim.rounds_per_call} rounds per device program" if sim.cohorts.in_program else
-          "rounds as a host loop") + (
+          "rounds as a host loop" + (f" ({declare.cli_name(RunConfig, 'rounds_per_call')} {config.rounds_per_call} "
+                                     f"has no effect there: --round-program {config.round_program} runs no round "
+                                     f"program for this run on {jax.default_backend()})"
+                                     if config.rounds_per_call is not None else "")) + (
           f" ({jax.device_count()} devices of {jax.process_count()} processes)" if jax.process_count() > 1 else ""))
   if held_out is not None:
     log(f"per-client evaluation: {sum(map(len, held_out))} samples held out ({config.data.client_eval_fraction:g} of "

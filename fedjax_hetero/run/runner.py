@@ -371,6 +371,7 @@ class _Run:
         "method": spec.method.name,
         "final_round": final_round,
         "final_accuracy": evaluated[-1]["test_accuracy"] if evaluated else None,
+        "final_accuracy_round": evaluated[-1]["round"] if evaluated else None,  # final_round's, if it was evaluated
         "best_mean_accuracy": best["test_accuracy"]["mean"] if best else None,
         "best_round": best["round"] if best else None,
         "wall_seconds_this_run": time.perf_counter() - self.wall_start,

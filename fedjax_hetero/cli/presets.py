@@ -110,9 +110,15 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
 )}
 
 
+# A paper's protocol trains and tests on the whole dataset as the library reads it: a preset that does not set these
+# holds them at their defaults, and a run that changes them differs from the paper.
+DATA_PIPELINE = ("max_train_samples", "max_test_samples", "image_size", "normalize", "test_first")
+
+
 def paper_deviations(preset: Preset, values: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
   """``{field: (this run's value, the paper's)}`` for every field of the paper's protocol the run changes."""
-  paper = values_for(PRESETS[preset.paper or preset.name], values["method"])
+  paper = {**{k: FLAGS[k].default for k in DATA_PIPELINE},
+           **values_for(PRESETS[preset.paper or preset.name], values["method"])}
   # The method is what a run compares, not part of the protocol.
   return {k: (values[k], v) for k, v in paper.items() if k in values and values[k] != v and k != "method"}
 

@@ -304,7 +304,7 @@ def setting_names(sources: dict[str, str], lines: dict[str, int]) -> dict[str, s
 def _describe_preset(chosen: Preset, config: RunConfig) -> str:
   changed = paper_deviations(chosen, config.flags())
   note = "; this run differs from the paper's protocol in: " + ", ".join(
-      f"{k}={v!r} (paper {p!r})" for k, (v, p) in changed.items()) if changed else ""
+      f"{k}={v!r} (paper {'unset' if p is None else repr(p)})" for k, (v, p) in changed.items()) if changed else ""
   return f"preset {chosen.name}: {'REDUCED SCALE. ' if chosen.reduced else ''}{chosen.description}{note}"
 
 

@@ -47,7 +47,8 @@ def test_a_subset_of_the_data_is_a_difference_from_the_paper(captured, capsys):
   """The papers' protocols train and test on the whole dataset as the library reads it (presets.DATA_PIPELINE)."""
   cli.main("fashion_mnist", ["--preset", "inco", "--max-train-samples", "5000", "--image-size", "32"])
   out = capsys.readouterr().out
-  assert "differs from the paper's protocol in: max_train_samples=5000 (paper unset), image_size=32 (paper unset)" in out
+  assert ("differs from the paper's protocol in: max_train_samples=5000 (paper unset), image_size=32 (paper unset)"
+          in out)
   cli.main("fashion_mnist", ["--preset", "fedcross-cpu", "--max-test-samples", "600", "--normalize", "none"])
   out = capsys.readouterr().out
   assert "max_test_samples=600 (paper unset), normalize='none' (paper 'dataset')" in out

@@ -275,7 +275,8 @@ def run_together(configs: Sequence[RunConfig], dataset: Any = None, log: Log = p
     per_program = (f"{len(runs)} runs in one program" if batch.max_runs_per_program >= len(runs) else
                    f"{len(runs)} runs, at most {batch.max_runs_per_program} per program")
     log(per_program + (f", swept per run: {', '.join(settings[0])}" if settings[0] else "") +
-        f", runs mapped by {batch.mapping}")
+        f", runs mapped by {batch.mapping}; the round lines below are the first run's ({configs[0].output.dir}), "
+        "every run's are in its folder's metrics.jsonl")
     return _Together(runs, batch, log, method).train()
 
 

@@ -65,7 +65,9 @@ class DataConfig(Settings):
     if self.partition_file is not None:
       return self.num_clients, "one per client"
     if self.partition == "dirichlet":
-      return self.num_clients * DIRICHLET_MIN_SIZE, f"{DIRICHLET_MIN_SIZE} per client for the Dirichlet partition"
+      return self.num_clients * DIRICHLET_MIN_SIZE, (f"{DIRICHLET_MIN_SIZE} per client for the Dirichlet partition; "
+                                                     "at that bound a draw rarely gives every client as many, so "
+                                                     "pass a few times more")
     if self.partition == "shards":
       return (self.num_clients * self.classes_per_client,
               f"{cli_name(self, 'classes_per_client')} {self.classes_per_client} shards per client")

@@ -70,6 +70,9 @@ BAD_FLAGS = [
     ("--fedcross-dynamic-alpha-rounds -1", "--fedcross-dynamic-alpha-rounds must be an integer >= 0, got -1"),
     ("--fedcross-propeller-rounds 5", "--fedcross-propeller-rounds 5 needs --fedcross-propellers (default) >= 1"),
     ("--fedcross-propellers 2", "--fedcross-propellers 2 needs --fedcross-propeller-rounds (default) >= 1"),
+    ("--method FedCross --groups cnn --fedcross-strategy in_order --fedcross-similarity cosine",
+     "--fedcross-similarity cosine sets how partners are chosen by similarity, which --fedcross-strategy in_order does "
+     "not use"),
     ("--method FedCross --groups cnn --fedcross-propellers 2 --fedcross-propeller-rounds 5",
      "--fedcross-propellers must be at most 1 (--clients-per-round 2 minus 1"),
     ("--method FedCross --groups cnn --clients-per-round 1", "--clients-per-round must be >= 2 for FedCross"),

@@ -55,6 +55,9 @@ class FedCrossConfig(Settings):
 
   def __post_init__(self):
     validate(self)
+    if self.strategy == "in_order" and self.similarity != type(self).similarity:
+      raise ValueError(f"{cli_name(self, 'similarity')} {self.similarity} sets how partners are chosen by "
+                       f"similarity, which {cli_name(self, 'strategy')} in_order does not use")
     propellers, rounds = cli_name(self, "propellers"), cli_name(self, "propeller_rounds")
     if self.propeller_rounds and not self.propellers:
       raise ValueError(f"{rounds} {self.propeller_rounds} needs {propellers} >= 1 (the propeller models per slot)")

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# FedFA's width and width+depth variants at CPU size, clean (docs/reproduction.md, "FedFA"), seeds 0 and 1, with
+# --preset fedfa-cpu: width groups ResNet18 @0.125 and @0.0625 (FedFA against HeteroFL, its width baseline) and
+# width+depth groups ResNet26 @0.125 and ResNet18 @0.0625 (FedFA against NeFL); FedFA with and without the static
+# BatchNorm its paper trains with; then the ablations: FedFA's kernel norm per element (--fedfa-norm rms), FedFA
+# without its scaling, HeteroFL without its static BatchNorm. Each run resumes if interrupted; finished runs are
+# skipped.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-runs/repro/fedfa}
+WIDTH=(--groups resnet18@0.125,resnet18@0.0625)
+WIDTH_DEPTH=(--groups resnet26@0.125,resnet18@0.0625)
+# HeteroFL's Scaler divides by a group's width of the full model (refused when the widest group is not 1); in these
+# ResNets a BatchNorm follows every scaled convolution, so in training it changes only BatchNorm's epsilon term.
+NO_SCALER=(--no-heterofl-scaler)
+source scripts/resumable_run.sh
+run() { resumable_run fedfa-cpu "$OUT" "$@"; }
+for seed in 0 1; do
+  run "HeteroFL_width_s$seed" --method HeteroFL --seed "$seed" "${WIDTH[@]}" "${NO_SCALER[@]}"
+  run "FedFA_width_s$seed" --method FedFA --seed "$seed" "${WIDTH[@]}"
+  run "FedFA-sbn_width_s$seed" --method FedFA --fedfa-static-bn --seed "$seed" "${WIDTH[@]}"
+  run "NeFL_widthdepth_s$seed" --method NeFL --seed "$seed" "${WIDTH_DEPTH[@]}"
+  run "FedFA_widthdepth_s$seed" --method FedFA --seed "$seed" "${WIDTH_DEPTH[@]}"
+  run "FedFA-sbn_widthdepth_s$seed" --method FedFA --fedfa-static-bn --seed "$seed" "${WIDTH_DEPTH[@]}"
+done
+for seed in 0 1; do
+  run "FedFA-rms_width_s$seed" --method FedFA --fedfa-norm rms --seed "$seed" "${WIDTH[@]}"
+  run "FedFA-rms_widthdepth_s$seed" --method FedFA --fedfa-norm rms --seed "$seed" "${WIDTH_DEPTH[@]}"
+  run "FedFA-noscale_width_s$seed" --method FedFA --no-fedfa-scale --seed "$seed" "${WIDTH[@]}"
+  run "HeteroFL-nosbn_width_s$seed" --method HeteroFL --no-heterofl-static-bn --seed "$seed" "${WIDTH[@]}" "${NO_SCALER[@]}"
+done

@@ -64,6 +64,9 @@ NO_OPS = [
     ("--divergence-max-rollbacks 5", "--divergence-max-rollbacks 5 has no effect without --on-divergence rollback"),
     ("--on-divergence off --divergence-chance-evals 9", "--divergence-chance-evals 9 has no effect without "
                                                         "--on-divergence stop or rollback"),
+    ("--method FedCross --groups cnn --weighting num_samples", "--weighting num_samples has no effect without a "
+                                                                "method that weighs its clients (FedCross weighs every "
+                                                                "client's middleware model 1)"),
     ("--round-program host --rounds-per-call 5", "--rounds-per-call 5 has no effect without --round-program fused, "
                                                  "union or auto (host runs every round from the host loop)"),
     # a method's options without the method (the build step's `methods.check_options`)

@@ -17,12 +17,20 @@ import numpy as np
 
 from fedjax_hetero import models
 from fedjax_hetero.config import cli_flag, flatten
+from fedjax_hetero.methods import build_method, get_entry
 from fedjax_hetero.validation import first_line
 
 # A batch this many times the largest client (every batch mostly padding) is refused; a smaller excess is a warning.
 PADDING_REFUSED = 2
 # The partition settings a partition file replaces, and the values that mean "not set".
 PARTITION_FILE_OVERRIDES = ("partition", "alpha", "classes_per_client")
+
+
+def _weighs_its_clients(config: Any) -> bool:
+  """Whether the configured method weighs its clients by --weighting: not a method that trains one middleware model
+  per client and weighs each 1 (stacked sharing: FedCross); a method given to the runner by value is not known here."""
+  entry = get_entry(config.method.name, missing_ok=True)
+  return entry is None or not build_method(entry.name, config.method, config.client).sharing.stacked
 
 
 # Settings that act only beside another choice: (setting, whether it acts in this config, that choice). Set
@@ -38,6 +46,8 @@ ACTS_ONLY_WITH: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("divergence.chance_evals", lambda c: c.divergence.action != "off", "--on-divergence stop or rollback"),
     ("divergence.rollback_lr_factor", lambda c: c.divergence.action == "rollback", "--on-divergence rollback"),
     ("divergence.max_rollbacks", lambda c: c.divergence.action == "rollback", "--on-divergence rollback"),
+    ("federation.weighting", _weighs_its_clients,
+     "a method that weighs its clients (FedCross weighs every client's middleware model 1)"),
     ("rounds_per_call", lambda c: c.round_program != "host",
      "--round-program fused, union or auto (host runs every round from the host loop)"),
 )

@@ -202,7 +202,7 @@ def test_compare_shows_each_runs_costs_beside_its_accuracy_and_plots_accuracy_ag
   runs = [fake_costed_run("FedAvg", 1_500_000, [0.5, 0.6]), fake_costed_run("SCAFFOLD", 3_000_000, [0.55, 0.62])]
   lines = compare.table(runs, last=2).splitlines()
   assert "| bytes down + up | client FLOPs |" in lines[0] and lines[1].count("---") == lines[0].count(" | ") + 1
-  assert lines[2].endswith("| 55.00 | 6 MB | 2 GFLOP | 1.0 | 1 |") and "| 12 MB | 2 GFLOP |" in lines[3]
+  assert lines[2].endswith("| 55.00 | 6 MB | 2 GFLOP | 1.0 | 1.0 |") and "| 12 MB | 2 GFLOP |" in lines[3]
   dirs = []
   for label, summary, rows in runs + [("old", {"method": "old", "config": {"federation": {"seed": 1}}},
                                        [{"round": 1, "round_seconds": 1.0, "test_accuracy": {"mean": 0.5}}])]:

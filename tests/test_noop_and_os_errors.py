@@ -239,5 +239,5 @@ def test_rounds_per_call_is_named_as_doing_nothing_where_auto_runs_the_host_loop
   that --rounds-per-call does nothing there instead of recording it in silence."""
   cli.main("fashion_mnist", shlex.split(f"{MLP_ARGS} --rounds-per-call 5".format(tmp=tmp_path)))
   out = capsys.readouterr()
-  assert ("rounds as a host loop (--rounds-per-call 5 has no effect there: --round-program auto runs no round "
-          "program for this run on cpu)") in out.out + out.err
+  assert ("rounds as a host loop (--rounds-per-call 5 has no effect there: --round-program (default) auto runs no "
+          "round program for this run on cpu)") in out.out + out.err

@@ -197,8 +197,9 @@ def build_simulation(config: RunConfig, dataset: fdata.ArrayDataset | None = Non
       f", backend {backend.name} on {jax.default_backend()}, " + (
           f"{sim.rounds_per_call} rounds per device program" if sim.cohorts.in_program else
           "rounds as a host loop" + (f" ({declare.cli_name(RunConfig, 'rounds_per_call')} {config.rounds_per_call} "
-                                     f"has no effect there: --round-program {config.round_program} runs no round "
-                                     f"program for this run on {jax.default_backend()})"
+                                     f"has no effect there: {declare.cli_name(RunConfig, 'round_program')} "
+                                     f"{config.round_program} runs no round program for this run on "
+                                     f"{jax.default_backend()})"
                                      if config.rounds_per_call is not None else "")) + (
           f" ({jax.device_count()} devices of {jax.process_count()} processes)" if jax.process_count() > 1 else ""))
   if held_out is not None:

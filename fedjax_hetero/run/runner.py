@@ -365,8 +365,7 @@ class _Run:
     rows, spec = self.rows, self.sim.spec
     evaluated = [r for r in rows if r.get("test_accuracy")]
     best = max(evaluated, key=lambda r: (r["test_accuracy"]["mean"], r["round"])) if evaluated else None
-    train_seconds = sum(r["round_seconds"] for r in rows)
-    final_round = rows[-1]["round"] if rows else 0
+    train_seconds, final_round = sum(r["round_seconds"] for r in rows), (rows[-1]["round"] if rows else 0)
     return {
         "method": spec.method.name,
         "final_round": final_round,

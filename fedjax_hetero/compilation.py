@@ -319,25 +319,36 @@ class ChunkPrograms:
   side in threads.
 
   Compiling them all at once means no later round compiles (a round whose clients first need a one-step
-  tail would), and XLA compiles the programs on several cores at the same time.
+  tail would), and XLA compiles the programs on several cores at the same time. The executables are kept per
+  shape of the data and the cohort (images, labels, ids, mask): two simulations of one structure share this
+  object through `program_cache`, and a second one with more clients per round, or a larger store, compiles
+  its own rather than calling programs compiled for the first one's shapes.
   """
 
   def __init__(self, run_steps, lengths: tuple[int, ...]):
     self._jitted, self._lengths, self._compiled = run_steps, lengths, {}
 
-  @property
-  def compiled(self) -> bool:
-    return len(self._compiled) == len(self._lengths)
+  def compiled_for(self, images, labels, ids, mask) -> bool:
+    """Whether every chunk length is compiled for these shapes (arrays or `jax.ShapeDtypeStruct`)."""
+    return len(self._compiled.get(_shapes(images, labels, ids, mask), {})) == len(self._lengths)
 
   def compile_jobs(self, state, images, labels, ids, mask) -> list[Callable[[], None]]:
     """One job per chunk length (arguments may be shapes, e.g. from `jax.eval_shape`)."""
+    programs = self._compiled.setdefault(_shapes(images, labels, ids, mask), {})
+
     def job(n: int):
       def run():
-        self._compiled[n] = self._jitted.lower(state, images, labels, ids, mask, np.int32(0), n).compile()
+        programs[n] = self._jitted.lower(state, images, labels, ids, mask, np.int32(0), n).compile()
       return run
     return [job(n) for n in self._lengths]
 
   def __call__(self, state, images, labels, ids, mask, offset: int, count: int):
-    if not self.compiled:
+    programs = self._compiled.get(_shapes(images, labels, ids, mask))
+    if programs is None or len(programs) < len(self._lengths):
       compile_side_by_side(self.compile_jobs(state, images, labels, ids, mask))
-    return self._compiled[count](state, images, labels, ids, mask, np.int32(offset))
+      programs = self._compiled[_shapes(images, labels, ids, mask)]
+    return programs[count](state, images, labels, ids, mask, np.int32(offset))
+
+
+def _shapes(*arrays) -> tuple:
+  return tuple((x.shape, x.dtype) for x in arrays)

@@ -15,10 +15,12 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from fedjax_hetero.compilation import CompileLog
+from fedjax_hetero.compilation import CompileLog, release_programs
+from fedjax_hetero.data.partition import partition
+from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.rounds.backends import BACKENDS, make_backend
 from fedjax_hetero.rounds.inputs import one_cohort
-from tests.helpers import tiny_simulation
+from tests.helpers import tiny_federation, tiny_simulation
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
@@ -127,6 +129,28 @@ def test_a_second_simulation_of_equal_settings_traces_no_client_program(backend)
   clients = {"start_client", "run_steps", "accumulate", "start_local", "run_cohort_steps", "reduce_local"}
   assert not clients & set(log.names), log.names
   chex.assert_trees_all_equal(state.models, expected.models)
+
+
+@pytest.mark.parametrize("backend", ["sequential", "vmap"])
+def test_a_second_simulation_of_one_structure_with_other_shapes_compiles_its_own_programs(backend):
+  """Equal trainers share their cached chunk programs; a second simulation with more clients per round, or a
+  store twice as large (clients of the same sizes, so the same schedule), trains what it trains alone rather
+  than calling executables compiled for the first one's shapes."""
+  ds, store = tiny_federation(scheme="iid")
+  images, labels = np.concatenate([ds.train_images] * 2), np.concatenate([ds.train_labels] * 2)
+  larger = FederatedStore.build(images, labels, partition(labels, "iid", 2 * store.num_clients, 0), ds.num_classes,
+                                ds.mean, ds.std)
+  assert larger.max_size == store.max_size
+  build = lambda cohort, data: tiny_simulation("HeteroAvg", backend, (0.5, 1.0), cohort, data=(ds, data))
+  first = build(2, store)
+  run(first, 1)
+  for cohort, data in ((5, store), (2, larger)):
+    second = build(cohort, data)
+    assert second.spec.trainers == first.spec.trainers
+    state, _ = run(second, 1)
+    release_programs()
+    alone, _ = run(build(cohort, data), 1)
+    chex.assert_trees_all_equal(state.models, alone.models)
 
 
 @pytest.mark.slow

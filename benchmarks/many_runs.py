@@ -16,7 +16,9 @@ Workloads (``--workload``):
     python -m benchmarks.many_runs --workload inco --runs 1,2,4,8,16      # on a GPU
     python -m benchmarks.many_runs --smoke
 
-One JSON line per point, then a markdown table.
+Unset sizes take the accelerator's defaults (R up to 16, 100 clients, 10 per round, all of Fashion-MNIST, 3 rounds
+a call) or, on a CPU, those of docs/performance.md's CPU table (R = 1, 2, 20 clients, 4 per round, 3,000 samples,
+1 round a call), which finish there in about a minute. One JSON line per point, then a markdown table.
 """
 
 from __future__ import annotations
@@ -33,17 +35,26 @@ WORKLOADS = {
     "cnn": dict(dataset="fashion_mnist", groups=("cnn@1", "cnn@0.5", "cnn@0.25"), batch_size=32),
     "smoke": dict(dataset="synthetic", groups=("mlp@1", "mlp@0.5"), batch_size=16),
 }
+# The size of a run when not given. On a CPU the setting of docs/performance.md's table: the runs go one after
+# another there and the full setting's first calls take 30-50 s each, past a default run's 5 minutes.
+ACCELERATOR = dict(runs="1,2,4,8,16", rounds=3, num_clients=100, clients_per_round=10, max_train_samples=None)
+CPU = dict(runs="1,2", rounds=1, num_clients=20, clients_per_round=4, max_train_samples=3000)
+SMOKE = dict(runs="1,2", rounds=2, num_clients=4, clients_per_round=2, max_train_samples=None)
 
 
 def build_parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--workload", default="cnn", choices=("inco", "cnn"))
-  p.add_argument("--runs", default="1,2,4,8,16", help="the numbers of runs R measured")
-  p.add_argument("--rounds", type=int, default=3, help="rounds per call (one compiling call, one timed call)")
-  p.add_argument("--num-clients", type=int, default=100)
-  p.add_argument("--clients-per-round", type=int, default=10)
-  p.add_argument("--max-train-samples", type=int, default=None, help="class-balanced training subset")
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--workload", default="cnn", choices=("inco", "cnn"), help="(default: cnn)")
+  p.add_argument("--runs", default=None, help="the numbers of runs R measured (default: "
+                 f"{ACCELERATOR['runs']}; on a CPU {CPU['runs']})")
+  p.add_argument("--rounds", type=int, default=None, help="rounds per call: one compiling call, one timed call "
+                 f"(default: {ACCELERATOR['rounds']}; on a CPU {CPU['rounds']})")
+  p.add_argument("--num-clients", type=int, default=None,
+                 help=f"(default: {ACCELERATOR['num_clients']}; on a CPU {CPU['num_clients']})")
+  p.add_argument("--clients-per-round", type=int, default=None,
+                 help=f"(default: {ACCELERATOR['clients_per_round']}; on a CPU {CPU['clients_per_round']})")
+  p.add_argument("--max-train-samples", type=int, default=None,
+                 help=f"class-balanced training subset (default: all; on a CPU {CPU['max_train_samples']})")
   p.add_argument("--data-dir", default=None, help="directory holding the Fashion-MNIST IDX files")
   p.add_argument("--no-alone", action="store_true", help="skip the R=1 run without the runs axis")
   p.add_argument("--smoke", action="store_true", help="tiny MLPs on synthetic data, R = 1, 2")
@@ -111,10 +122,12 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+  import jax
   args = build_parser().parse_args(argv)
-  if args.smoke:
-    args.rounds, args.num_clients, args.clients_per_round = 2, 4, 2
-    args.runs = "1,2" if args.runs == build_parser().get_default("runs") else args.runs
+  sizes = SMOKE if args.smoke else CPU if jax.default_backend() == "cpu" else ACCELERATOR
+  for name, value in sizes.items():
+    if getattr(args, name) is None or (args.smoke and name != "runs"):
+      setattr(args, name, value)
   from fedjax_hetero import data as fdata
   dataset = (fdata.synthetic_dataset(num_train=160, num_test=32, seed=0) if args.smoke
              else fdata.load_dataset("fashion_mnist", args.data_dir))

@@ -4,7 +4,8 @@ accounting and with its static costs replaced by none, each in a fresh process, 
 The accounting traces and lowers one local step per group when the run starts (on a thread beside the first
 round's compilation), and adds a few dictionary operations to every row. Prints one JSON line per process:
 ``side`` (``with``/``without``), ``process_s`` (the run's wall time in its process, from the runner's summary),
-``train_s`` (all rounds) and ``later_rounds_s`` (rounds 2 on), then the medians' ratios. The run is the peer
+``train_s`` (all rounds), ``later_rounds_s`` (rounds 2 on) and ``bytes`` (the run's communication as counted:
+none without), then the medians' ratios. The run is the peer
 benchmark's (`benchmarks.peer_torch`): HeteroAvg over ResNet10 and ResNet18 at width 0.25 on Fashion-MNIST,
 20 clients, 4 per round, 6 rounds. E.g.::
 
@@ -26,19 +27,24 @@ FLAGS = dict(groups=("resnet10@0.25", "resnet18@0.25"), method="HeteroAvg", num_
              rounds=6, eval_every=6, weighting="num_samples", progress=False, dissimilarity=False)
 
 
-def one_run(side: str, output_dir: str) -> dict[str, Any]:
-  """The run of ``FLAGS`` in this process, with (``side="with"``) or without the accounting's static costs."""
+def one_run(side: str, output_dir: str, flags: dict[str, Any] = FLAGS) -> dict[str, Any]:
+  """The run of ``flags`` in this process, with (``side="with"``) or without the accounting's static costs."""
   from fedjax_hetero.config import RunConfig
   from fedjax_hetero.rounds import costs
   from fedjax_hetero.run.runner import run_experiment
 
+  traced = costs.static_costs
   if side == "without":
-    costs.InBackground = lambda spec: {}  # (no group has costs: every row's are zeros)
-  summary = run_experiment(RunConfig.from_flags(**FLAGS, output_dir=output_dir), log=lambda _: None)
+    costs.static_costs = lambda spec: {}  # (no group has costs: every row's are zeros)
+  try:
+    summary = run_experiment(RunConfig.from_flags(**flags, output_dir=output_dir), log=lambda _: None)
+  finally:
+    costs.static_costs = traced
   with open(os.path.join(output_dir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
   return {"side": side, "process_s": summary["wall_seconds_this_run"], "train_s": summary["train_seconds_all_rounds"],
-          "later_rounds_s": sum(r["round_seconds"] for r in rows[1:])}
+          "later_rounds_s": sum(r["round_seconds"] for r in rows[1:]),
+          "bytes": rows[-1]["costs"]["cumulative"]["bytes"]}
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:

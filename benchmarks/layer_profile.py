@@ -166,8 +166,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     theirs = torch_conv_ms(layer, i == 0, args.repeats)
     n, h, w, c = layer["input"]
     rows.append({"layer": layer["name"], "input_nhwc": [n, h, w, c], "out_channels": layer["features"],
-                 "kernel": list(layer["kernel"]), "strides": list(layer["strides"]),
-                 "xla_conv_ms": round(xla, 3), "jax_ms": round(ours, 3), "torch_ms": round(theirs, 3), "torch_over_jax": round(theirs / ours, 2)})
+                 "kernel": list(layer["kernel"]), "strides": list(layer["strides"]), "xla_conv_ms": round(xla, 3),
+                 "jax_ms": round(ours, 3), "torch_ms": round(theirs, 3), "torch_over_jax": round(theirs / ours, 2)})
+    emit_json_lines(rows[-1:])
   step_jax = jax_step_ms(args.model, args.width, args.batch, args.repeats)
   step_torch = torch_step_ms(args.model, args.width, args.batch, args.repeats)
   conv_jax = sum(r["jax_ms"] for r in rows)
@@ -179,7 +180,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                "rest_of_step_ms": {"jax": round(step_jax - conv_jax, 2), "torch": round(step_torch - conv_torch, 2)},
                "step_ratio_torch_over_jax": round(step_torch / step_jax, 2),
                "torch": torch.__version__, "jax": jax.__version__, "torch_threads": torch.get_num_threads()})
-  emit_json_lines(rows, args.output)
+  emit_json_lines(rows[-1:])
+  emit_json_lines(rows, args.output, echo=False)
   return rows
 
 

@@ -1,6 +1,6 @@
 """Compile time and steady speed of one group's local-step program, by model and steps per call.
 
-    python -m benchmarks.step_modes MODEL WIDTH BATCH STEPS_PER_CALL     e.g. resnet18 0.25 64 1
+    python -m benchmarks.step_modes [MODEL WIDTH BATCH STEPS_PER_CALL]     (default: resnet18 0.25 64 1)
 
 Compiles `LocalTrainer.run_steps` for STEPS_PER_CALL unrolled steps (Adam, 28x28x1 uint8 inputs) and
 times a first and then three more runs of 48 steps; prints one JSON line (set XLA_FLAGS to try
@@ -9,9 +9,9 @@ XLA:CPU options).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 import time
 from typing import Any, NamedTuple
 
@@ -47,8 +47,14 @@ def step_inputs(name: str, width: float, batch: int, steps: int, per_call: int =
   return StepInputs(trainer, variables, images, labels, ids, jnp.ones((steps, batch), bool))
 
 
-def main(argv: list[str]) -> dict:
-  name, width, batch, per_call = argv[0], float(argv[1]), int(argv[2]), int(argv[3])
+def main(argv: list[str] | None = None) -> dict:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("model", nargs="?", default="resnet18", help="a model name (default: resnet18)")
+  p.add_argument("width", nargs="?", type=float, default=0.25, help="(default: 0.25)")
+  p.add_argument("batch", nargs="?", type=int, default=64, help="(default: 64)")
+  p.add_argument("steps_per_call", nargs="?", type=int, default=1, help="unrolled steps a call (default: 1)")
+  args = p.parse_args(argv)
+  name, width, batch, per_call = args.model, args.width, args.batch, args.steps_per_call
   trainer, variables, images, labels, ids, mask = step_inputs(name, width, batch, STEPS, per_call)
   init = jax.jit(trainer.init_state)
   t0 = time.perf_counter()
@@ -79,6 +85,4 @@ def main(argv: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-  if len(sys.argv) != 5:
-    raise SystemExit(__doc__)
-  main(sys.argv[1:])
+  main()

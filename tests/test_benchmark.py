@@ -60,6 +60,15 @@ def test_method_overhead_prints_one_line_per_method(capsys):
     assert row["round_s"] > 0 and 0 < row["server_step_s"] < row["round_s"] and row["baseline"] == "FedAvg"
 
 
+def test_cost_overhead_runs_a_side_without_the_accountings_static_costs(tmp_path):
+  from benchmarks import cost_overhead
+  flags = dict(dataset="synthetic", groups=("mlp",), method="HeteroAvg", num_clients=4, clients_per_round=2,
+               rounds=2, eval_every=2, progress=False, dissimilarity=False)
+  sides = {side: cost_overhead.one_run(side, str(tmp_path / side), flags) for side in ("without", "with")}
+  assert sides["without"]["bytes"] == 0 < sides["with"]["bytes"]
+  assert all(row["process_s"] > row["train_s"] > row["later_rounds_s"] > 0 for row in sides.values())
+
+
 def test_step_modes_prints_compile_time_rates_and_a_checksum(capsys):
   from benchmarks import step_modes
   row = step_modes.main(["mlp", "1", "8", "2"])

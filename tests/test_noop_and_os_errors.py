@@ -204,6 +204,27 @@ def test_a_round_without_a_local_step_reports_no_loss_or_speed_and_a_collapsed_w
                   "['params']['conv2'], ['params']['fc1']); its model has 90 parameters and may not learn at all"]
 
 
+def test_static_batch_norm_settings_warn_where_no_model_has_batch_norm():
+  """(--heterofl-bn-samples 64 or --fedfa-static-bn over CNNs was recorded in config.json and changed nothing.)"""
+  from fedjax_hetero.config import RunConfig
+  from fedjax_hetero.run import preflight
+
+  def warnings(**flags):
+    logs = []
+    preflight._warn_static_bn_without_batch_norm(RunConfig.from_flags(**flags), (28, 28, 1), logs.append)
+    return logs
+
+  assert warnings(method="HeteroFL", groups=("cnn@1", "mlp@0.5"), heterofl_bn_samples=64) == [
+      "warning: --heterofl-bn-samples 64: no group's model has BatchNorm (cnn@1, mlp@0.5), so static BN changes "
+      "nothing"]
+  assert warnings(method="FedFA", groups=("cnn@1",), fedfa_static_bn=True)[0].startswith(
+      "warning: --fedfa-static-bn:")
+  assert warnings(method="HeteroFL", groups=("mlp",), heterofl_static_bn=False)[0].startswith(
+      "warning: --no-heterofl-static-bn:")
+  assert warnings(method="HeteroFL", groups=("cnn@1", "resnet10@0.5"), heterofl_bn_samples=64) == []
+  assert warnings(method="HeteroFL", groups=("cnn@1",)) == []  # (the defaults: nothing said)
+
+
 def test_a_broken_pipe_names_the_pipe_not_the_output_folder():
   """(A closed stdout read "Broken pipe (EPIPE) (writing in --output-dir ...)": the folder was never at fault.)"""
   line = os_errors.describe(BrokenPipeError(32, "Broken pipe"), "(writing in --output-dir '/runs/x')")

@@ -49,6 +49,24 @@ def test_scaler_is_the_identity_at_full_width(name):
   np.testing.assert_array_equal(scaled.apply(variables, x, train=True), plain.apply(variables, x, train=True))
 
 
+def test_scaler_divides_by_the_width_relative_to_the_global_models():
+  """The authors' rate is a group's width over the global model's: groups @0.5 and @0.25 take rates 1 and 0.5
+  (a simulation sets ``scaler_of``), where width alone gave 2 and 4 (and the driver refused a widest group below 1)."""
+  images, _ = random_batch(0, 5)
+  x = images.astype(jnp.float32) / 255.0
+  sim = tiny_simulation("HeteroFL", "sequential", (0.5, 0.25), 3)
+  narrow, wide = sorted((g.model for g in sim.spec.groups), key=lambda m: m.width)
+  assert (wide.scaler_of, narrow.scaler_of) == (0.5, 0.5) and wide.scaler and narrow.scaler
+  for model, rate in ((wide, 1.0), (narrow, 0.5)):
+    plain = model.clone(scaler=False)
+    variables = model_variables(plain, x, 1)
+    p = variables["params"]
+    hidden = jax.nn.relu((x.reshape(5, -1) @ p["hidden1"]["kernel"] + p["hidden1"]["bias"]) / rate)
+    np.testing.assert_allclose(model.apply(variables, x, train=True), hidden @ p["head"]["kernel"] + p["head"]["bias"],
+                               rtol=1e-5, atol=1e-6)
+  assert all(not g.model.scaler for g in tiny_simulation("HeteroAvg", "sequential", (0.5, 0.25), 3).spec.groups)
+
+
 @pytest.mark.slow
 def test_resnet_scaler_scales_what_batch_norm_sees():
   """The stem's BN sees the conv output / width: its batch mean doubles at width 0.5 (BN's output barely

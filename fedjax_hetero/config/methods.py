@@ -120,8 +120,8 @@ class FedFAOptions(Settings):
 class HeteroFLOptions(Settings):
   FLAG_PREFIX = "heterofl"
 
-  scaler: bool = setting(True, "the Scaler: hidden layers' outputs divided by the group's width in training (MLP, "
-                         "CNN, ResNet)", Flag())
+  scaler: bool = setting(True, "the Scaler: hidden layers' outputs divided in training by the group's rate, its "
+                         "width over the global model's (MLP, CNN, ResNet)", Flag())
   static_bn: bool = setting(True, "static BN: no running statistics kept or averaged in training; re-estimated on "
                             "training samples before each evaluation", Flag())
   bn_samples: int = setting(BN_SAMPLES, "training samples (a fixed draw) static BN re-estimates statistics on",

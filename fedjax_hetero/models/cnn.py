@@ -27,7 +27,8 @@ class CNN(nn.Module):
 
   Convs use SAME padding (28x28 -> 14x14 -> 7x7). `width` scales `channels`
   and `hidden`; `mask` is accepted for the common signature and unused. With `scaler`, the
-  convs' and fc1's outputs are divided by `width` in training (HeteroFL's Scaler).
+  convs' and fc1's outputs are divided by the rate `width / scaler_of` in training (HeteroFL's Scaler;
+  `scaler_of` is the global model's width, which `RoundSpec.build` sets).
   """
 
   num_classes: int = 10
@@ -35,6 +36,7 @@ class CNN(nn.Module):
   channels: Sequence[int] = (32, 64)
   hidden: int = 128
   scaler: bool = False
+  scaler_of: float = 1.0
 
   cut_points = ("input", "conv1", "conv2", "features", "logits")
   decoupling_cut = "conv2"  # FedImpro's default low/high split (`models.resolve_cut`)
@@ -43,7 +45,7 @@ class CNN(nn.Module):
   def __call__(self, x: Array, train: bool = False, mask: Array | None = None, start: str = "input",
                stop: str = "logits") -> Array:
     del mask  # no BN or dropout
-    rate = self.width if self.scaler else None
+    rate = self.width / self.scaler_of if self.scaler else None
 
     def conv(name: str, channels: int, h: Array) -> Array:
       h = nn.Conv(scale_channels(channels, self.width), (3, 3), padding="SAME", name=name,

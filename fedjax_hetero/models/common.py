@@ -31,7 +31,8 @@ def scale_channels(channels: int, width: float) -> int:
 
 def scaler(x: Array, rate: float | None, train: bool) -> Array:
   """HeteroFL's Scaler (Diao et al., ICLR 2021, Sec. 3): a hidden layer's output divided by the model's
-  width rate in training, the identity at evaluation and when ``rate`` is None (the Scaler off)."""
+  width rate in training (its width over the global model's, as the authors' code computes it), the identity at
+  evaluation and when ``rate`` is None (the Scaler off)."""
   return x / rate if rate is not None and train else x
 
 

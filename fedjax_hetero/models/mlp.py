@@ -19,13 +19,15 @@ class MLP(nn.Module):
   Cut points are input, hidden1..hiddenN, features, logits; "features" is the
   last hidden activation (the flattened input if `hidden` is empty). `width`
   scales the hidden sizes; `mask` is accepted and unused. With `scaler`, the hidden layers'
-  outputs are divided by `width` in training (HeteroFL's Scaler).
+  outputs are divided by the rate `width / scaler_of` in training (HeteroFL's Scaler; `scaler_of` is the
+  global model's width, which `RoundSpec.build` sets).
   """
 
   num_classes: int = 10
   width: float = 1.0
   hidden: Sequence[int] = (64,)
   scaler: bool = False
+  scaler_of: float = 1.0
 
   @property
   def cut_points(self) -> tuple[str, ...]:
@@ -40,7 +42,7 @@ class MLP(nn.Module):
   def __call__(self, x: Array, train: bool = False, mask: Array | None = None, start: str = "input",
                stop: str = "logits") -> Array:
     del mask  # no BN or dropout
-    rate = self.width if self.scaler else None
+    rate = self.width / self.scaler_of if self.scaler else None
 
     def layer(index: int, h: Array) -> Array:
       if index == 0:

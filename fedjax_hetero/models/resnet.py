@@ -90,7 +90,8 @@ class ResNet(nn.Module):
     base_channels: channels of the stem and the first stage at width 1.
     stem: "imagenet" (7x7/2 conv + 3x3/2 max pool) or "cifar" (3x3/1 conv).
     dtype: computation dtype; parameters stay float32 and logits are returned in float32.
-    scaler: HeteroFL's Scaler: every conv's output divided by `width` in training.
+    scaler: HeteroFL's Scaler: every conv's output divided by the rate `width / scaler_of` in training.
+    scaler_of: the width the Scaler's rate is relative to: the global model's (`RoundSpec.build` sets it).
     step_sizes: NeFL's learnable step size s_j on every block's residual branch, x + s_j F_j(x) (s_j = 1
       at initialization; off: no such parameter).
     skip: which blocks of a deeper stage this model lacks, "last" or "middle" (see the module docstring).
@@ -103,6 +104,7 @@ class ResNet(nn.Module):
   stem: str = "imagenet"
   dtype: Any = jnp.float32
   scaler: bool = False
+  scaler_of: float = 1.0
   step_sizes: bool = False
   skip: str = "last"
 
@@ -157,7 +159,7 @@ class ResNet(nn.Module):
       raise ValueError(f"unknown stem {self.stem!r}; expected 'imagenet' or 'cifar'")
     if self.skip not in SKIPS:
       raise ValueError(f"unknown skip {self.skip!r}; expected one of {', '.join(SKIPS)}")
-    rate = self.width if self.scaler else None
+    rate = self.width / self.scaler_of if self.scaler else None
 
     def stem(h: Array) -> Array:
       channels = scale_channels(self.base_channels, self.width)

@@ -52,6 +52,16 @@ def assign_groups(num_clients: int, num_groups: int) -> list[np.ndarray]:
   return np.array_split(np.arange(num_clients), num_groups)
 
 
+def _scalers_relative_to_global(groups: tuple[ArchGroup, ...], global_index: int) -> tuple[ArchGroup, ...]:
+  """Each model with HeteroFL's Scaler on divides by its rate of the global model, its width over the global
+  model's (the authors' ``model_rate / global_model_rate``): with a widest group at width 0.25, that group's rate
+  is 1 and a group at 0.125 has 0.5, where width alone would give 4 and 8."""
+  reference = getattr(groups[global_index].model, "width", 1.0)
+  relative = lambda model: getattr(model, "scaler", False) and hasattr(model, "scaler_of")
+  return tuple(dataclasses.replace(g, model=g.model.clone(scaler_of=reference)) if relative(g.model) else g
+               for g in groups)
+
+
 def _federations(groups: Sequence[ArchGroup], shapes: Sequence[Variables], maps: Sequence[SubmodelMap],
                  global_index: int, method: Method, config: FederationConfig,
                  store: FederatedStore) -> tuple[Federation, ...]:
@@ -146,6 +156,7 @@ class RoundSpec:
     sample = np.zeros((1,) + tuple(store.images.shape[1:]), np.float32)
     shapes = [variable_shapes(g.model, sample.shape[1:]) for g in groups]
     global_index = pick_global(shapes, [g.name for g in groups])
+    groups = _scalers_relative_to_global(groups, global_index)
     if compile_init:
       _init_program(groups[global_index].model).compile_beside(np.uint32(config.seed), sample)
     base_maps = tuple(method.submodel(shapes[global_index], s, g.name) for g, s in zip(groups, shapes))

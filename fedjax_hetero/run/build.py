@@ -62,10 +62,8 @@ def _check_stacked(config: RunConfig, method: Method) -> None:
 
 def _check_models(config: RunConfig, method: Method) -> None:
   """Every group's model takes the method's terms (their wrappers and cut points) and the low/high cut of
-  FedImpro and the dissimilarity metric; HeteroFL's Scaler divides by a group's width, its rate only if the
-  widest group has width 1."""
+  FedImpro and the dissimilarity metric."""
   specs = [(spec, *models.parse_group_spec(spec)) for spec in config.groups]
-  widest = max(width for _, _, width in specs)
   cut = config.method.fedimpro.cut
   for spec, name, width in specs:
     try:
@@ -79,11 +77,6 @@ def _check_models(config: RunConfig, method: Method) -> None:
         term_cuts(term, wrapped)
     except ValueError as e:
       raise ValueError(f"{declare.cli_name(RunConfig, 'groups')}, group {spec}: {e}") from None
-    if getattr(wrapped, "scaler", False) and widest != 1:
-      raise ValueError(f"{method.name}'s Scaler divides each group's outputs by its width, which is its rate of the "
-                       f"global model only when the widest group has width 1; the widest of "
-                       f"{declare.cli_name(RunConfig, 'groups')} is {widest:g} "
-                       "(add a width-1 group, or --no-heterofl-scaler)")
 
 
 # Where tensorflow-datasets downloads each dataset from, the first time it prepares it.

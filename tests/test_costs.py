@@ -24,7 +24,7 @@ from fedjax_hetero.rounds import costs
 from fedjax_hetero.run.jobs import run_together, runs_of
 from fedjax_hetero.run.runner import run_experiment
 from fedjax_hetero.server import ServerStep, apply_delta, mean_delta
-from tests.helpers import simulation, tiny_resnet, tiny_simulation
+from tests.helpers import simulation, tiny_federation, tiny_resnet, tiny_simulation
 from tests.test_custom_method import feddyn
 from tests.test_recovery import healthy, healthy_then_diverging  # noqa: F401 (a fixture)
 
@@ -102,6 +102,31 @@ def test_client_terms_uploads_and_shares_are_counted():
   assert exchanged["FedDyn"] == (model, model, ("dynamic",))
   assert exchanged["LabelCounts"] == (model, model + 4 * 4, ())  # 4 float32 counts
   assert exchanged["FedCross"] == (model, model, ("cross",))
+
+
+def test_an_upload_is_rebuilt_from_the_leaves_no_term_changes_in_the_update():
+  """FedFA's scaled kernels read only the parameters, which static BatchNorm leaves as the client computed them (it
+  sends zeros for the statistics): they are rebuilt, and FedFA sends what HeteroFL sends. An upload of the
+  parameters beside a term that halves every leaf of the update cannot be rebuilt, and counts."""
+  def static(method, **options):
+    models = [(f"resnet@{w}", tiny_resnet((1,), width=w)) for w in (1.0, 0.5)]
+    sim = simulation(method, models, tiny_federation(4, 48, 8, "iid"), LocalConfig(batch_size=16), "sequential",
+                     options, clients_per_round=4)
+    return costs.static_costs(sim.spec)["resnet@1.0"]
+
+  fedfa, heterofl, plain = static("FedFA", fedfa_static_bn=True), static("HeteroFL"), static("FedFA")
+  assert fedfa.bytes_up == heterofl.bytes_up < plain.bytes_up == plain.bytes_down
+  assert fedfa.derived_uploads == plain.derived_uploads != ()
+
+  halve = ClientTerm("halve", delta=lambda state, final, memory, share: jax.tree.map(lambda d: d / 2, final.delta))
+  params = ClientTerm("params", upload=Upload(lambda state, final, memory, share: final.variables["params"]))
+  read = ServerStep("read_params", lambda carry, state, inputs, plan: (carry, state), reads=(params,))
+  method = Method("HalvedWithParams", "tests", "", terms=(params, halve), server=(mean_delta(), read, apply_delta()))
+  halved = costs.static_costs(tiny_simulation(method, widths=(1.0,)).spec)["mlp@1.0"]
+  assert halved.derived_uploads == () and halved.bytes_up == 2 * halved.bytes_down
+  alone = Method("WithParams", "tests", "", terms=(params,), server=(mean_delta(), read, apply_delta()))
+  whole = costs.static_costs(tiny_simulation(alone, widths=(1.0,)).spec)["mlp@1.0"]
+  assert whole.derived_uploads == ("params",) and whole.bytes_up == whole.bytes_down
 
 
 def test_a_rounds_costs_are_its_clients_times_the_static_costs_and_carry_on():

@@ -11,8 +11,8 @@ Static costs (`GroupCost`) come from a built `RoundSpec` with nothing trained, o
   depends on nothing the client computed (HeteroFL's zeros in place of the statistics it drops); an upload
   that is a function of the client's final variables, its start and its update alone (FedCross's and FedGen's
   uploaded models, CluSamp's flattened update, FedFA's scaled kernels) is what the server rebuilds from the update
-  and the model it sent, so it is not counted (``derived_uploads`` names those terms; where a term changes the
-  update, FedNova's normalization, every upload counts);
+  and the model it sent, so it is not counted (``derived_uploads`` names those terms; an upload that reads
+  leaves a term changes in the update, as FedNova's normalization changes all of them, counts);
 - ``train_flops_per_example``: XLA's cost analysis of one local training step (forward, backward, the client
   terms and the optimizer update) of the lowered program at the run's batch size, divided by the batch size.
 
@@ -103,15 +103,35 @@ def used_inputs(fn: Any, *args: Any) -> list[bool]:
   return [v in live for v in jaxpr.invars]
 
 
+def _per_term(values: Any, count: int) -> tuple[Any, ...]:
+  return tuple(values) if values else ((),) * count  # (as `LocalTrainer.finish` reads them)
+
+
+def kept_update_leaves(trainer: Any, start: Any, share: Any, memory: Any, local: Any) -> list[bool]:
+  """Per leaf of the update, whether it is the client's own change (final variables minus start) as sent: no
+  term's ``delta`` replaces it (HeteroFL's static BatchNorm replaces only the statistics' leaves with zeros)."""
+  terms = getattr(trainer, "terms", ())
+
+  def update(local, memory, share, start, delta):
+    final = ClientFinal(start, local.variables, delta, local.num_steps)
+    for term, state, row, part in zip(terms, local.terms, _per_term(memory, len(terms)), _per_term(share, len(terms))):
+      if term.delta:
+        final = final._replace(delta=term.delta(state, final, row, part))
+    return final.delta
+
+  jaxpr = jax.make_jaxpr(update)(local, memory, share, start, start).jaxpr
+  given = jaxpr.invars[-len(jax.tree.leaves(start)):]
+  return [out is delta for out, delta in zip(jaxpr.outvars, given)]
+
+
 def derived_uploads(trainer: Any, start: Any, share: Any, memory: Any, local: Any) -> tuple[bool, ...]:
   """Per client term, whether its upload is a function of the client's final variables, start and update alone
-  (see the module docstring); all False where a term changes the update."""
+  (see the module docstring), reading of the variables and the update only leaves the update sends as the client
+  computed them (`kept_update_leaves`; FedNova's normalization changes every one)."""
   terms = getattr(trainer, "terms", ())
-  if any(t.delta for t in terms):
-    return (False,) * len(terms)
-  per_term = lambda values: tuple(values) if values else ((),) * len(terms)  # (as `LocalTrainer.finish` reads them)
+  kept = kept_update_leaves(trainer, start, share, memory, local)
   out = []
-  for term, state, row, part in zip(terms, local.terms, per_term(memory), per_term(share)):
+  for term, state, row, part in zip(terms, local.terms, _per_term(memory, len(terms)), _per_term(share, len(terms))):
     if term.upload is None:
       out.append(False)
       continue
@@ -119,7 +139,10 @@ def derived_uploads(trainer: Any, start: Any, share: Any, memory: Any, local: An
     value = lambda own, start, variables, delta, term=term: term.upload.value(
         own[0], ClientFinal(start, variables, delta, own[3]), own[1], own[2])
     used = used_inputs(value, own, start, start, start)
-    out.append(not any(used[:len(jax.tree.leaves(own))]))
+    mine, leaves = len(jax.tree.leaves(own)), len(kept)
+    variables, delta = used[mine + leaves:mine + 2 * leaves], used[mine + 2 * leaves:]
+    rebuilt = all(k or not (v or d) for k, v, d in zip(kept, variables, delta))
+    out.append(not any(used[:mine]) and rebuilt)
   return tuple(out)
 
 

@@ -126,8 +126,8 @@ def kept_update_leaves(trainer: Any, start: Any, share: Any, memory: Any, local:
 
 def derived_uploads(trainer: Any, start: Any, share: Any, memory: Any, local: Any) -> tuple[bool, ...]:
   """Per client term, whether its upload is a function of the client's final variables, start and update alone
-  (see the module docstring), reading of the variables and the update only leaves the update sends as the client
-  computed them (`kept_update_leaves`; FedNova's normalization changes every one)."""
+  (see the module docstring) and reads, of the variables and the update, only leaves that the update sends as the
+  client computed them (`kept_update_leaves`; FedNova's normalization changes every one)."""
   terms = getattr(trainer, "terms", ())
   kept = kept_update_leaves(trainer, start, share, memory, local)
   out = []

@@ -55,7 +55,7 @@ def assign_groups(num_clients: int, num_groups: int) -> list[np.ndarray]:
 def _scalers_relative_to_global(groups: tuple[ArchGroup, ...], global_index: int) -> tuple[ArchGroup, ...]:
   """Each model with HeteroFL's Scaler on divides by its rate of the global model, its width over the global
   model's (the authors' ``model_rate / global_model_rate``): with a widest group at width 0.25, that group's rate
-  is 1 and a group at 0.125 has 0.5, where width alone would give 4 and 8."""
+  is 1 and a group at 0.125 has 0.5, where the widths alone (0.25, 0.125) would scale outputs by 4 and 8."""
   reference = getattr(groups[global_index].model, "width", 1.0)
   relative = lambda model: getattr(model, "scaler", False) and hasattr(model, "scaler_of")
   return tuple(dataclasses.replace(g, model=g.model.clone(scaler_of=reference)) if relative(g.model) else g

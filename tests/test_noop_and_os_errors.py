@@ -211,7 +211,7 @@ def test_static_batch_norm_settings_warn_where_no_model_has_batch_norm():
 
   def warnings(**flags):
     logs = []
-    preflight._warn_static_bn_without_batch_norm(RunConfig.from_flags(**flags), (28, 28, 1), logs.append)
+    preflight._warn_static_bn_without_batch_norm(RunConfig.from_flags(**flags), (28, 28, 1), 10, logs.append)
     return logs
 
   assert warnings(method="HeteroFL", groups=("cnn@1", "mlp@0.5"), heterofl_bn_samples=64) == [

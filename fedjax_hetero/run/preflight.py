@@ -166,16 +166,17 @@ def check_fit(config: Any, dataset: Any, parts: Sequence[np.ndarray], log: Calla
   """The data-dependent checks (see the module docstring); ValueError naming the flag, before anything is built."""
   _check_images(config, tuple(dataset.image_shape))
   _warn_collapsed_layers(config, tuple(dataset.image_shape), dataset.num_classes, log)
-  _warn_static_bn_without_batch_norm(config, tuple(dataset.image_shape), log)
+  _warn_static_bn_without_batch_norm(config, tuple(dataset.image_shape), dataset.num_classes, log)
   _check_batches(config, np.array([len(p) for p in parts], np.int64), log)
 
 
-def _warn_static_bn_without_batch_norm(config: Any, image_shape: tuple[int, ...], log: Callable[[str], None]) -> None:
+def _warn_static_bn_without_batch_norm(config: Any, image_shape: tuple[int, ...], num_classes: int,
+                                       log: Callable[[str], None]) -> None:
   """Static BatchNorm settings changed from their defaults where no group's model has BatchNorm (the MLP, the
   CNN): they change nothing, said as a warning (a preset may set them for the ResNets it usually runs)."""
   flat, defaults = flatten(config), flatten(type(config)())
   changed = [path for path in STATIC_BN_SETTINGS if flat[path] != defaults[path]]
-  if not changed or any(_has_batch_norm(spec, image_shape) for spec in config.groups):
+  if not changed or any(_has_batch_norm(spec, image_shape, num_classes) for spec in config.groups):
     return
   given = lambda path, value: (cli_flag(path) if value is True else "--no-" + cli_flag(path)[2:] if value is False
                                else f"{cli_flag(path)} {value}")
@@ -183,6 +184,6 @@ def _warn_static_bn_without_batch_norm(config: Any, image_shape: tuple[int, ...]
   log(f"warning: {flags}: no group's model has BatchNorm ({', '.join(config.groups)}), so static BN changes nothing")
 
 
-def _has_batch_norm(spec: str, image_shape: tuple[int, ...]) -> bool:
+def _has_batch_norm(spec: str, image_shape: tuple[int, ...], num_classes: int) -> bool:
   name, width = models.parse_group_spec(spec)
-  return "batch_stats" in models.variable_shapes(models.build_model(name, 10, width), image_shape)
+  return "batch_stats" in models.variable_shapes(models.build_model(name, num_classes, width), image_shape)

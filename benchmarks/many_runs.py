@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--clients-per-round", type=int, default=None,
                  help=f"(default: {ACCELERATOR['clients_per_round']}; on a CPU {CPU['clients_per_round']})")
   p.add_argument("--max-train-samples", type=int, default=None,
-                 help=f"class-balanced training subset (default: all; on a CPU {CPU['max_train_samples']})")
+                 help=f"class-balanced training subset, 0 for all (default: all; on a CPU "
+                 f"{CPU['max_train_samples']})")
   p.add_argument("--data-dir", default=None, help="directory holding the Fashion-MNIST IDX files")
   p.add_argument("--no-alone", action="store_true", help="skip the R=1 run without the runs axis")
   p.add_argument("--smoke", action="store_true", help="tiny MLPs on synthetic data, R = 1, 2")
@@ -126,8 +127,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   args = build_parser().parse_args(argv)
   sizes = SMOKE if args.smoke else CPU if jax.default_backend() == "cpu" else ACCELERATOR
   for name, value in sizes.items():
-    if getattr(args, name) is None or (args.smoke and name != "runs"):
+    if getattr(args, name) is None or (args.smoke and name not in ("runs", "max_train_samples")):
       setattr(args, name, value)
+  args.max_train_samples = args.max_train_samples or None  # (0: all)
   from fedjax_hetero import data as fdata
   dataset = (fdata.synthetic_dataset(num_train=160, num_test=32, seed=0) if args.smoke
              else fdata.load_dataset("fashion_mnist", args.data_dir))

@@ -388,9 +388,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
       _log(f"{side}: wall {row['wall_s']:.1f} s, first round {row['first_round_s']:.1f} s"
            + (f", {speed:.0f} samples/s after it" if speed else "") + f", accuracy {row['test_accuracy']}")
       rows.append(row)
+      emit_json_lines([row])
   if len(sides) == 2:
     rows.append(summarize(rows))
-  emit_json_lines(rows, args.output)
+    emit_json_lines(rows[-1:])
+  emit_json_lines(rows, args.output, echo=False)
   return rows
 
 

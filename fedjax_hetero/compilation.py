@@ -313,6 +313,10 @@ def compile_beside(jitted: Any, *args) -> concurrent.futures.Future:
   return compiling
 
 
+# Shapes of the data and the cohort whose chunk programs a `ChunkPrograms` keeps compiled.
+CHUNK_SHAPES_KEPT = 4
+
+
 class ChunkPrograms:
   """A group's jitted chunk of ``count`` unrolled steps, compiled for every chunk length the schedule can
   use (`LocalConfig.chunk_lengths`) when the first chunk runs (or earlier, from `compile_jobs`), side by
@@ -322,7 +326,8 @@ class ChunkPrograms:
   tail would), and XLA compiles the programs on several cores at the same time. The executables are kept per
   shape of the data and the cohort (images, labels, ids, mask): two simulations of one structure share this
   object through `program_cache`, and a second one with more clients per round, or a larger store, compiles
-  its own rather than calling programs compiled for the first one's shapes.
+  its own rather than calling programs compiled for the first one's shapes. The programs of the
+  `CHUNK_SHAPES_KEPT` shapes compiled last are kept (a sweep over cohort sizes would hold them all).
   """
 
   def __init__(self, run_steps, lengths: tuple[int, ...]):
@@ -334,7 +339,10 @@ class ChunkPrograms:
 
   def compile_jobs(self, state, images, labels, ids, mask) -> list[Callable[[], None]]:
     """One job per chunk length (arguments may be shapes, e.g. from `jax.eval_shape`)."""
-    programs = self._compiled.setdefault(_shapes(images, labels, ids, mask), {})
+    key = _shapes(images, labels, ids, mask)
+    programs = self._compiled[key] = self._compiled.pop(key, {})  # (now the newest)
+    for older in list(self._compiled)[:-CHUNK_SHAPES_KEPT]:
+      del self._compiled[older]
 
     def job(n: int):
       def run():

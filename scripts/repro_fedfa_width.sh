@@ -10,8 +10,8 @@ cd "$(dirname "$0")/.."
 OUT=${1:-runs/repro/fedfa}
 WIDTH=(--groups resnet18@0.125,resnet18@0.0625)
 WIDTH_DEPTH=(--groups resnet26@0.125,resnet18@0.0625)
-# HeteroFL's Scaler divides by a group's width of the full model (refused when the widest group is not 1); in these
-# ResNets a BatchNorm follows every scaled convolution, so in training it changes only BatchNorm's epsilon term.
+# HeteroFL's Scaler divides by a group's rate of the global model; in these ResNets a BatchNorm follows every
+# scaled convolution, so in training it changes only BatchNorm's epsilon term.
 NO_SCALER=(--no-heterofl-scaler)
 source scripts/resumable_run.sh
 run() { resumable_run fedfa-cpu "$OUT" "$@"; }

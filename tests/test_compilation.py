@@ -240,3 +240,18 @@ def test_counting_correct_predictions_compiles_only_its_batch_programs():
   assert log.names == ["jit(<lambda>)", "jit(<lambda>)"], log.names  # two full batches' program, the remainder's
   want = int(np.sum(np.argmax(model.apply(variables, images), -1) == labels))
   assert count == want
+
+
+def test_chunk_programs_compile_per_shape_and_keep_the_newest():
+  """Executables are kept per shape of the data and the cohort (a second simulation of one structure with other
+  shapes compiles its own), the `CHUNK_SHAPES_KEPT` newest of them."""
+  from fedjax_hetero.compilation import CHUNK_SHAPES_KEPT, ChunkPrograms
+  chunks = ChunkPrograms(jax.jit(lambda s, images, labels, ids, mask, offset, n: s + n * images.sum() + offset,
+                                 static_argnums=6), (1, 2))
+  for size in range(1, CHUNK_SHAPES_KEPT + 3):
+    images = np.ones((size, 2), np.float32)
+    args = (images, np.zeros(size, np.int32), np.zeros((3, 2), np.int32), np.ones((3, 2), bool))
+    assert not chunks.compiled_for(*args)
+    assert float(chunks(np.float32(1), *args, 5, 2)) == 1 + 2 * 2 * size + 5
+    assert chunks.compiled_for(*args)
+  assert len(chunks._compiled) == CHUNK_SHAPES_KEPT

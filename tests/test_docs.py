@@ -151,7 +151,7 @@ ARGPARSE_MAINS = {"experiments.compare", "experiments.analyze", "experiments.lau
                   "benchmarks.method_overhead", "benchmarks.peer_torch", "benchmarks.scaling",
                   "benchmarks.layer_profile", "benchmarks.program_size", "benchmarks.depth_union",
                   "benchmarks.client_conv", "benchmarks.cost_overhead", "benchmarks.startup",
-                  "benchmarks.device_profile"}
+                  "benchmarks.device_profile", "benchmarks.step_modes"}
 
 
 def check_module(name: str, argv: list[str]) -> None:
@@ -163,9 +163,6 @@ def check_module(name: str, argv: list[str]) -> None:
       inner = [a for a in args.command if a != "--"]
       if inner:
         check_module(inner[0], inner[1:])
-  elif name == "benchmarks.step_modes":  # MODEL WIDTH BATCH STEPS
-    model, width, batch, steps = argv
-    float(width), int(batch), int(steps)
   elif name == "tests.golden":
     assert set(argv) <= {"--missing"}, argv
   elif name == "pytest":

@@ -65,6 +65,18 @@ def test_scaler_divides_by_the_width_relative_to_the_global_models():
     np.testing.assert_allclose(model.apply(variables, x, train=True), hidden @ p["head"]["kernel"] + p["head"]["bias"],
                                rtol=1e-5, atol=1e-6)
   assert all(not g.model.scaler for g in tiny_simulation("HeteroAvg", "sequential", (0.5, 0.25), 3).spec.groups)
+  # Through a term's wrapper (MOON's projection head keeps the model as ``base``): the same rates.
+  from fedjax_hetero.methods.moon import model_contrastive
+  wrapped = tiny_simulation(build_method("HeteroFL").with_terms(model_contrastive(1.0, 0.5)), "sequential",
+                            (0.5, 0.25), 3)
+  assert {g.model.base.width: g.model.base.scaler_of for g in wrapped.spec.groups} == {0.5: 0.5, 0.25: 0.5}
+  # The driver builds such a run (it refused a widest group below width 1).
+  from fedjax_hetero.config import RunConfig
+  from fedjax_hetero.run.build import build_simulation
+  config = RunConfig.from_flags(dataset="synthetic", groups=("mlp@0.5", "mlp@0.25"), method="HeteroFL", num_clients=4,
+                                clients_per_round=2, rounds=1, progress=False, dissimilarity=False)
+  built, _ = build_simulation(config, log=lambda _: None)
+  assert [(g.model.scaler, g.model.scaler_of) for g in built.spec.groups] == [(True, 0.5), (True, 0.5)]
 
 
 @pytest.mark.slow

@@ -34,15 +34,16 @@ from fedjax_hetero.models.evaluation import EVAL_BATCH, batch_norm_statistics
 
 
 def _with_scaler(model: nn.Module) -> nn.Module:
-  if "scaler" not in {f.name for f in dataclasses.fields(model)}:
-    raise ValueError(f"HeteroFL's Scaler needs a model with a `scaler` attribute (MLP, CNN, ResNet); "
-                     f"{type(model).__name__} has none (--no-heterofl-scaler)")
+  if not {"scaler", "scaler_of"} <= {f.name for f in dataclasses.fields(model)}:
+    raise ValueError(f"HeteroFL's Scaler needs a model with `scaler` and `scaler_of` attributes (MLP, CNN, "
+                     f"ResNet); {type(model).__name__} has not both (--no-heterofl-scaler)")
   return model.clone(scaler=True)
 
 
 def scaler() -> ClientTerm:
-  """HeteroFL's Scaler (Sec. 3): every group's model divides its hidden layers' outputs by its width
-  rate (the model's ``width``; 1 for the full model) in training, and is unchanged at evaluation."""
+  """HeteroFL's Scaler (Sec. 3): every group's model divides its hidden layers' outputs by its rate in training,
+  its width over the global model's (``width / scaler_of``; `RoundSpec.build` sets ``scaler_of``, so the global
+  model's rate is 1), and is unchanged at evaluation."""
   return ClientTerm("scaler", wrap_model=_with_scaler)
 
 

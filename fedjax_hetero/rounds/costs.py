@@ -121,6 +121,8 @@ def kept_update_leaves(trainer: Any, start: Any, share: Any, memory: Any, local:
 
   jaxpr = jax.make_jaxpr(update)(local, memory, share, start, start).jaxpr
   given = jaxpr.invars[-len(jax.tree.leaves(start)):]
+  if len(jaxpr.outvars) != len(given):  # a term's delta of another structure: nothing is sent as computed
+    return [False] * len(given)
   return [out is delta for out, delta in zip(jaxpr.outvars, given)]
 
 
@@ -139,7 +141,7 @@ def derived_uploads(trainer: Any, start: Any, share: Any, memory: Any, local: An
     value = lambda own, start, variables, delta, term=term: term.upload.value(
         own[0], ClientFinal(start, variables, delta, own[3]), own[1], own[2])
     used = used_inputs(value, own, start, start, start)
-    mine, leaves = len(jax.tree.leaves(own)), len(kept)
+    mine, leaves = len(jax.tree.leaves(own)), len(jax.tree.leaves(start))
     variables, delta = used[mine + leaves:mine + 2 * leaves], used[mine + 2 * leaves:]
     rebuilt = all(k or not (v or d) for k, v, d in zip(kept, variables, delta))
     out.append(not any(used[:mine]) and rebuilt)

@@ -56,10 +56,16 @@ def _scalers_relative_to_global(groups: tuple[ArchGroup, ...], global_index: int
   """Each model with HeteroFL's Scaler on divides by its rate of the global model, its width over the global
   model's (the authors' ``model_rate / global_model_rate``): with a widest group at width 0.25, that group's rate
   is 1 and a group at 0.125 has 0.5, where the widths alone (0.25, 0.125) would scale outputs by 4 and 8."""
-  reference = getattr(groups[global_index].model, "width", 1.0)
-  relative = lambda model: getattr(model, "scaler", False) and hasattr(model, "scaler_of")
-  return tuple(dataclasses.replace(g, model=g.model.clone(scaler_of=reference)) if relative(g.model) else g
-               for g in groups)
+  def inner(model):  # through a term's wrapper (MOON's projection head keeps the model it wraps as ``base``)
+    return inner(model.base) if isinstance(getattr(model, "base", None), nn.Module) else model
+
+  def relative(model, reference):
+    if isinstance(getattr(model, "base", None), nn.Module):
+      return model.clone(base=relative(model.base, reference))
+    return model.clone(scaler_of=reference) if getattr(model, "scaler", False) else model
+
+  reference = getattr(inner(groups[global_index].model), "width", 1.0)
+  return tuple(dataclasses.replace(g, model=relative(g.model, reference)) for g in groups)
 
 
 def _federations(groups: Sequence[ArchGroup], shapes: Sequence[Variables], maps: Sequence[SubmodelMap],

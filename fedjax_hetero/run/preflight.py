@@ -5,7 +5,8 @@
 (`ACTS_ONLY_WITH`: ``--alpha`` without the Dirichlet partition, ``--momentum`` with Adam, ...). `check_fit` needs
 the loaded data and the partition (before the store and the models are built): images too small for a group's
 model, a batch larger than every client (every batch padded to it, for the same result: refused above twice the
-largest client, a warning below), and clients that take no local step. Each error names the flag.
+largest client, a warning below), clients that take no local step, and warnings for a width that leaves a layer a
+single unit and for static BatchNorm settings over models without BatchNorm. Each error names the flag.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@
 For every convolution of the model (found by intercepting the Flax model's `nn.Conv` calls on a batch of
 28x28x1 inputs), times its forward and backward pass alone: in jax (one jitted program, NHWC), both as
 XLA's convolution (`lax.conv_general_dilated`, `xla_conv_ms`) and as the model runs it
-(`models.common.convolution`, `jax_ms`: one matrix product on tiny maps), and in PyTorch (`F.conv2d` and `backward`, NCHW, oneDNN), back to back
-per layer so that the shared machine's speed changes hit both sides alike. Then times one whole Adam
+(`models.common.convolution`, `jax_ms`: one matrix product on tiny maps), and in PyTorch (`F.conv2d` and
+`backward`, NCHW, oneDNN), back to back per layer so that the shared machine's speed changes hit both sides
+alike. Then times one whole Adam
 training step of the same model in both (ours: `LocalTrainer.run_steps`, theirs: the peer benchmark's
 torch ResNet). The step time minus the convolutions' sum is what the rest costs (BatchNorm, ReLU,
 pooling, the optimizer, dispatch). Prints one JSON line per layer and a summary line.

@@ -333,9 +333,13 @@ class ChunkPrograms:
   def __init__(self, run_steps, lengths: tuple[int, ...]):
     self._jitted, self._lengths, self._compiled = run_steps, lengths, {}
 
-  def compiled_for(self, images, labels, ids, mask) -> bool:
-    """Whether every chunk length is compiled for these shapes (arrays or `jax.ShapeDtypeStruct`)."""
-    return len(self._compiled.get(_shapes(images, labels, ids, mask), {})) == len(self._lengths)
+  def compiled_for(self, images, labels, ids=None, mask=None) -> bool:
+    """Whether every chunk length is compiled for these shapes (arrays or `jax.ShapeDtypeStruct`); without ``ids``
+    and ``mask``, for some cohort's (a caller whose cohort shapes are fixed, the sequential backend's one client,
+    asks so without tracing them)."""
+    data, cohort = _shapes(images, labels), None if ids is None else _shapes(ids, mask)
+    return any(key[:2] == data and cohort in (None, key[2:]) and len(programs) == len(self._lengths)
+               for key, programs in self._compiled.items())
 
   def compile_jobs(self, state, images, labels, ids, mask) -> list[Callable[[], None]]:
     """One job per chunk length (arguments may be shapes, e.g. from `jax.eval_shape`)."""

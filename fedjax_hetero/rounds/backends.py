@@ -187,9 +187,9 @@ class SequentialBackend:
     summed, stacked = by_reduction(result.uploads, trainer.reductions)
     result = result._replace(uploads=summed)
     client_args = lambda client: (store.index_table, np.int32(client), np.int32(store.sizes[client]), round_key)
-    first_args = (first_start, *client_args(clients[0]), first_row, server, input_row(0))
-    state, ids, mask = jax.eval_shape(start_client, *first_args)
-    if not run_steps.compiled_for(store.images, store.labels, ids, mask):  # first round: compile side by side
+    if not run_steps.compiled_for(store.images, store.labels):  # the first round: compile side by side
+      first_args = (first_start, *client_args(clients[0]), first_row, server, input_row(0))
+      state, ids, mask = jax.eval_shape(start_client, *first_args)
       compile_side_by_side([lambda: start_client.lower(*first_args).compile(),
                             lambda: accumulate.lower(result, state, first_start, first_row, server,
                                                      np.float32(0)).compile(),

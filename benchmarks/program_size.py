@@ -194,10 +194,12 @@ def lowered_elsewhere(sim: Any, traced: Any, platform: str) -> dict[str, int]:
   import jax
   import numpy as np
 
+  from fedjax_hetero.rounds.spec import initialization
+
   spec = sim.spec
   model = spec.groups[spec.global_index].model
   sample = np.zeros((1,) + tuple(spec.store.images.shape[1:]), np.float32)
-  initialize = jax.jit(lambda seed, x: model.init(jax.random.key(seed), x)).trace(np.uint32(0), sample)
+  initialize = jax.jit(initialization(model)).trace(np.uint32(0), sample)
   (ops, threefry), (init_ops, init_threefry) = (
       lowered_ops(t.lower(lowering_platforms=(platform,)).as_text()) for t in (traced, initialize))
   return {"lowered_for": platform, "lowered_ops": ops, "lowered_threefry_ops": threefry,

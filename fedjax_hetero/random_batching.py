@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import warnings
 from typing import Any, Callable, Iterator
 
 import jax
@@ -142,26 +143,47 @@ def batch_random_draws(fun: Callable[..., Any]) -> Callable[..., Any]:
 
   @functools.wraps(fun)  # (the program keeps ``fun``'s name)
   def batched(*args):
-    closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
-    inputs, eqns, outputs, consts = _flatten(closed)
-    eqns = _needed(eqns, outputs)
-    env: dict[_Slot, Any] = {**consts, **dict(zip(inputs, jax.tree.leaves(args)))}
-    read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]  # noqa: E731
-    ready = lambda e: e.outs[0] not in env and all(isinstance(v, jex.Literal) or v in env for v in e.ins)  # noqa: E731
-    kinds: dict[tuple[Any, ...], list[_Eqn]] = collections.defaultdict(list)
-    for e in eqns:
-      if e.eqn.primitive.name in BATCHED_PRIMITIVES:
-        kinds[_kind(e)].append(e)
-    for e in eqns:
-      if e.outs[0] in env:  # (made together with an earlier draw)
-        continue
-      alike = ([d for d in kinds[_kind(e)] if ready(d)]
-               if e.eqn.primitive.name in BATCHED_PRIMITIVES and _threefry(read(e.ins[0])) else [])
-      if len(alike) > 1:
-        env.update(_together(alike, read))
-      else:
-        made = _bind(e.eqn, [read(v) for v in e.ins])
-        env.update(zip(e.outs, made if e.eqn.primitive.multiple_results else [made]))
-    return jax.tree.unflatten(jax.tree.structure(out_shape), [read(v) for v in outputs])
+    closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)  # (``fun``'s own errors raise here)
+    try:
+      outputs = _evaluate(closed, jax.tree.leaves(args))
+    except Exception as error:  # noqa: BLE001 (jax internals of another version: the draws are made one by one)
+      _warn_once(error)
+      return fun(*args)
+    return jax.tree.unflatten(jax.tree.structure(out_shape), outputs)
 
   return batched
+
+
+def _evaluate(closed: jex.ClosedJaxpr, args: list[Any]) -> list[Any]:
+  """``closed``'s outputs for ``args``, its alike draws that are ready together made together."""
+  inputs, eqns, outputs, consts = _flatten(closed)
+  eqns = _needed(eqns, outputs)
+  env: dict[_Slot, Any] = {**consts, **dict(zip(inputs, args))}
+  read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]  # noqa: E731
+  ready = lambda e: e.outs[0] not in env and all(isinstance(v, jex.Literal) or v in env for v in e.ins)  # noqa: E731
+  kinds: dict[tuple[Any, ...], list[_Eqn]] = collections.defaultdict(list)
+  for e in eqns:
+    if e.eqn.primitive.name in BATCHED_PRIMITIVES:
+      kinds[_kind(e)].append(e)
+  for e in eqns:
+    if e.outs[0] in env:  # (made together with an earlier draw)
+      continue
+    alike = ([d for d in kinds[_kind(e)] if ready(d)]
+             if e.eqn.primitive.name in BATCHED_PRIMITIVES and _threefry(read(e.ins[0])) else [])
+    if len(alike) > 1:
+      env.update(_together(alike, read))
+    else:
+      made = _bind(e.eqn, [read(v) for v in e.ins])
+      env.update(zip(e.outs, made if e.eqn.primitive.multiple_results else [made]))
+  return [read(v) for v in outputs]
+
+
+_warned: list[str] = []  # (once a process)
+
+
+def _warn_once(error: Exception) -> None:
+  if not _warned:
+    _warned.append(f"{type(error).__name__}: {error}")
+    warnings.warn(f"fedjax_hetero.random_batching: this jax's programs could not be re-evaluated ({_warned[0]}); "
+                  "the random draws are made one by one (the same values, a larger program)", RuntimeWarning,
+                  stacklevel=3)

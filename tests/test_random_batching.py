@@ -81,3 +81,17 @@ def test_what_the_outputs_do_not_read_is_not_computed_and_a_traced_argument_pass
   assert _same(jax.jit(fun)(key, 2.0), jax.jit(batched)(key, 2.0))
   assert _draws(batched, key, 2.0) == 1
   assert jax.grad(lambda x: batched(key, x)[1])(3.0) == 1.0
+
+
+def test_where_jax_internals_differ_the_draws_are_made_one_by_one_with_a_warning(monkeypatch):
+  from fedjax_hetero import random_batching
+
+  def unreadable(closed):
+    raise KeyError("a jax whose programs read otherwise")
+
+  monkeypatch.setattr(random_batching, "_flatten", unreadable)
+  monkeypatch.setattr(random_batching, "_warned", [])
+  key = jax.random.key(1)
+  with pytest.warns(RuntimeWarning, match="made one by one"):
+    values = jax.jit(batch_random_draws(_mixed))(key)
+  assert _same(values, jax.jit(_mixed)(key))

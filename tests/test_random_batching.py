@@ -29,7 +29,7 @@ def _draws(fun, *args) -> int:
   return count(jax.make_jaxpr(fun)(*args).jaxpr)
 
 
-@pytest.mark.parametrize("name, width", [("mlp", 1.0), ("cnn", 0.5), ("resnet10", 0.25), ("resnet26", 0.125),
+@pytest.mark.parametrize("name, width", [("mlp", 1.0), ("cnn", 0.5), ("resnet26", 0.125),
                                          ("resnet18_cifar", 0.125), ("resnet20_preact", 0.25), ("vgg16", 0.125),
                                          ("vit", 0.25)])
 def test_a_models_initialization_is_model_inits_values_from_fewer_draws(name, width):
@@ -95,3 +95,8 @@ def test_where_jax_internals_differ_the_draws_are_made_one_by_one_with_a_warning
   with pytest.warns(RuntimeWarning, match="made one by one"):
     values = jax.jit(batch_random_draws(_mixed))(key)
   assert _same(values, jax.jit(_mixed)(key))
+
+
+def test_under_vmap_each_key_gets_what_it_gets_alone():
+  keys = jax.random.split(jax.random.key(5), 3)
+  assert _same(jax.jit(jax.vmap(_mixed))(keys), jax.jit(jax.vmap(batch_random_draws(_mixed)))(keys))

@@ -10,7 +10,9 @@ by phase, one JSON line:
 * ``setup_s``: `runner.prepare` until the initial state is ready: data, checks, the simulation, the initialization
   (the results folder's partition plot goes on beside it);
 * ``first_call_s``: the first call of ``--rounds-per-call`` rounds, with its program's tracing, lowering and
-  compilation (and the run's cost accounting started while it compiles, `costs.InBackground`);
+  compilation (and the run's cost accounting started while it compiles, `costs.InBackground`); a device
+  program's run starts them during the setup (`Simulation.compile_first_call_beside`), and its first call waits
+  for what is left;
 * ``costs_wait_s``: how long the cost accounting then still took;
 * ``second_call_s``: the next call, compiled: what a call costs at speed.
 

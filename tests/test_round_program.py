@@ -241,3 +241,23 @@ def test_runner_stops_a_diverging_round_program_at_the_call_and_keeps_the_good_c
   with pytest.raises(DivergenceError, match=r"^round 3: training loss of group (mlp@1|mlp@0\.5) is nan"):
     run_experiment(good.replace(rounds=4, resume=True, learning_rate=1e30), dataset, log=quiet)
   assert [r["round"] for r in read_rows(tmp_path)] == [1, 2], "no row of the diverged call"
+
+
+def test_a_fresh_runs_first_call_compiles_beside_its_setup_and_once(tmp_path):
+  """`runner.prepare` starts the first call's program compiling from the server state's shapes while the rest of
+  the setup runs; the first call finds it compiled, and the rows are a run's whose first call compiles it."""
+  from fedjax_hetero import compilation
+  from fedjax_hetero.run import runner
+  from tests.test_runner import quiet, read_rows
+  dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
+  beside, plain = runner_config(tmp_path / "beside", rounds=2), runner_config(tmp_path / "plain", rounds=2)
+  with compilation.CompileLog() as log:
+    run = runner.prepare(beside, dataset, quiet, runner.run_method(beside))
+    run.sim._compiling["first call"].result()
+  assert log.names.count("jit(call)") == 1, log.names
+  with compilation.CompileLog() as log:
+    run.train()
+  assert "jit(call)" not in log.names, log.names
+  runner.open_run(runner.plan(plain, dataset, quiet, runner.run_method(plain)), quiet).train()
+  strip = lambda rows: [{k: v for k, v in r.items() if k not in ("round_seconds", "samples_per_s")} for r in rows]
+  assert strip(read_rows(tmp_path / "beside")) == strip(read_rows(tmp_path / "plain"))

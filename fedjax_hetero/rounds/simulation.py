@@ -228,6 +228,9 @@ class Simulation:
       raise ValueError(f"a round of {spec.method.name} has {most} participants; the union mapping holds "
                        f"--clients-per-round ({capacity}): use --round-program fused")
     if in_program:
+      first_call = self._compiling.pop("first call", None)
+      if first_call is not None:
+        first_call.result()  # (`compile_first_call_beside`'s: this call's program is then compiled, or it failed)
       data, program = RoundData.of(spec, self.cohorts.arguments()), self.program(call.statics)
       pieces, beside = call.pieces(evaluate), [while_compiling] if while_compiling else []
       if any(call.first + end in evaluate for _, end in pieces):
@@ -262,6 +265,28 @@ class Simulation:
       per_round.append(jax.device_get(outputs._replace(correct=counted, client_correct=clients)))
       t0 = time.perf_counter()
     return state, per_round, seconds
+
+  def compile_first_call_beside(self, while_compiling: Callable[[], Any] | None = None) -> None:
+    """A fresh run's first call's program traced, lowered and compiled on a thread of its own, from the server
+    state's shapes (`RoundSpec.state_shapes`), beside the rest of the caller's setup (the initialization's compile,
+    the results folder): the first `run_call` from round 0 finds it compiled. ``while_compiling`` starts there once
+    the program is lowered, as `run_call`'s does. The host loop's programs compile in its first round as before."""
+    if not self.cohorts.in_program or "first call" in self._compiling:
+      return
+
+    def compile_program() -> None:
+      spec = self.spec
+      sampler = spec.method.sampler.init(spec.sampling) if spec.method.sampler.init else ()
+      state = spec.state_shapes._replace(round=0, sampler=sampler)
+      slots = [self.cohorts.slots(spec, g) for g in range(len(spec.groups))]
+      call = plan_call(spec, state, 1, (), slots, self.rounds_per_call)
+      self._compile_traced((state.models, state.steps), state.memory, call.inputs, np.int32(1),
+                           RoundData.of(spec, self.cohorts.arguments()), program=self.program(call.statics),
+                           beside=[while_compiling] if while_compiling else [])
+
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fedjax_hetero-first-call")
+    self._compiling["first call"] = pool.submit(compile_program)
+    pool.shutdown(wait=False)
 
   def _compile_traced(self, *args, program: Any, beside: Sequence[Callable[[], Any]]) -> None:
     """``program``'s first call for ``args`` traced and lowered here, then compiled while the work ``beside`` starts

@@ -23,8 +23,7 @@ from typing import Any, Callable
 
 import jax
 
-from fedjax_hetero import distributed
-from fedjax_hetero import data as fdata
+from fedjax_hetero import data as fdata, distributed
 from fedjax_hetero.config import RunConfig, as_dict
 from fedjax_hetero.methods import Method, build_method
 from fedjax_hetero.rounds import ServerState, Simulation, costs
@@ -104,9 +103,9 @@ def method_for(config: RunConfig, method: Method) -> Method:
 
 
 def prepare(config: RunConfig, dataset: fdata.ArrayDataset | None, log: Log, method: Method) -> "_Run":
-  """A run ready to train (its folder prepared, its state restored on --resume), of ``method`` as `run_method`
-  made it; the caller holds the folder's lock and has run the preflight checks (`run_experiment`)."""
-  return open_run(plan(config, dataset, log, method), log)
+  """A run of ``method`` (`run_method`'s) ready to train: folder prepared, state restored on --resume, a fresh run's
+  first call compiling (`Simulation.compile_first_call_beside`); the caller holds the lock, ran the preflight."""
+  return open_run(plan(config, dataset, log, method), log, first_call_beside=True)
 
 
 def plan(config: RunConfig, dataset: fdata.ArrayDataset | None, log: Log, method: Method) -> Planned:
@@ -120,8 +119,8 @@ def plan(config: RunConfig, dataset: fdata.ArrayDataset | None, log: Log, method
   return Planned(config, history, changed, method, sim, parts, data)
 
 
-def open_run(planned: Planned, log: Log) -> "_Run":
-  """The planned run's folder prepared and its state restored on --resume."""
+def open_run(planned: Planned, log: Log, first_call_beside: bool = False) -> "_Run":
+  """The planned run's folder prepared, its state restored on --resume (``first_call_beside``: `prepare`'s)."""
   main = distributed.is_main_process()
   log, config = log if main else _quiet, planned.config
   distributed.barrier("fedjax_hetero.run.runner: settings read")  # before process 0 changes the folder
@@ -130,6 +129,8 @@ def open_run(planned: Planned, log: Log) -> "_Run":
     results_folder.record_data(config, planned.data)
   partition = write_partition(planned.sim, planned.parts, config.output.dir, main, config.output.resume)
   run = _Run(config, log, planned.method, planned.sim, planned.history, main, partition)
+  if first_call_beside and not config.output.resume and config.rounds:
+    planned.sim.compile_first_call_beside(run.static_costs.start)
   run.begin(planned.sim.init_state(), planned.changed)
   return run
 
@@ -142,10 +143,9 @@ class _Run:
                main: bool, partition: concurrent.futures.Future):
     self.config, self.log, self.method, self.sim = config, log, method, sim  # (the method before `with_run_settings`)
     self.history, self.main, self.out, self.partition = history, main, config.output.dir, partition  # (being written)
-    self.metrics_path = os.path.join(self.out, "metrics.jsonl")
+    self.metrics_path, self.wall_start = os.path.join(self.out, "metrics.jsonl"), 0.0
     self.rows: list[dict[str, Any]] = []
     self.state: ServerState | None = None
-    self.wall_start = 0.0
     self.stopped_after: dict[str, Any] | None = None  # where --stop-after ended this process's training
     self.kept_summary: dict[str, Any] | None = None  # a finished run's summary, kept by a resume that adds nothing
     self.reporter = Reporter(config, sim.spec.method.name, log, main)

@@ -29,9 +29,9 @@ def _draws(fun, *args) -> int:
   return count(jax.make_jaxpr(fun)(*args).jaxpr)
 
 
-@pytest.mark.parametrize("name, width", [("mlp", 1.0), ("cnn", 0.5), ("resnet26", 0.125),
-                                         ("resnet18_cifar", 0.125), ("resnet20_preact", 0.25), ("vgg16", 0.125),
-                                         ("vit", 0.25)])
+@pytest.mark.parametrize("name, width", [("mlp", 1.0), ("cnn", 0.5), ("resnet26", 0.125)] + [
+    pytest.param(*model, marks=pytest.mark.slow)
+    for model in (("resnet18_cifar", 0.125), ("resnet20_preact", 0.25), ("vgg16", 0.125), ("vit", 0.25))])
 def test_a_models_initialization_is_model_inits_values_from_fewer_draws(name, width):
   model = models.build_model(name, num_classes=10, width=width)
   shape = (1, 32, 32, 3) if name in ("resnet18_cifar", "resnet20_preact", "vgg16", "vit") else (1, 28, 28, 1)

@@ -97,12 +97,23 @@ def _threefry(key) -> bool:
   return str(jax.random.key_impl(key)) == "threefry2x32"
 
 
+def _partitionable(e: _Eqn) -> bool:
+  """Whether ``e`` was traced under threefry's partitionable form (its own context's setting, else jax's)."""
+  return getattr(getattr(e.eqn, "ctx", None), "threefry_partitionable", jax.config.jax_threefry_partitionable)
+
+
 def _kind(e: _Eqn) -> tuple[Any, ...]:
   """Draws of one kind are made together: bits of any shape where they are cut from a longer draw (`_cut`),
   other draws alike in every respect."""
-  if e.eqn.primitive.name == "random_bits" and jax.config.jax_threefry_partitionable:
+  if e.eqn.primitive.name == "random_bits" and _partitionable(e):
     return (e.eqn.primitive, e.eqn.params["bit_width"], e.ins[0].aval)
   return e.signature()
+
+
+def _batched(e: _Eqn, read) -> bool:
+  """Whether ``e`` is a draw made together with its kind: from one threefry key (a batch of keys is left alone)."""
+  return (e.eqn.primitive.name in BATCHED_PRIMITIVES and not e.ins[0].aval.shape
+          and _threefry(read(e.ins[0])))
 
 
 def _cut(draws: list[_Eqn], waste: float = 1.25) -> list[list[_Eqn]]:
@@ -125,7 +136,7 @@ def _cut(draws: list[_Eqn], waste: float = 1.25) -> list[list[_Eqn]]:
 def _together(alike: list[_Eqn], read) -> Iterator[tuple[_Slot, Any]]:
   """The values of draws of one kind, made as one vmapped draw (bits: one per `_cut` group)."""
   first = alike[0].eqn
-  if first.primitive.name == "random_bits" and jax.config.jax_threefry_partitionable:
+  if first.primitive.name == "random_bits" and _partitionable(alike[0]):
     for group in _cut(alike):
       size = group[0].outs[0].aval.size
       bits = jax.vmap(lambda key: _bind(first, [key], shape=(size,)))(jnp.stack([read(d.ins[0]) for d in group]))
@@ -144,12 +155,13 @@ def batch_random_draws(fun: Callable[..., Any]) -> Callable[..., Any]:
   @functools.wraps(fun)  # (the program keeps ``fun``'s name)
   def batched(*args):
     closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)  # (``fun``'s own errors raise here)
-    try:
-      outputs = _evaluate(closed, jax.tree.leaves(args))
+    leaves = jax.tree.leaves(args)
+    try:  # (a trace of its own: where it fails, nothing of it is in the caller's trace)
+      rewritten = jax.make_jaxpr(lambda *values: _evaluate(closed, list(values)))(*leaves)
     except Exception as error:  # noqa: BLE001 (jax internals of another version: the draws are made one by one)
       _warn_once(error)
       return fun(*args)
-    return jax.tree.unflatten(jax.tree.structure(out_shape), outputs)
+    return jax.tree.unflatten(jax.tree.structure(out_shape), jex.jaxpr_as_fun(rewritten)(*leaves))
 
   return batched
 
@@ -166,10 +178,9 @@ def _evaluate(closed: jex.ClosedJaxpr, args: list[Any]) -> list[Any]:
     if e.eqn.primitive.name in BATCHED_PRIMITIVES:
       kinds[_kind(e)].append(e)
   for e in eqns:
-    if e.outs[0] in env:  # (made together with an earlier draw)
+    if e.outs and e.outs[0] in env:  # (made together with an earlier draw)
       continue
-    alike = ([d for d in kinds[_kind(e)] if ready(d)]
-             if e.eqn.primitive.name in BATCHED_PRIMITIVES and _threefry(read(e.ins[0])) else [])
+    alike = [d for d in kinds[_kind(e)] if ready(d) and _batched(d, read)] if _batched(e, read) else []
     if len(alike) > 1:
       env.update(_together(alike, read))
     else:

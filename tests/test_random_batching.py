@@ -1,6 +1,8 @@
 """`batch_random_draws`: a function's independent draws made together give the function's own values, from a
 program with fewer instances of the random hash."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,3 +102,26 @@ def test_where_jax_internals_differ_the_draws_are_made_one_by_one_with_a_warning
 def test_under_vmap_each_key_gets_what_it_gets_alone():
   keys = jax.random.split(jax.random.key(5), 3)
   assert _same(jax.jit(jax.vmap(_mixed))(keys), jax.jit(jax.vmap(batch_random_draws(_mixed)))(keys))
+
+
+def test_draws_traced_under_another_threefry_form_batches_of_keys_and_effects_keep_their_values():
+  """Draws made inside ``jax.threefry_partitionable(False)`` are not cut from a longer draw, draws from a batch of
+  keys are left as they are, and an effect without outputs neither breaks the evaluation nor runs twice."""
+  calls = []
+
+  def fun(key):
+    with jax.threefry_partitionable(False):
+      inner = [jax.random.normal(jax.random.fold_in(key, i), (3 + i,)) for i in range(4)]
+    keys = jax.random.split(key, 3)
+    batch = [jax.vmap(lambda k, n=n: jax.random.normal(k, (n,)))(keys) for n in (5, 7)]
+    jax.debug.callback(lambda: calls.append(1))
+    return inner, batch, [jax.random.normal(jax.random.fold_in(key, 9 + i), (2 + i,)) for i in range(3)]
+
+  key = jax.random.key(2)
+  batched = batch_random_draws(fun)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", RuntimeWarning)  # (no fallback to the draws one by one)
+    values = jax.jit(batched)(key)
+  assert _same(values, jax.jit(fun)(key))
+  assert len(calls) == 2  # (once a call: the plain function's and the batched one's)
+  assert _draws(batched, key) < _draws(fun, key)

@@ -221,8 +221,7 @@ class Simulation:
     once the call's program is traced (at once on the host loop), so that its Python does not slow the tracing."""
     t0 = time.perf_counter()
     spec, in_program = self.spec, self.cohorts.in_program
-    slots = [self.cohorts.slots(spec, g) for g in range(len(spec.groups))]
-    call = plan_call(spec, state, count, evaluate, slots, self.rounds_per_call if in_program else None)
+    call = self._plan(state, count, evaluate)
     capacity = getattr(self.cohorts, "capacity", None)
     if capacity is not None and (most := int(np.sum([c.count for c in call.inputs.cohorts], axis=0).max())) > capacity:
       raise ValueError(f"a round of {spec.method.name} has {most} participants; the union mapping holds "
@@ -253,6 +252,13 @@ class Simulation:
       state, per_round, seconds = self._host_call(state, call, t0)
     return state, [call_row(spec, call, i, per_round[i], seconds[i], evaluate) for i in range(count)]
 
+  def _plan(self, state: ServerState, count: int, evaluate: Collection[int]) -> Call:
+    """The call of ``count`` rounds from ``state`` (`inputs.plan_call`), its rows padded to the mapping's slots and,
+    in a device program, to ``rounds_per_call`` rounds (the program's shapes)."""
+    slots = [self.cohorts.slots(self.spec, g) for g in range(len(self.spec.groups))]
+    length = self.rounds_per_call if self.cohorts.in_program else None
+    return plan_call(self.spec, state, count, evaluate, slots, length)
+
   def _host_call(self, state: ServerState, call: Call, t0: float) -> tuple[ServerState, list[RoundOutputs], list]:
     per_round, seconds, data = [], [], RoundData.of(self.spec)
     for i in range(call.count):
@@ -275,13 +281,10 @@ class Simulation:
       return
 
     def compile_program() -> None:
-      spec = self.spec
-      sampler = spec.method.sampler.init(spec.sampling) if spec.method.sampler.init else ()
-      state = spec.state_shapes._replace(round=0, sampler=sampler)
-      slots = [self.cohorts.slots(spec, g) for g in range(len(spec.groups))]
-      call = plan_call(spec, state, 1, (), slots, self.rounds_per_call)
+      state = self.spec.state_shapes._replace(round=0, sampler=self.spec.initial_sampler_state())
+      call = self._plan(state, 1, ())
       self._compile_traced((state.models, state.steps), state.memory, call.inputs, np.int32(1),
-                           RoundData.of(spec, self.cohorts.arguments()), program=self.program(call.statics),
+                           RoundData.of(self.spec, self.cohorts.arguments()), program=self.program(call.statics),
                            beside=[while_compiling] if while_compiling else [])
 
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fedjax_hetero-first-call")

@@ -246,12 +246,16 @@ class RoundSpec:
       models.append(model)
     steps = tuple(tuple(s.init(m, f) if s.init else () for s in self.method.server)
                   for m, f in zip(models, self.federations))
-    sampler = self.method.sampler.init(self.sampling) if self.method.sampler.init else ()
+    sampler = self.initial_sampler_state()
     memory = []
     for group, trainer, group_map in zip(self.groups, self.trainers, self.maps):
       row = trainer.init_memory(_extract_program(group_map)(global_vars, 0)) if trainer.keeps_memory else ()
       memory.append(jax.tree.map(lambda x, n=len(group.clients): jnp.broadcast_to(x, (n,) + x.shape), row))
     return ServerState(0, tuple(models), steps, sampler, tuple(memory))
+
+  def initial_sampler_state(self) -> Any:
+    """The method's sampler's state before round 1 (``()`` for a sampler that keeps none)."""
+    return self.method.sampler.init(self.sampling) if self.method.sampler.init else ()
 
   def start_variables(self, state: ServerState, group: int) -> Variables:
     """What the group's clients start from: their federation's model through the group's map (stacked sharing:

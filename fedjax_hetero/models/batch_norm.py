@@ -13,8 +13,9 @@ written out (Ioffe & Szegedy 2015, Sec. 3, the backward pass): per feature, with
 `fused_batch_norm` routes every ``nn.BatchNorm`` called in training mode inside it to `batch_norm` (found by
 module type, as `common.module_leaves` finds them), with the module's own variables and running averages; a call
 it cannot serve exactly (another axis, a cross-device axis, no scale or bias, another dtype, a mask that is not
-per example) runs flax's. Its gradients equal flax's up to the order of float sums, so the union mapping uses it
-(`rounds.union`, held to the per-group program within tolerance) and the other programs keep flax's bits.
+per example) runs flax's. Its gradients equal flax's up to the order of float sums. Every local training step traces
+its model inside it (`client.local.LocalTrainer.train_step`), so every program (the host loop's, the per-group and
+the union round programs) trains with it, and the static costs count its FLOPs (`rounds.costs`).
 """
 
 from __future__ import annotations

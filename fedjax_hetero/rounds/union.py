@@ -148,7 +148,8 @@ def _probe_reason(spec: "RoundSpec") -> str | None:
     def loss(params):
       logits, new = model.apply({**variables, "params": params}, x, train=True, mutable=["batch_stats"])
       return jnp.sum(jnp.tanh(logits)), (logits, new)
-    grads, (logits, new) = jax.grad(loss, has_aux=True)(variables["params"])
+    with fused_batch_norm():  # (as a local step trains, `LocalTrainer.train_step`)
+      grads, (logits, new) = jax.grad(loss, has_aux=True)(variables["params"])
     return logits, dict(new), grads
 
   def probe(key):
@@ -158,8 +159,7 @@ def _probe_reason(spec: "RoundSpec") -> str | None:
     for group, group_map, window in zip(spec.groups, spec.maps, windows):
       held = held_mask(group_map, union)
       logits, new, grads = outputs(group.model, extract(union, window), x)
-      with fused_batch_norm():  # (as the union trains)
-        u_logits, u_new, u_grads = outputs(union_model, jax.tree.map(jnp.multiply, union, held), x)
+      u_logits, u_new, u_grads = outputs(union_model, jax.tree.map(jnp.multiply, union, held), x)
       u_grads = extract({"params": jax.tree.map(jnp.multiply, u_grads, held["params"])}, window)["params"]
       found.append([(logits, u_logits), (new, extract(u_new, window) if new else {}), (grads, u_grads)])
     return found
@@ -279,9 +279,8 @@ class UnionCohorts(ProgramCohorts):
     keys = jax.vmap(lambda c: jax.random.fold_in(key, c))(clients)  # (as `cohort.start`: a client's own draws)
     ids, mask = jax.vmap(lambda r, n, k: trainer.schedule(r, n, k, schedule))(data.index_table[clients], sizes, keys)
     begun = jax.vmap(lambda v, h, k: trainer.init_state(v, (), (h,), k))(client_starts, held["params"], keys)
-    with fused_batch_norm():  # (traced here: the step's BatchNorm as a few kernels, `models.batch_norm`)
-      trained = jax.lax.fori_loop(0, x.steps, lambda i, s: cohort.steps(trainer, s, data.images, data.labels, ids,
-                                                                         mask, i, 1), begun)
+    trained = jax.lax.fori_loop(0, x.steps, lambda i, s: cohort.steps(trainer, s, data.images, data.labels, ids,
+                                                                       mask, i, 1), begun)
     # A group whose trainer has no terms uploads only its weighted delta: every group's sum in one product over
     # the slots, in the union's layout (zeros outside a group's window on both sides of the difference).
     weights = jnp.where(jnp.arange(len(spec.groups))[:, None] == group_of_slot, slot_weights, 0.0)  # [G, S]

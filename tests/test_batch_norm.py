@@ -96,3 +96,21 @@ def test_a_call_it_cannot_serve_runs_flax():
   with fused_batch_norm():
     have = train(), evaluate()
   jax.tree.map(np.testing.assert_array_equal, have, want)
+
+
+def test_every_local_step_trains_with_it(monkeypatch):
+  """`LocalTrainer.train_step` (what the host loop, the per-group and the union programs and the cost accounting
+  trace) runs each of a ResNet's training-mode BatchNorms as `batch_norm`."""
+  from fedjax_hetero.client.local import LocalTrainer
+  from fedjax_hetero.config.client import LocalConfig
+
+  calls = []
+  monkeypatch.setattr(batch_norm_module, "batch_norm", lambda *a: calls.append(a[0].shape) or batch_norm(*a))
+  model = resnet10(width=0.125)
+  trainer = LocalTrainer(model, LocalConfig(batch_size=4), (0.5,), (0.25,))
+  state = trainer.init_state(model.init(jax.random.key(0), jnp.zeros((1, 28, 28, 1))), (), (), jax.random.key(1))
+  images, labels = jnp.zeros((4, 28, 28, 1), jnp.uint8), jnp.arange(4)
+  jax.make_jaxpr(trainer.train_step)(state, images, labels, jnp.ones(4, bool))
+  norms = [path for path, _ in jax.tree_util.tree_leaves_with_path(state.variables["batch_stats"])
+           if path[-1].key == "mean"]
+  assert len(norms) > 10 and len(calls) == len(norms), (len(calls), len(norms))

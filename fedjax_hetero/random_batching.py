@@ -97,15 +97,17 @@ def _threefry(key) -> bool:
   return str(jax.random.key_impl(key)) == "threefry2x32"
 
 
-def _partitionable(e: _Eqn) -> bool:
-  """Whether ``e`` was traced under threefry's partitionable form (its own context's setting, else jax's)."""
-  return getattr(getattr(e.eqn, "ctx", None), "threefry_partitionable", jax.config.jax_threefry_partitionable)
+def _cut_from_longer(e: _Eqn) -> bool:
+  """Whether ``e`` draws bits that can be cut from a longer draw (`_cut`): traced under threefry's partitionable
+  form (its own context's setting, else jax's)."""
+  partitionable = getattr(getattr(e.eqn, "ctx", None), "threefry_partitionable", jax.config.jax_threefry_partitionable)
+  return e.eqn.primitive.name == "random_bits" and partitionable
 
 
 def _kind(e: _Eqn) -> tuple[Any, ...]:
   """Draws of one kind are made together: bits of any shape where they are cut from a longer draw (`_cut`),
   other draws alike in every respect."""
-  if e.eqn.primitive.name == "random_bits" and _partitionable(e):
+  if _cut_from_longer(e):
     return (e.eqn.primitive, e.eqn.params["bit_width"], e.ins[0].aval)
   return e.signature()
 
@@ -136,7 +138,7 @@ def _cut(draws: list[_Eqn], waste: float = 1.25) -> list[list[_Eqn]]:
 def _together(alike: list[_Eqn], read) -> Iterator[tuple[_Slot, Any]]:
   """The values of draws of one kind, made as one vmapped draw (bits: one per `_cut` group)."""
   first = alike[0].eqn
-  if first.primitive.name == "random_bits" and _partitionable(alike[0]):
+  if _cut_from_longer(alike[0]):
     for group in _cut(alike):
       size = group[0].outs[0].aval.size
       bits = jax.vmap(lambda key: _bind(first, [key], shape=(size,)))(jnp.stack([read(d.ins[0]) for d in group]))

@@ -54,7 +54,8 @@ def one_line_on_signals() -> Iterator[None]:
   main = threading.current_thread() is threading.main_thread()
   previous = signal.signal(signal.SIGTERM, terminated) if main else None
   try:
-    yield
+    with interrupts_not_swallowed() if main else contextlib.nullcontext():
+      yield
   except Interrupted:  # (a run said how it stopped)
     raise
   except KeyboardInterrupt as e:
@@ -67,6 +68,29 @@ def one_line_on_signals() -> Iterator[None]:
       signal.signal(signal.SIGTERM, previous)
 
 
+@contextlib.contextmanager
+def interrupts_not_swallowed() -> Iterator[None]:
+  """While open (in the main thread), a signal handler's `KeyboardInterrupt` that lands inside a callback Python runs
+  for itself (a garbage collection's, a finalizer, a weakref's) is delivered again once that callback has returned.
+  Python reports an exception raised there and goes on ("Exception ignored in ..."), and jax runs a callback at every
+  collection: a Ctrl-C during a setup that allocates a lot was then lost, and the command trained on."""
+  previous = sys.unraisablehook
+
+  def deliver_again(unraisable) -> None:
+    if not issubclass(unraisable.exc_type, KeyboardInterrupt):
+      return previous(unraisable)
+    signum = getattr(unraisable.exc_value, "signum", signal.SIGINT)
+    later = threading.Timer(0.01, signal.pthread_kill, (threading.main_thread().ident, signum))  # (not in this hook)
+    later.daemon = True
+    later.start()
+
+  sys.unraisablehook = deliver_again
+  try:
+    yield
+  finally:
+    sys.unraisablehook = previous
+
+
 class StopRequests:
   """A context in which SIGINT and SIGTERM set ``requested`` (the signal number) instead of ending the process.
 
@@ -77,6 +101,7 @@ class StopRequests:
     self.enabled = threading.current_thread() is threading.main_thread()
     self.log, self.requested, self._previous = log, None, {}
     self._outer: StopRequests | None = None
+    self._kept = contextlib.ExitStack()  # (`interrupts_not_swallowed`: a second Ctrl-C raises)
 
   def _handle(self, signum: int, frame) -> None:
     if self.requested is not None:
@@ -93,9 +118,11 @@ class StopRequests:
       if isinstance(outer, StopRequests):
         self._outer, self.requested = outer, outer.requested
       self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+      self._kept.enter_context(interrupts_not_swallowed())
     return self
 
   def __exit__(self, *exc) -> None:
+    self._kept.close()
     for signum, handler in self._previous.items():
       signal.signal(signum, handler)
     if self._outer is not None and self.requested is not None:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # FedFA's robustness experiment at CPU size (docs/reproduction.md, "FedFA"):
 # {FlexiFed, FedFA} x {clean, 20% malicious clients at lambda 20} x seeds 0 and 1 with --preset fedfa-cpu,
-# the same attack at lambda 1, then FedFA's two parts alone under it. Each run resumes if interrupted; finished runs are skipped.
+# the same attack at lambda 1, then FedFA's two parts alone under it, then both attacks with every attacker on the
+# largest architecture (ResNet26, --malicious-group largest: the paper's Sec. 3.1 premise). Each run resumes if
+# interrupted; finished runs are skipped.
 # An attacked run is expected to fall towards chance, so the divergence guard is off for those.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,4 +25,12 @@ done
 for seed in 0 1; do
   run "FedFA-graftonly_attack1_s$seed" --method FedFA --no-fedfa-scale --seed "$seed" "${ATTACK[@]}" --backdoor-scale 1
   run "FedFA-scaleonly_attack1_s$seed" --method FedFA --no-fedfa-graft --seed "$seed" "${ATTACK[@]}" --backdoor-scale 1
+done
+for seed in 0 1; do
+  for method in FlexiFed FedFA; do
+    run "${method}_largest_s$seed" --method "$method" --seed "$seed" "${ATTACK[@]}" --malicious-group largest \
+        --backdoor-scale 20
+    run "${method}_largest1_s$seed" --method "$method" --seed "$seed" "${ATTACK[@]}" --malicious-group largest \
+        --backdoor-scale 1
+  done
 done

@@ -75,6 +75,21 @@ def test_malicious_set_is_fixed_by_the_seed_and_has_round_f_n_clients():
   chex.assert_shape(sim.spec.malicious_clients, (2,))
 
 
+def test_malicious_group_largest_draws_every_attacker_from_the_global_models_group():
+  sim = simulation(malicious_fraction=0.34, malicious_group="largest")
+  spec = sim.spec
+  largest = spec.groups[spec.global_index]
+  assert largest.name == "mlp@1.0" and len(largest.clients) == 3  # (the global model: the full-width MLP)
+  chex.assert_shape(spec.malicious_clients, (2,))
+  assert set(spec.malicious_clients.tolist()) <= set(largest.clients.tolist())
+  np.testing.assert_array_equal(spec.malicious_clients, malicious_clients(6, 0.34, 0, among=largest.clients))
+  with pytest.raises(ValueError, match=r"^--malicious-fraction 0.67 makes 4 malicious clients, more than the 3 of "
+                     r"the group --malicious-group draws them from; pass at most 0.5$"):
+    simulation(malicious_fraction=0.67, malicious_group="largest")
+  with pytest.raises(ValueError, match=r"--malicious-group must be one of any, largest"):
+    FederationConfig(malicious_group="deepest")
+
+
 def test_label_shuffle_is_a_fixed_permutation_of_the_clients_own_samples():
   _, store = tiny_federation()
   client = int(np.argmax(store.sizes))
@@ -271,3 +286,6 @@ def test_compare_reports_the_drop_under_attack():
   paired = compare.paired_table(runs, "FedFA").splitlines()
   assert any(line.startswith("| FedFA [backdoor 20% x20] | 2 | -7.50") for line in paired)
   assert compare.drop_table(runs[:1] + runs[4:5]) == ""  # no attacked run
+  on_the_largest = fake_run("FedFA", 0, [0.5, 0.6], fraction=0.2)
+  on_the_largest[1]["config"]["federation"]["malicious_group"] = "largest"
+  assert compare.method_of(on_the_largest[1]) == "FedFA [backdoor 20% x20 largest]"  # (apart from the first attack)

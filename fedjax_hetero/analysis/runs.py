@@ -108,7 +108,8 @@ def attack_of(summary: dict[str, Any]) -> str | None:
   if not fraction:
     return None
   delta = "" if federation.get("backdoor_delta", "update") == "update" else f" {federation['backdoor_delta']}"
-  return f"backdoor {100 * fraction:g}% x{federation.get('backdoor_scale'):g}{delta}"
+  group = "" if federation.get("malicious_group", "any") == "any" else f" {federation['malicious_group']}"
+  return f"backdoor {100 * fraction:g}% x{federation.get('backdoor_scale'):g}{delta}{group}"
 
 
 def method_of(summary: dict[str, Any]) -> str:

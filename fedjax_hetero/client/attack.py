@@ -29,8 +29,11 @@ Choices where the paper is silent:
   models, CluSamp's flattened delta) carries the attack, and so does the
   client's memory (MOON's previous model).
 * Malicious clients are drawn uniformly from all clients, so they keep the
-  architecture group they were assigned to (the paper suggests attackers would
-  pick the largest architecture; the experiments do not say they did).
+  architecture group they were assigned to; or, with ``--malicious-group
+  largest``, from the clients of the largest architecture (the global model's
+  group): the paper argues (Sec. 3.1) that attackers would pick it, where
+  incomplete aggregation leaves its own weights to its own clients, though its
+  experiments do not say they did.
 
 The attack is a trainer wrapper (`AttackedTrainer`) with the protocol of
 `client.local.LocalTrainer`: the engine, the backends and the trainer know
@@ -50,11 +53,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_hetero.config.federation import num_malicious
+from fedjax_hetero.config.declare import cli_name
+from fedjax_hetero.config.federation import FederationConfig, num_malicious
 
 if TYPE_CHECKING:
   from fedjax_hetero.client.local import LocalState, LocalTrainer
-  from fedjax_hetero.config.federation import FederationConfig
 
 # Third entry of the numpy seed sequence ([seed, 0 or 1, STREAM]); the engine's other streams use 1 and 2.
 STREAM = 3
@@ -62,12 +65,19 @@ STREAM = 3
 Variables = Any
 
 
-def malicious_clients(num_clients: int, fraction: float, seed: int) -> np.ndarray:
-  """The sorted ids of the malicious clients: `num_malicious` of them, drawn without replacement from
-  ``seed`` alone (the same set every round, and on every backend)."""
+def malicious_clients(num_clients: int, fraction: float, seed: int, among: np.ndarray | None = None) -> np.ndarray:
+  """The sorted ids of the malicious clients: `num_malicious` of all ``num_clients``, drawn without replacement from
+  ``seed`` alone (the same set every round, and on every backend) from the ids ``among`` (default: every client)."""
   count = num_malicious(num_clients, fraction)
   rng = np.random.default_rng([seed, 0, STREAM])
-  return np.sort(rng.choice(num_clients, size=count, replace=False)).astype(np.int64)
+  if among is None:
+    return np.sort(rng.choice(num_clients, size=count, replace=False)).astype(np.int64)
+  if count > len(among):
+    raise ValueError(f"{cli_name(FederationConfig, 'malicious_fraction')} {fraction:g} makes {count} malicious "
+                     f"clients, more than the {len(among)} of the group "
+                     f"{cli_name(FederationConfig, 'malicious_group')} draws them from; pass at most "
+                     f"{len(among) / num_clients:g}")
+  return np.sort(rng.choice(np.asarray(among, np.int64), size=count, replace=False))
 
 
 @dataclasses.dataclass(frozen=True)

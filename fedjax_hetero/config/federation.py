@@ -15,6 +15,7 @@ from fedjax_hetero.validation import SEED_MAX
 
 WEIGHTINGS = ("uniform", "num_samples")  # of a client's delta in the server's mean
 READINGS = ("update", "difference")  # the backdoor's delta_backdoor: the copy's update, or copy minus clean
+MALICIOUS_GROUPS = ("any", "largest")  # where the malicious clients are drawn from
 
 
 def num_malicious(num_clients: int, fraction: float) -> int:
@@ -92,6 +93,10 @@ class FederationConfig(Settings):
   backdoor_delta: str = setting(
       "update", "what lambda multiplies: 'update' (the label-shuffled copy's own update) or 'difference' (the "
       "copy's update minus the clean one)", OneOf(READINGS))
+  malicious_group: str = setting(
+      "any", "which clients --malicious-fraction draws from: 'any' (each keeps the group of its block) or the "
+      "'largest' architecture's group, the global model's (FedFA's premise: attackers pick the largest network)",
+      OneOf(MALICIOUS_GROUPS))
 
   def __post_init__(self):
     validate(self)

@@ -185,7 +185,8 @@ class RoundSpec:
       raise ValueError("every client must belong to an architecture group")
     federations = _federations(groups, shapes, maps, global_index, method, config, store)
     federation_of = tuple(next(f.index for f in federations if g in f.members) for g in range(len(groups)))
-    malicious = attack.malicious_clients(store.num_clients, config.malicious_fraction, config.seed)
+    malicious = attack.malicious_clients(store.num_clients, config.malicious_fraction, config.seed,
+                                         groups[global_index].clients if config.malicious_group == "largest" else None)
     parameter_count = sum(x.size for x in jax.tree.leaves(shapes[global_index]["params"]))
     sample_seed = config.seed if config.sample_seed is None else config.sample_seed
     answering = availability(config.client_dropout, _trace(config, store.num_clients), len(groups), store.num_clients,

@@ -201,7 +201,8 @@ def build_simulation(config: RunConfig, dataset: fdata.ArrayDataset | None = Non
   malicious = spec.malicious_clients
   if len(malicious):
     attack = config.federation
-    log(f"backdoor attack: {len(malicious)} malicious clients (lambda {attack.backdoor_scale:g}, "
+    among = f" of {spec.groups[spec.global_index].name}" if attack.malicious_group == "largest" else ""
+    log(f"backdoor attack: {len(malicious)} malicious clients{among} (lambda {attack.backdoor_scale:g}, "
         f"delta_backdoor = {attack.backdoor_delta}): {id_list(malicious)}")
   return sim, parts
 

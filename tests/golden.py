@@ -14,7 +14,8 @@ into percent-level differences), and so do XLA:CPU's LLVM optimization levels an
 holds one record per signature (`signature`: the instruction-set extensions XLA and its kernels dispatch on, and
 the level, emitters and, with the older emitters, code parts ``XLA_FLAGS`` sets; the test suite runs at level 0
 with the older emitters compiled as one part, see tests/conftest.py). A machine with a record of its own is held
-to it bit for bit; another is compared with the first record within `TOLERANCE`. ``python -m tests.golden`` adds
+to it bit for bit; another is compared within `TOLERANCE` with a record made under its XLA settings on another
+CPU, or else with the first record (`expected`). ``python -m tests.golden`` adds
 (or replaces) the record of the machine it runs on; record on the commit *before* a change, so the record pins the
 old behaviour. The first record (cpu null) was made on the machines of the sessions before 2026-11-25, whose
 signature was not recorded; the second on an AVX-512 AMD EPYC (Zen 4), from the same commit. The records at
@@ -108,6 +109,20 @@ def signature() -> str:
   return (cpu_signature() + (f" xla_backend_optimization_level={levels[-1]}" if levels else "")
           + (" xla_cpu_use_fusion_emitters=false" if older else "")
           + (f" xla_cpu_parallel_codegen_split_count={parts[-1]}" if older and parts else ""))
+
+
+def expected(records: list[dict], entry_key: str, mine: str) -> tuple[list | None, bool]:
+  """The runs of ``entry_key`` that a machine of signature ``mine`` is compared with, and whether they are its own
+  (held bit for bit; others within `TOLERANCE`): its own record's, else those of a record made under its XLA
+  settings on another CPU, else the first record's that has the entry (None: no record has it). The XLA settings
+  come before the CPU: the Scaffold family's parameter sums move by 1% between LLVM levels, by 1e-6 between CPUs."""
+  settings = lambda signature: (signature or "").partition(" ")[2]  # noqa: E731 (`signature`'s part after the CPU)
+  own = [r for r in records if r["cpu"] == mine]
+  alike = [r for r in records if r["cpu"] != mine and settings(r["cpu"]) == settings(mine)]
+  for n, record in enumerate(own + alike + records):
+    if entry_key in record["runs"]:
+      return record["runs"][entry_key], n < len(own)
+  return None, False
 
 
 class PairedMLP(MLP):

@@ -48,11 +48,11 @@ def assert_close(want, have, method: str, where: str) -> None:
 
 
 def expected_runs(entry) -> list:
-  """This CPU's record of ``entry``, or else the first other CPU's that has it (skips if none has)."""
-  for record in ([OWN] if OWN else []) + RECORD["records"]:
-    if golden.key(*entry) in record["runs"]:
-      return record["runs"][golden.key(*entry)]
-  pytest.skip(f"no CPU's record has {golden.key(*entry)}: run `python -m tests.golden --missing`")
+  """The record of ``entry`` this machine is compared with (`golden.expected`; skips if no record has it)."""
+  runs, _ = golden.expected(RECORD["records"], golden.key(*entry), SIGNATURE)
+  if runs is None:
+    pytest.skip(f"no CPU's record has {golden.key(*entry)}: run `python -m tests.golden --missing`")
+  return runs
 
 
 # The vmap backend's entries the host loop runs: one per kind of federation (shared, per group with client memory,

@@ -2,8 +2,8 @@
 # FedFA's robustness experiment at CPU size (docs/reproduction.md, "FedFA"):
 # {FlexiFed, FedFA} x {clean, 20% malicious clients at lambda 20} x seeds 0 and 1 with --preset fedfa-cpu,
 # the same attack at lambda 1, then FedFA's two parts alone under it, then both attacks with every attacker on the
-# largest architecture (ResNet26, --malicious-group largest: the paper's Sec. 3.1 premise). Each run resumes if
-# interrupted; finished runs are skipped.
+# largest architecture (ResNet26, --malicious-group largest: the paper's Sec. 3.1 premise) and FedFA's two parts alone,
+# clean and under that attack at lambda 1. Each run resumes if interrupted; finished runs are skipped.
 # An attacked run is expected to fall towards chance, so the divergence guard is off for those.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,5 +32,13 @@ for seed in 0 1; do
         --backdoor-scale 20
     run "${method}_largest1_s$seed" --method "$method" --seed "$seed" "${ATTACK[@]}" --malicious-group largest \
         --backdoor-scale 1
+  done
+done
+for seed in 0 1; do
+  for part in graft scale; do  # (each part alone, clean and under the lambda-1 attack on the largest architecture)
+    no=$([ $part = graft ] && echo --no-fedfa-scale || echo --no-fedfa-graft)
+    run "FedFA-${part}only_clean_s$seed" --method FedFA "$no" --seed "$seed"
+    run "FedFA-${part}only_largest1_s$seed" --method FedFA "$no" --seed "$seed" "${ATTACK[@]}" \
+        --malicious-group largest --backdoor-scale 1
   done
 done

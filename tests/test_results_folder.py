@@ -104,6 +104,22 @@ def test_a_locked_folder_names_its_holder_and_a_folder_left_empty_is_removed(tmp
   assert out.is_dir(), "a folder that was there stays"
 
 
+def test_a_run_whose_folder_another_run_makes_first_is_told_the_folder_is_in_use(tmp_path, monkeypatch):
+  """Two runs started at once on a new folder both find it missing; the one whose mkdir comes second waits on the
+  lock like any other. (Survey probe: it said "--output-dir ... cannot be created: File exists".)"""
+  out, isdir, looked = tmp_path / "run", os.path.isdir, []
+
+  def missing_when_first_looked_at(path):  # (the other run makes it right after)
+    looked.append(path)
+    return isdir(path) and looked.count(str(out)) > 1
+
+  with results_folder.lock(str(out)):  # (the other run, holding the folder it made)
+    monkeypatch.setattr(os.path, "isdir", missing_when_first_looked_at)
+    with pytest.raises(FolderInUseError, match=rf"--output-dir '{out}' is in use by another run \(pid {os.getpid()}"):
+      with results_folder.lock(str(out)):
+        pass
+
+
 @pytest.mark.slow
 def test_a_second_run_on_a_locked_folder_fails_at_once_and_kill_9_frees_the_folder(dataset, tmp_path):
   """The acceptance: the holder is a CLI run; a second run (the library's, timed, and the CLI's) fails naming

@@ -70,6 +70,8 @@ def _make_folder(output_dir: str) -> bool:
   try:
     os.makedirs(output_dir)
   except OSError as e:
+    if isinstance(e, FileExistsError) and os.path.isdir(output_dir):  # (another run made it since: the lock decides)
+      return False
     raise ValueError(f"{_folder_flag(output_dir)} cannot be created: {describe(e)}") from None
   return True
 

@@ -3,8 +3,8 @@
 # --preset fedfa-cpu: width groups ResNet18 @0.125 and @0.0625 (FedFA against HeteroFL, its width baseline) and
 # width+depth groups ResNet26 @0.125 and ResNet18 @0.0625 (FedFA against NeFL); FedFA with and without the static
 # BatchNorm its paper trains with; then the ablations: FedFA's kernel norm per element (--fedfa-norm rms), FedFA
-# without its scaling, HeteroFL without its static BatchNorm. Each run resumes if interrupted; finished runs are
-# skipped.
+# without its scaling, HeteroFL without its static BatchNorm; last, the width groups under 20% attackers at lambda 1,
+# all on the widest group (--malicious-group largest). Each run resumes if interrupted; finished runs are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/repro/fedfa}
@@ -28,4 +28,9 @@ for seed in 0 1; do
   run "FedFA-rms_widthdepth_s$seed" --method FedFA --fedfa-norm rms --seed "$seed" "${WIDTH_DEPTH[@]}"
   run "FedFA-noscale_width_s$seed" --method FedFA --no-fedfa-scale --seed "$seed" "${WIDTH[@]}"
   run "HeteroFL-nosbn_width_s$seed" --method HeteroFL --no-heterofl-static-bn --seed "$seed" "${WIDTH[@]}" "${NO_SCALER[@]}"
+done
+ATTACK=(--malicious-fraction 0.2 --on-divergence off --malicious-group largest --backdoor-scale 1)
+for seed in 0 1; do
+  run "HeteroFL_width_largest1_s$seed" --method HeteroFL --seed "$seed" "${WIDTH[@]}" "${NO_SCALER[@]}" "${ATTACK[@]}"
+  run "FedFA-sbn_width_largest1_s$seed" --method FedFA --fedfa-static-bn --seed "$seed" "${WIDTH[@]}" "${ATTACK[@]}"
 done

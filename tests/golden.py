@@ -111,18 +111,15 @@ def signature() -> str:
           + (f" xla_cpu_parallel_codegen_split_count={parts[-1]}" if older and parts else ""))
 
 
-def expected(records: list[dict], entry_key: str, mine: str) -> tuple[list | None, bool]:
-  """The runs of ``entry_key`` that a machine of signature ``mine`` is compared with, and whether they are its own
-  (held bit for bit; others within `TOLERANCE`): its own record's, else those of a record made under its XLA
-  settings on another CPU, else the first record's that has the entry (None: no record has it). The XLA settings
-  come before the CPU: the Scaffold family's parameter sums move by 1% between LLVM levels, by 1e-6 between CPUs."""
+def expected(records: list[dict], entry_key: str, mine: str) -> list | None:
+  """The runs of ``entry_key`` that a machine of signature ``mine`` is compared with: its own record's (held bit for
+  bit), else those of a record made under its XLA settings on another CPU, else the first record's that has the
+  entry (both within `TOLERANCE`; None: no record has it). The XLA settings come before the CPU: the Scaffold
+  family's parameter sums move by 1% between LLVM levels, by 1e-6 between CPUs."""
   settings = lambda signature: (signature or "").partition(" ")[2]  # noqa: E731 (`signature`'s part after the CPU)
   own = [r for r in records if r["cpu"] == mine]
   alike = [r for r in records if r["cpu"] != mine and settings(r["cpu"]) == settings(mine)]
-  for n, record in enumerate(own + alike + records):
-    if entry_key in record["runs"]:
-      return record["runs"][entry_key], n < len(own)
-  return None, False
+  return next((record["runs"][entry_key] for record in own + alike + records if entry_key in record["runs"]), None)
 
 
 class PairedMLP(MLP):

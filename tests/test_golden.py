@@ -49,7 +49,7 @@ def assert_close(want, have, method: str, where: str) -> None:
 
 def expected_runs(entry) -> list:
   """The record of ``entry`` this machine is compared with (`golden.expected`; skips if no record has it)."""
-  runs, _ = golden.expected(RECORD["records"], golden.key(*entry), SIGNATURE)
+  runs = golden.expected(RECORD["records"], golden.key(*entry), SIGNATURE)
   if runs is None:
     pytest.skip(f"no CPU's record has {golden.key(*entry)}: run `python -m tests.golden --missing`")
   return runs

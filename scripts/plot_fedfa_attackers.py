@@ -11,6 +11,7 @@ client, ``_largest1`` from ResNet26's).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 
 import numpy as np
@@ -25,12 +26,17 @@ GROUPS = ("resnet18@0.125", "resnet26@0.125")
 SEEDS = (0, 1)
 
 
+@functools.cache
+def rows_of(run_dir: str) -> list:
+  return load_run(run_dir)[1]  # (read once: each run is compared for the mean and every group)
+
+
 def lost(folder: str, method: str, placement: str, part: str) -> tuple[np.ndarray, np.ndarray]:
   """(rounds, clean minus attacked accuracy in points, the mean over `SEEDS`) of ``part`` (a group, or "mean")."""
   per_seed = []
   for seed in SEEDS:
-    _, clean = load_run(os.path.join(folder, f"{method}_clean_s{seed}"))
-    _, attacked = load_run(os.path.join(folder, f"{method}_{placement}_s{seed}"))
+    clean = rows_of(os.path.join(folder, f"{method}_clean_s{seed}"))
+    attacked = rows_of(os.path.join(folder, f"{method}_{placement}_s{seed}"))
     rounds, have, want = paired_points(attacked, clean, part)
     per_seed.append(100 * (want - have))
   return rounds, np.mean(per_seed, axis=0)

@@ -69,15 +69,13 @@ def malicious_clients(num_clients: int, fraction: float, seed: int, among: np.nd
   """The sorted ids of the malicious clients: `num_malicious` of all ``num_clients``, drawn without replacement from
   ``seed`` alone (the same set every round, and on every backend) from the ids ``among`` (default: every client)."""
   count = num_malicious(num_clients, fraction)
-  rng = np.random.default_rng([seed, 0, STREAM])
-  if among is None:
-    return np.sort(rng.choice(num_clients, size=count, replace=False)).astype(np.int64)
-  if count > len(among):
+  pool = np.arange(num_clients, dtype=np.int64) if among is None else np.asarray(among, np.int64)
+  if count > len(pool):  # (only a group can be too small: a fraction is at most 1)
     raise ValueError(f"{cli_name(FederationConfig, 'malicious_fraction')} {fraction:g} makes {count} malicious "
-                     f"clients, more than the {len(among)} of the group "
+                     f"clients, more than the {len(pool)} of the group "
                      f"{cli_name(FederationConfig, 'malicious_group')} draws them from; pass at most "
-                     f"{len(among) / num_clients:g}")
-  return np.sort(rng.choice(np.asarray(among, np.int64), size=count, replace=False))
+                     f"{len(pool) / num_clients:g}")
+  return np.sort(np.random.default_rng([seed, 0, STREAM]).choice(pool, size=count, replace=False))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,9 @@
 # {FlexiFed, FedFA} x {clean, 20% malicious clients at lambda 20} x seeds 0 and 1 with --preset fedfa-cpu,
 # the same attack at lambda 1, then FedFA's two parts alone under it, then both attacks with every attacker on the
 # largest architecture (ResNet26, --malicious-group largest: the paper's Sec. 3.1 premise) and FedFA's two parts alone,
-# clean and under that attack at lambda 1. Each run resumes if interrupted; finished runs are skipped.
+# clean and under that attack at lambda 1; last, why lambda 20 breaks FedFA there: its two parts alone at lambda 20,
+# alpha taken to the cohort's median norm instead of its mean (--fedfa-center median), and lambda 5 between.
+# Each run resumes if interrupted; finished runs are skipped.
 # An attacked run is expected to fall towards chance, so the divergence guard is off for those.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,5 +42,18 @@ for seed in 0 1; do
     run "FedFA-${part}only_clean_s$seed" --method FedFA "$no" --seed "$seed"
     run "FedFA-${part}only_largest1_s$seed" --method FedFA "$no" --seed "$seed" "${ATTACK[@]}" \
         --malicious-group largest --backdoor-scale 1
+  done
+done
+for seed in 0 1; do
+  LARGEST=(--seed "$seed" "${ATTACK[@]}" --malicious-group largest)
+  run "FedFA-graftonly_largest_s$seed" --method FedFA --no-fedfa-scale "${LARGEST[@]}" --backdoor-scale 20
+  run "FedFA-scaleonly_largest_s$seed" --method FedFA --no-fedfa-graft "${LARGEST[@]}" --backdoor-scale 20
+  run "FedFA-median_clean_s$seed" --method FedFA --fedfa-center median --seed "$seed"
+  for scale in 20 1 5; do
+    name=$([ $scale = 20 ] && echo largest || echo largest$scale)
+    run "FedFA-median_${name}_s$seed" --method FedFA --fedfa-center median "${LARGEST[@]}" --backdoor-scale $scale
+  done
+  for method in FlexiFed FedFA; do
+    run "${method}_largest5_s$seed" --method "$method" "${LARGEST[@]}" --backdoor-scale 5
   done
 done

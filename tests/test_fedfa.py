@@ -105,6 +105,23 @@ def test_scalable_aggregation_by_hand():
   np.testing.assert_allclose([stats["alpha_min"], stats["alpha_max"], stats["fallbacks"]], [0.75, 1.5, 0])
 
 
+def test_median_center_is_not_pulled_up_by_an_outsized_upload():
+  glob = params(layer={"kernel": np.zeros((2, 2))})
+  small = params(layer={"kernel": [[3, 4], [0, 100]]})  # ||M_95|| = 5
+  same = params(layer={"kernel": [[4, 3], [0, 100]]})  # 5
+  huge = params(layer={"kernel": [[300, 400], [0, 9000]]})  # 500
+  ident = identity_map(glob)
+  clients, weights = [small, same, huge], [1.0, 1.0, 1.0]
+  _, by_mean = aggregators.fedfa_aggregate(glob, clients, weights, [ident] * 3)
+  new, by_median = aggregators.fedfa_aggregate(glob, clients, weights, [ident] * 3, center="median")
+  # mean 170: the honest kernels are scaled up 34x; the median, 5, leaves them as they are and shrinks the huge one.
+  np.testing.assert_allclose([by_mean["alpha_min"], by_mean["alpha_max"]], [0.34, 34.0], rtol=1e-6)
+  np.testing.assert_allclose([by_median["alpha_min"], by_median["alpha_max"]], [0.01, 1.0], rtol=1e-6)
+  np.testing.assert_allclose(new["params"]["layer"]["kernel"], [[10 / 3, 11 / 3], [0.0, 290 / 3]], rtol=1e-6)
+  with pytest.raises(ValueError, match="center must be one of mean, median"):
+    aggregators.fedfa_aggregate(glob, clients, weights, [ident] * 3, center="mode")
+
+
 def np_trimmed_norm(x, percentile, norm):
   a = np.abs(np.asarray(x, np.float64)).ravel()
   kept = a[a <= np.quantile(a, percentile / 100)]

@@ -16,6 +16,9 @@ Decisions where the paper is silent (spec fedfa.md §7):
   decided by leaf rank and collection, never by name. Biases, BatchNorm scales
   and offsets (one axis) and every other collection (BatchNorm statistics) are
   averaged with alpha = 1.
+- ``center="median"`` (an ablation; the paper's is the mean) scales every
+  kernel to the cohort's median trimmed norm, which a minority of outsized
+  uploads (an attacker's boosted update) cannot move, where they pull the mean up.
 - The percentile is taken of |w| over the whole leaf (one-sided on magnitudes,
   numpy's linear interpolation); ``norm="rms"`` divides the L2 norm by the
   square root of the number of kept elements, so that kernels of different
@@ -56,6 +59,7 @@ from fedjax_hetero.aggregators.hetero_avg import is_weightless
 from fedjax_hetero.hetero.maps import Path, SubmodelMap, Variables, coverage, embed, flatten
 
 NORMS = ("l2", "rms")
+CENTERS = ("mean", "median")
 PERCENTILE = 95.0
 
 
@@ -69,9 +73,11 @@ def kernels(tree: Variables) -> Variables:
   return traverse_util.unflatten_dict({p: x for p, x in flatten(tree).items() if is_kernel(p, x)})
 
 
-def _check_norm(norm: str, percentile: float) -> None:
+def _check_norm(norm: str, percentile: float, center: str = "mean") -> None:
   if norm not in NORMS:
     raise ValueError(f"norm must be one of {', '.join(NORMS)}, got {norm!r}")
+  if center not in CENTERS:
+    raise ValueError(f"center must be one of {', '.join(CENTERS)}, got {center!r}")
   if isinstance(percentile, (int, float)) and not 0.0 < percentile <= 100.0:  # (a traced one: its run's was checked)
     raise ValueError(f"percentile must be in (0, 100], got {percentile}")
 
@@ -118,16 +124,18 @@ def _client_parts(variables, percentile, norm):
 def scalable_sums(global_like: Variables, group_maps: Sequence[SubmodelMap], weight_sums: Sequence[Variables],
                   group_weights: Sequence[jax.Array], scaled_sums: Sequence[Variables],
                   fallback_sums: Sequence[Variables], norms: Sequence[Variables], valid: Sequence[jax.Array],
-                  offset=0) -> tuple[Variables, Variables, dict[str, jax.Array]]:
+                  offset=0, center: str = "mean") -> tuple[Variables, Variables, dict[str, jax.Array]]:
   """Global-shaped numerator and denominator of the scaled mean (Alg. 1 lines 15-21), from group sums.
 
   Per group g (clients c, weights w_c): ``weight_sums[g] = sum_c w_c M_c`` (every leaf),
   ``scaled_sums[g]``/``fallback_sums[g] = sum_c w_c`` `ClientParts` (kernels), ``norms[g]``: the clients'
   ``n_c`` stacked on a leading axis whose real rows ``valid[g]`` marks. Numerator per kernel ``l``:
-  ``mu_l * sum_g embed(scaled) + sum_g embed(fallback)``, elsewhere ``sum_g embed(weight_sums)``;
+  ``mu_l * sum_g embed(scaled) + sum_g embed(fallback)`` (``mu_l`` the cohort's mean, or median, ``n_c``),
+  elsewhere ``sum_g embed(weight_sums)``;
   denominator ``sum_g W_g coverage_g``. Returns also ``stats``: min and max alpha over (client, kernel)
   pairs and the number of zero-norm fallbacks.
   """
+  _check_norm("l2", PERCENTILE, center)
   checks.check_groups("global_like", global_like, group_maps, group_weights, offset, "weight_sums", weight_sums)
   checks.check_floating("global_like", global_like)
   checks.check_lengths({"weight_sums": weight_sums, "scaled_sums": scaled_sums, "fallback_sums": fallback_sums,
@@ -140,25 +148,31 @@ def scalable_sums(global_like: Variables, group_maps: Sequence[SubmodelMap], wei
     expected = {k: (len(ok),) for k in checks.group_shapes(group_map, global_kernels)}
     checks.check_tree(f"norms[{i}]", rows, expected, f"group_maps[{i}] (one norm per client row and kernel)")
   return _scalable_sums(global_like, group_maps, weight_sums, group_weights, scaled_sums, fallback_sums, norms,
-                        valid, offset)
+                        valid, offset, center)
 
 
-def _scalable_sums(global_like, group_maps, weight_sums, group_weights, scaled_sums, fallback_sums, norms, valid,
-                   offset):
-  flat_global = flatten(global_like)
-  kernel_paths = [p for p, x in flat_global.items() if is_kernel(p, x)]
-  # mu_l: the mean trimmed norm over the clients pushing a nonzero-norm kernel into global leaf l.
-  total = {p: jnp.float32(0) for p in kernel_paths}
-  count = {p: jnp.float32(0) for p in kernel_paths}
+def _cohort_center(group_maps, norms, valid, kernel_paths, center):
+  """mu_l: the mean (or median) trimmed norm over the clients pushing a nonzero-norm kernel into global leaf l;
+  0 where there is none."""
+  rows_of = {p: [] for p in kernel_paths}
   for group_map, rows, ok in zip(group_maps, norms, valid):
     flat_rows = flatten(rows)
     for link in group_map.push:
-      if link.global_ in total:
+      if link.global_ in rows_of:
         n = flat_rows[link.client]
-        used = ok & (n > 0)
-        total[link.global_] += jnp.sum(jnp.where(used, n, 0.0))
-        count[link.global_] += jnp.sum(used)
-  mu = {p: total[p] / jnp.maximum(count[p], 1.0) for p in kernel_paths}
+        rows_of[link.global_].append((n, ok & (n > 0)))
+  if center == "median":
+    return {p: jnp.nan_to_num(jnp.nanmedian(jnp.concatenate([jnp.where(u, n, jnp.nan) for n, u in rows])))
+            if rows else jnp.float32(0) for p, rows in rows_of.items()}
+  return {p: sum((jnp.sum(jnp.where(u, n, 0.0)) for n, u in rows), jnp.float32(0))
+          / jnp.maximum(sum((jnp.sum(u) for _, u in rows), jnp.float32(0)), 1.0) for p, rows in rows_of.items()}
+
+
+def _scalable_sums(global_like, group_maps, weight_sums, group_weights, scaled_sums, fallback_sums, norms, valid,
+                   offset, center="mean"):
+  flat_global = flatten(global_like)
+  kernel_paths = [p for p, x in flat_global.items() if is_kernel(p, x)]
+  mu = _cohort_center(group_maps, norms, valid, kernel_paths, center)
 
   zeros = jax.tree.map(jnp.zeros_like, global_like)
   plain, scaled, fallback = zeros, zeros, zeros
@@ -193,31 +207,32 @@ def _scalable_sums(global_like, group_maps, weight_sums, group_weights, scaled_s
 
 def scalable_aggregate(global_model: Variables, client_models: Sequence[Variables], client_weights: Sequence[Any],
                        client_maps: Sequence[SubmodelMap], percentile: float = PERCENTILE, norm: str = "l2",
-                       offset=0) -> tuple[Variables, dict[str, jax.Array]]:
+                       offset=0, center: str = "mean") -> tuple[Variables, dict[str, jax.Array]]:
   """FedFA's aggregation of the clients' (grafted) weights, one client at a time (Alg. 1 lines 12-22).
 
   ``client_maps[c]`` places client ``c``'s variables in the global model (with `hetero.maps.graft` for
   depth grafting, Alg. 2). Returns the new global model (old values where nobody covers an element) and
-  the stats of `scalable_sums`.
+  the stats of `scalable_sums`; ``center`` as there.
   """
-  _check_norm(norm, percentile)
+  _check_norm(norm, percentile, center)
   checks.check_groups("global_model", global_model, client_maps, client_weights, offset, "client_models",
                       client_models)
   checks.check_floating("global_model", global_model)
   checks.check_floating("client_models", client_models)
   return _scalable_aggregate(global_model, list(client_models), [jnp.asarray(w, jnp.float32) for w in client_weights],
-                             tuple(client_maps), float(percentile), norm, offset)
+                             tuple(client_maps), float(percentile), norm, offset, center)
 
 
-@functools.partial(jax.jit, static_argnames=("client_maps", "percentile", "norm"))
-def _scalable_aggregate(global_model, client_models, client_weights, client_maps, percentile, norm, offset):
+@functools.partial(jax.jit, static_argnames=("client_maps", "percentile", "norm", "center"))
+def _scalable_aggregate(global_model, client_models, client_weights, client_maps, percentile, norm, offset, center):
   parts = [_client_parts(m, percentile, norm) for m in client_models]
   scale = lambda tree, w: jax.tree.map(lambda x: jnp.where(w > 0, w * x, jnp.zeros_like(x)), tree)  # (0 * NaN is NaN)
   numerator, denominator, stats = _scalable_sums(
       global_model, client_maps, [scale(m, w) for m, w in zip(client_models, client_weights)], client_weights,
       [scale(p.scaled, w) for p, w in zip(parts, client_weights)],
       [scale(p.fallback, w) for p, w in zip(parts, client_weights)],
-      [jax.tree.map(lambda n: n[None], p.norms) for p in parts], [jnp.ones((1,), bool)] * len(parts), offset)
+      [jax.tree.map(lambda n: n[None], p.norms) for p in parts], [jnp.ones((1,), bool)] * len(parts), offset,
+      center)
   covered = jax.tree.map(lambda d: d > 0, denominator)
   new = jax.tree.map(lambda c, n, d, old: jnp.where(c, n / jnp.where(c, d, 1.0), old).astype(old.dtype), covered,
                      numerator, denominator, global_model)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, TypeVar
 
+from fedjax_hetero.aggregators.fedfa import CENTERS as FEDFA_CENTERS
 from fedjax_hetero.aggregators.fedfa import NORMS as FEDFA_NORMS
 from fedjax_hetero.aggregators.fedfa import PERCENTILE as FEDFA_PERCENTILE
 from fedjax_hetero.aggregators.inco import GRANULARITIES as INCO_GRANULARITIES
@@ -106,14 +107,16 @@ class FedFAOptions(Settings):
                       OneOf(FEDFA_NORMS))
   percentile: float = setting(FEDFA_PERCENTILE, "the norm keeps the weights with |w| at most this percentile of |w|",
                               Number(above=0, maximum=100))
+  center: str = setting("mean", "the cohort's ||M_95|| alpha scales every kernel to: mean (the paper) or median (an "
+                        "ablation that a minority of outsized uploads cannot pull up)", OneOf(FEDFA_CENTERS))
   static_bn: bool = setting(False, "HeteroFL's static BatchNorm, which the paper trains with (Sec. 5.1): no running "
                             "statistics averaged; re-estimated on training samples before each evaluation", Flag())
 
   def __post_init__(self):
     validate(self)
-    if not self.scale and (self.norm != "l2" or self.percentile != FEDFA_PERCENTILE):
-      raise ValueError(f"{cli_name(self, 'norm')}/{cli_name(self, 'percentile')} set the scalable aggregation, "
-                       f"which --no-fedfa-scale turns off")
+    if not self.scale and (self.norm != "l2" or self.percentile != FEDFA_PERCENTILE or self.center != "mean"):
+      raise ValueError(f"{cli_name(self, 'norm')}/{cli_name(self, 'percentile')}/{cli_name(self, 'center')} set the "
+                       f"scalable aggregation, which --no-fedfa-scale turns off")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -131,7 +131,7 @@ def fedfa(o: FedFAOptions) -> Method:
   upload = scaled_upload(o.percentile, o.norm) if o.scale else ()
   static_bn = (static_batch_norm(),) if o.static_bn else ()
   return Method("FedFA", FEDFA_PAPER, "", terms=upload + static_bn,
-                server=(fedfa_aggregation(o.graft, upload or None), steps.apply_delta()), sharing=SHARED,
+                server=(fedfa_aggregation(o.graft, upload or None, o.center), steps.apply_delta()), sharing=SHARED,
                 evaluation_variables=static_batch_norm_evaluation() if o.static_bn else None)
 
 

@@ -133,11 +133,12 @@ class ScaledKernels(NamedTuple):
   scaled: Variables
 
 
-def fedfa_aggregation(graft_layers: bool = True, scaled: tuple[ClientTerm, ClientTerm] | None = None) -> ServerStep:
+def fedfa_aggregation(graft_layers: bool = True, scaled: tuple[ClientTerm, ClientTerm] | None = None,
+                      center: str = "mean") -> ServerStep:
   """FedFA's server step: the mean of the clients' (grafted, scaled) weights over the holders of every
   element, as an update of the federation's model (old values where nobody held an element); logs
   alpha's range and the zero-norm fallbacks under "fedfa" when scaling, i.e. given the `scaled_upload`
-  terms ``scaled``, whose uploads it reads."""
+  terms ``scaled``, whose uploads it reads, to the cohort's ``center`` norm (`aggregators.fedfa_scalable_sums`)."""
 
   def maps_of(federation: Federation) -> Sequence[SubmodelMap]:
     return grafted_maps(federation) if graft_layers else federation.maps
@@ -155,7 +156,7 @@ def fedfa_aggregation(graft_layers: bool = True, scaled: tuple[ClientTerm, Clien
       sums = inputs.uploads(scaled[0])
       num, den, stats = aggregators.fedfa_scalable_sums(
           carry.model, maps, weight_sums, inputs.weights, [u.scaled for u in sums],
-          [u.fallback for u in sums], inputs.uploads(scaled[1]), inputs.valid, inputs.offset)
+          [u.fallback for u in sums], inputs.uploads(scaled[1]), inputs.valid, inputs.offset, center)
       metrics = {**metrics, NAME: stats}
     else:
       num, den = aggregators.heterogeneous_sums(weight_sums, inputs.weights, maps, carry.model, inputs.offset)

@@ -13,13 +13,14 @@ to its YNNPACK library kernels, which train the CNNs 1.2-1.8x faster than XLA's 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import gc
 import os
 import threading
 import warnings
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import jax
 import numpy as np
@@ -297,20 +298,53 @@ class LaunchCount:
       self._directory.cleanup()
 
 
+_running: set[concurrent.futures.Future] = set()  # the jobs of `compile_threads` not ended yet
+
+
+def compiling() -> bool:
+  """Whether a `compile_threads` job runs in this process (XLA cannot stop a compile: `run.interruption`)."""
+  return any(not job.done() for job in list(_running))
+
+
+@contextlib.contextmanager
+def compile_threads(workers: int, wait: bool = True) -> Iterator[Callable[..., concurrent.futures.Future]]:
+  """``submit(fn, *args)`` running jobs on ``workers`` threads, tracked by `compiling`. The block's end waits for
+  them if ``wait``, unless an exception (a Ctrl-C) leaves it: then the jobs not started are dropped and the running
+  ones are not waited for."""
+  pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="fedjax_hetero-compile")
+
+  def submit(fn: Callable, *args) -> concurrent.futures.Future:
+    job = pool.submit(fn, *args)
+    _running.add(job)
+    job.add_done_callback(_running.discard)
+    return job
+
+  try:
+    yield submit
+  except BaseException:
+    pool.shutdown(wait=False, cancel_futures=True)
+    raise
+  pool.shutdown(wait=wait)
+
+
 def compile_side_by_side(jobs: list[Callable[[], Any]]) -> None:
   """Runs compile jobs in threads: XLA compiles one program per core, and jit's cache keeps the results,
   so the calls that follow find their programs compiled."""
-  with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-    list(pool.map(lambda job: job(), jobs))  # re-raises a job's error
+  with compile_threads(len(jobs)) as submit:
+    for job in [submit(job) for job in jobs]:
+      job.result()  # re-raises a job's error
 
 
 def compile_beside(jitted: Any, *args) -> concurrent.futures.Future:
   """``jitted``'s program for ``args`` compiled in a thread of its own, beside what the caller compiles next (XLA
   compiles one program per core); jit's cache keeps it, so a call after the future's result finds it compiled."""
-  pool = concurrent.futures.ThreadPoolExecutor(1)
-  compiling = pool.submit(lambda: jitted.lower(*args).compile())
-  pool.shutdown(wait=False)
-  return compiling
+  return in_background(lambda: jitted.lower(*args).compile())
+
+
+def in_background(job: Callable[[], Any]) -> concurrent.futures.Future:
+  """``job`` run on a thread of its own (a `compile_threads` job) while the caller goes on."""
+  with compile_threads(1, wait=False) as submit:
+    return submit(job)
 
 
 # Shapes of the data and the cohort whose chunk programs a `ChunkPrograms` keeps compiled.

@@ -117,8 +117,8 @@ def test_a_signal_in_a_jobs_first_run_advises_what_continues_the_whole_job(tmp_p
   --resume refused their folders; then the run's line advised --resume and the job's --resume-or-start.)"""
   one_round, sent = runner._Run._round, []
 
-  def round_then_signal(self):
-    error = one_round(self)
+  def round_then_signal(self, stop):
+    error = one_round(self, stop)
     if not sent:
       sent.append(signal.raise_signal(signal.SIGINT))
     return error

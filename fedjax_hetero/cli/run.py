@@ -31,7 +31,7 @@ from fedjax_hetero.methods import get_entry
 from fedjax_hetero.methods.catalog import readers
 from fedjax_hetero.run.build import run_method
 from fedjax_hetero.run.continuation import keep_latest_local_training
-from fedjax_hetero.run.interruption import Interrupted, one_line_on_signals
+from fedjax_hetero.run.interruption import Interrupted, ending_on_signal, one_line_on_signals
 from fedjax_hetero.run.jobs import parse_sweep, run_jobs, runs_of, sweep_names
 from fedjax_hetero.run.preflight import check_settings
 from fedjax_hetero.run.runner import run_checked
@@ -315,7 +315,7 @@ def _run(runs: Sequence[RunConfig], train: Callable[[], list[dict[str, Any]]], m
     with distributed.lost_process_named():  # (a collective failing as another process died: one line naming it)
       summaries = train()
   except Interrupted as e:  # the run wrote its folder and said how to resume
-    raise SystemExit(e.exit_status) from None
+    raise ending_on_signal(e.exit_status) from None
   except (ValueError, fdata.DataNotFoundError, FloatingPointError) as e:
     fail(str(e))
   except (OSError, MemoryError) as e:  # one line for every OS error

@@ -26,8 +26,8 @@ restores). See docs/costs.md.
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
+import threading
 from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
 import jax
@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax.extend.core import Literal
 
 from fedjax_hetero.client.terms import ClientFinal
+from fedjax_hetero.compilation import in_background
 from fedjax_hetero.rounds.spec import RoundSpec
 
 Row = dict[str, Any]
@@ -198,20 +199,26 @@ def static_costs(spec: RoundSpec) -> dict[str, GroupCost]:
   return {g.name: group_cost(spec, i) for i, g in enumerate(spec.groups)}
 
 
+_IN_TURN = threading.Lock()  # (several runs' accounting: one after another, as one GIL runs them anyway)
+
+
+def _static_costs_in_turn(spec: RoundSpec) -> dict[str, GroupCost]:
+  with _IN_TURN:
+    return static_costs(spec)
+
+
 class InBackground(Mapping):
   """`static_costs` of a spec, traced on a thread of their own from `start` on: a run starts them once its first
   program is traced (`Simulation.run_call`'s ``while_compiling``: their Python would slow the tracing), and XLA
   compiles it meanwhile, outside Python, so the accounting adds little to the run's time. Read as the mapping it
   becomes (the first read starts it if nothing has, and waits for it)."""
 
-  _pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fedjax_hetero-costs")
-
   def __init__(self, spec: RoundSpec):
     self._spec, self._costs = spec, None
 
   def start(self) -> None:
     if self._costs is None:
-      self._costs = self._pool.submit(static_costs, self._spec)
+      self._costs = in_background(lambda: _static_costs_in_turn(self._spec))
 
   def _result(self) -> dict[str, GroupCost]:
     self.start()

@@ -19,13 +19,13 @@ per-client evaluation, every client's on its held-out samples: `rounds.client_ev
 
 from __future__ import annotations
 
-import concurrent.futures
 from typing import TYPE_CHECKING, Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_hetero.compilation import compile_threads
 from fedjax_hetero.models.evaluation import EVAL_BATCH, count_correct
 from fedjax_hetero.rounds import client_eval, cohort
 from fedjax_hetero.rounds.backends import Backend, copy_tree
@@ -77,8 +77,8 @@ class HostCohorts:
     if self._warm or jax.process_count() > 1:
       trained = [train(g) for g in groups]
     else:
-      with concurrent.futures.ThreadPoolExecutor(len(spec.groups)) as pool:
-        trained = list(pool.map(train, groups))
+      with compile_threads(len(spec.groups)) as submit:
+        trained = [job.result() for job in [submit(train, g) for g in groups]]
     results, memory = [], list(state.memory)
     for g, result in enumerate(trained):
       empty = self._empty_result(spec, g, starts[g], shares[g], state)  # (made in the first round, for every group)

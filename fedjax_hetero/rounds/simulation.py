@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_hetero.compilation import compile_beside, mapping_headroom
+from fedjax_hetero.compilation import compile_beside, in_background, mapping_headroom
 from fedjax_hetero.config.run import AUTO_ROUNDS_PER_CALL, ROUND_PROGRAMS
 from fedjax_hetero.methods.api import Method
 from fedjax_hetero.models.evaluation import ACCELERATOR_EVAL_BATCH, EVAL_BATCH
@@ -136,6 +136,16 @@ def run_pieces(call: Call, evaluate: Collection[int], carry: tuple, t0: float, r
   return carry, pieces, seconds
 
 
+def _done_unless(job: concurrent.futures.Future, stop_requested: Callable[[], bool] | None) -> bool:
+  """Waits for ``job`` (raising its error); False as soon as ``stop_requested()`` is true while it runs."""
+  while stop_requested is not None and not job.done():
+    if stop_requested():
+      return False
+    concurrent.futures.wait([job], timeout=0.05)
+  job.result()
+  return True
+
+
 def piece_rows(count: int, outputs: Any, counts: Any, at: tuple[int, ...] = ()) -> list[RoundOutputs]:
   """A piece's ``count`` rounds' outputs (of `run_pieces`; ``at``: the leading indices before the rounds axis, a
   run's), its last round's with the evaluation's ``counts`` where it was evaluated."""
@@ -215,10 +225,13 @@ class Simulation:
     return state, rows
 
   def run_call(self, state: ServerState, count: int, evaluate: Collection[int],
-               while_compiling: Callable[[], Any] | None = None) -> tuple[ServerState, list[dict]]:
+               while_compiling: Callable[[], Any] | None = None,
+               stop_requested: Callable[[], bool] | None = None) -> tuple[ServerState, list[dict]]:
     """One call of ``count`` rounds (at most ``rounds_per_call``, with one static plan) from ``state``, whose client
     memory it consumes: the new state and the rounds' rows. ``while_compiling``: work for another thread, started
-    once the call's program is traced (at once on the host loop), so that its Python does not slow the tracing."""
+    once the call's program is traced (at once on the host loop), so that its Python does not slow the tracing.
+    If ``stop_requested()`` turns true while the first call's program compiles (`compile_first_call_beside`), the
+    call returns ``state`` and no rows at once; the compile goes on, for a later call."""
     t0 = time.perf_counter()
     spec, in_program = self.spec, self.cohorts.in_program
     call = self._plan(state, count, evaluate)
@@ -227,9 +240,10 @@ class Simulation:
       raise ValueError(f"a round of {spec.method.name} has {most} participants; the union mapping holds "
                        f"--clients-per-round ({capacity}): use --round-program fused")
     if in_program:
-      first_call = self._compiling.pop("first call", None)
-      if first_call is not None:
-        first_call.result()  # (`compile_first_call_beside`'s: this call's program is then compiled, or it failed)
+      first_call = self._compiling.get("first call")
+      if first_call is not None and not _done_unless(first_call, stop_requested):
+        return state, []
+      self._compiling.pop("first call", None)  # (its program is then compiled, or it failed: `result` raised)
       data, program = RoundData.of(spec, self.cohorts.arguments()), self.program(call.statics)
       pieces, beside = call.pieces(evaluate), [while_compiling] if while_compiling else []
       if any(call.first + end in evaluate for _, end in pieces):
@@ -287,9 +301,7 @@ class Simulation:
                            RoundData.of(self.spec, self.cohorts.arguments()), program=self.program(call.statics),
                            beside=[while_compiling] if while_compiling else [])
 
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fedjax_hetero-first-call")
-    self._compiling["first call"] = pool.submit(compile_program)
-    pool.shutdown(wait=False)
+    self._compiling["first call"] = in_background(compile_program)
 
   def _compile_traced(self, *args, program: Any, beside: Sequence[Callable[[], Any]]) -> None:
     """``program``'s first call for ``args`` traced and lowered here, then compiled while the work ``beside`` starts

@@ -12,15 +12,18 @@ host, the launcher's to all) stops every process after the same call, each savin
 
 from __future__ import annotations
 
+import concurrent.futures.thread  # noqa: F401 (registers its exit handler, which waits for its threads, before `_exit_now`)
 import contextlib
+import os
 import signal
 import sys
 import threading
 from typing import Callable, Iterator, Sequence
 
+import jax
 import numpy as np
 
-from fedjax_hetero import distributed
+from fedjax_hetero import compilation, distributed
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -43,11 +46,36 @@ class _Terminated(KeyboardInterrupt):
     self.signum = signum
 
 
+_ending_status: int | None = None  # the exit status a signal ends this command with (`ending_on_signal`)
+
+
+def ending_on_signal(status: int) -> SystemExit:
+  """The `SystemExit` that ends the command on a signal, with ``status``. If a program is still compiling on a
+  thread when the interpreter exits (`compilation.compiling`), the process ends then without waiting for it: XLA's
+  compile cannot be stopped, and a round program's takes minutes on a busy CPU."""
+  global _ending_status
+  _ending_status = status
+  return SystemExit(status)
+
+
+def _exit_now() -> None:
+  if _ending_status is not None and compilation.compiling():
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_ending_status)
+
+
+threading._register_atexit(_exit_now)  # (private: the hook the interpreter runs before it waits for threads)
+
+
 @contextlib.contextmanager
 def one_line_on_signals() -> Iterator[None]:
   """Around a whole command: a Ctrl-C or SIGTERM that comes where no run's training loop holds them (while flags
   parse, data loads or a first program compiles) ends it with one line and the shell's status, not a traceback.
   A folder it leaves holds no run, or the run as far as its checkpoints go: --resume-or-start goes on from it."""
+  global _ending_status
+  _ending_status = None
+
   def terminated(signum: int, frame) -> None:
     raise _Terminated(signum)
 
@@ -62,7 +90,7 @@ def one_line_on_signals() -> Iterator[None]:
     signum = getattr(e, "signum", signal.SIGINT)
     print(f"{signal.Signals(signum).name}: stopped with no round in progress; to go on, run the same command with "
           "--resume-or-start", file=sys.stderr)
-    raise SystemExit(128 + signum) from None
+    raise ending_on_signal(128 + signum) from None
   finally:
     if previous is not None:
       signal.signal(signal.SIGTERM, previous)
@@ -100,6 +128,7 @@ class StopRequests:
   def __init__(self, log: Callable[[str], None]):
     self.enabled = threading.current_thread() is threading.main_thread()
     self.log, self.requested, self._previous = log, None, {}
+    self.in_progress = "the round in progress"  # (what a signal waits for: a runner names its call's rounds)
     self._outer: StopRequests | None = None
     self._kept = contextlib.ExitStack()  # (`interrupts_not_swallowed`: a second Ctrl-C raises)
 
@@ -110,7 +139,7 @@ class StopRequests:
       return  # (stopping already: a SIGTERM after a Ctrl-C, as the launcher passes one on, keeps the first reason)
     self.requested = signum
     again = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""
-    self.log(f"{signal.Signals(signum).name}: stopping after the round in progress{again}")
+    self.log(f"{signal.Signals(signum).name}: stopping after {self.in_progress}{again}")
 
   def __enter__(self) -> "StopRequests":
     if self.enabled:
@@ -127,6 +156,13 @@ class StopRequests:
       signal.signal(signum, handler)
     if self._outer is not None and self.requested is not None:
       self._outer.requested = self.requested
+
+  def calling(self, rounds: range) -> Callable[[], bool] | None:
+    """Names the call of ``rounds`` a signal waits for; returns whether one came, for the call to end early while its
+    program compiles, in a single-process run (processes stop at the same call: `agree`)."""
+    first, last = rounds[0], rounds[-1]
+    self.in_progress = f"round {first}" if first == last else f"rounds {first}-{last}, one program call"
+    return (lambda: self.requested is not None) if jax.process_count() == 1 else None
 
   def agree(self, time_up: Sequence[bool]) -> tuple[int | None, tuple[bool, ...]]:
     """What every process does at the end of a call: stop on the signal any of them got (the highest number

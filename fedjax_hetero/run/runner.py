@@ -44,17 +44,19 @@ __all__ = ["advance", "run_experiment"]
 Log = Callable[[str], None]
 
 
-def advance(sim: Simulation, state: ServerState, config: RunConfig,
-            while_compiling: Callable[[], Any] | None = None) -> tuple[ServerState, list[dict[str, Any]]]:
-  """The training loop's one step: ``state`` advanced by one call of the simulation, which ends at the next
-  checkpoint round or the last round (a call is the unit of checkpoints, of the divergence stop and of a stop
-  request; on the host loop it is one round), and its rounds' metrics rows (with the test accuracy on evaluation
-  rounds and after the last). ``state`` is consumed (a rollback restores)."""
+def advance(sim: Simulation, state: ServerState, config: RunConfig, while_compiling: Callable[[], Any] | None = None,
+            stop: StopRequests | None = None) -> tuple[ServerState, list[dict[str, Any]]]:
+  """The training loop's one step: ``state`` (consumed: a rollback restores) advanced by one call of the simulation,
+  which ends at the next checkpoint round or the last round (the unit of checkpoints, of the divergence stop and of
+  a stop request; one round on the host loop), and its rounds' metrics rows (with the test accuracy on evaluation
+  rounds and after the last). A signal to the run's ``stop`` names the call's rounds; in a single-process run (the
+  processes stop at the same call) one that comes while the call's program compiles beside the setup ends it early
+  with no round."""
   every = config.output.checkpoint_every
   count = sim.call_length(state.round, min(config.rounds, (state.round // every + 1) * every))
-  evaluate = {r for r in range(state.round + 1, state.round + count + 1)
-              if r % config.eval_every == 0 or r == config.rounds}
-  return sim.run_call(state, count, evaluate, while_compiling)
+  rounds = range(state.round + 1, state.round + count + 1)
+  return sim.run_call(state, count, {r for r in rounds if r % config.eval_every == 0 or r == config.rounds},
+                      while_compiling, stop and stop.calling(rounds))
 
 
 def _quiet(_: str) -> None:
@@ -204,7 +206,7 @@ class _Run:
         try:
           signum, (late,) = stop.agree([False])
           while self.state.round < self.config.rounds and signum is None and not late:
-            error = self._round()
+            error = self._round(stop)
             if error is not None:
               self._recover(error)
             signum, (late,) = stop.agree([self.time_up()])
@@ -260,14 +262,14 @@ class _Run:
              f"to continue, rerun the same command with --resume (results so far in {self.out})")
     raise Interrupted(signum, done)
 
-  def _round(self) -> DivergenceError | None:
+  def _round(self, stop: StopRequests) -> DivergenceError | None:
     """One call of rounds (`advance`) trained, logged and checkpointed; the divergence it shows, if any (the
     state then stays where it was, and the call's rows after the diverged round are dropped)."""
     try:
-      state, rows = advance(self.sim, self.state, self.config, self.static_costs.start)
+      state, rows = advance(self.sim, self.state, self.config, self.static_costs.start, stop)
     except NonFiniteLossError as e:
       return self.diverged(e)
-    return self.accept(state, rows)
+    return self.accept(state, rows) if rows else None  # (none: stopped before the call)
 
   def diverged(self, error: NonFiniteLossError) -> DivergenceError:
     """A non-finite loss or model of the next call as the divergence it shows. With the guard off the run stops
@@ -379,9 +381,7 @@ class _Run:
         "backend": self.sim.cohorts.name,
         "client_terms": [t.name for t in spec.method.terms],
         "server_steps": [s.name for s in spec.method.server],
-        "platform": jax.default_backend(),
-        "processes": jax.process_count(),
-        "devices": jax.device_count(),
+        "platform": jax.default_backend(), "processes": jax.process_count(), "devices": jax.device_count(),
         "parameters_per_group": {g.name: m.num_owned() for g, m in zip(spec.groups, spec.maps)},
         "costs": costs.summary_costs(self.static_costs, rows),
         **({"privacy": privacy_accounting.summary_privacy(self.config, rows)} if self.config.privacy.on else {}),

@@ -139,7 +139,8 @@ def check_command(command: list[str]) -> None:
   elif args[0] == "-m":
     check_module(args[1], args[2:])
   else:
-    scripts = ("scripts/convert_inco_split.py", "scripts/plot_fedfa_attackers.py")  # (argparse first in main)
+    scripts = ("scripts/convert_inco_split.py", "scripts/plot_fedfa_attackers.py",
+               "scripts/plot_fedfa_intensity.py")  # (argparse first in main)
     assert args[0] in scripts, f"no check for `python {args[0]}`"
     spec = importlib.util.spec_from_file_location("doc_script", os.path.join(REPO, args[0]))
     module = importlib.util.module_from_spec(spec)

@@ -255,7 +255,7 @@ def test_ctrl_c_in_a_job_stops_every_run_after_the_call_and_resume_reaches_the_u
     run_together(runs, dataset, log=logs.append)
   monkeypatch.undo()
   assert info.value.completed_round == 1 and info.value.exit_status == 130
-  assert any(line.startswith("SIGINT: stopping after the round in progress") for line in logs), logs
+  assert "SIGINT: stopping after round 1 (Ctrl-C again to stop at once)" in logs, logs
   for run in runs:
     assert summary_of(run.output.dir)["interrupted"] == {"signal": "SIGINT", "completed_round": 1}
     assert [r["round"] for r in rows_of(run.output.dir)] == [1]

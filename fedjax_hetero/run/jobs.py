@@ -299,7 +299,7 @@ class _Together:
     with StopRequests(self.log) as stop:  # also while the runs end: a signal then waits for their files
       try:
         signum, late = stop.agree([False] * len(self.runs))
-        while signum is None and not any(late) and self._step():
+        while signum is None and not any(late) and self._step(stop):
           signum, late = stop.agree([r.time_up() for r in self.runs])
         if signum is not None:
           self._interrupt(signum)
@@ -322,8 +322,8 @@ class _Together:
         raise stop
     return summaries
 
-  def _step(self) -> bool:
-    """One call of the runs at the earliest round; False when every run is done."""
+  def _step(self, signals: StopRequests) -> bool:
+    """One call of the runs at the earliest round (the rounds a signal waits for); False when every run is done."""
     active = [i for i, r in enumerate(self.runs)
               if r.state.round < r.config.rounds and i not in self.stopped and i not in self.alone]
     if not active:
@@ -335,6 +335,7 @@ class _Together:
     count = self.batch.call_length(chosen, done, stop)
     config = self.runs[chosen[0]].config
     evaluate = {r for r in range(done + 1, done + count + 1) if r % config.eval_every == 0 or r == config.rounds}
+    signals.calling(range(done + 1, done + count + 1))
     results = self.batch.run(chosen, [self.runs[i].state for i in chosen], count, evaluate)
     for i, (state, rows) in zip(chosen, results):
       run = self.runs[i]

@@ -2,8 +2,8 @@
 
 Each attacked run's test accuracy minus its own method's clean run of the same seed, averaged over the evaluated
 rounds, then over the seeds (the bars: the two seeds), at lambda 1, 5 and 20; FedFA with alpha taken to the cohort's
-median norm (``--fedfa-center median``) beside the paper's mean, and FedFA's two parts alone where they ran. The runs
-are scripts/repro_fedfa.sh's (``_largest1``, ``_largest5``, ``_largest`` for lambda 20).
+median norm (``--fedfa-center median``) beside the paper's mean, and FedFA's two parts alone (points where they ran:
+lambda 1 and 20). The runs are scripts/repro_fedfa.sh's (``_largest1``, ``_largest5``, ``_largest`` for lambda 20).
 
     python scripts/plot_fedfa_intensity.py runs/repro/fedfa docs/repro/fedfa_intensity.png
 """
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     scales = np.array([p[0] for p in points])
     per_seed = np.array([p[1] for p in points])
     axes.errorbar(scales, per_seed.mean(1), yerr=np.ptp(per_seed, 1) / 2, color=color, marker="o", capsize=3,
-                  linestyle="-" if len(points) > 1 else "none", label=label)
+                  linestyle="-" if len(points) == len(INTENSITIES) else "none", label=label)
     for scale, seeds in zip(scales, per_seed):
       print(f"{label}, lambda {scale}: {seeds.mean():.2f} points a round, seeds {seeds.round(2).tolist()}")
   axes.set_xscale("log")

@@ -110,6 +110,8 @@ def test_a_stop_requested_while_the_first_call_compiles_returns_no_round():
   compiling.set_result(None)  # the compile ended: the next call runs
   after, rows = sim.run_call(state, 1, (), stop_requested=lambda: False)
   assert after.round == 1 and len(rows) == 1 and "first call" not in sim._compiling
+  asked = []  # a call compiling its own program: a stop asked meanwhile is seen once it is compiled
+  assert sim.run_call(after, 2, (), stop_requested=lambda: asked.append(1) or True) == (after, []) and asked == [1]
 
 
 STOPPED_WHILE_COMPILING = """

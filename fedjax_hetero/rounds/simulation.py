@@ -230,8 +230,9 @@ class Simulation:
     """One call of ``count`` rounds (at most ``rounds_per_call``, with one static plan) from ``state``, whose client
     memory it consumes: the new state and the rounds' rows. ``while_compiling``: work for another thread, started
     once the call's program is traced (at once on the host loop), so that its Python does not slow the tracing.
-    If ``stop_requested()`` turns true while the first call's program compiles (`compile_first_call_beside`), the
-    call returns ``state`` and no rows at once; the compile goes on, for a later call."""
+    If ``stop_requested()`` turns true while the call's program compiles, the call returns ``state`` and no rows:
+    at once while the first call's compiles on its thread (`compile_first_call_beside`, which goes on for a later
+    call), else once it is compiled."""
     t0 = time.perf_counter()
     spec, in_program = self.spec, self.cohorts.in_program
     call = self._plan(state, count, evaluate)
@@ -250,6 +251,8 @@ class Simulation:
         beside.append(lambda: self._compile_evaluation(state, data))
       self._compile_traced((state.models, state.steps), state.memory, call.inputs, np.int32(pieces[0][1]), data,
                            program=program, beside=beside)  # (as `run_pieces` calls it first: from round 0)
+      if stop_requested is not None and stop_requested():  # (a signal waits for a compile on this thread)
+        return state, []
 
       def evaluation(index, server):
         self._compiling["evaluation"].result()  # (compiled)

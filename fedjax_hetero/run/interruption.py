@@ -12,7 +12,7 @@ host, the launcher's to all) stops every process after the same call, each savin
 
 from __future__ import annotations
 
-import concurrent.futures.thread  # noqa: F401 (registers its exit handler, which waits for its threads, before `_exit_now`)
+import concurrent.futures.thread  # noqa: F401 (its exit handler waits for its threads: registered before `_exit_now`)
 import contextlib
 import os
 import signal

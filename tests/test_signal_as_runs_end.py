@@ -165,3 +165,31 @@ def test_a_ctrl_c_while_a_command_imports_is_one_line(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGINT, err
     assert err.strip() == "SIGINT: stopped while the command started; nothing was done", err
+
+
+def test_a_signal_while_the_first_call_compiles_ends_the_run_before_any_round(tmp_path, monkeypatch):
+  """(Found by hand: a Ctrl-C while a fresh run's first program call compiled waited for the compile and the call's
+  rounds, 112 s on a busy 2-core VM.) The run ends with no round, not waiting for its cost accounting either, and
+  --resume trains it as a fresh run would."""
+  from fedjax_hetero.rounds import Simulation
+  run_call, logs = Simulation.run_call, []
+
+  def signal_while_compiling(self, *args, **kwargs):
+    signal.raise_signal(signal.SIGINT)  # (the handler only records it: the call sees it as its program compiles)
+    return run_call(self, *args, **kwargs)
+
+  monkeypatch.setattr(Simulation, "run_call", signal_while_compiling)
+  config = tiny(tmp_path / "run", round_program="fused", checkpoint_every=2)
+  with pytest.raises(Interrupted) as info:
+    runner.run_experiment(config, synthetic_dataset(num_train=240, num_test=64, seed=0), log=logs.append)
+  monkeypatch.undo()
+  assert info.value.completed_round == 0 and "SIGINT: stopping after rounds 1-2, one program call (Ctrl-C again to stop " \
+      "at once)" in logs, logs
+  with open(os.path.join(config.output.dir, "summary.json")) as f:
+    summary = json.load(f)
+  assert summary["interrupted"] == {"signal": "SIGINT", "completed_round": 0} and summary["costs"] is None
+  resumed = runner.run_experiment(config.replace(resume=True), synthetic_dataset(num_train=240, num_test=64, seed=0),
+                                  log=lambda _: None)
+  fresh = runner.run_experiment(tiny(tmp_path / "fresh", round_program="fused", checkpoint_every=2),
+                                synthetic_dataset(num_train=240, num_test=64, seed=0), log=lambda _: None)
+  assert resumed["final_accuracy"] == fresh["final_accuracy"] and resumed["costs"] == fresh["costs"]

@@ -347,7 +347,8 @@ class _Run:
     if self.kept_summary is not None and stopped is None and interrupted is None:
       self._plot(only_if_missing=True)
       return self.kept_summary
-    summary = {**self.summary(stopped), "interrupted": interrupted, "stopped_after": self.stopped_after}
+    summary = {**self.summary(stopped, waits=interrupted is None or bool(self.rows)), "interrupted": interrupted,
+               "stopped_after": self.stopped_after}
     if self.main:
       with open(os.path.join(self.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
@@ -363,7 +364,8 @@ class _Run:
       plot_accuracy(self.rows, path, f"{self.sim.spec.method.name} on {self.config.data.dataset} "
                     f"({self.config.data.partition})")
 
-  def summary(self, stopped: dict[str, Any] | None) -> dict[str, Any]:
+  def summary(self, stopped: dict[str, Any] | None, waits: bool = True) -> dict[str, Any]:
+    """summary.json's fields (``costs`` None unless ``waits``: a run stopped before a round does not wait for them)."""
     rows, spec = self.rows, self.sim.spec
     evaluated = [r for r in rows if r.get("test_accuracy")]
     best = max(evaluated, key=lambda r: (r["test_accuracy"]["mean"], r["round"])) if evaluated else None
@@ -379,14 +381,12 @@ class _Run:
         "train_seconds_all_rounds": train_seconds,
         "mean_samples_per_s": sum(r["examples"] for r in rows) / max(train_seconds, 1e-9),
         "backend": self.sim.cohorts.name,
-        "client_terms": [t.name for t in spec.method.terms],
-        "server_steps": [s.name for s in spec.method.server],
+        "client_terms": [t.name for t in spec.method.terms], "server_steps": [s.name for s in spec.method.server],
         "platform": jax.default_backend(), "processes": jax.process_count(), "devices": jax.device_count(),
         "parameters_per_group": {g.name: m.num_owned() for g, m in zip(spec.groups, spec.maps)},
-        "costs": costs.summary_costs(self.static_costs, rows),
+        "costs": costs.summary_costs(self.static_costs, rows) if waits else None,
         **({"privacy": privacy_accounting.summary_privacy(self.config, rows)} if self.config.privacy.on else {}),
-        "segments": self.history.spans(final_round),
-        "rollbacks": list(self.history.rollbacks),
+        "segments": self.history.spans(final_round), "rollbacks": list(self.history.rollbacks),
         "stopped_by_divergence": stopped,
         "config": as_dict(self.config),
         # The backdoor attack's malicious client ids (`fedjax_hetero.client.attack`), only when it is on.

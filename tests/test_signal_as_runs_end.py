@@ -183,8 +183,8 @@ def test_a_signal_while_the_first_call_compiles_ends_the_run_before_any_round(tm
   with pytest.raises(Interrupted) as info:
     runner.run_experiment(config, synthetic_dataset(num_train=240, num_test=64, seed=0), log=logs.append)
   monkeypatch.undo()
-  assert info.value.completed_round == 0 and "SIGINT: stopping after rounds 1-2, one program call (Ctrl-C again to stop " \
-      "at once)" in logs, logs
+  assert info.value.completed_round == 0, info.value
+  assert "SIGINT: stopping after rounds 1-2, one program call (Ctrl-C again to stop at once)" in logs, logs
   with open(os.path.join(config.output.dir, "summary.json")) as f:
     summary = json.load(f)
   assert summary["interrupted"] == {"signal": "SIGINT", "completed_round": 0} and summary["costs"] is None

@@ -65,7 +65,8 @@ def _exit_now() -> None:
     os._exit(_ending_status)
 
 
-threading._register_atexit(_exit_now)  # (private: the hook the interpreter runs before it waits for threads)
+if hasattr(threading, "_register_atexit"):  # (private: the hook Python runs before it waits for threads at exit)
+  threading._register_atexit(_exit_now)
 
 
 @contextlib.contextmanager

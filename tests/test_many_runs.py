@@ -266,6 +266,31 @@ def test_ctrl_c_in_a_job_stops_every_run_after_the_call_and_resume_reaches_the_u
 
 
 @pytest.mark.slow
+def test_ctrl_c_while_a_jobs_program_compiles_stops_its_runs_before_the_call(tmp_path, monkeypatch,
+                                                                              straight_seeds_job):
+  dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)
+  runs = seeds_job(tmp_path / "job")
+  compiled, sent = ManyRuns._compiled, []
+
+  def ctrl_c_while_compiling(self, *args, **kwargs):
+    if not sent:
+      sent.append(signal.raise_signal(signal.SIGINT))  # (its handler records it; the call sees it once compiled)
+    return compiled(self, *args, **kwargs)
+
+  monkeypatch.setattr(ManyRuns, "_compiled", ctrl_c_while_compiling)
+  with pytest.raises(Interrupted) as info:
+    run_together(runs, dataset, log=lambda _: None)
+  monkeypatch.undo()
+  assert info.value.completed_round == 0
+  for run in runs:
+    assert summary_of(run.output.dir)["interrupted"] == {"signal": "SIGINT", "completed_round": 0}
+    assert rows_of(run.output.dir) == []
+  run_together([r.replace(resume=True) for r in runs], dataset, log=lambda _: None)
+  for run, want in zip(runs, straight_seeds_job, strict=True):
+    same_rows(rows_of(run.output.dir), want)
+
+
+@pytest.mark.slow
 def test_stop_after_ends_every_run_of_a_job_at_the_call_and_resume_reaches_the_uninterrupted_rows(
     tmp_path, straight_seeds_job):
   dataset = synthetic_dataset(num_train=240, num_test=64, seed=0)

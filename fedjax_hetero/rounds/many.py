@@ -341,11 +341,12 @@ class ManyRuns:
                                cohorts=tuple(c._replace(steps=c.steps.max(0)) for c in inputs.cohorts))
     return inputs
 
-  def run(self, runs: Sequence[int], states: Sequence[ServerState], count: int, evaluate: Collection[int]
-          ) -> list[tuple[ServerState, list[dict] | Exception]]:
+  def run(self, runs: Sequence[int], states: Sequence[ServerState], count: int, evaluate: Collection[int],
+          stop_requested: Callable[[], bool] | None = None) -> list[tuple[ServerState, list[dict] | Exception]]:
     """``count`` rounds of each run in ``runs`` (indices into the simulations) from its state in ``states`` (all at
     one round; their client memory is consumed), one call (`call_length`): per run its new state and rows, or the
-    error its rows raised (`rows.NonFiniteLossError`)."""
+    error its rows raised (`rows.NonFiniteLossError`); its state and no rows if ``stop_requested()`` turned true
+    while the first chunk's program compiled."""
     calls, statics = self.plan(runs, states, count, evaluate)
     args_of = lambda chunk: self.arguments(chunk, runs, calls, states, count)
     # Started once per count of runs, before the memory budget chunks them: the first count it tries is a guess (a
@@ -356,6 +357,8 @@ class ManyRuns:
     results = []
     for chunk in self.chunks(list(runs), statics, args_of):
       program = self._compiled(statics, args := args_of(chunk))
+      if not results and stop_requested is not None and stop_requested():  # (a signal waited for the compile)
+        return [(state, []) for state in states]
       values, server, memory, inputs, _, data = args
       own_calls = [calls[runs.index(r)] for r in chunk]
 

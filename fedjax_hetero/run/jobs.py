@@ -335,11 +335,11 @@ class _Together:
     count = self.batch.call_length(chosen, done, stop)
     config = self.runs[chosen[0]].config
     evaluate = {r for r in range(done + 1, done + count + 1) if r % config.eval_every == 0 or r == config.rounds}
-    signals.calling(range(done + 1, done + count + 1))
-    results = self.batch.run(chosen, [self.runs[i].state for i in chosen], count, evaluate)
+    results = self.batch.run(chosen, [self.runs[i].state for i in chosen], count, evaluate,
+                             signals.calling(range(done + 1, done + count + 1)))
     for i, (state, rows) in zip(chosen, results):
       run = self.runs[i]
-      error = run.diverged(rows) if isinstance(rows, Exception) else run.accept(state, rows)
+      error = run.diverged(rows) if isinstance(rows, Exception) else run.accept(state, rows) if rows else None
       if error is not None:
         self._recover(i, error)
     return True

@@ -160,7 +160,8 @@ def test_a_ctrl_c_while_a_command_imports_is_one_line(tmp_path):
     delay = start + fraction * (imported - start)
     with sigint_as_from_a_terminal():
       proc = subprocess.Popen([sys.executable, "-m", "experiments.fmnist", "--dataset", "synthetic", "--output-dir",
-                               str(tmp_path / "o")], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               str(tmp_path / "o")], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
     time.sleep(delay)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)

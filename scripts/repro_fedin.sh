@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # FedIN's Fashion-MNIST experiment at CPU size (docs/reproduction.md, "FedIN"): HeteroAvg, HeteroProx and FedIN
-# x seeds 0 and 1 with --preset fedin-cpu, then InclusiveFL, then FedIN's ablations (Table VII: HeteroProx is
-# "w/o IN"; the plain sum of gradients; the Eq. 13 projection; then the history bank), on the seeds in
-# ABLATION_SEEDS (default "0 1"). Each run resumes if interrupted; finished runs are skipped.
+# x the seeds in SEEDS (default "0 1") with --preset fedin-cpu, then InclusiveFL (seeds 0 and 1), then FedIN's
+# ablations (Table VII: HeteroProx is "w/o IN"; the plain sum of gradients; the Eq. 13 projection; then the history
+# bank), on the seeds in ABLATION_SEEDS (default "0 1"). Each run resumes if interrupted; finished runs are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/repro/fedin}
 source scripts/resumable_run.sh
 run() { resumable_run fedin-cpu "$OUT" "$@"; }
-for seed in 0 1; do
+for seed in ${SEEDS:-0 1}; do
   for method in HeteroAvg HeteroProx FedIN; do
     run "${method}_s$seed" --method "$method" --seed "$seed"
   done

@@ -327,12 +327,11 @@ def compile_threads(workers: int, wait: bool = True) -> Iterator[Callable[..., c
   pool.shutdown(wait=wait)
 
 
-def compile_side_by_side(jobs: list[Callable[[], Any]]) -> None:
-  """Runs compile jobs in threads: XLA compiles one program per core, and jit's cache keeps the results,
-  so the calls that follow find their programs compiled."""
+def compile_side_by_side(jobs: list[Callable[[], Any]]) -> list[Any]:
+  """Runs compile jobs in threads and returns their results: XLA compiles one program per core, and jit's cache
+  keeps the programs, so the calls that follow find them compiled."""
   with compile_threads(len(jobs)) as submit:
-    for job in [submit(job) for job in jobs]:
-      job.result()  # re-raises a job's error
+    return [running.result() for running in [submit(job) for job in jobs]]  # (re-raises a job's error)
 
 
 def compile_beside(jitted: Any, *args) -> concurrent.futures.Future:

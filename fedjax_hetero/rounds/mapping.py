@@ -19,13 +19,14 @@ per-client evaluation, every client's on its held-out samples: `rounds.client_ev
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_hetero.compilation import compile_threads
+from fedjax_hetero.compilation import compile_side_by_side
 from fedjax_hetero.models.evaluation import EVAL_BATCH, count_correct
 from fedjax_hetero.rounds import client_eval, cohort
 from fedjax_hetero.rounds.backends import Backend, copy_tree
@@ -77,8 +78,7 @@ class HostCohorts:
     if self._warm or jax.process_count() > 1:
       trained = [train(g) for g in groups]
     else:
-      with compile_threads(len(spec.groups)) as submit:
-        trained = [job.result() for job in [submit(train, g) for g in groups]]
+      trained = compile_side_by_side([functools.partial(train, g) for g in groups])
     results, memory = [], list(state.memory)
     for g, result in enumerate(trained):
       empty = self._empty_result(spec, g, starts[g], shares[g], state)  # (made in the first round, for every group)

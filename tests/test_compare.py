@@ -57,8 +57,10 @@ def test_paired_statistics_rounds_to_target_and_dissimilarity_columns():
   diffs = np.array([10, 0, 20, -25, 25])
   half = 1.96 * diffs.std(ddof=1) / np.sqrt(5)
   # Best at the rounds both evaluated: seed 0: 90 - 70; seed 1 (rounds 1 and 3): 100 - 75; mean +22.50.
+  # Over the seeds: means +10 and 0, so +5 with a t interval of 12.706 (t at 97.5%, 1 degree of freedom)
+  # x std 7.071 / sqrt(2) = 63.53 either side.
   assert lines[2] == (f"| B | 2 | +6.00 [{6 - half:+.2f}, {6 + half:+.2f}] | 60% of 5 | +22.50 | "
-                      "s0: +10.00, s1: +0.00 |")
+                      "+5.00 [-58.53, +68.53] | s0: +10.00, s1: +0.00 |")
   assert len(lines) == 3  # no row for the baseline itself
   with pytest.raises(SystemExit, match="no run of the baseline 'C'"):
     compare.paired_table(runs, "C")
@@ -101,9 +103,25 @@ def test_paired_pooled_interval_best_and_rounds_ahead():
   half = 1.96 * diffs.std(ddof=1) / 3
   assert (mean, low, high) == pytest.approx((50 / 9, 50 / 9 - half, 50 / 9 + half))
   line = compare.paired_table(paired_runs(), "A").splitlines()[2]
+  # Over the seeds: means +4 and +7.5: +5.75 [5.75 -/+ 12.706 x 2.475 / sqrt(2) = 22.24].
   assert line == (f"| B | 2 | +5.56 [{50 / 9 - half:+.2f}, {50 / 9 + half:+.2f}] | 56% of 9 | +15.00 | "
-                  "s0: +4.00, s1: +7.50 |")
+                  "+5.75 [-16.49, +27.99] | s0: +4.00, s1: +7.50 |")
   assert compare.interval(np.array([3.0])) == (3.0, None, None)  # one pair: no spread, no interval
+
+
+def test_the_interval_over_seeds_counts_each_seed_once():
+  """Three seeds' means 1, 2, 3: mean 2, std 1, t at 97.5% with 2 degrees of freedom 4.3027: 2 -/+ 2.484; a
+  seed's number of rounds does not narrow it (the pooled interval does)."""
+  from fedjax_hetero.analysis.runs import seed_interval
+  assert seed_interval(np.array([1.0, 2.0, 3.0])) == pytest.approx((2.0, 2 - 2.4841, 2 + 2.4841), abs=1e-4)
+  assert seed_interval(np.array([3.0])) == (3.0, None, None)
+  few = [fake_run("A", s, [0.5] * 4) for s in range(3)] + [fake_run("B", s, [0.5 + 0.01 * (s + 1)] * 4)
+                                                           for s in range(3)]
+  many = [fake_run("A", s, [0.5] * 40) for s in range(3)] + [fake_run("B", s, [0.5 + 0.01 * (s + 1)] * 40)
+                                                             for s in range(3)]
+  cells = [compare.paired_table(runs, "A").splitlines()[2].split(" | ") for runs in (few, many)]
+  assert cells[0][5] == cells[1][5] == "+2.00 [-0.48, +4.48]"
+  assert cells[0][2] != cells[1][2]  # (the pooled interval narrows with the rounds)
 
 
 def test_windowed_means():
@@ -124,8 +142,9 @@ def test_per_group_paired_statistics():
   lines = compare.group_table(paired_runs(), "A").splitlines()
   small = np.array([10, 0, -10, 10, 20])
   half = 1.96 * small.std(ddof=1) / np.sqrt(5)
-  assert lines[2] == f"| B | small | 1 | +6.00 [{6 - half:+.2f}, {6 + half:+.2f}] | 60% of 5 | +20.00 |"
-  assert lines[3] == "| B | big | 1 | +0.00 [+0.00, +0.00] | 0% of 5 | +0.00 |"
+  assert lines[2] == (f"| B | small | 1 | +6.00 [{6 - half:+.2f}, {6 + half:+.2f}] | 60% of 5 | +20.00 | "
+                      "+6.00 [n/a: 1 seed] |")
+  assert lines[3] == "| B | big | 1 | +0.00 [+0.00, +0.00] | 0% of 5 | +0.00 | +0.00 [n/a: 1 seed] |"
   assert len(lines) == 4  # no row for "tiny", which only B logged
   assert compare.group_table([fake_run("A", 0, [0.5]), fake_run("B", 0, [0.6])], "A") == ""
 
@@ -195,15 +214,17 @@ def test_a_single_shared_round_has_no_interval_and_nothing_prints_nan(tmp_path):
   the per-group table; two seeds sharing one round each are two pairs, which do have an interval."""
   one = [fake_run("A", 0, [0.5], groups={"small": [0.4]}), fake_run("B", 0, [0.6], groups={"small": [0.45]})]
   assert compare.paired_table(one, "A").splitlines()[2] == (
-      "| B | 1 | +10.00 [n/a: 1 shared round] | 100% of 1 | +10.00 | s0: +10.00 |")
+      "| B | 1 | +10.00 [n/a: 1 shared round] | 100% of 1 | +10.00 | +10.00 [n/a: 1 seed] | s0: +10.00 |")
   assert compare.group_table(one, "A").splitlines()[2] == (
-      "| B | small | 1 | +5.00 [n/a: 1 shared round] | 100% of 1 | +5.00 |")
+      "| B | small | 1 | +5.00 [n/a: 1 shared round] | 100% of 1 | +5.00 | +5.00 [n/a: 1 seed] |")
   two_seeds = one + [fake_run("A", 1, [0.5]), fake_run("B", 1, [0.7])]
-  assert "+15.00 [+5.20, +24.80] | 100% of 2 |" in compare.paired_table(two_seeds, "A")
+  # (over the seeds, +10 and +20: 15 -/+ 12.706 x 7.071 / sqrt(2) = 63.53)
+  assert "+15.00 [+5.20, +24.80] | 100% of 2 | +15.00 | +15.00 [-48.53, +78.53] |" in compare.paired_table(
+      two_seeds, "A")
   apart_in_time = [fake_run("A", 0, [0.5, None, 0.6]), fake_run("B", 0, [None, 0.7, 0.8])]  # share round 3 only
   dirs = [write_run(tmp_path, *run) for run in apart_in_time]
   text = compare.main(dirs + ["--baseline", "A", "--per-group", "--target", "0.55"])
-  assert "| B | 1 | +20.00 [n/a: 1 shared round] | 100% of 1 | +20.00 | s0: +20.00 |" in text
+  assert "| B | 1 | +20.00 [n/a: 1 shared round] | 100% of 1 | +20.00 | +20.00 [n/a: 1 seed] | s0: +20.00 |" in text
   assert "n/a: 1 shared round" in text and "nan" not in text and "inf" not in text
 
 

@@ -190,6 +190,11 @@ class Pairing:
   def pooled(self) -> np.ndarray:
     return np.concatenate(self.diffs)
 
+  @property
+  def seed_means(self) -> np.ndarray:
+    """Each seed's mean per-round difference: one observation per seed, for ``seed_interval``."""
+    return np.array([d.mean() for d in self.diffs])
+
 
 def runs_by_method(runs: Runs) -> dict[str, dict[int, list[dict[str, Any]]]]:
   """method (with its attack, see ``method_of``) -> seed -> rows, in the order the runs were given."""
@@ -240,6 +245,18 @@ def interval(diffs: np.ndarray, z: float = 1.96) -> tuple[float, float | None, f
   if len(diffs) < 2:
     return mean, None, None
   half = z * float(diffs.std(ddof=1)) / math.sqrt(len(diffs))
+  return mean, mean - half, mean + half
+
+
+def seed_interval(means: np.ndarray, level: float = 0.95) -> tuple[float, float | None, float | None]:
+  """(mean, low, high): the mean of the seeds' mean differences with a Student-t interval over the seeds (n - 1
+  degrees of freedom; None bounds for a single seed). Each seed counts once, so unlike ``interval`` over the pooled
+  rounds it does not treat a seed's correlated rounds as independent: the interval to order methods by."""
+  from scipy import stats  # (only here: scipy's import is slow and the other statistics need numpy alone)
+  mean = float(means.mean())
+  if len(means) < 2:
+    return mean, None, None
+  half = float(stats.t.ppf(0.5 + level / 2, len(means) - 1)) * float(means.std(ddof=1)) / math.sqrt(len(means))
   return mean, mean - half, mean + half
 
 

@@ -20,26 +20,22 @@ names the round). Runs that end at different rounds get a note under the table n
 them evaluated; ``--up-to-round R`` cuts every run at round R, to compare them at equal rounds. ``--target 0.87``
 (a fraction of 1) adds the first round each run reached 87% mean accuracy.
 
-``--baseline METHOD`` adds paired statistics: every other method's runs are paired
-with the baseline's runs of the same seed, round by round at the rounds both
-evaluated, and the table gives the mean per-round difference in accuracy points
-with a 95% interval (normal, over the per-round pairs of all seeds; neighbouring
-rounds are correlated, so read it as a lower bound on the uncertainty; a single
-pair has none: "n/a: 1 shared round"), the
-fraction of rounds ahead, the best accuracy minus the baseline's best (both at
-the rounds both evaluated; averaged over the seeds), and each seed's mean
-difference. A second table gives the mean difference per window of rounds
-(``--window W``: rounds 1-W, W+1-2W, ...; by default a quarter of the rounds
-compared), pooled over the seeds, to show whether a method's lead grows, holds or
-fades. With ``--target`` a per-seed table gives each side's best accuracy and the
-first round each reached the target. ``--per-group`` adds the paired statistics
-(difference with its interval, rounds ahead, best - best) of every architecture
-group's accuracy (``test_accuracy`` in ``metrics.jsonl`` holds one per group
-beside the mean), and the plot a panel per group. Where runs log the gradient dissimilarity
-(``fedjax_hetero.methods.dissimilarity``) the plot shows it per round beside the accuracy. Where runs evaluate
-every client (``--client-eval-fraction``, docs/client-evaluation.md), the first table gives the last evaluation's
-mean and worst 10% of the clients' held-out accuracy, the plot a panel of both per round, and ``--client-output
-PATH`` plots them per architecture group.
+``--baseline METHOD`` adds paired statistics: every other method's runs are paired with the baseline's runs of the
+same seed, round by round at the rounds both evaluated, and the table gives the mean per-round difference in
+accuracy points with a 95% interval (normal, over the per-round pairs of all seeds; neighbouring rounds are
+correlated, so read it as a lower bound on the uncertainty; a single pair has none: "n/a: 1 shared round"), the
+fraction of rounds ahead, the best accuracy minus the baseline's best (both at the rounds both evaluated; averaged
+over the seeds), the mean of the seeds' mean differences with a Student-t 95% interval over the seeds (each seed
+one observation: the interval to order methods by; "n/a: 1 seed"), and each seed's mean difference. A second table
+gives the mean difference per window of rounds (``--window W``: rounds 1-W, W+1-2W, ...; by default a quarter of
+the rounds compared), pooled over the seeds, to show whether a method's lead grows, holds or fades. With
+``--target`` a per-seed table gives each side's best accuracy and the first round each reached the target.
+``--per-group`` adds the paired statistics (difference with its interval, rounds ahead, best - best, over seeds) of
+every architecture group's accuracy (``test_accuracy`` in ``metrics.jsonl`` holds one per group beside the mean),
+and the plot a panel per group. Where runs log the gradient dissimilarity (``fedjax_hetero.methods.dissimilarity``)
+the plot shows it per round beside the accuracy. Where runs evaluate every client (``--client-eval-fraction``,
+docs/client-evaluation.md), the first table gives the last evaluation's mean and worst 10% of the clients' held-out
+accuracy, the plot a panel of both per round, and ``--client-output PATH`` plots them per architecture group.
 
     python -m experiments.compare runs/repro/inco/*_s* --baseline HeteroAvg --window 20 --per-group
 
@@ -66,10 +62,11 @@ from fedjax_hetero.analysis.plots import (plot_accuracy_against_costs, plot_accu
 from fedjax_hetero.analysis.runs import (Pairing, Runs, attack_of, base_method_of, check_unique, cumulative_costs,
                                          default_window, ending_notes, evaluated, final_pair, groups_of, interval,
                                          last_client_accuracy, last_shared_round, load_run, mean_dissimilarity,
-                                         method_of, paired_points, pairings, rounds_to, runs_by_method, seed_of,
-                                         up_to_round, windowed_means, with_variants)
+                                         method_of, paired_points, pairings, rounds_to, runs_by_method, seed_interval,
+                                         seed_of, up_to_round, windowed_means, with_variants)
 
-STATS_HEADER = "mean per-round difference (points) [95% interval] | rounds ahead | best - best (points)"
+STATS_HEADER = ("mean per-round difference (points) [95% interval] | rounds ahead | best - best (points) | "
+                "seeds' mean differences: mean [95% t interval]")
 
 
 def table(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]], last: int,
@@ -178,15 +175,18 @@ def signed(value: float | None) -> str:
 def stats_cells(pairing: Pairing) -> str:
   """The cells shared by the paired tables: mean difference [95% interval] | rounds ahead | best - best."""
   pooled = pairing.pooled
-  mean, low, high = interval(pooled)
-  bounds = "n/a: 1 shared round" if low is None or high is None else f"{low:+.2f}, {high:+.2f}"
-  return (f"{mean:+.2f} [{bounds}] | {np.mean(pooled > 0):.0%} of {len(pooled)} | "
-          f"{np.mean(pairing.best):+.2f}")
+  return (f"{with_bounds(*interval(pooled), 'shared round')} | {np.mean(pooled > 0):.0%} of {len(pooled)} | "
+          f"{np.mean(pairing.best):+.2f} | {with_bounds(*seed_interval(pairing.seed_means), 'seed')}")
+
+
+def with_bounds(mean: float, low: float | None, high: float | None, unit: str) -> str:
+  """``+1.23 [+0.45, +2.01]``; ``+1.23 [n/a: 1 UNIT]`` where one value gives no interval."""
+  return f"{mean:+.2f} [" + (f"n/a: 1 {unit}" if low is None or high is None else f"{low:+.2f}, {high:+.2f}") + "]"
 
 
 def paired_table(runs: Runs, baseline: str) -> str:
   """Every method against ``baseline``, paired by seed and round (see the module docstring)."""
-  lines = [f"| method - {baseline} | seeds | {STATS_HEADER} | per seed |", "|---|---|---|---|---|---|"]
+  lines = [f"| method - {baseline} | seeds | {STATS_HEADER} | per seed |", "|---|---|---|---|---|---|---|"]
   for p in pairings(runs, baseline):
     per_seed = ", ".join(f"s{s}: {d.mean():+.2f}" for s, d in zip(p.seeds, p.diffs))
     lines.append(f"| {p.method} | {len(p.seeds)} | {stats_cells(p)} | {per_seed} |")
@@ -213,7 +213,7 @@ def window_table(runs: Runs, baseline: str, window: int | None = None) -> str:
 def group_table(runs: Runs, baseline: str) -> str:
   """The paired statistics of every architecture group's accuracy (empty if the runs logged no group)."""
   by_group = {g: {p.method: p for p in pairings(runs, baseline, g)} for g in groups_of(runs)}
-  lines = [f"| method - {baseline} | group | seeds | {STATS_HEADER} |", "|---|---|---|---|---|---|"]
+  lines = [f"| method - {baseline} | group | seeds | {STATS_HEADER} |", "|---|---|---|---|---|---|---|"]
   for method in runs_by_method(runs):
     for group, paired in by_group.items():
       if method in paired:

@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from fedjax_hetero.cli import compare
+from fedjax_hetero.analysis import tables
 from fedjax_hetero.config import RunConfig
 from fedjax_hetero.data import synthetic_dataset
 from fedjax_hetero.data.store import sample_clients
@@ -99,7 +99,7 @@ def test_a_runs_rows_count_the_dropped_clients_of_each_group_and_train_the_other
   assert summary["clients_dropped"] == sum(len(row["dropped"]) for row in rows) > 0
   assert summary["clients_dropped_per_group"] == {name: sum(row["dropped_per_group"][name] for row in rows)
                                                   for name in ("mlp@1", "mlp@0.5")}
-  shown = compare.table([("run", summary, rows)], 3)
+  shown = tables.table([("run", summary, rows)], 3)
   assert "sampled clients dropped" in shown and f"| {summary['clients_dropped']} of {4 * len(rows)} |" in shown
 
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_hetero.cli import compare
+from fedjax_hetero.analysis import tables, runs as run_stats
 from fedjax_hetero.client.attack import (AttackedTrainer, Backdoor, attack_table, malicious_clients, num_malicious,
                                          shuffled_row)
 from fedjax_hetero.client.local import LocalTrainer
@@ -275,17 +275,17 @@ def test_compare_reports_the_drop_under_attack():
   runs = [fake_run("FedFA", 0, [0.5, 0.8]), fake_run("FedFA", 0, [0.5, 0.7], fraction=0.2),
           fake_run("FedFA", 1, [0.5, 0.9]), fake_run("FedFA", 1, [0.5, 0.7], fraction=0.2),
           fake_run("FlexiFed", 0, [0.5, 0.8]), fake_run("FlexiFed", 0, [0.4, 0.5], fraction=0.2)]
-  lines = compare.drop_table(runs, baseline="FedFA").splitlines()
+  lines = tables.drop_table(runs, baseline="FedFA").splitlines()
   assert lines[0].startswith("| method | attack | seeds | clean final (%) | attacked final (%) | drop (points) |")
   # FedFA: finals 80/90 clean, 70/70 attacked: drop 15 points; FlexiFed: 80 -> 50, 30 points, twice FedFA's.
   assert lines[2] == "| FedFA | backdoor 20% x20 | 2 | 85.00 | 70.00 | +15.00 | 1.00 | s0: +10.00, s1: +20.00 |"
   assert lines[3] == "| FlexiFed | backdoor 20% x20 | 1 | 80.00 | 50.00 | +30.00 | 2.00 | s0: +30.00 |"
-  assert compare.method_of(runs[1][1]) == "FedFA [backdoor 20% x20]"
-  assert compare.method_of(runs[0][1]) == "FedFA"
+  assert run_stats.method_of(runs[1][1]) == "FedFA [backdoor 20% x20]"
+  assert run_stats.method_of(runs[0][1]) == "FedFA"
   # Paired per round against the clean run: the attacked variant is its own row.
-  paired = compare.paired_table(runs, "FedFA").splitlines()
+  paired = tables.paired_table(runs, "FedFA").splitlines()
   assert any(line.startswith("| FedFA [backdoor 20% x20] | 2 | -7.50") for line in paired)
-  assert compare.drop_table(runs[:1] + runs[4:5]) == ""  # no attacked run
+  assert tables.drop_table(runs[:1] + runs[4:5]) == ""  # no attacked run
   on_the_largest = fake_run("FedFA", 0, [0.5, 0.6], fraction=0.2)
   on_the_largest[1]["config"]["federation"]["malicious_group"] = "largest"
-  assert compare.method_of(on_the_largest[1]) == "FedFA [backdoor 20% x20 largest]"  # (apart from the first attack)
+  assert run_stats.method_of(on_the_largest[1]) == "FedFA [backdoor 20% x20 largest]"  # (apart from the first attack)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_hetero.cli import compare
+from fedjax_hetero.analysis import plots, tables
 from fedjax_hetero.config import FederationConfig, MethodConfig, RunConfig
 from fedjax_hetero.data import hold_out, partition, synthetic_dataset
 from fedjax_hetero.data.store import FederatedStore
@@ -192,11 +192,11 @@ def test_a_run_reports_it_in_its_rows_summary_plot_and_compare(tmp_path):
            for name, values in rows[-1]["client_accuracy"].items()}
   assert summary_["final_client_accuracy"] == final
   assert json.load(open(os.path.join(run.output.dir, "summary.json")))["final_client_accuracy"] == final
-  shown = compare.table([("run", summary_, rows)], 3)
+  shown = tables.table([("run", summary_, rows)], 3)
   assert "clients' held-out acc: mean / worst 10% (%)" in shown
   assert f"| {100 * final['all']['mean']:.2f} / {100 * final['all']['worst_10pct']:.2f} |" in shown
   assert os.path.exists(os.path.join(run.output.dir, "accuracy.png"))
-  plotted = compare.plot_accuracy_per_round([("run", summary_, rows)], str(tmp_path / "compare.png"), "t", [{}])
+  plotted = plots.plot_accuracy_per_round([("run", summary_, rows)], str(tmp_path / "compare.png"), "t", [{}])
   assert os.path.exists(plotted)
 
 

@@ -9,6 +9,7 @@ import re
 import numpy as np
 import pytest
 
+from fedjax_hetero.analysis import runs as run_stats, tables
 from fedjax_hetero.cli import compare
 from fedjax_hetero.config import RunConfig
 from fedjax_hetero.run.runner import run_experiment
@@ -52,7 +53,7 @@ def fake_run(method, seed, accuracies, dissimilarity=None, groups=None):
 def test_paired_statistics_rounds_to_target_and_dissimilarity_columns():
   runs = [fake_run("A", 0, [0.5, 0.6, 0.7]), fake_run("A", 1, [0.5, None, 0.75]),
           fake_run("B", 0, [0.6, 0.6, 0.9], dissimilarity=0.5), fake_run("B", 1, [0.25, 0.9, 1.0], dissimilarity=1.5)]
-  lines = compare.paired_table(runs, "A").splitlines()
+  lines = tables.paired_table(runs, "A").splitlines()
   # Pairs at rounds both evaluated: seed 0: +10, 0, +20; seed 1: -25, +25 (round 2 of A_s1 has no evaluation).
   diffs = np.array([10, 0, 20, -25, 25])
   half = 1.96 * diffs.std(ddof=1) / np.sqrt(5)
@@ -63,14 +64,14 @@ def test_paired_statistics_rounds_to_target_and_dissimilarity_columns():
                       "+5.00 [-58.53, +68.53] | s0: +10.00, s1: +0.00 |")
   assert len(lines) == 3  # no row for the baseline itself
   with pytest.raises(SystemExit, match="no run of the baseline 'C'"):
-    compare.paired_table(runs, "C")
-  rows = compare.table(runs, last=2, target=0.8).splitlines()
+    tables.paired_table(runs, "C")
+  rows = tables.table(runs, last=2, target=0.8).splitlines()
   assert "rounds to 80% |" in rows[0] and "dissimilarity low / high" in rows[0]
   assert rows[2].endswith("| not reached | - / - | 1.0 | 2.0 |") and rows[5].endswith("| 2 | 1.50 / 3.00 | 1.0 | 2.0 |")
 
 
 def test_runs_that_would_be_merged_in_a_paired_table_are_an_error():
-  from fedjax_hetero.cli.compare import check_unique
+  from fedjax_hetero.analysis.runs import check_unique
   summary = {"method": "FedFA", "config": {"federation": {"seed": 0, "malicious_fraction": 0.2, "backdoor_scale": 1}}}
   check_unique([("a", summary, []), ("b", {**summary, "method": "FlexiFed"}, [])])
   with pytest.raises(ValueError, match=r"a and b are both FedFA \[backdoor 20% x1\] with seed 0"):
@@ -93,20 +94,20 @@ def paired_runs():
 
 
 def test_paired_pooled_interval_best_and_rounds_ahead():
-  [pairing] = compare.pairings(paired_runs(), "A")
+  [pairing] = run_stats.pairings(paired_runs(), "A")
   assert pairing.method == "B" and pairing.seeds == [0, 1]
   assert [r.tolist() for r in pairing.rounds] == [[1, 2, 3, 4, 5], [1, 2, 4, 5]]
   np.testing.assert_allclose(pairing.pooled, [10, 0, -5, 10, 5, -10, 20, 0, 20], atol=1e-9)
   np.testing.assert_allclose(pairing.best, [10, 20], atol=1e-9)  # seed 1: B's 95 at round 3 is not paired
   diffs = np.array([10, 0, -5, 10, 5, -10, 20, 0, 20])
-  mean, low, high = compare.interval(pairing.pooled)
+  mean, low, high = run_stats.interval(pairing.pooled)
   half = 1.96 * diffs.std(ddof=1) / 3
   assert (mean, low, high) == pytest.approx((50 / 9, 50 / 9 - half, 50 / 9 + half))
-  line = compare.paired_table(paired_runs(), "A").splitlines()[2]
+  line = tables.paired_table(paired_runs(), "A").splitlines()[2]
   # Over the seeds: means +4 and +7.5: +5.75 [5.75 -/+ 12.706 x 2.475 / sqrt(2) = 22.24].
   assert line == (f"| B | 2 | +5.56 [{50 / 9 - half:+.2f}, {50 / 9 + half:+.2f}] | 56% of 9 | +15.00 | "
                   "+5.75 [-16.49, +27.99] | s0: +4.00, s1: +7.50 |")
-  assert compare.interval(np.array([3.0])) == (3.0, None, None)  # one pair: no spread, no interval
+  assert run_stats.interval(np.array([3.0])) == (3.0, None, None)  # one pair: no spread, no interval
 
 
 def test_the_interval_over_seeds_counts_each_seed_once():
@@ -119,38 +120,38 @@ def test_the_interval_over_seeds_counts_each_seed_once():
                                                            for s in range(3)]
   many = [fake_run("A", s, [0.5] * 40) for s in range(3)] + [fake_run("B", s, [0.5 + 0.01 * (s + 1)] * 40)
                                                              for s in range(3)]
-  cells = [compare.paired_table(runs, "A").splitlines()[2].split(" | ") for runs in (few, many)]
+  cells = [tables.paired_table(runs, "A").splitlines()[2].split(" | ") for runs in (few, many)]
   assert cells[0][5] == cells[1][5] == "+2.00 [-0.48, +4.48]"
   assert cells[0][2] != cells[1][2]  # (the pooled interval narrows with the rounds)
 
 
 def test_windowed_means():
-  [pairing] = compare.pairings(paired_runs(), "A")
+  [pairing] = run_stats.pairings(paired_runs(), "A")
   # Rounds 1-2: +10, 0, -10, +20; rounds 3-4: -5, +10, 0; round 5: +5, +20.
-  assert compare.windowed_means(pairing.rounds, pairing.diffs, 2, 5) == pytest.approx([5, 5 / 3, 12.5])
+  assert run_stats.windowed_means(pairing.rounds, pairing.diffs, 2, 5) == pytest.approx([5, 5 / 3, 12.5])
   # A window without a pair is None; windows run up to last_round.
-  assert compare.windowed_means([np.array([1, 2])], [np.array([1.0, 3.0])], 1, 4) == [1.0, 3.0, None, None]
-  assert compare.windowed_means(pairing.rounds, pairing.diffs, 5, 5) == pytest.approx([50 / 9])
-  lines = compare.window_table(paired_runs(), "A", window=2).splitlines()
+  assert run_stats.windowed_means([np.array([1, 2])], [np.array([1.0, 3.0])], 1, 4) == [1.0, 3.0, None, None]
+  assert run_stats.windowed_means(pairing.rounds, pairing.diffs, 5, 5) == pytest.approx([50 / 9])
+  lines = tables.window_table(paired_runs(), "A", window=2).splitlines()
   assert lines == ["| method - A, rounds | 1-2 | 3-4 | 5 |", "|---|---|---|---|", "| B | +5.00 | +1.67 | +12.50 |"]
-  assert compare.default_window(5) == 2 and compare.default_window(200) == 50 and compare.default_window(1) == 1
-  assert compare.window_table(paired_runs(), "A").splitlines()[0] == "| method - A, rounds | 1-2 | 3-4 | 5 |"
+  assert run_stats.default_window(5) == 2 and run_stats.default_window(200) == 50 and run_stats.default_window(1) == 1
+  assert tables.window_table(paired_runs(), "A").splitlines()[0] == "| method - A, rounds | 1-2 | 3-4 | 5 |"
 
 
 def test_per_group_paired_statistics():
-  assert compare.groups_of(paired_runs()) == ["small", "big", "tiny"]
-  lines = compare.group_table(paired_runs(), "A").splitlines()
+  assert run_stats.groups_of(paired_runs()) == ["small", "big", "tiny"]
+  lines = tables.group_table(paired_runs(), "A").splitlines()
   small = np.array([10, 0, -10, 10, 20])
   half = 1.96 * small.std(ddof=1) / np.sqrt(5)
   assert lines[2] == (f"| B | small | 1 | +6.00 [{6 - half:+.2f}, {6 + half:+.2f}] | 60% of 5 | +20.00 | "
                       "+6.00 [n/a: 1 seed] |")
   assert lines[3] == "| B | big | 1 | +0.00 [+0.00, +0.00] | 0% of 5 | +0.00 | +0.00 [n/a: 1 seed] |"
   assert len(lines) == 4  # no row for "tiny", which only B logged
-  assert compare.group_table([fake_run("A", 0, [0.5]), fake_run("B", 0, [0.6])], "A") == ""
+  assert tables.group_table([fake_run("A", 0, [0.5]), fake_run("B", 0, [0.6])], "A") == ""
 
 
 def test_per_seed_best_and_rounds_to_target():
-  lines = compare.seed_table(paired_runs(), "A", 0.85).splitlines()
+  lines = tables.seed_table(paired_runs(), "A", 0.85).splitlines()
   assert lines[0] == ("| method | seed | best (%) | A best (%) | best - best (points) | rounds to 85% | "
                       "A rounds to 85% |")
   assert lines[2] == "| B | 0 | 90.00 | 80.00 | +10.00 | 4 | not reached |"
@@ -188,15 +189,15 @@ def test_variants_spread_over_seeds_few_evaluations_and_runs_that_share_no_round
     label, summary, rows = fake_run("FedProx", seed, accuracies)
     summary["config"] = {"federation": {"seed": seed}, "method": {"prox": {"mu": mu}}}
     return label + f"_mu{mu}", summary, rows
-  runs = compare.with_variants([swept(0.1, 0, [0.5, 0.6]), swept(0.1, 1, [0.5, 0.7]), swept(0.3, 0, [0.4, 0.5]),
+  runs = run_stats.with_variants([swept(0.1, 0, [0.5, 0.6]), swept(0.1, 1, [0.5, 0.7]), swept(0.3, 0, [0.4, 0.5]),
                                 swept(0.3, 1, [0.6, 0.8]), fake_run("FedAvg", 0, [0.5, 0.5])])
-  assert [compare.method_of(s) for _, s, _ in runs][:3] == ["FedProx [method.prox.mu=0.1]"] * 2 + [
+  assert [run_stats.method_of(s) for _, s, _ in runs][:3] == ["FedProx [method.prox.mu=0.1]"] * 2 + [
       "FedProx [method.prox.mu=0.3]"]
-  spread = compare.seeds_table(runs).splitlines()
+  spread = tables.seeds_table(runs).splitlines()
   assert spread[2] == "| FedProx [method.prox.mu=0.1] | 2 | 65.00 ± 7.07 | 65.00 ± 7.07 |", spread
   assert spread[3] == "| FedProx [method.prox.mu=0.3] | 2 | 65.00 ± 21.21 | 65.00 ± 21.21 |", spread
-  assert "| 55.00 (of 2) |" in compare.table(runs, last=3)
-  lines = compare.paired_table(runs, "FedAvg").splitlines()
+  assert "| 55.00 (of 2) |" in tables.table(runs, last=3)
+  lines = tables.paired_table(runs, "FedAvg").splitlines()
   assert [line.split(" | ")[0] for line in lines[2:]] == ["| FedProx [method.prox.mu=0.1]",
                                                           "| FedProx [method.prox.mu=0.3]"]
   apart = [fake_run("FedAvg", 0, [0.5, None]), fake_run("FedProx", 0, [None, 0.6])]  # no round both evaluated
@@ -213,13 +214,13 @@ def test_a_single_shared_round_has_no_interval_and_nothing_prints_nan(tmp_path):
   """One round pair has no spread: the interval says so instead of [+nan, +nan] (probe 107), in the paired and
   the per-group table; two seeds sharing one round each are two pairs, which do have an interval."""
   one = [fake_run("A", 0, [0.5], groups={"small": [0.4]}), fake_run("B", 0, [0.6], groups={"small": [0.45]})]
-  assert compare.paired_table(one, "A").splitlines()[2] == (
+  assert tables.paired_table(one, "A").splitlines()[2] == (
       "| B | 1 | +10.00 [n/a: 1 shared round] | 100% of 1 | +10.00 | +10.00 [n/a: 1 seed] | s0: +10.00 |")
-  assert compare.group_table(one, "A").splitlines()[2] == (
+  assert tables.group_table(one, "A").splitlines()[2] == (
       "| B | small | 1 | +5.00 [n/a: 1 shared round] | 100% of 1 | +5.00 | +5.00 [n/a: 1 seed] |")
   two_seeds = one + [fake_run("A", 1, [0.5]), fake_run("B", 1, [0.7])]
   # (over the seeds, +10 and +20: 15 -/+ 12.706 x 7.071 / sqrt(2) = 63.53)
-  assert "+15.00 [+5.20, +24.80] | 100% of 2 | +15.00 | +15.00 [-48.53, +78.53] |" in compare.paired_table(
+  assert "+15.00 [+5.20, +24.80] | 100% of 2 | +15.00 | +15.00 [-48.53, +78.53] |" in tables.paired_table(
       two_seeds, "A")
   apart_in_time = [fake_run("A", 0, [0.5, None, 0.6]), fake_run("B", 0, [None, 0.7, 0.8])]  # share round 3 only
   dirs = [write_run(tmp_path, *run) for run in apart_in_time]
@@ -232,10 +233,10 @@ def test_a_statistic_without_values_shows_a_dash_not_a_number():
   """A one-round run has no "rounds 2+" seconds (probe 114: it showed 0), and a run that logged no gradient
   dissimilarity beside one that did has no mean of it (it showed nan / nan): both show "-", as missing values
   do elsewhere in the tables."""
-  lines = compare.table([fake_run("A", 0, [0.5]), fake_run("B", 0, [0.6, 0.7])], last=3).splitlines()
+  lines = tables.table([fake_run("A", 0, [0.5]), fake_run("B", 0, [0.6, 0.7])], last=3).splitlines()
   assert lines[2] == "| A_s0 | A | 1 | 50.00 | 50.00 | 50.00 (of 1) | 1.0 | - |"
   assert lines[3] == "| B_s0 | B | 2 | 70.00 | 70.00 | 65.00 (of 2) | 1.0 | 1.0 |"
-  spread = compare.table([fake_run("A", 0, [0.5]), fake_run("B", 0, [0.6], dissimilarity=0.5)], last=3)
+  spread = tables.table([fake_run("A", 0, [0.5]), fake_run("B", 0, [0.6], dissimilarity=0.5)], last=3)
   assert "| 50.00 (of 1) | - / - | 1.0 | - |" in spread and "| 60.00 (of 1) | 0.50 / 1.00 | 1.0 | - |" in spread
 
 
@@ -331,9 +332,9 @@ def test_runs_that_share_no_evaluated_round_get_a_cut_both_evaluated_or_none(tmp
   """Held-out probe U9: the note suggested --up-to-round 1 for a run evaluated at rounds 2-3 beside a one-round run,
   and that cut then failed ("has no evaluation in the rounds compared")."""
   apart = [fake_run("A", 0, [None, 0.6, 0.7]), fake_run("B", 0, [0.5])]
-  assert "no round was evaluated by all of them, so no --up-to-round compares them" in compare.length_note(apart)
+  assert "no round was evaluated by all of them, so no --up-to-round compares them" in tables.length_note(apart)
   later = [fake_run("A", 0, [0.5, None, 0.7, 0.8]), fake_run("B", 0, [0.5, 0.6, None])]
-  note = compare.length_note(later)
+  note = tables.length_note(later)
   assert "--up-to-round 1 compares them at equal rounds (the last round all of them evaluated)" in note, note
   dirs = [write_run(tmp_path, *run) for run in later]
   assert "| A_s0 | A | 1 |" in compare.main(dirs + ["--up-to-round", "1"]), "the cut it names works"
@@ -391,7 +392,7 @@ def test_the_table_gives_each_private_runs_epsilon_at_the_last_row_compared():
   private[2][-1]["privacy"] = {"epsilon": 3.21456, "delta": 1e-5, "rounds_spent": 2}
   unbounded = fake_run("B", 0, [0.5, 0.6])
   unbounded[2][-1]["privacy"] = {"epsilon": None, "delta": 1e-5, "rounds_spent": 2}
-  lines = compare.table([private, unbounded, fake_run("C", 0, [0.5, 0.6])], last=2).splitlines()
+  lines = tables.table([private, unbounded, fake_run("C", 0, [0.5, 0.6])], last=2).splitlines()
   assert "| privacy spent: epsilon (delta) |" in lines[0]
   assert "| 3.21 (1e-05) |" in lines[2] and "| no bound (1e-05) |" in lines[3] and "| - | 1.0 |" in lines[4]
 

@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from fedjax_hetero.analysis import tables
 from fedjax_hetero.cli import compare
 from fedjax_hetero.client.local import LocalTrainer
 from fedjax_hetero.client.terms import ClientTerm, Upload
@@ -225,7 +226,7 @@ def fake_costed_run(method, bytes_per_round, accuracies):
 
 def test_compare_shows_each_runs_costs_beside_its_accuracy_and_plots_accuracy_against_them(tmp_path):
   runs = [fake_costed_run("FedAvg", 1_500_000, [0.5, 0.6]), fake_costed_run("SCAFFOLD", 3_000_000, [0.55, 0.62])]
-  lines = compare.table(runs, last=2).splitlines()
+  lines = tables.table(runs, last=2).splitlines()
   assert "| bytes down + up | client FLOPs |" in lines[0] and lines[1].count("---") == lines[0].count(" | ") + 1
   assert lines[2].endswith("| 55.00 | 6 MB | 2 GFLOP | 1.0 | 1.0 |") and "| 12 MB | 2 GFLOP |" in lines[3]
   dirs = []

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import yaml
 
+from fedjax_hetero.analysis import runs as run_stats
 from fedjax_hetero.cli import compare
 from fedjax_hetero.cli import run as cli
 from fedjax_hetero.config import RunConfig, as_dict
@@ -174,8 +175,8 @@ def test_seeds_run_into_sibling_folders_that_compare_pairs(tmp_path):
     assert [s["config"]["federation"]["seed"] for s in summaries] == [0, 1]
   folders = [f"{base}-{m}_s{s}" for m in ("FedAvg", "HeteroAvg") for s in (0, 1)]
   assert all(os.path.exists(os.path.join(f, "summary.json")) for f in folders)
-  runs = [(os.path.basename(f), *compare.load_run(f)) for f in folders]
-  [pairing] = compare.pairings(runs, "FedAvg")
+  runs = [(os.path.basename(f), *run_stats.load_run(f)) for f in folders]
+  [pairing] = run_stats.pairings(runs, "FedAvg")
   assert pairing.method == "HeteroAvg" and pairing.seeds == [0, 1] and all(len(r) == 2 for r in pairing.rounds)
   assert "| HeteroAvg | 2 |" in compare.main(folders + ["--baseline", "FedAvg"])
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -180,6 +181,30 @@ def test_main_prints_the_paired_tables_from_results_folders(tmp_path):
     for value in ("0", "-2"):
       with pytest.raises(SystemExit, match=f"error: {flag} must be at least 1, got {value}"):
         compare.main(dirs + [flag, value])
+
+
+def test_the_paired_plot_draws_every_seed_and_their_mean_per_method(tmp_path, capsys):
+  from fedjax_hetero.run.plot import figure
+
+  made = []
+
+  def kept(*args, **kwargs):
+    made.append(figure(*args, **kwargs))
+    return made[-1]
+
+  dirs = [write_run(tmp_path, *run) for run in paired_runs() + [fake_run("C", 0, [0.4, 0.5, 0.6, 0.7, 0.7])]]
+  with mock.patch("fedjax_hetero.analysis.plots._figure", side_effect=kept):
+    compare.main(dirs + ["--baseline", "A", "--paired-output", str(tmp_path / "paired")])
+  assert capsys.readouterr().out.endswith(f"wrote {tmp_path / 'paired.png'}\n") and (tmp_path / "paired.png").exists()
+  [fig] = made
+  panels = [ax for ax in fig.axes if ax.get_visible()]
+  # B: the seeds' means +4 and +7.5 (see paired_runs); C: seed 0 only, -10 at every round.
+  assert [ax.get_title() for ax in panels] == ["B − A: +5.75 [-16.49, +27.99], 2 seeds", "C − A: -10.00, 1 seed"]
+  lines = [[(line.get_label(), line.get_xydata().tolist()) for line in ax.get_lines()
+            if not line.get_label().startswith("_")] for ax in panels]
+  assert [label for label, _ in lines[0]] == ["seed 0", "seed 1", "mean over seeds"]
+  np.testing.assert_allclose(lines[0][2][1], [[1, 0], [2, 10], [4, 5], [5, 12.5]], atol=1e-9)  # (round 3: 1 seed)
+  np.testing.assert_allclose(lines[1][1][1], [[r, -10] for r in range(1, 6)], atol=1e-9)
 
 
 def test_variants_spread_over_seeds_few_evaluations_and_runs_that_share_no_round(tmp_path):
@@ -402,6 +427,7 @@ def test_the_table_gives_each_private_runs_epsilon_at_the_last_row_compared():
     (["--cost-output", "c.XYZ"], r"--cost-output 'c.XYZ': matplotlib does not write .xyz; use one of \.avif"),
     (["--output", "TMP"], r"--output 'TMP' is a folder: give a file, e.g. 'TMP/compare.png'$"),
     (["--per-group"], r"--per-group adds every group to --baseline's tables and to --output's plot: give either$"),
+    (["--paired-output", "d.png"], r"--paired-output plots the differences from --baseline's runs: give --baseline$"),
     (["--labels", ","], r"--labels ',': label 1 is empty \(give one name per run\)$"),
     (["--labels", "a, "], "--labels .a, .: label 2")])
 def test_plot_names_per_group_and_labels_are_refused_before_the_table(tmp_path, capsys, flags, message):

@@ -332,6 +332,38 @@ def plot_accuracy_per_round(runs: Sequence[tuple[str, Any, Sequence[Mapping[str,
   return path
 
 
+def plot_paired_differences(pairings: Sequence[Any], baseline: str, path: str) -> str:
+  """Each method's accuracy minus ``baseline``'s per round (`analysis.runs.pairings`), a panel per method on one
+  scale: a thin line per seed, the mean over the seeds bold (at the rounds every seed evaluated), the seeds' mean
+  difference and its t interval (`seed_interval`) in the title. Returns `path`."""
+  from fedjax_hetero.analysis.runs import seed_interval
+
+  columns = min(len(pairings), 3)
+  fig = _figure(1.5 + 4.5 * columns, 3.6 * math.ceil(len(pairings) / 3))
+  axes = fig.subplots(math.ceil(len(pairings) / 3), columns, squeeze=False, sharey=True).ravel()
+  for ax in axes[len(pairings):]:
+    ax.set_visible(False)
+  seeds = sorted({s for p in pairings for s in p.seeds})  # (a seed's colour is the same in every panel)
+  for ax, pairing in zip(axes, pairings):
+    for seed, rounds, diffs in zip(pairing.seeds, pairing.rounds, pairing.diffs):
+      ax.plot(rounds, diffs, lw=0.8, alpha=0.45, color=f"C{seeds.index(seed) % 10}", label=f"seed {seed}")
+    shared = sorted(set.intersection(*(set(r.tolist()) for r in pairing.rounds)))
+    by_seed = [dict(zip(r.tolist(), d)) for r, d in zip(pairing.rounds, pairing.diffs)]
+    ax.plot(shared, [np.mean([d[r] for d in by_seed]) for r in shared], color="k", lw=2, label="mean over seeds")
+    ax.axhline(0, color="grey", lw=0.8)
+    mean, low, high = seed_interval(pairing.seed_means)
+    bounds = "" if low is None else f" [{low:+.2f}, {high:+.2f}]"
+    ax.set_title(f"{pairing.method} − {baseline}: {mean:+.2f}{bounds}, {len(pairing.seeds)} seed"
+                 + "s" * (len(pairing.seeds) > 1), fontsize=10)
+    ax.set_xlabel("round")
+    ax.set_ylabel("accuracy difference (points)")
+    ax.grid(alpha=0.3)
+  axes[0].legend(fontsize="small")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  return path
+
+
 def plot_client_accuracy(runs: Sequence[tuple[str, Sequence[Mapping[str, Any]]]], path: str,
                          title: str = "clients' held-out accuracy",
                          styles: Sequence[Mapping[str, Any]] | None = None) -> str:

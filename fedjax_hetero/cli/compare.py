@@ -28,7 +28,8 @@ fraction of rounds ahead, the best accuracy minus the baseline's best (both at t
 over the seeds), the mean of the seeds' mean differences with a Student-t 95% interval over the seeds (each seed
 one observation: the interval to order methods by; "n/a: 1 seed"), and each seed's mean difference. A second table
 gives the mean difference per window of rounds (``--window W``: rounds 1-W, W+1-2W, ...; by default a quarter of
-the rounds compared), pooled over the seeds, to show whether a method's lead grows, holds or fades. With
+the rounds compared), pooled over the seeds, to show whether a method's lead grows, holds or fades.
+``--paired-output PATH`` plots the differences per round, a line per seed and their mean, a panel per method. With
 ``--target`` a per-seed table gives each side's best accuracy and the first round each reached the target.
 ``--per-group`` adds the paired statistics (difference with its interval, rounds ahead, best - best, over seeds) of
 every architecture group's accuracy (``test_accuracy`` in ``metrics.jsonl`` holds one per group beside the mean),
@@ -56,7 +57,7 @@ from typing import Sequence
 
 from fedjax_hetero import os_errors
 from fedjax_hetero.analysis.plots import (plot_accuracy_against_costs, plot_accuracy_per_round, plot_client_accuracy,
-                                          run_styles)
+                                          plot_paired_differences, run_styles)
 from fedjax_hetero.analysis.runs import (attack_of, check_unique, ending_notes, groups_of, load_run, pairings,
                                          up_to_round, with_variants)
 from fedjax_hetero.analysis.tables import (dataset_note, drop_table, group_table, length_note, paired_table,
@@ -96,6 +97,8 @@ def main(argv: Sequence[str] | None = None) -> str:
   p.add_argument("--title", default="mean test accuracy")
   p.add_argument("--cost-output", default=None, help="write a plot of mean accuracy against the runs' cumulative "
                  "bytes (down + up) and client training FLOPs here")
+  p.add_argument("--paired-output", default=None, help="with --baseline: write a plot of every method's accuracy "
+                 "minus the baseline's per round, a line per seed and their mean, a panel per method")
   p.add_argument("--client-output", default=None, help="write a plot of the clients' held-out accuracy (runs with "
                  "--client-eval-fraction): per group and of all clients, the mean and the worst 10%% per round")
   p.add_argument("--last", type=int, default=3, help="evaluations averaged in the 'last' column")
@@ -117,7 +120,9 @@ def main(argv: Sequence[str] | None = None) -> str:
     raise SystemExit(f"error: --target {args.target:g} is a fraction of 1 ({example / 100:g} for {example:g}%)")
   if args.per_group and not (args.baseline or args.output):
     raise SystemExit("error: --per-group adds every group to --baseline's tables and to --output's plot: give either")
-  for name in ("output", "cost_output", "client_output"):
+  if args.paired_output and not args.baseline:
+    raise SystemExit("error: --paired-output plots the differences from --baseline's runs: give --baseline")
+  for name in ("output", "cost_output", "client_output", "paired_output"):
     if getattr(args, name):
       setattr(args, name, plot_path("--" + name.replace("_", "-"), getattr(args, name)))
   say = os_errors.StdoutLog()  # (`compare ... | head`: the plots are still written, the rest goes to stderr)
@@ -184,6 +189,11 @@ def main(argv: Sequence[str] | None = None) -> str:
       raise SystemExit(f"error: --client-output: {e}") from None
     except OSError as e:
       raise SystemExit(f"error: --client-output {args.client_output!r}: {os_errors.describe(e)}") from None
+  if args.paired_output and pairings(runs, args.baseline):  # (none: the text above says so)
+    try:
+      say(f"wrote {plot_paired_differences(pairings(runs, args.baseline), args.baseline, args.paired_output)}")
+    except OSError as e:
+      raise SystemExit(f"error: --paired-output {args.paired_output!r}: {os_errors.describe(e)}") from None
   return text
 
 

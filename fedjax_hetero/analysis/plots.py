@@ -1,6 +1,7 @@
 """Analysis figures: InCo update histograms and cross-layer tracking, FedCross client bubbles and similarity, runs'
-accuracy per round (`compare --output`, with their clients' held-out accuracy) and against their cumulative bytes
-and FLOPs (a run's own accuracy curves: `fedjax_hetero.run.plot`).
+accuracy per round (`compare --output`, with their clients' held-out accuracy), against their cumulative bytes
+and FLOPs, and paired against a baseline's (`compare --paired-output`) (a run's own accuracy curves:
+`fedjax_hetero.run.plot`).
 
 All functions draw on a bare Agg `Figure` (no pyplot global state, so nothing
 to close and no backend switch), save a PNG and return its path.
@@ -9,11 +10,14 @@ to close and no backend switch), save a PNG and return its path.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
 from fedjax_hetero.run.plot import figure as _figure
+
+if TYPE_CHECKING:
+  from fedjax_hetero.analysis.runs import Pairing
 
 
 def plot_update_histograms(deltas_by_round: Mapping[int, Mapping[str, np.ndarray]], path: str, bins: int = 60,
@@ -332,7 +336,7 @@ def plot_accuracy_per_round(runs: Sequence[tuple[str, Any, Sequence[Mapping[str,
   return path
 
 
-def plot_paired_differences(pairings: Sequence[Any], baseline: str, path: str) -> str:
+def plot_paired_differences(pairings: Sequence[Pairing], baseline: str, path: str) -> str:
   """Each method's accuracy minus ``baseline``'s per round (`analysis.runs.pairings`), a panel per method on one
   scale: a thin line per seed, the mean over the seeds bold (at the rounds every seed evaluated), the seeds' mean
   difference and its t interval (`seed_interval`) in the title. Returns `path`."""

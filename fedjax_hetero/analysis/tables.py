@@ -1,5 +1,5 @@
 """The markdown tables of `python -m experiments.compare` (fedjax_hetero.cli.compare, whose help says what each
-column means): per run, over each method's seeds, paired against a baseline (per run, per window of rounds, per
+column means): per run, over each method's seeds, paired against a baseline (per method, per window of rounds, per
 seed and per architecture group) and the accuracy dropped under an attack. Each returns its table as text ("" where
 the runs give it no row)."""
 

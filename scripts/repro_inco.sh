@@ -7,11 +7,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/repro/inco}
 source scripts/resumable_run.sh
+run() { resumable_run inco-cpu "$OUT" "${1}_s$2" --method "$1" --seed "$2" --rounds "${ROUNDS:-120}"; }
 for seed in ${SEEDS:-0 1 2}; do
-  for method in HeteroAvg InCoAvg; do
-    resumable_run inco-cpu "$OUT" "${method}_s$seed" --method "$method" --seed "$seed" --rounds "${ROUNDS:-120}"
-  done
+  run HeteroAvg "$seed"
+  run InCoAvg "$seed"
 done
 for seed in ${FEDAVG_SEEDS-${SEEDS:-0 1 2}}; do
-  resumable_run inco-cpu "$OUT" "FedAvg_s$seed" --method FedAvg --seed "$seed" --rounds "${ROUNDS:-120}"
+  run FedAvg "$seed"
 done

@@ -137,7 +137,7 @@ def paired_table(runs: Runs, baseline: str) -> str:
   """Every method against ``baseline``, paired by seed and round (see the module docstring)."""
   lines = [f"| method - {baseline} | seeds | {STATS_HEADER} | per seed |", "|---|---|---|---|---|---|---|"]
   for p in pairings(runs, baseline):
-    per_seed = ", ".join(f"s{s}: {d.mean():+.2f}" for s, d in zip(p.seeds, p.diffs))
+    per_seed = ", ".join(f"s{s}: {mean:+.2f}" for s, mean in zip(p.seeds, p.seed_means))
     lines.append(f"| {p.method} | {len(p.seeds)} | {stats_cells(p)} | {per_seed} |")
   return "\n".join(lines)
 

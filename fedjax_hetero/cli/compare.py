@@ -189,9 +189,9 @@ def main(argv: Sequence[str] | None = None) -> str:
       raise SystemExit(f"error: --client-output: {e}") from None
     except OSError as e:
       raise SystemExit(f"error: --client-output {args.client_output!r}: {os_errors.describe(e)}") from None
-  if args.paired_output and pairings(runs, args.baseline):  # (none: the text above says so)
+  if args.paired_output and (paired := pairings(runs, args.baseline)):  # (none: the text above says so)
     try:
-      say(f"wrote {plot_paired_differences(pairings(runs, args.baseline), args.baseline, args.paired_output)}")
+      say(f"wrote {plot_paired_differences(paired, args.baseline, args.paired_output)}")
     except OSError as e:
       raise SystemExit(f"error: --paired-output {args.paired_output!r}: {os_errors.describe(e)}") from None
   return text

@@ -108,7 +108,8 @@ def parse_group_spec(spec: str) -> tuple[str, float]:
 
 __all__ = [
     "BasicBlock", "CNN", "CNNCifar", "MLP", "MODEL_NAMES", "PreActBottleneck", "PreActResNet", "RESNET_PRESETS",
-    "ResNet", "VGG16", "ViT", "bn_mask", "build_model", "cut_shape", "parameter_split", "parse_group_spec", "resnet10", "resnet14", "resnet18",
+    "ResNet", "VGG16", "ViT", "bn_mask", "build_model", "cut_shape", "parameter_split", "parse_group_spec", "resnet10",
+    "resnet14", "resnet18",
     "resnet18_cifar", "resnet20_preact", "resnet22", "resnet26", "resnet_preset", "resolve_cut", "run_parts",
     "scale_channels", "variable_shapes",
 ]

@@ -24,6 +24,27 @@ Part = tuple[str, Callable[[Array], Array]]
 Path = tuple[str, ...]
 
 
+class StagedCuts:
+  """The cut points of a network of ``stage_sizes`` stages after a stem: input, stem, stage1..stageN, features,
+  logits; FedImpro's default split after stage 2 (for ResNet-18 the paper's "9-th layer"); FedIN's split."""
+
+  @property
+  def cut_points(self) -> tuple[str, ...]:
+    stages = tuple(f"stage{i + 1}" for i in range(len(self.stage_sizes)))
+    return ("input", "stem") + stages + ("features", "logits")
+
+  @property
+  def decoupling_cut(self) -> str:
+    """FedImpro's default low/high split (`resolve_cut`): after stage 2."""
+    return "stage2"
+
+  @property
+  def intermediate_split(self) -> tuple[str, str]:
+    """FedIN's split: the extractor ends at the stem, the intermediate layers at the last stage; the
+    classifier is pooling and the head (as the InCo authors' code splits it)."""
+    return "stem", f"stage{len(self.stage_sizes)}"
+
+
 def scale_channels(channels: int, width: float) -> int:
   """Hidden channel count under a width multiplier (never below 1)."""
   return max(1, int(round(channels * width)))

@@ -29,7 +29,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fedjax_hetero.models.common import Part, bn_mask, convolution, lax_convolution, run_parts, scale_channels
+from fedjax_hetero.models.common import (Part, StagedCuts, bn_mask, convolution, lax_convolution, run_parts,
+                                         scale_channels)
 from fedjax_hetero.models.resnet import conv_init, dense_init
 
 Array = jax.Array
@@ -69,7 +70,7 @@ class PreActBottleneck(nn.Module):
     return y + shortcut
 
 
-class PreActResNet(nn.Module):
+class PreActResNet(StagedCuts, nn.Module):
   """Pre-activation bottleneck ResNet; cut points input, stem, stage1..stageN, features, logits.
 
   Attributes:
@@ -88,22 +89,6 @@ class PreActResNet(nn.Module):
   base_channels: int = 16
   preact_shortcut: bool = False
   dtype: Any = jnp.float32
-
-  @property
-  def cut_points(self) -> tuple[str, ...]:
-    stages = tuple(f"stage{i + 1}" for i in range(len(self.stage_sizes)))
-    return ("input", "stem") + stages + ("features", "logits")
-
-  @property
-  def decoupling_cut(self) -> str:
-    """FedImpro's default low/high split (`models.resolve_cut`): after stage 2."""
-    return "stage2"
-
-  @property
-  def intermediate_split(self) -> tuple[str, str]:
-    """FedIN's split: the extractor ends at the stem, the intermediate layers at the last stage; the
-    classifier is pooling and the head (as the InCo authors' code splits it)."""
-    return "stem", f"stage{len(self.stage_sizes)}"
 
   @nn.compact
   def __call__(self, x: Array, train: bool = False, mask: Array | None = None, start: str = "input",

@@ -24,8 +24,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fedjax_hetero.models.common import (Part, StepSize, bn_mask, convolution, lax_convolution, max_pool, run_parts,
-                                         scale_channels, scaler)
+from fedjax_hetero.models.common import (Part, StagedCuts, StepSize, bn_mask, convolution, lax_convolution, max_pool,
+                                         run_parts, scale_channels, scaler)
 
 Array = jax.Array
 
@@ -80,7 +80,7 @@ class BasicBlock(nn.Module):
     return nn.relu(x + y)
 
 
-class ResNet(nn.Module):
+class ResNet(StagedCuts, nn.Module):
   """BasicBlock ResNet with cut points input, stem, stage1..stageN, features, logits.
 
   Attributes:
@@ -107,22 +107,6 @@ class ResNet(nn.Module):
   scaler_of: float = 1.0
   step_sizes: bool = False
   skip: str = "last"
-
-  @property
-  def cut_points(self) -> tuple[str, ...]:
-    stages = tuple(f"stage{i + 1}" for i in range(len(self.stage_sizes)))
-    return ("input", "stem") + stages + ("features", "logits")
-
-  @property
-  def decoupling_cut(self) -> str:
-    """FedImpro's default low/high split: after stage 2, the paper's "9-th layer" of ResNet-18."""
-    return "stage2"
-
-  @property
-  def intermediate_split(self) -> tuple[str, str]:
-    """FedIN's split: the extractor ends at the stem, the intermediate layers at the last stage; the
-    classifier is pooling and the head (as the InCo authors' code splits it)."""
-    return "stem", f"stage{len(self.stage_sizes)}"
 
   @nn.nowrap
   def cross_layer_pairs(self) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:

@@ -419,3 +419,21 @@ def test_an_error_about_one_run_of_a_job_names_that_run(tmp_path, capsys):
                            "--no-progress", "--output-dir", out, "--seeds", "0,2", "--alpha", "0.1",
                            "--client-eval-fraction", "0.92", "--batch-size", "4"])
   assert capsys.readouterr().err.startswith(f"error: {out}_s2: --client-eval-fraction 0.92: client 4 holds 10 ")
+
+
+def test_a_run_the_guard_stops_in_a_job_of_runs_one_after_another_leaves_the_others_to_run(tmp_path, capsys):
+  """(Fourth probe survey: the first run's divergence ended a job of --sweep runs on the host loop; its later runs
+  never started, where runs in one program finish.) The job still ends as the stopped run alone would."""
+  from fedjax_hetero.cli import run as cli
+  out = str(tmp_path / "job")
+  with pytest.raises(SystemExit) as stopped:
+    cli.main("synthetic", ["--groups", "mlp", "--num-clients", "4", "--clients-per-round", "2", "--rounds", "2",
+                           "--no-progress", "--output-dir", out, "--round-program", "host", "--optimizer", "sgd",
+                           "--sweep", "client.learning_rate=1e6,0.01"])
+  assert stopped.value.code == 2
+  captured = capsys.readouterr()
+  assert captured.err.startswith(f"error: {out}_client.learning_rate=1e+06: round 1: ")
+  assert "the job goes on with its other runs" in captured.out
+  with open(f"{out}_client.learning_rate=0.01/summary.json") as f:
+    summary = json.load(f)
+  assert summary["final_round"] == 2 and summary["stopped_by_divergence"] is None

@@ -225,12 +225,12 @@ def run_jobs(configs: Sequence[RunConfig], methods: Sequence[Method] | None = No
         datasets[source] = fdata.load_dataset(*source)
       with naming_the_run(config, len(configs) > 1):
         runner.check_can_start(config, datasets[source])
-  summaries = []
+  summaries, stopped = [], []  # (the runs the divergence guard stopped: the job goes on, as runs together do)
   with StopRequests(log) as stop:  # a signal between two runs stops the job before the next one
-    for config, method in zip(configs, methods):
+    for i, (config, method) in enumerate(zip(configs, methods)):
       if stop.requested is not None:
         log(f"{signal.Signals(stop.requested).name}: the job stopped before {config.output.dir} "
-            f"({len(summaries)} of {len(configs)} runs finished); to train the rest, rerun the same command with "
+            f"({i} of {len(configs)} runs ended); to train the rest, rerun the same command with "
             "--resume-or-start")
         raise Interrupted(stop.requested, 0)
       try:
@@ -238,10 +238,18 @@ def run_jobs(configs: Sequence[RunConfig], methods: Sequence[Method] | None = No
           summaries.append(runner.run_checked(config, method,
                                               datasets.get((config.data.dataset, config.data.data_dir)), log))
       except Interrupted:
-        if len(summaries) + 1 < len(configs):  # (--resume refuses the folders of runs that never started)
-          log(f"the job's {len(configs) - len(summaries) - 1} later run(s) have not started: the same command with "
+        if i + 1 < len(configs):  # (--resume refuses the folders of runs that never started)
+          log(f"the job's {len(configs) - i - 1} later run(s) have not started: the same command with "
               "--resume starts them")
         raise
+      except DivergenceError as e:
+        stopped.append((config, e))
+        if i + 1 < len(configs):
+          log(f"stopped by the divergence guard: {e}; the job goes on with its other runs")
+  if stopped:  # the other runs ended: the first stop ends the job as it would end the run alone
+    config, error = stopped[0]
+    with naming_the_run(config, len(configs) > 1):
+      raise error
   return summaries
 
 

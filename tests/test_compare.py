@@ -452,3 +452,12 @@ def test_probe_survey_four_compare_counts_every_run_pairs_targets_at_shared_roun
       "\nnote: B's runs differ from A's of the same seed in data.alpha, groups: the same seed does not give them the "
       "same clients and rounds, so the differences are not the method's alone")
   assert tables.experiment_note([fake_run("A", 0, [0.5, 0.6]), fake_run("B", 0, [0.6, 0.7])], "A") == ""
+
+
+def test_a_run_stopped_before_its_first_evaluation_is_named_with_why():
+  """(Fourth probe survey: a run the guard stopped in round 1 ended compare with no word of the guard.)"""
+  label, summary, rows = fake_run("B", 0, [None])
+  summary["stopped_by_divergence"] = {"round": 1, "reason": "round 1: training loss is nan"}
+  with pytest.raises(SystemExit, match=r"^error: run 'B_s0' has no evaluation in the rounds compared \(the "
+                                       r"divergence guard stopped it at round 1, before it evaluated\): leave it out$"):
+    tables.table([fake_run("A", 0, [0.5]), (label, summary, rows)], 3)

@@ -36,7 +36,9 @@ def table(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]], last
   for label, summary, rows in runs:
     accs = [a for _, a in evaluated(rows)]
     if not accs:
-      raise SystemExit(f"error: run {label!r} has no evaluation in the rounds compared")
+      diverged = (summary.get("stopped_by_divergence") or {}).get("round")
+      why = f" (the divergence guard stopped it at round {diverged}, before it evaluated)" if diverged else ""
+      raise SystemExit(f"error: run {label!r} has no evaluation in the rounds compared{why}: leave it out")
     tail = accs[-last:]
     reached = "" if target is None else f" {rounds_to(rows, target) or 'not reached'} |"
     if costs:

@@ -128,15 +128,16 @@ def clean_setting(method: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method, reading", [("HeteroAvg", "update"), ("HeteroAvg", "difference"),
-                                             ("FedProx", "update")])
-def test_malicious_upload_is_its_update_plus_lambda_times_the_backdoor_delta(method, reading):
+@pytest.mark.parametrize("method, reading, leaves", [("HeteroAvg", "update", "all"), ("HeteroAvg", "difference", "all"),
+                                                     ("FedProx", "update", "all"), ("HeteroAvg", "update", "kernels"),
+                                                     ("HeteroAvg", "update", "others")])
+def test_malicious_upload_is_its_update_plus_lambda_times_the_backdoor_delta(method, reading, leaves):
   store, model, start, terms, clean_trainer = clean_setting(method)
   scale, key, backend = 3.0, round_key(0, 2), make_backend("sequential")
   bad, good = 1, 4
   table = attack_table(store.num_clients, np.array([bad]), seed=0)
   attacked_trainer = AttackedTrainer(LocalTrainer(model, LOCAL, store.mean, store.std, terms),
-                                     Backdoor(scale, reading), table)
+                                     Backdoor(scale, reading, leaves), table)
 
   def train(trainer, client, data=store):
     rows = one_cohort(data, LOCAL, trainer, np.array([client]), np.ones(1), 1)
@@ -146,7 +147,9 @@ def test_malicious_upload_is_its_update_plus_lambda_times_the_backdoor_delta(met
   clean = train(clean_trainer, bad).delta_sum["params"]
   copy = train(clean_trainer, bad, relabelled(store, bad, table.label_seed[bad])).delta_sum["params"]
   backdoor = copy if reading == "update" else jax.tree.map(jnp.subtract, copy, clean)
-  expected = jax.tree.map(lambda c, b: c + scale * b, clean, backdoor)
+  boosted = lambda b: leaves == "all" or (b.ndim >= 2) == (leaves == "kernels")  # (--backdoor-leaves)
+  expected = jax.tree.map(lambda c, b: c + (scale if boosted(b) else 1.0) * b, clean, backdoor)
+  assert {boosted(b) for b in jax.tree.leaves(backdoor)} == ({True} if leaves == "all" else {True, False})
   attacked = train(attacked_trainer, bad)
   chex.assert_trees_all_equal_shapes(attacked.delta_sum["params"], expected)
   chex.assert_trees_all_close(attacked.delta_sum["params"], expected, rtol=1e-5, atol=1e-6)

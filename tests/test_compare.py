@@ -461,3 +461,9 @@ def test_a_run_stopped_before_its_first_evaluation_is_named_with_why():
   with pytest.raises(SystemExit, match=r"^error: run 'B_s0' has no evaluation in the rounds compared \(the "
                                        r"divergence guard stopped it at round 1, before it evaluated\): leave it out$"):
     tables.table([fake_run("A", 0, [0.5]), (label, summary, rows)], 3)
+
+
+def test_an_attack_on_some_leaves_is_its_own_variant():
+  federation = {"seed": 0, "malicious_fraction": 0.2, "backdoor_scale": 20, "backdoor_leaves": "kernels"}
+  assert run_stats.attack_of({"config": {"federation": federation}}) == "backdoor 20% x20 kernels only"
+  assert run_stats.attack_of({"config": {"federation": {**federation, "backdoor_leaves": "all"}}}) == "backdoor 20% x20"

@@ -106,7 +106,8 @@ def attack_of(summary: dict[str, Any]) -> str | None:
     return None
   delta = "" if federation.get("backdoor_delta", "update") == "update" else f" {federation['backdoor_delta']}"
   group = "" if federation.get("malicious_group", "any") == "any" else f" {federation['malicious_group']}"
-  return f"backdoor {100 * fraction:g}% x{federation.get('backdoor_scale'):g}{delta}{group}"
+  leaves = "" if federation.get("backdoor_leaves", "all") == "all" else f" {federation['backdoor_leaves']} only"
+  return f"backdoor {100 * fraction:g}% x{federation.get('backdoor_scale'):g}{leaves}{delta}{group}"
 
 
 def method_of(summary: dict[str, Any]) -> str:

@@ -81,10 +81,11 @@ def malicious_clients(num_clients: int, fraction: float, seed: int, among: np.nd
 @dataclasses.dataclass(frozen=True)
 class Backdoor:
   """The attack's static settings, checked where they are declared (`FederationConfig`): ``scale`` is lambda
-of Eq. 1, ``reading`` one of `config.federation.READINGS`."""
+of Eq. 1, ``reading`` one of `config.federation.READINGS`, ``leaves`` one of `config.federation.BACKDOOR_LEAVES`."""
 
   scale: float
   reading: str = "update"
+  leaves: str = "all"
 
 
 class AttackInput(NamedTuple):
@@ -126,13 +127,15 @@ def shuffled_row(index_row: jax.Array, num_examples: jax.Array, label_seed: jax.
 
 
 def poisoned_params(start: Variables, clean: Variables, copy: Variables, malicious: jax.Array, scale: float,
-                    reading: str) -> Variables:
+                    reading: str, leaves: str = "all") -> Variables:
   """Per leaf: ``start + (clean - start) + scale * delta_backdoor`` where ``malicious`` (``clean``
-  elsewhere); ``delta_backdoor`` is ``copy - start`` (reading "update") or ``copy - clean`` ("difference")."""
+  elsewhere); ``delta_backdoor`` is ``copy - start`` (reading "update") or ``copy - clean`` ("difference").
+  ``leaves`` "kernels" (of two or more axes) or "others" takes ``scale`` on those alone, 1 on the rest."""
 
   def leaf(s, c, b):
     backdoor = b - c if reading == "difference" else b - s
-    return jnp.where(malicious, s + (c - s) + scale * backdoor, c)
+    boosted = leaves == "all" or (jnp.ndim(s) >= 2) == (leaves == "kernels")
+    return jnp.where(malicious, s + (c - s) + (scale if boosted else 1.0) * backdoor, c)
 
   return jax.tree.map(leaf, start, clean, copy)
 
@@ -185,7 +188,7 @@ class AttackedTrainer:
     if isinstance(state.wrapper, BackdoorState):  # (shape-only uses may finish a state without the copy)
       bd = state.wrapper
       params = poisoned_params(start["params"], state.variables["params"], bd.copy.variables["params"],
-                               bd.malicious, self.backdoor.scale, self.backdoor.reading)
+                               bd.malicious, self.backdoor.scale, self.backdoor.reading, self.backdoor.leaves)
       state = state._replace(variables={**state.variables, "params": params})
     return self.trainer.finish(state, start, memory, share)
 
@@ -196,6 +199,6 @@ def trainer_wrapper(config: "FederationConfig", malicious: np.ndarray,
   without any)."""
   if not len(malicious):
     return lambda trainer: trainer
-  backdoor = Backdoor(config.backdoor_scale, config.backdoor_delta)
+  backdoor = Backdoor(config.backdoor_scale, config.backdoor_delta, config.backdoor_leaves)
   table = attack_table(num_clients, malicious, config.seed)
   return lambda trainer: AttackedTrainer(trainer, backdoor, table)

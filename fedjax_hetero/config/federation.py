@@ -16,6 +16,7 @@ from fedjax_hetero.validation import SEED_MAX
 WEIGHTINGS = ("uniform", "num_samples")  # of a client's delta in the server's mean
 READINGS = ("update", "difference")  # the backdoor's delta_backdoor: the copy's update, or copy minus clean
 MALICIOUS_GROUPS = ("any", "largest")  # where the malicious clients are drawn from
+BACKDOOR_LEAVES = ("all", "kernels", "others")  # the parameters lambda multiplies (the others take lambda 1)
 
 
 def num_malicious(num_clients: int, fraction: float) -> int:
@@ -93,6 +94,10 @@ class FederationConfig(Settings):
   backdoor_delta: str = setting(
       "update", "what lambda multiplies: 'update' (the label-shuffled copy's own update) or 'difference' (the "
       "copy's update minus the clean one)", OneOf(READINGS))
+  backdoor_leaves: str = setting(
+      "all", "which parameters lambda multiplies, the others taking lambda 1: 'all', 'kernels' (leaves of two or "
+      "more axes: convolution and dense kernels, those FedFA rescales) or 'others' (biases, BatchNorm's scales and "
+      "offsets); an ablation of where the boosted update does its damage", OneOf(BACKDOOR_LEAVES))
   malicious_group: str = setting(
       "any", "which clients --malicious-fraction draws from: 'any' (each keeps the group of its block) or the "
       "'largest' architecture's group, the global model's (FedFA's premise: attackers pick the largest network)",

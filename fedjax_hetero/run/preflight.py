@@ -46,6 +46,7 @@ ACTS_ONLY_WITH: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("federation.backdoor_scale", lambda c: c.federation.malicious_fraction > 0, "--malicious-fraction above 0"),
     ("federation.backdoor_delta", lambda c: c.federation.malicious_fraction > 0, "--malicious-fraction above 0"),
     ("federation.malicious_group", lambda c: c.federation.malicious_fraction > 0, "--malicious-fraction above 0"),
+    ("federation.backdoor_leaves", lambda c: c.federation.malicious_fraction > 0, "--malicious-fraction above 0"),
     ("divergence.loss_factor", lambda c: c.divergence.action != "off", "--on-divergence stop or rollback"),
     ("divergence.chance_evals", lambda c: c.divergence.action != "off", "--on-divergence stop or rollback"),
     ("divergence.rollback_lr_factor", lambda c: c.divergence.action == "rollback", "--on-divergence rollback"),

@@ -5,7 +5,8 @@
 # ABLATION_SEEDS (default "0 1"; empty: none): the attack at lambda 20 and at lambda 1 with the attackers drawn from
 # every client; FedFA's two parts alone under it; lambda 20 on the largest architecture and FedFA's two parts alone,
 # clean and under lambda 1 there; last, why lambda 20 breaks FedFA there: its two parts alone at lambda 20, alpha taken
-# to the cohort's median norm instead of its mean (--fedfa-center median), and lambda 5 between. Each run resumes if
+# to the cohort's median norm instead of its mean (--fedfa-center median), lambda 5 between, and lambda 20 on the kernels
+# alone or on the other parameters alone (--backdoor-leaves). Each run resumes if
 # interrupted; finished runs are skipped.
 # An attacked run is expected to fall towards chance, so the divergence guard is off for those.
 set -euo pipefail
@@ -60,5 +61,13 @@ for seed in ${ABLATION_SEEDS-0 1}; do
   done
   for method in FlexiFed FedFA; do
     run "${method}_largest5_s$seed" --method "$method" "${LARGEST[@]}" --backdoor-scale 5
+  done
+done
+for seed in ${ABLATION_SEEDS-0 1}; do  # (where lambda 20 does its damage: lambda on the kernels alone, on the rest)
+  for method in FlexiFed FedFA; do
+    for leaves in kernels others; do
+      run "${method}_largest-${leaves}_s$seed" --method "$method" --seed "$seed" "${ATTACK[@]}" \
+          --malicious-group largest --backdoor-scale 20 --backdoor-leaves "$leaves"
+    done
   done
 done

@@ -4,10 +4,10 @@
 # largest architecture (ResNet26, --malicious-group largest: the paper's Sec. 3.1 premise). Then, on the seeds in
 # ABLATION_SEEDS (default "0 1"; empty: none): the attack at lambda 20 and at lambda 1 with the attackers drawn from
 # every client; FedFA's two parts alone under it; lambda 20 on the largest architecture and FedFA's two parts alone,
-# clean and under lambda 1 there; last, why lambda 20 breaks FedFA there: its two parts alone at lambda 20, alpha taken
-# to the cohort's median norm instead of its mean (--fedfa-center median), lambda 5 between, and lambda 20 on the kernels
-# alone or on the other parameters alone (--backdoor-leaves). Each run resumes if
-# interrupted; finished runs are skipped.
+# clean and under lambda 1 there; last, why lambda 20 breaks FedFA there: its two parts alone at lambda 20, alpha
+# taken to the cohort's median norm instead of its mean (--fedfa-center median), lambda 5 between, and lambda 20 on
+# the kernels alone or on the other parameters alone (--backdoor-leaves). Each run resumes if interrupted; finished
+# runs are skipped.
 # An attacked run is expected to fall towards chance, so the divergence guard is off for those.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -433,25 +433,37 @@ def test_plot_names_per_group_and_labels_are_refused_before_the_table(tmp_path, 
   assert (tmp_path / "plot.png").exists(), "a name without an extension gets the .png matplotlib adds, and says so"
 
 
-def test_probe_survey_four_compare_counts_every_run_pairs_targets_at_shared_rounds_and_notes_other_experiments(
-    tmp_path):
-  """(Fourth probe survey.) The mean over a method's runs dropped a run that shared another's seed (two
-  --sample-seed values), and a folder given twice counted once there and twice in the first table; the per-seed
-  target column read a run's rounds past the baseline's end; a baseline of another experiment paired silently."""
+def test_the_mean_over_a_methods_runs_counts_every_run(tmp_path):
+  """(Fourth probe survey: two runs of one seed, e.g. of two --sample-seed values, counted once; a folder given
+  twice counted once there and twice in the first table.)"""
   same_seed = [fake_run("A", 0, [0.4, 0.5]), fake_run("A", 0, [0.4, 0.7]), fake_run("A", 1, [0.4, 0.6])]
   assert "| A | 3 | 60.00 ± 10.00 | 60.00 ± 10.00 |" in tables.seeds_table(same_seed)
-  first = write_run(tmp_path, *fake_run("A", 0, [0.5, 0.6]))
-  with pytest.raises(SystemExit, match=r"A_s0/' is given twice \(also as '.*A_s0'\): each run counts once"):
-    compare.main([first, write_run(tmp_path, *fake_run("B", 0, [0.5, 0.6])), first + "/"])
+  first, other = (write_run(tmp_path, *fake_run(m, 0, [0.5, 0.6])) for m in "AB")
+  for again in (first, first + "/"):
+    with pytest.raises(SystemExit, match=r"A_s0/?' is given twice \(also as '.*A_s0'\): each run counts once"):
+      compare.main([first, other, again])
+
+
+def test_rounds_to_a_target_stop_at_the_last_round_both_evaluated():
+  """(Fourth probe survey: a run longer than the baseline 'reached' a target the baseline had no rounds for.)"""
   longer = fake_run("B", 0, [0.3, 0.4, 0.45, 0.9])  # reaches 85% at round 4, after the baseline's last round
   text = tables.seed_table([fake_run("A", 0, [0.5, 0.6]), longer], "A", 0.85)
   assert "| B | 0 | 40.00 | 60.00 | -20.00 | not reached | not reached |" in text
+
+
+def test_a_note_names_the_settings_where_a_method_trained_another_experiment_than_the_baseline():
+  """(Fourth probe survey: a baseline of other groups and data paired silently.)"""
   other = fake_run("B", 0, [0.6, 0.7])
   other[1]["config"].update(groups=["cnn@0.25"], data={"alpha": 100.0})
   assert tables.experiment_note([fake_run("A", 0, [0.5, 0.6]), other], "A") == (
       "\nnote: B's runs differ from A's of the same seed in data.alpha, groups: the same seed does not give them the "
       "same clients and rounds, so the differences are not the method's alone")
   assert tables.experiment_note([fake_run("A", 0, [0.5, 0.6]), fake_run("B", 0, [0.6, 0.7])], "A") == ""
+  cohorts = fake_run("B", 0, [0.6, 0.7])
+  cohorts[1]["config"]["federation"]["sample_seed"] = 7
+  assert "in federation.sample_seed:" in tables.experiment_note([fake_run("A", 0, [0.5, 0.6]), cohorts], "A")
+  cohorts[1]["config"]["federation"]["sample_seed"] = 0  # (the seed's own cohorts, given explicitly)
+  assert tables.experiment_note([fake_run("A", 0, [0.5, 0.6]), cohorts], "A") == ""
 
 
 def test_a_run_stopped_before_its_first_evaluation_is_named_with_why():
@@ -461,6 +473,10 @@ def test_a_run_stopped_before_its_first_evaluation_is_named_with_why():
   with pytest.raises(SystemExit, match=r"^error: run 'B_s0' has no evaluation in the rounds compared \(the "
                                        r"divergence guard stopped it at round 1, before it evaluated\): leave it out$"):
     tables.table([fake_run("A", 0, [0.5]), (label, summary, rows)], 3)
+  label, summary, rows = fake_run("B", 0, [None, None, 0.5])  # (stopped at round 3: --up-to-round 2 cut it)
+  summary["stopped_by_divergence"] = {"round": 3, "reason": "round 3: accuracy at chance"}
+  with pytest.raises(SystemExit, match=r"^error: run 'B_s0' has no evaluation in the rounds compared$"):
+    tables.table([fake_run("A", 0, [0.5]), (label, summary, rows[:2])], 3)
 
 
 def test_an_attack_on_some_leaves_is_its_own_variant():

@@ -317,8 +317,9 @@ def with_variants(runs: Runs) -> list[tuple[str, dict[str, Any], list[dict[str, 
   return out
 
 
-# Settings that decide which clients hold which examples and train in which rounds: a run and the baseline's run of
-# its seed pair round by round only where these agree (the method's own settings may differ, as may the optimizer's).
+# Settings that decide which clients hold which examples and train in which rounds (and the cohorts' seed,
+# --sample-seed): a run and the baseline's run of its seed pair round by round only where these agree (the method's
+# own settings may differ, as may the optimizer's).
 SAME_EXPERIMENT = ("data.", "groups", "federation.clients_per_round", "federation.group_draw",
                    "federation.client_dropout", "federation.availability_trace")
 
@@ -329,7 +330,9 @@ def experiment_differences(runs: Runs, baseline: str) -> dict[str, list[str]]:
   defaults = _flat(as_dict(RunConfig()))
   def setting(summary: dict[str, Any]) -> dict[str, Any]:
     config = {**defaults, **_flat(summary["config"])}
-    return {k: repr(v) for k, v in config.items() if k.startswith(SAME_EXPERIMENT) and k != "data.data_dir"}
+    cohorts = config.get("federation.sample_seed")
+    return {**{k: repr(v) for k, v in config.items() if k.startswith(SAME_EXPERIMENT) and k != "data.data_dir"},
+            "federation.sample_seed": repr(seed_of(summary) if cohorts is None else cohorts)}
   base = {seed_of(s): setting(s) for _, s, _ in runs if method_of(s) == baseline}
   out: dict[str, list[str]] = {}
   for _, summary, _ in runs:

@@ -37,8 +37,9 @@ def table(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]], last
     accs = [a for _, a in evaluated(rows)]
     if not accs:
       diverged = (summary.get("stopped_by_divergence") or {}).get("round")
-      why = f" (the divergence guard stopped it at round {diverged}, before it evaluated)" if diverged else ""
-      raise SystemExit(f"error: run {label!r} has no evaluation in the rounds compared{why}: leave it out")
+      why = (f" (the divergence guard stopped it at round {diverged}, before it evaluated): leave it out"
+             if diverged and rows and rows[-1]["round"] >= diverged else "")
+      raise SystemExit(f"error: run {label!r} has no evaluation in the rounds compared{why}")
     tail = accs[-last:]
     reached = "" if target is None else f" {rounds_to(rows, target) or 'not reached'} |"
     if costs:
@@ -94,8 +95,9 @@ def dataset_note(runs: Runs) -> str:
 def seeds_table(runs: Runs) -> str:
   """Per method (or variant, e.g. a swept value) with several runs: the mean ± std over them of the final and
   the best mean accuracy (empty if no method has two runs)."""
-  by_method: dict[str, list[list[dict[str, Any]]]] = {}  # (every run counts: two of one seed too, e.g. of two
-  for _, summary, rows in runs:                          # --sample-seed values)
+  # Every run counts: two of one seed too (e.g. of two --sample-seed values).
+  by_method: dict[str, list[list[dict[str, Any]]]] = {}
+  for _, summary, rows in runs:
     by_method.setdefault(method_of(summary), []).append(rows)
   lines = ["| method | runs | final mean acc (%), mean ± std | best (%), mean ± std |", "|---|---|---|---|"]
   for method, method_runs in by_method.items():

@@ -137,9 +137,10 @@ def main(argv: Sequence[str] | None = None) -> str:
     raise SystemExit(f"error: {len(labels)} labels for {len(args.run_dirs)} runs")
   given: dict[str, str] = {}
   for run_dir in args.run_dirs:
-    first = given.setdefault(os.path.realpath(run_dir), run_dir)
-    if first is not run_dir:
-      raise SystemExit(f"error: {run_dir!r} is given twice (also as {first!r}): each run counts once")
+    real = os.path.realpath(run_dir)
+    if real in given:
+      raise SystemExit(f"error: {run_dir!r} is given twice (also as {given[real]!r}): each run counts once")
+    given[real] = run_dir
   runs = []
   for label, run_dir in zip(labels, args.run_dirs):
     summary, rows = load_run(run_dir)
@@ -154,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> str:
   text += "".join("\n" + note for note in ending_notes(runs))
   spread = seeds_table(runs)
   if spread:
-    text += "\n\nover the runs of each method (its seeds):\n" + spread
+    text += "\n\nover the runs of each method (every run, its seeds):\n" + spread
   if args.baseline and not pairings(runs, args.baseline):
     text += (f"\n\nno run pairs with {args.baseline}'s: none has the seed of one of its runs and a round both "
              "evaluated (compare runs of the same seeds and --eval-every)")

@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_hetero.aggregators.fedfa import is_kernel
 from fedjax_hetero.config.declare import cli_name
 from fedjax_hetero.config.federation import FederationConfig, num_malicious
 
@@ -134,7 +135,7 @@ def poisoned_params(start: Variables, clean: Variables, copy: Variables, malicio
 
   def leaf(s, c, b):
     backdoor = b - c if reading == "difference" else b - s
-    boosted = leaves == "all" or (jnp.ndim(s) >= 2) == (leaves == "kernels")
+    boosted = leaves == "all" or is_kernel(("params",), s) == (leaves == "kernels")
     return jnp.where(malicious, s + (c - s) + (scale if boosted else 1.0) * backdoor, c)
 
   return jax.tree.map(leaf, start, clean, copy)

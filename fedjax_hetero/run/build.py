@@ -202,7 +202,8 @@ def build_simulation(config: RunConfig, dataset: fdata.ArrayDataset | None = Non
   if len(malicious):
     attack = config.federation
     among = f" of {spec.groups[spec.global_index].name}" if attack.malicious_group == "largest" else ""
-    leaves = "" if attack.backdoor_leaves == "all" else f", on the {attack.backdoor_leaves} alone"
+    leaves = {"all": "", "kernels": ", on the kernels alone", "others": ", on the parameters but kernels alone"}[
+        attack.backdoor_leaves]
     log(f"backdoor attack: {len(malicious)} malicious clients{among} (lambda {attack.backdoor_scale:g}{leaves}, "
         f"delta_backdoor = {attack.backdoor_delta}): {id_list(malicious)}")
   return sim, parts

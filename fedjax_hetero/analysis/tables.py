@@ -11,10 +11,9 @@ import numpy as np
 
 from fedjax_hetero.analysis.runs import (Pairing, Runs, attack_of, base_method_of, cumulative_costs, default_window,
                                          evaluated, experiment_differences, final_pair, groups_of, interval,
-                                         last_client_accuracy,
-                                         last_shared_round, mean_dissimilarity, method_of, paired_points, pairings,
-                                         rounds_to, runs_by_method, seed_interval, seed_of, up_to_round,
-                                         windowed_means)
+                                         last_client_accuracy, last_shared_round, mean_dissimilarity, method_of,
+                                         paired_points, pairings, rounds_to, runs_by_method, seed_interval, seed_of,
+                                         up_to_round, windowed_means)
 
 STATS_HEADER = ("mean per-round difference (points) [95% interval] | rounds ahead | best - best (points) | "
                 "seeds' mean differences: mean [95% t interval]")

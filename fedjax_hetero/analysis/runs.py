@@ -300,11 +300,17 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
   return out
 
 
+def flat_settings(summaries: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+  """Each run's config as ``{"path.to.setting": value}``, a setting newer than the run's folder at its default (the
+  run had it)."""
+  defaults = _flat(as_dict(RunConfig()))
+  return [{**defaults, **_flat(summary["config"])} for summary in summaries]
+
+
 def with_variants(runs: Runs) -> list[tuple[str, dict[str, Any], list[dict[str, Any]]]]:
   """The runs with each method's variants told apart: where runs of one method (and attack) differ in a setting
   besides the seed (the values of a ``--sweep``), each run's method reads ``METHOD [setting=value, ...]``."""
-  defaults = _flat(as_dict(RunConfig()))  # (a setting newer than a run's folder: the run had its default)
-  configs = [{**defaults, **_flat(summary["config"])} for _, summary, _ in runs]
+  configs = flat_settings([summary for _, summary, _ in runs])
   out = []
   for (label, summary, rows), config in zip(runs, configs):
     siblings = [c for (_, s, _), c in zip(runs, configs) if method_of(s) == method_of(summary)]
@@ -327,18 +333,17 @@ SAME_EXPERIMENT = ("data.", "groups", "federation.clients_per_round", "federatio
 def experiment_differences(runs: Runs, baseline: str) -> dict[str, list[str]]:
   """Per method paired with ``baseline``: the `SAME_EXPERIMENT` settings in which any of its runs differs from
   the baseline's run of the same seed (methods that differ in none left out)."""
-  defaults = _flat(as_dict(RunConfig()))
-  def setting(summary: dict[str, Any]) -> dict[str, Any]:
-    config = {**defaults, **_flat(summary["config"])}
+  settings = []
+  for (_, summary, _), config in zip(runs, flat_settings([summary for _, summary, _ in runs])):
     cohorts = config.get("federation.sample_seed")
-    return {**{k: repr(v) for k, v in config.items() if k.startswith(SAME_EXPERIMENT) and k != "data.data_dir"},
-            "federation.sample_seed": repr(seed_of(summary) if cohorts is None else cohorts)}
-  base = {seed_of(s): setting(s) for _, s, _ in runs if method_of(s) == baseline}
+    settings.append({**{k: repr(v) for k, v in config.items()
+                        if k.startswith(SAME_EXPERIMENT) and k != "data.data_dir"},
+                     "federation.sample_seed": repr(seed_of(summary) if cohorts is None else cohorts)})
+  base = {seed_of(s): mine for (_, s, _), mine in zip(runs, settings) if method_of(s) == baseline}
   out: dict[str, list[str]] = {}
-  for _, summary, _ in runs:
+  for (_, summary, _), mine in zip(runs, settings):
     method, seed = method_of(summary), seed_of(summary)
     if method != baseline and seed in base:
-      mine = setting(summary)
       differ = [k for k in sorted(set(mine) | set(base[seed])) if mine.get(k) != base[seed].get(k)]
       if differ:
         out[method] = sorted(set(out.get(method, [])) | set(differ))

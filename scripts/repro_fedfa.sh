@@ -3,7 +3,7 @@
 # SEEDS (default "0 1"): FlexiFed and FedFA, clean and with 20% malicious clients at lambda 1, every attacker on the
 # largest architecture (ResNet26, --malicious-group largest: the paper's Sec. 3.1 premise). Then, on the seeds in
 # ABLATION_SEEDS (default "0 1"; empty: none): the attack at lambda 20 and at lambda 1 with the attackers drawn from
-# every client; FedFA's two parts alone under it; lambda 20 on the largest architecture and FedFA's two parts alone,
+# every client (the latter on ANY_CLIENT_SEEDS if set); FedFA's two parts alone under it; lambda 20 on the largest architecture and FedFA's two parts alone,
 # clean and under lambda 1 there; last, why lambda 20 breaks FedFA there: its two parts alone at lambda 20, alpha
 # taken to the cohort's median norm instead of its mean (--fedfa-center median), lambda 5 between, and lambda 20 on
 # the kernels alone or on the other parameters alone (--backdoor-leaves). Each run resumes if interrupted; finished
@@ -27,7 +27,7 @@ for seed in ${ABLATION_SEEDS-0 1}; do
     run "${method}_attack_s$seed" --method "$method" --seed "$seed" "${ATTACK[@]}" --backdoor-scale 20
   done
 done
-for seed in ${ABLATION_SEEDS-0 1}; do
+for seed in ${ANY_CLIENT_SEEDS-${ABLATION_SEEDS-0 1}}; do
   for method in FlexiFed FedFA; do
     run "${method}_attack1_s$seed" --method "$method" --seed "$seed" "${ATTACK[@]}" --backdoor-scale 1
   done

@@ -6,6 +6,8 @@ import json
 import os
 
 import chex
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import traverse_util
@@ -13,7 +15,8 @@ from flax import traverse_util
 from fedjax_hetero import analysis
 from fedjax_hetero.cli import analyze
 from fedjax_hetero.config import RunConfig, as_dict
-from fedjax_hetero.models import evaluation
+from fedjax_hetero.models import build_model, evaluation
+from fedjax_hetero.models.evaluation import batch_norm_keep, zero_start_statistics
 from fedjax_hetero.run.runner import run_experiment
 
 # One worker runs the module, so its two module-scoped runs train once (under xdist each worker would train its own).
@@ -47,6 +50,21 @@ def fedcross_run(tmp_path_factory):
                                 output_dir=str(tmp_path_factory.mktemp("fedcross")), **TINY)
   run_experiment(config, log=quiet)
   return config.output.dir, config
+
+
+@pytest.fixture(scope="module")
+def heterofl_run(tmp_path_factory):
+  """(run_dir, config) of a 2-round HeteroFL run of two ResNet10 widths: static BatchNorm (statistics re-estimated
+  for each evaluation, never kept in training) and the Scaler."""
+  config = RunConfig.from_flags(method="HeteroFL", groups=("resnet10@0.125", "resnet10@0.0625"),
+                                output_dir=str(tmp_path_factory.mktemp("heterofl")), **TINY)
+  run_experiment(config, log=quiet)
+  return config.output.dir, config
+
+
+def last_accuracies(run_dir) -> dict:
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f][-1]["test_accuracy"]
 
 
 def recording(seen):
@@ -133,6 +151,35 @@ def test_recalibrate_bn(inco_run, capsys):
     assert all(0 <= g[key] <= 1 for g in record["groups"].values())
   after = snapshot(run_dir)
   assert {k: v for k, v in after.items() if k != "recalibrated_bn.json"} == before
+
+
+def test_analyses_of_a_static_batch_norm_run_read_the_model_it_evaluated(heterofl_run, tmp_path):
+  """(Fifth probe survey: recalibrate-bn and landscape read HeteroFL's initial statistics, never kept in training,
+  and re-estimated them with the Scaler on: a narrow group's accuracy fell to chance.)"""
+  run_dir, config = heterofl_run
+  reported = last_accuracies(run_dir)
+  analyze.main(["recalibrate-bn", run_dir, "--num-examples", "128", "--batch-size", "32"])
+  with open(os.path.join(run_dir, "recalibrated_bn.json")) as f:
+    record = json.load(f)
+  assert {name: g["stored"] for name, g in record["groups"].items()} == pytest.approx(
+      {name: reported[name] for name in config.groups})
+  for i, name in enumerate(config.groups):
+    out = str(tmp_path / f"group{i}.png")
+    analyze.main(["landscape", run_dir, "--group", str(i), "--grid", "3", "--num-examples", "64", "--output", out])
+    with np.load(out.replace(".png", ".npz")) as npz:
+      assert npz["accuracy"][0, 1, 1] == pytest.approx(reported[name])  # (the grid's centre: the model itself)
+
+
+def test_statistics_are_re_estimated_with_the_scaler_off():
+  model = build_model("resnet10", 10, 0.5).clone(scaler=True, scaler_of=1.0)  # (a Scaler rate of 0.5)
+  x = jax.random.normal(jax.random.key(0), (8, 28, 28, 1))
+  variables = model.init(jax.random.key(1), x)
+  got = analysis.recalibrate_batch_stats(model, variables, [x])["batch_stats"]
+  plain = model.clone(scaler=False)
+  want = zero_start_statistics(plain, variables, x, batch_norm_keep(plain, variables, x))
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+  scaled = zero_start_statistics(model, variables, x, batch_norm_keep(model, variables, x))
+  assert not np.allclose(jnp.ravel(scaled["stem_bn"]["mean"]), jnp.ravel(want["stem_bn"]["mean"]))
 
 
 def test_recalibrate_bn_needs_batch_norm(fedcross_run):

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_hetero.hetero.maps import Variables
+from fedjax_hetero.models.common import without_scaler
 from fedjax_hetero.models.evaluation import batch_norm_keep, batch_norm_momenta, zero_start_statistics
 
 __all__ = ["batch_norm_momenta", "recalibrate_batch_stats"]
@@ -30,7 +31,8 @@ def recalibrate_batch_stats(model: nn.Module, variables: Variables, batches: Ite
   normalization, computed on the given inputs (already normalized as the model
   expects) instead of accumulated during federated training. A training pass
   from zero statistics stores ``(1 - momentum) * batch statistic``, which is
-  divided back out, so the result does not depend on the momentum.
+  divided back out, so the result does not depend on the momentum. The pass runs with the model's Scaler off
+  (HeteroFL's, which acts in training only), as the statistics are for evaluation.
   """
   if "batch_stats" not in variables:
     raise ValueError("the model has no BatchNorm statistics to re-estimate")
@@ -38,6 +40,7 @@ def recalibrate_batch_stats(model: nn.Module, variables: Variables, batches: Ite
   first = next(batches, None)
   if first is None:
     raise ValueError("re-estimating BatchNorm statistics needs at least one batch")
+  model = without_scaler(model)
   keep = batch_norm_keep(model, variables, first)
   batch_statistics = jax.jit(lambda x: zero_start_statistics(model, variables, x, keep))
 

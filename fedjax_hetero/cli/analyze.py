@@ -105,7 +105,7 @@ def run_cka(args: argparse.Namespace) -> list[str]:
   n = int(images.shape[0])
   if n < 2:
     raise ValueError(f"{args.run_dir}: CKA needs at least 2 test images, the run has {n}")
-  models = [(g.model, spec.group_variables(state, i)) for i, g in enumerate(spec.groups)]
+  models = [(g.model, spec.evaluated_group_variables(state, i)) for i, g in enumerate(spec.groups)]
   matrices = analysis.cka_matrix(models, images, spec.store.mean, spec.store.std, batch_size=args.batch_size)
   if not matrices:
     raise ValueError(f"{args.run_dir}: the groups {', '.join(names)} share no cut point besides input/logits")
@@ -148,7 +148,7 @@ def run_landscape(args: argparse.Namespace) -> list[str]:
       raise ValueError(f"{run_dir}: --group {args.group} is out of range; the run has {len(spec.groups)} "
                        f"architecture group(s): {', '.join(g.name for g in spec.groups)}")
     model = spec.groups[args.group].model
-    variables = spec.group_variables(run.state, args.group)
+    variables = spec.evaluated_group_variables(run.state, args.group)
     directions = _directions(variables["params"], key1, key2)
     images, labels = _test_subset(spec, args.num_examples)
     surface = analysis.loss_surface(model, variables, images, labels, spec.store.mean, spec.store.std, directions,
@@ -288,13 +288,14 @@ def run_recalibrate_bn(args: argparse.Namespace) -> list[str]:
              for i in range(0, n, args.batch_size)]
   groups = {}
   for i, group in enumerate(spec.groups):
-    stored = spec.group_variables(state, i)
+    stored = spec.evaluated_group_variables(state, i)
     recalibrated = analysis.recalibrate_batch_stats(group.model, stored, batches)
     accuracy = {name: evaluation.accuracy(group.model, variables, spec.test_images, spec.test_labels, spec.store.mean,
                                           spec.store.std)
                 for name, variables in (("stored", stored), ("recalibrated", recalibrated))}
     groups[group.name] = accuracy
-    _log(f"{group.name}: test accuracy {accuracy['stored']:.4f} with the stored BatchNorm statistics, "
+    _log(f"{group.name}: test accuracy {accuracy['stored']:.4f} with the BatchNorm statistics the run evaluates "
+         f"with{' (the method re-estimates them)' if spec.method.evaluation_variables else ''}, "
          f"{accuracy['recalibrated']:.4f} re-estimated on {n} training images")
   means = {k: float(np.mean([g[k] for g in groups.values()])) for k in ("stored", "recalibrated")}
   _log(f"mean over groups: {means['stored']:.4f} stored, {means['recalibrated']:.4f} re-estimated")

@@ -27,6 +27,7 @@ from fedjax_hetero.client.terms import ClientFinal, ClientTerm, StepContext
 from fedjax_hetero.config.methods import BN_SAMPLES
 from fedjax_hetero.data.store import FederatedStore
 from fedjax_hetero.hetero.maps import Variables
+from fedjax_hetero.models.common import without_scaler
 from fedjax_hetero.models.evaluation import EVAL_BATCH, batch_norm_statistics
 
 # Training samples the server re-estimates BatchNorm statistics on before each evaluation (BN_SAMPLES). HeteroFL
@@ -74,10 +75,8 @@ def static_batch_norm_evaluation(num_samples: int = BN_SAMPLES, seed: int = 0,
       return variables
     n = int(store.images.shape[0])
     ids = np.sort(np.random.default_rng(seed).permutation(n)[:min(num_samples, n)])
-    if "scaler" in {f.name for f in dataclasses.fields(model)}:
-      model = model.clone(scaler=False)
-    return batch_norm_statistics(model, variables, store.images[jnp.asarray(ids)], store.mean, store.std,
-                                 batch_size)
+    return batch_norm_statistics(without_scaler(model), variables, store.images[jnp.asarray(ids)], store.mean,
+                                 store.std, batch_size)
 
   return evaluation_variables
 

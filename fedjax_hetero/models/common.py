@@ -8,6 +8,7 @@ split a model anywhere (e.g. features -> logits for a classifier-only update).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, Sequence
 
@@ -55,6 +56,14 @@ def scaler(x: Array, rate: float | None, train: bool) -> Array:
   width rate in training (its width over the global model's, as the authors' code computes it), the identity at
   evaluation and when ``rate`` is None (the Scaler off)."""
   return x / rate if rate is not None and train else x
+
+
+def without_scaler(model: nn.Module) -> nn.Module:
+  """``model`` with its Scaler off (`scaler`): a training pass that estimates BatchNorm statistics for evaluation
+  must see the activations the evaluation sees, and the Scaler acts in training only."""
+  if "scaler" in {f.name for f in dataclasses.fields(model)}:
+    return model.clone(scaler=False)
+  return model
 
 
 class StepSize(nn.Module):

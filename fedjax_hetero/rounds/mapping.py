@@ -186,7 +186,7 @@ class ProgramCohorts:
   def counts(self, spec: "RoundSpec", state: ServerState, data: RoundData) -> tuple[jax.Array, Any]:
     """Every group's correct test predictions in ``state`` and, with per-client evaluation, every client's on its
     held-out samples (`client_eval`): the body of the evaluation program."""
-    variables = [spec.evaluated_variables(spec.group_variables(state, i), i) for i in range(len(spec.groups))]
+    variables = [spec.evaluated_group_variables(state, i) for i in range(len(spec.groups))]
     tests = jnp.stack([count_correct(g.model, variables[i], data.test_images, data.test_labels, spec.store.mean,
                                      spec.store.std, self.eval_batch) for i, g in enumerate(spec.groups)])
     return tests.astype(jnp.int32), client_eval.program_counts(spec, variables, data, self.eval_batch)

@@ -297,6 +297,11 @@ class RoundSpec:
                     "it must keep the variables'", variables, evaluated)
     return evaluated
 
+  def evaluated_group_variables(self, state: ServerState, group: int) -> Variables:
+    """Group ``group``'s variables as the method evaluates them (HeteroFL's static BatchNorm re-estimates the
+    statistics its training never kept)."""
+    return self.evaluated_variables(self.group_variables(state, group), group)
+
   def stack_size(self, group: int) -> int:
     """The most clients of the group one round can have: the rows of its stacked uploads."""
     return self.federations[self.federation_of[group]].stack_sizes[self.member_of[group]]

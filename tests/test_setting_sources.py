@@ -273,3 +273,19 @@ def test_seeds_beside_a_files_seed_say_they_replace_it(tmp_path):
   path = written(tmp_path, "run.yaml", "federation: {seed: 3}\nrounds: 1\n")
   _, _, args, _ = cli.parse(["--config", path, "--seeds", "0,1", "--output-dir", str(tmp_path / "o")], "synthetic")
   assert f"note: --seeds replaces federation.seed 3 of --config {path}" in args.notes, args.notes
+
+
+def test_a_method_spelled_in_another_case_is_recorded_by_its_name_and_compares_with_its_runs(tmp_path):
+  """(Fifth probe survey: --method fedavg was recorded as typed, so compare told its runs from FedAvg's as a variant
+  and could not find the baseline; a resume spelled FEDAVG rewrote config.json.)"""
+  from fedjax_hetero.cli import compare
+
+  argv = SYNTHETIC + ["--no-progress", "--rounds", "1"]
+  lower, upper = str(tmp_path / "lower"), str(tmp_path / "upper")
+  cli.main("synthetic", argv + ["--method", "fedavg", "--output-dir", lower])
+  cli.main("synthetic", argv + ["--method", "FEDAVG", "--rounds", "2", "--resume", "--output-dir", lower])
+  cli.main("synthetic", argv + ["--method", "FedAvg", "--seed", "1", "--output-dir", upper])
+  with open(os.path.join(lower, "config.json")) as f:
+    assert json.load(f)["method"]["name"] == "FedAvg"
+  table = compare.main([lower, upper, "--baseline", "FedAvg"])
+  assert "[method.name" not in table and "| FedAvg | 2 |" in table, table

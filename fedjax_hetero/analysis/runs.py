@@ -286,8 +286,10 @@ def final_pair(rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -
 
 
 # Config keys that differ between the runs of one experiment without making another variant of its method.
+# (method.name: runs are grouped by the method their summary names; its spelling in the config is not a variant)
 NOT_A_VARIANT = ("federation.seed", "federation.sample_seed", "output.", "data.data_dir", "rounds", "eval_every",
-                 "backend", "round_program", "rounds_per_call", "client.steps_per_call", "stop_after", "divergence.")
+                 "backend", "round_program", "rounds_per_call", "client.steps_per_call", "stop_after", "divergence.",
+                 "method.name")
 
 
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

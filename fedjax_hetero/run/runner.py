@@ -114,7 +114,7 @@ def plan(config: RunConfig, dataset: fdata.ArrayDataset | None, log: Log, method
   """`prepare`'s checks and simulation, before anything is written: a job plans all its runs first."""
   log = log if distributed.is_main_process() else _quiet
   config.data.check_paths()
-  config, history, changed = continuation.history(config, log)
+  config, history, changed = continuation.history(config.replace(method=method.name), log)  # ("FedAvg" recorded)
   method = method_for(config, method)  # (a resume goes on with the learning rate a rollback left)
   sim, parts = build_simulation(config, dataset, log, method, compile_init=True)  # (before the folder is made)
   data = results_folder.check_data(config, sim.spec, log)  # a resume trains on the data it started on

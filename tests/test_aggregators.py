@@ -161,6 +161,29 @@ def test_group_with_zero_weight_changes_nothing_it_alone_owns(maps, data):
   np.testing.assert_array_equal(np.asarray(flatten(got)[bn])[2:], flatten(global_vars)[bn][2:])
 
 
+@pytest.mark.parametrize("fn", ["hetero_avg", "hetero_avg_weights"])
+def test_a_group_of_weight_zero_is_left_out_under_jit_as_eagerly_whatever_its_sums(maps, data, fn):
+  """(Fifth probe survey: under jit a weight-0 group's sums were added to the numerator.)"""
+  global_vars, group_sums, _ = data
+  weights = [jnp.float32(2.0), jnp.float32(0.0), jnp.float32(3.0)]
+  sums = [group_sums[0], jax.tree.map(lambda x: np.full_like(x, np.nan), group_sums[1]), group_sums[2]]
+  rule = lambda g, s, w: getattr(aggregators, fn)(g, s, w, maps)
+  eager = rule(global_vars, sums, weights)
+  chex.assert_trees_all_close(jax.jit(rule)(global_vars, sums, weights), eager, rtol=1e-6, atol=1e-7)
+  chex.assert_tree_all_finite(eager)
+
+
+def test_float16_sums_whose_mean_fits_do_not_overflow(maps, data):
+  """(Fifth probe survey: two float16 sums of 40,000 averaged to inf: the sum across groups was float16.)"""
+  global_vars, group_sums, _ = data
+  half = lambda tree, value: jax.tree.map(lambda x: np.full_like(x, value, np.float16), tree)
+  got = aggregators.hetero_avg_weights(half(global_vars, 0.0), [half(s, 40_000.0) for s in group_sums],
+                                       [jnp.float32(2.0)] * 3, maps)
+  assert all(leaf.dtype == jnp.float16 for leaf in jax.tree.leaves(got))
+  kernel = np.asarray(flatten(got)[("params", "dense", "kernel")], np.float32)
+  assert np.isfinite(kernel).all() and kernel.max() == 20_000.0
+
+
 def test_hetero_avg_on_deltas_equals_average_of_uploaded_weights(maps, data):
   """Uploading w_c = start + delta_c: sum_c w_c * upload_c = S_g + W_g * extract(global)."""
   global_vars, group_sums, group_weights = data

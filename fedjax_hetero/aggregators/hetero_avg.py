@@ -10,11 +10,16 @@ Dtypes: a result leaf keeps the dtype of the model leaf it replaces (float16 sta
 float16); integer and bool leaves, which have no mean of their own dtype, are refused
 (`checks.check_floating`).
 
-A group whose weight is known (not traced) to be 0 contributes nothing: its sums are not
-read, so NaN there cannot poison the mean (``0 * NaN`` is NaN). A traced weight of 0
-needs finite sums (the engine's are zeros): selecting them out under jit would put an op
-between the engine's arithmetic on the sums and the mean, which changes how XLA:CPU
-fuses and contracts it, and so the last bits of FlexiFed's and FedFA's numbers.
+A group of weight 0 contributes nothing: known (not traced), its sums are not read, so NaN
+there cannot poison the mean (``0 * NaN`` is NaN); traced, `hetero_avg`, `hetero_avg_weights`
+and `heterogeneous_mean_delta` select its sums out. `heterogeneous_sums`, the engine's, needs
+a traced weight-0 group's sums to be zeros (a weighted sum over no client, as the engine's
+are): a select there would put an op between the engine's arithmetic on the sums and the mean,
+which changes how XLA:CPU fuses and contracts it, and so the last bits of FlexiFed's and
+FedFA's numbers.
+
+Sums are accumulated in float32 at least (float16 sums of two groups can overflow where
+their mean does not) and the result cast back.
 
 The public functions check their inputs (`checks`) and raise ValueError on misuse;
 the private ones behind them compute.
@@ -55,8 +60,8 @@ def heterogeneous_sums(group_sums: Sequence[Variables], group_weights: Sequence[
                        offset=0) -> tuple[Variables, Variables]:
   """Global-shaped numerator and denominator of the layer-wise mean.
 
-  numerator = sum_g embed(S_g), denominator = sum_g W_g * coverage_g; ``offset`` places the rolled
-  windows of rolling maps (FedRolex).
+  numerator = sum_g embed(S_g), denominator = sum_g W_g * coverage_g, both in at least float32; ``offset``
+  places the rolled windows of rolling maps (FedRolex).
   """
   checks.check_groups("global_like", global_like, group_maps, group_weights, offset, "group_sums", group_sums)
   checks.check_floating("global_like", global_like)
@@ -64,7 +69,7 @@ def heterogeneous_sums(group_sums: Sequence[Variables], group_weights: Sequence[
 
 
 def _heterogeneous_sums(group_sums, group_weights, group_maps, global_like, offset):
-  numerator = jax.tree.map(jnp.zeros_like, global_like)
+  numerator = jax.tree.map(_accumulator, global_like)
   for sums, weight, group_map in zip(group_sums, group_weights, group_maps):
     if is_weightless(weight):
       continue
@@ -72,10 +77,20 @@ def _heterogeneous_sums(group_sums, group_weights, group_maps, global_like, offs
   return numerator, _weighted_coverage(group_weights, group_maps, global_like, offset)
 
 
+def _accumulator(leaf):
+  return jnp.zeros(leaf.shape, jnp.promote_types(leaf.dtype, jnp.float32))
+
+
 def is_weightless(weight) -> bool:
   """Whether ``weight`` is known (not traced) to be 0: its group's sums are then not read at all."""
   return checks.is_concrete(weight) and float(np.asarray(weight)) == 0.0
 
+
+def _selected(group_sums, group_weights):
+  """Each group's sums, zeros where its traced weight is 0 (as a known weight of 0 leaves them unread)."""
+  return [sums if checks.is_concrete(weight) else
+          jax.tree.map(lambda x, w=weight: jnp.where(w > 0, x, jnp.zeros_like(x)), sums)
+          for sums, weight in zip(group_sums, group_weights)]
 
 
 def weighted_coverage(group_weights: Sequence[jax.Array], group_maps: Sequence[SubmodelMap],
@@ -86,7 +101,7 @@ def weighted_coverage(group_weights: Sequence[jax.Array], group_maps: Sequence[S
 
 
 def _weighted_coverage(group_weights, group_maps, global_like, offset):
-  total = jax.tree.map(jnp.zeros_like, global_like)
+  total = jax.tree.map(_accumulator, global_like)
   for weight, group_map in zip(group_weights, group_maps):
     total = jax.tree.map(lambda t, m, w=weight: t + w * m, total, coverage(group_map, global_like, offset=offset))
   return total
@@ -103,7 +118,8 @@ def heterogeneous_mean_delta(group_delta_sums: Sequence[Variables], group_weight
   checks.check_groups("global_like", global_like, group_maps, group_weights, offset, "group_delta_sums",
                       group_delta_sums)
   checks.check_floating("global_like", global_like)
-  return _heterogeneous_mean_delta(group_delta_sums, group_weights, group_maps, global_like, offset)
+  return _heterogeneous_mean_delta(_selected(group_delta_sums, group_weights), group_weights, group_maps, global_like,
+                                   offset)
 
 
 def _heterogeneous_mean_delta(group_delta_sums, group_weights, group_maps, global_like, offset):
@@ -118,7 +134,8 @@ def hetero_avg(global_vars: Variables, group_delta_sums: Sequence[Variables], gr
   checks.check_groups("global_vars", global_vars, group_maps, group_weights, offset, "group_delta_sums",
                       group_delta_sums)
   checks.check_floating("global_vars", global_vars)
-  delta = _heterogeneous_mean_delta(group_delta_sums, group_weights, group_maps, global_vars, offset)
+  delta = _heterogeneous_mean_delta(_selected(group_delta_sums, group_weights), group_weights, group_maps,
+                                    global_vars, offset)
   return jax.tree.map(jnp.add, global_vars, delta)
 
 
@@ -132,7 +149,8 @@ def hetero_avg_weights(global_vars: Variables, group_weight_sums: Sequence[Varia
   checks.check_groups("global_vars", global_vars, group_maps, group_weights, offset, "group_weight_sums",
                       group_weight_sums)
   checks.check_floating("global_vars", global_vars)
-  numerator, denominator = _heterogeneous_sums(group_weight_sums, group_weights, group_maps, global_vars, offset)
+  numerator, denominator = _heterogeneous_sums(_selected(group_weight_sums, group_weights), group_weights, group_maps,
+                                               global_vars, offset)
   return _masked_mean(numerator, denominator, global_vars)
 
 

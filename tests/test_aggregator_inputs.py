@@ -279,6 +279,14 @@ def test_edge_cases_that_stay_allowed():
   A.fedcross_aggregate(UP, [1, 2, 0], 0.0)
   A.propeller_aggregate(UP, PROPELLERS, 1.0)
   A.select_partners(UP, np.int64(4), "lowest_similarity")
+  A.hetero_avg(GV, SUMS, [jnp.bfloat16(2.0), jnp.bfloat16(3.0)], MAPS)  # (bfloat16 numbers were refused)
+  A.fedavg(GV, GV, jnp.bfloat16(2.0))
+
+
+def test_a_trimmed_norm_of_nothing_is_a_named_error():
+  """(Fifth probe survey: an empty array raised XLA's gather error.)"""
+  with pytest.raises(ValueError, match=r"^x is empty \(shape \(0, 3\)\): a trimmed norm needs at least one"):
+    A.trimmed_norm(jnp.zeros((0, 3)))
 
 
 def test_traced_values_are_not_checked_but_structure_is():

@@ -131,7 +131,7 @@ def check_scalar(name: str, value: Any) -> None:
 def check_numeric(name: str, value: Any) -> None:
   """A number or an array of numbers (not None, text or an object array that numpy would fail on unnamed)."""
   dtype = _dtype(value) if value is not None and not isinstance(value, (str, bytes)) else None
-  if dtype is None or not np.issubdtype(dtype, np.number):
+  if dtype is None or not jnp.issubdtype(dtype, jnp.number):  # (jnp's: bfloat16 is a number)
     raise ValueError(f"{name} must be a number, got {value!r}" + (f" (dtype {dtype})" if dtype is not None else ""))
 
 
@@ -200,7 +200,7 @@ def _dtype(value: Any) -> np.dtype:
 def check_integer(name: str, value: Any) -> None:
   """An integer (array), not a float or bool that would be silently truncated."""
   dtype = _dtype(value)
-  if not np.issubdtype(dtype, np.integer):
+  if not jnp.issubdtype(dtype, jnp.integer):
     raise ValueError(f"{name} must hold integers, got dtype {dtype}")
 
 

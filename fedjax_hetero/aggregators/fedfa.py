@@ -86,6 +86,8 @@ def trimmed_norm(x: jax.Array, percentile: float = PERCENTILE, norm: str = "l2")
   """``||M_95%||`` (Alg. 1 line 12): the L2 norm (or RMS) of the elements with |w| <= the percentile of |w|."""
   _check_norm(norm, percentile)
   checks.check_float_tree("x", x)
+  if jnp.size(x) == 0:
+    raise ValueError(f"x is empty (shape {tuple(jnp.shape(x))}): a trimmed norm needs at least one element")
   return _trimmed_norm(x, percentile, norm)
 
 

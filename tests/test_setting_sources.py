@@ -289,3 +289,19 @@ def test_a_method_spelled_in_another_case_is_recorded_by_its_name_and_compares_w
     assert json.load(f)["method"]["name"] == "FedAvg"
   table = compare.main([lower, upper, "--baseline", "FedAvg"])
   assert "[method.name" not in table and "| FedAvg | 2 |" in table, table
+
+
+def test_an_unknown_method_is_named_where_its_name_came_from_with_the_way_to_run_ones_own(capsys, tmp_path,
+                                                                                          no_compute):
+  """(Fifth probe survey: a config file's or a folder's method that no process registered was '--method: unknown'.)"""
+  from fedjax_hetero.cli import analyze
+
+  path = written(tmp_path, "run.yaml", "method: {name: FedAvgM}\nrounds: 1\n")
+  message = fails(capsys, "synthetic", ["--config", path, "--output-dir", str(tmp_path / "o")])
+  assert message.startswith(f"error: method.name (from --config {path}, line 1): unknown method 'FedAvgM'; ")
+  assert message.endswith("run it from that script (docs/running.md#your-own-method)"), message
+  folder = tmp_path / "folder"
+  folder.mkdir()
+  (folder / "config.json").write_text(json.dumps({"method": {"name": "FedAvgM"}, "dataset": "synthetic"}))
+  with pytest.raises(SystemExit, match=f"method.name of {folder}'s config.json: unknown method 'FedAvgM'"):
+    analyze.main(["cka", str(folder)])

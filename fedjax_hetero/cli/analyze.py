@@ -28,7 +28,7 @@ from flax import traverse_util
 
 from fedjax_hetero import analysis
 from fedjax_hetero import data as fdata
-from fedjax_hetero.config import RunConfig
+from fedjax_hetero.config import FLAGS, RunConfig, declare
 from fedjax_hetero.data.store import normalize
 from fedjax_hetero.models import evaluation
 from fedjax_hetero.rounds import RoundSpec, Simulation
@@ -79,7 +79,8 @@ def load_run(run_dir: str, data_dir: str | None = None) -> LoadedRun:
   if (partition_file := config.data.partition_file) is not None and not os.path.isfile(partition_file):
     raise ValueError(f"{run_dir}: its run read its clients from {partition_file!r} (data.partition_file in its "
                      "config.json), which is gone: put the file back there to analyze the run")
-  sim, _ = build.build_simulation(config, log=_log)
+  with declare.named_from({flag.cli: f"{flag.path} of {run_dir}'s config.json" for flag in FLAGS.values()}):
+    sim, _ = build.build_simulation(config, log=_log)
   state = restore_last(sim, config)
   _log(f"{run_dir}: {sim.spec.method.name}, restored round {state.round}")
   return LoadedRun(run_dir, config, sim, state)

@@ -253,11 +253,13 @@ PAPER_METHODS = frozenset(METHODS)  # registered methods may not shadow them (re
 
 
 def get_entry(name: str, missing_ok: bool = False) -> Entry | None:
-  """The entry of the method ``name`` (case-insensitive); ValueError naming --method if there is none (None
-  with ``missing_ok``)."""
+  """The entry of the method ``name`` (case-insensitive); ValueError naming the setting (--method, or where its
+  value came from) if there is none (None with ``missing_ok``)."""
   entry = METHODS.get(name.lower()) if isinstance(name, str) else None
   if entry is None and not missing_ok:
-    raise ValueError(f"--method: unknown method {name!r}; accepted: {', '.join(e.name for e in METHODS.values())}")
+    raise ValueError(f"{cli_name(MethodConfig, 'name')}: unknown method {name!r}; accepted: "
+                     f"{', '.join(e.name for e in METHODS.values())}. A method of your own is known to the process "
+                     "that registers it (register_method): run it from that script (docs/running.md#your-own-method)")
   return entry
 
 

@@ -300,7 +300,8 @@ def test_the_table_gives_each_private_runs_epsilon_at_the_last_row_compared():
     (["--per-group"], r"--per-group adds every group to --baseline's tables and to --output's plot: give either$"),
     (["--paired-output", "d.png"], r"--paired-output plots the differences from --baseline's runs: give --baseline$"),
     (["--labels", ","], r"--labels ',': label 1 is empty \(give one name per run\)$"),
-    (["--labels", "a, "], "--labels .a, .: label 2")])
+    (["--labels", "a, "], "--labels .a, .: label 2"),
+    (["--labels", "a,a"], r"--labels 'a,a': 'a' names 2 runs \(give each its own\)$")])
 def test_plot_names_per_group_and_labels_are_refused_before_the_table(tmp_path, capsys, flags, message):
   """Held-out probes 2: T5 (a matplotlib traceback after the table), S9 (a folder as --output wrote FOLDER.png and
   said it wrote FOLDER), S7 (--per-group alone did nothing), S8 (empty labels named runs '')."""
@@ -322,3 +323,12 @@ def test_the_mean_over_a_methods_runs_counts_every_run(tmp_path):
   for again in (first, first + "/"):
     with pytest.raises(SystemExit, match=r"A_s0/?' is given twice \(also as '.*A_s0'\): each run counts once"):
       compare.main([first, other, again])
+
+
+def test_runs_in_folders_of_one_name_are_named_by_their_paths(tmp_path):
+  """(Fifth probe survey: two runs named alike were two indistinguishable rows.)"""
+  (tmp_path / "x").mkdir(), (tmp_path / "y").mkdir()
+  a = write_run(tmp_path / "x", "run", *fake_run("A", 0, [0.5, 0.6])[1:])
+  b = write_run(tmp_path / "y", "run", *fake_run("B", 0, [0.4, 0.7])[1:])
+  table = compare.main([a, b])
+  assert f"| {a} | A |" in table and f"| {b} | B |" in table, table

@@ -135,6 +135,11 @@ def main(argv: Sequence[str] | None = None) -> str:
     raise SystemExit(f"error: --labels {args.labels!r}: label {empty[0]} is empty (give one name per run)")
   if len(labels) != len(args.run_dirs):
     raise SystemExit(f"error: {len(labels)} labels for {len(args.run_dirs)} runs")
+  twice = next((label for label in labels if labels.count(label) > 1), None)
+  if twice is not None and args.labels is not None:
+    raise SystemExit(f"error: --labels {args.labels!r}: {twice!r} names {labels.count(twice)} runs (give each its own)")
+  if twice is not None:  # (folders of one name in different places: named as given)
+    labels = [os.path.normpath(d) if labels.count(label) > 1 else label for label, d in zip(labels, args.run_dirs)]
   given: dict[str, str] = {}
   for run_dir in args.run_dirs:
     real = os.path.realpath(run_dir)

@@ -244,7 +244,8 @@ def test_theta_zero_without_normalization_equals_hetero_avg():
   as_arrays = lambda shapes: jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape), jnp.float32), shapes)
   global_vars = as_arrays(global_shapes)
   sums = [as_arrays(s) for _, s in built]
-  weights = [jnp.float32(2.0), jnp.float32(0.0), jnp.float32(1.0)]  # resnet14 not sampled this round
+  sums[1] = jax.tree.map(jnp.zeros_like, sums[1])  # resnet14 not sampled this round: no client, weight 0, sums 0
+  weights = [jnp.float32(2.0), jnp.float32(0.0), jnp.float32(1.0)]
   pairs = global_model.cross_layer_pairs()
 
   @jax.jit

@@ -325,7 +325,7 @@ def plot_accuracy_per_round(runs: Sequence[tuple[str, Any, Sequence[Mapping[str,
     for (label, _, rows), style in zip(runs, styles):
       points = dissimilarity_per_round(rows, part)
       if points:
-        ax.plot(*zip(*points), lw=1.2, label=label, **style)
+        ax.plot(*zip(*points), lw=1.2, label=label, **{"marker": "." if len(points) == 1 else None, **style})
     ax.set_yscale("log")
     ax.set_xlabel("round")
     ax.set_ylabel("Σ p_c ‖d_c − d̄‖² / ‖d̄‖²")

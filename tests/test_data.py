@@ -226,6 +226,14 @@ def test_synthetic_dataset_and_subset():
     ds.subset(101, None)
 
 
+def test_the_test_subset_does_not_depend_on_the_training_subset():
+  """(Fifth probe survey: runs with and without --max-train-samples were scored on different test images.)"""
+  ds = load_dataset("synthetic", num_train=100, num_test=40, image_shape=(6, 5, 3), num_classes=5)
+  tests = [ds.subset(n, 15, seed=3).test_images for n in (None, 20, 100)]
+  for other in tests[1:]:
+    np.testing.assert_array_equal(tests[0], other)
+
+
 def test_synthetic_is_learnable():
   # Nearest class mean on the training set should classify test data well.
   ds = synthetic_dataset()

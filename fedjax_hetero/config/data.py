@@ -30,8 +30,8 @@ class DataConfig(Settings):
   classes_per_client: int = setting(2, "classes per client (partition=shards)", Integer(1))
   max_train_samples: int | None = setting(None, "use a class-balanced subset of the training set (quick runs)",
                                           Integer(1))
-  max_test_samples: int | None = setting(None, "evaluate on a class-balanced random subset of the test set",
-                                         Integer(1))
+  max_test_samples: int | None = setting(None, "evaluate on a class-balanced random subset of the test set (for a "
+                                         "seed, the same whatever --max-train-samples is)", Integer(1))
   # The InCo authors' pipeline (docs/reproduction.md): images resized to image_size x image_size, pixels in
   # [0, 1], clients' indices from a partition file, and only the first test_first test images evaluated.
   image_size: int | None = setting(

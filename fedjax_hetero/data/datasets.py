@@ -104,7 +104,8 @@ class ArrayDataset:
     return tuple(self.train_images.shape[1:])  # type: ignore[return-value]
 
   def subset(self, num_train: int | None, num_test: int | None, seed: int = 0) -> ArrayDataset:
-    """A class-balanced random subset (None keeps a split whole); deterministic in `seed`."""
+    """A class-balanced random subset (None keeps a split whole); deterministic in `seed`. The test subset is the
+    same whatever ``num_train`` is (a whole training split draws its permutation too, and drops it)."""
     check_integer("seed", seed, minimum=0)
     rng = np.random.default_rng(seed)
     train_idx = _balanced_choice(self.train_labels, num_train, rng, "num_train")
@@ -121,11 +122,11 @@ class ArrayDataset:
 def _balanced_choice(labels: np.ndarray, n: int | None, rng: np.random.Generator, name: str) -> np.ndarray:
   """Sorted indices of n samples drawn round-robin over classes in random order."""
   total = len(labels)
+  if n is not None and (isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 0 <= n <= total):
+    raise ValueError(f"{name} must be None or an integer in [0, {total}] (the samples of the split), got {n!r}")
+  perm = rng.permutation(total)  # (drawn for a whole split too: the draws after it do not depend on n)
   if n is None:
     return np.arange(total)
-  if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 0 <= n <= total:
-    raise ValueError(f"{name} must be None or an integer in [0, {total}] (the samples of the split), got {n!r}")
-  perm = rng.permutation(total)
   shuffled = labels[perm]
   order = np.argsort(shuffled, kind="stable")
   sorted_labels = shuffled[order]

@@ -246,6 +246,35 @@ def test_progress_without_a_terminal_is_one_plain_line_per_evaluation(tmp_path):
     assert "mean accuracy" in lines[0] and "samples/s" in lines[0]
 
 
+def test_standard_output_to_a_file_gets_the_lines_while_the_terminal_shows_the_bar(tmp_path):
+  """(Fifth probe survey: with stderr a terminal, `... > run.log` got no line, and a terminal of no size, as a new
+  pty has, an empty bar.)"""
+  import pty
+
+  terminal, their_end = pty.openpty()  # (0 x 0, as a pty whose size nobody set)
+  argv = [a for a in TINY if a != "--no-progress"] + ["--rounds", "3", "--eval-every", "2", "--output-dir",
+                                                      str(tmp_path / "run")]
+  try:
+    proc = subprocess.run([sys.executable, "-m", "experiments.fmnist", *argv], cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=their_end, text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    os.close(their_end)
+    shown = b""
+    while True:
+      try:
+        chunk = os.read(terminal, 65536)
+      except OSError:  # (the pty is drained)
+        break
+      if not chunk:
+        break
+      shown += chunk
+  finally:
+    os.close(terminal)
+  assert proc.returncode == 0, shown.decode(errors="replace")
+  lines = [line for line in proc.stdout.splitlines() if line.startswith("round ")]
+  assert [line.split(":")[0] for line in lines] == ["round 2/3", "round 3/3"], proc.stdout
+  assert b"3/3 [" in shown, shown  # (tqdm's bar: its counter and its time)
+
+
 def test_an_offline_tfds_dataset_fails_within_seconds_and_leaves_nothing(tmp_path):
   home, out = tmp_path / "home", tmp_path / "run"
   env = {**os.environ, "HOME": str(home), "HTTPS_PROXY": "http://127.0.0.1:9", "JAX_PLATFORMS": "cpu"}

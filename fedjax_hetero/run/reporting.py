@@ -4,7 +4,8 @@ writers chosen with ``--log`` (CSV, TensorBoard through tensorboardX, Weights & 
 Every writer gets the same scalars as metrics.jsonl, by slash-separated name (`scalars`): ``train_loss``,
 ``train_loss_per_group/cnn@1``, ``test_accuracy/mean``, ``dissimilarity/cnn@1/high``, ``samples_per_s``, ...
 A terminal shows a progress bar; anything else (a log file, a notebook, ``--no-progress``) gets one plain line
-per evaluation, with no carriage returns.
+per evaluation, with no carriage returns; so does standard output sent to a file while the bar shows on the
+terminal's standard error (``... > run.log``).
 """
 
 from __future__ import annotations
@@ -120,6 +121,13 @@ def _training(row: Row, loss: str, speed: str) -> str:
   return f"loss {row['train_loss']:{loss}}, {row['samples_per_s']:{speed}} samples/s"
 
 
+def _terminal_columns() -> int:
+  try:
+    return os.get_terminal_size(sys.stderr.fileno()).columns
+  except (OSError, ValueError):
+    return 0
+
+
 class Reporter:
   """The progress display and the ``--log`` writers of one run (process 0's; the others' is silent)."""
 
@@ -128,7 +136,9 @@ class Reporter:
     self.writers = [WRITERS[name](config.output.dir, config) for name in config.output.log] if main else []
     if main and config.output.progress and sys.stderr.isatty():
       from tqdm import tqdm
-      self.bar = tqdm(total=config.rounds, desc=title, unit="round", dynamic_ncols=True)
+      width = dict(dynamic_ncols=True) if _terminal_columns() else dict(ncols=100, nrows=24)  # (of no size)
+      self.bar = tqdm(total=config.rounds, desc=title, unit="round", **width)
+    self.lines = self.bar is None or not sys.stdout.isatty()
 
   def restart(self, rows: Sequence[Row]) -> None:
     """The rows kept from before (a resume, a rollback): the writers that rewrite whole files rewrite them."""
@@ -151,7 +161,7 @@ class Reporter:
                            refresh=False)
       self.bar.n = row["round"]
       self.bar.refresh()
-    elif row.get("test_accuracy"):
+    if self.lines and row.get("test_accuracy"):
       self.log(evaluation_line(row, self.rounds))
 
   def close(self) -> None:

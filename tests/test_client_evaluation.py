@@ -89,6 +89,9 @@ def test_the_split_holds_out_a_seeded_ceil_of_every_clients_samples_once():
   with pytest.raises(ValueError, match=r"--client-eval-fraction 0.5: client 1 holds 1 sample; holding out 1 of "
                                        r"them leaves it none to train on"):
     hold_out([np.arange(4), np.arange(4, 5)], 0.5, seed=0)
+  # (Fifth probe survey: a fraction that holds out nothing stopped the run later with no flag named.)
+  with pytest.raises(ValueError, match=r"^--client-eval-fraction 1e-12 holds out none of client 0's 4 samples "):
+    hold_out([np.arange(4), np.arange(4, 5)], 1e-12, seed=0)
 
 
 def test_every_clients_accuracy_equals_its_groups_model_applied_by_hand():

@@ -226,6 +226,10 @@ def hold_out(parts: Sequence[np.ndarray], fraction: float, seed: int) -> tuple[l
   for client, part in enumerate(parts):
     part = check_sample_ids(f"parts[{client}]", part)
     count = held_out_size(len(part), fraction)
+    if count < 1 and len(part):
+      raise ValueError(f"--client-eval-fraction {fraction:g} holds out none of client {client}'s {len(part)} samples "
+                       "(the fraction of them rounds to 0 at 9 digits), so it would have no held-out accuracy: use "
+                       "a larger fraction")
     if len(part) - count < 1:
       raise ValueError(f"--client-eval-fraction {fraction:g}: client {client} holds {len(part)} sample"
                        f"{'s' if len(part) != 1 else ''}; holding out {count} of them leaves it none to train on "

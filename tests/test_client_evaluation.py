@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -199,6 +200,11 @@ def test_a_run_reports_it_in_its_rows_summary_plot_and_compare(tmp_path):
   assert "clients' held-out acc: mean / worst 10% (%)" in shown
   assert f"| {100 * final['all']['mean']:.2f} / {100 * final['all']['worst_10pct']:.2f} |" in shown
   assert os.path.exists(os.path.join(run.output.dir, "accuracy.png"))
+  with open(os.path.join(run.output.dir, "partition.txt")) as f:
+    report = f.read()  # (fifth probe survey: the held-out samples looked unassigned)
+  assigned, total = map(int, re.search(r"samples assigned: (\d+) / (\d+)", report).groups())
+  held = int(re.search(r"held out for per-client evaluation \(--client-eval-fraction\): (\d+) samples", report)[1])
+  assert assigned + held == total
   plotted = plots.plot_accuracy_per_round([("run", summary_, rows)], str(tmp_path / "compare.png"), "t", [{}])
   assert os.path.exists(plotted)
 

@@ -238,7 +238,7 @@ def write_partition(sim: Simulation, parts: Sequence[np.ndarray], out: str, main
     return done
   store = sim.spec.store
   labels = np.asarray(store.labels)
-  report = malicious_report(sim)
+  report = malicious_report(sim) + held_out_report(sim)
 
   def write():
     with open(os.path.join(out, "partition.txt"), "w") as f:
@@ -246,6 +246,16 @@ def write_partition(sim: Simulation, parts: Sequence[np.ndarray], out: str, main
     fdata.plot_partition(fdata.class_counts(labels, parts, store.num_classes), os.path.join(out, "partition.png"))
 
   return results_folder.write_beside(out, write)
+
+
+def held_out_report(sim: Simulation) -> str:
+  """partition.txt's line on the samples held out for per-client evaluation (not in the counts above it)."""
+  spec = sim.spec
+  if spec.client_eval is None:
+    return ""
+  held = {int(c): int(n) for g, sizes in zip(spec.groups, spec.client_eval.sizes) for c, n in zip(g.clients, sizes)}
+  return (f"\nheld out for per-client evaluation (--client-eval-fraction): {sum(held.values())} samples more, not "
+          "counted above\n")
 
 
 class Planned(NamedTuple):

@@ -54,6 +54,8 @@ def test_a_trace_drops_exactly_its_pairs(tmp_path):
   answering = availability((), pairs, 1, 10, 0)
   assert answering.answers(np.array([3, 5]), np.zeros(2, int), 0).tolist() == [False, True]
   assert answering.answers(np.array([3, 5]), np.zeros(2, int), 1).tolist() == [True, False]
+  trace.write_text("\ufeffclient,round\r\n3,1\r\n", encoding="utf-8")  # (a spreadsheet's "CSV UTF-8": a BOM)
+  assert read_trace(str(trace), 10) == [(3, 1)]
 
 
 @pytest.mark.parametrize("text, message", [

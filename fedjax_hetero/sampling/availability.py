@@ -81,7 +81,7 @@ def read_trace(path: str, num_clients: int) -> list[tuple[int, int]]:
   """The (client, round) pairs of a trace file: one ``client,round`` pair a line (rounds count from 1), an
   optional ``client,round`` header, blank lines and ``#`` comments; ValueError naming the line that does not fit."""
   try:
-    with open(path, newline="") as f:
+    with open(path, newline="", encoding="utf-8-sig") as f:  # (a spreadsheet's "CSV UTF-8" starts with a BOM)
       lines = list(f)
   except OSError as e:
     raise ValueError(f"cannot be read: {e.strerror or e}") from None

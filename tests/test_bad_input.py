@@ -296,6 +296,17 @@ def test_an_output_folder_without_write_permission(tmp_path, monkeypatch):
     OutputConfig(dir=str(locked / "run")).check_paths()
 
 
+def test_a_log_writer_whose_package_is_missing_is_refused_before_loading_data(tmp_path, capsys, monkeypatch,
+                                                                               no_compute):
+  """(Fifth probe survey: --log wandb without wandb was refused after the data loaded and the partition was written.)"""
+  from fedjax_hetero.run import reporting
+
+  monkeypatch.setitem(reporting.PACKAGES, "wandb", "no_such_package_here")
+  monkeypatch.setattr(cli, "run_checked", _must_not_run)
+  assert run_cli(tmp_path, "--log csv,wandb") == 2
+  assert "error: --log wandb needs no_such_package_here: pip install" in capsys.readouterr().err
+
+
 def test_a_datasets_own_default_is_not_blamed_on_a_flag(tmp_path, capsys, no_compute):
   """Held-out probe 22: cifar100's SGD momentum beside --optimizer adam was refused as '--momentum 0.5 ...; drop
   it', a flag the user never gave (a momentum given as a flag still is)."""

@@ -19,6 +19,7 @@ import numpy as np
 from fedjax_hetero import models
 from fedjax_hetero.config import cli_flag, flatten
 from fedjax_hetero.methods import build_method, get_entry
+from fedjax_hetero.run.reporting import check_writers
 from fedjax_hetero.validation import first_line
 
 # A batch this many times the largest client (every batch mostly padding) is refused; a smaller excess is a warning.
@@ -81,6 +82,7 @@ def check_settings(config: Any, sources: Mapping[str, str] = {}, base: Any = Non
   others are the caller's (a flag, or the library's caller). ``base``: the defaults the command started from (a
   dataset's: its SGD momentum beside ``--optimizer adam`` was not the user's to drop). ``given``: the paths the
   user gave (a flag at its default value that would do nothing is refused too)."""
+  check_writers(config.output.log)  # (before any data is loaded)
   flat = flatten(config)
   for path, why, other in _would_do_nothing(config, base, given):
     source = sources.get(path, "")

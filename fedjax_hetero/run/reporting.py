@@ -58,15 +58,26 @@ class CsvWriter:
     pass
 
 
+# The package each --log writer needs (an extra: pip install 'fedjax_hetero[logging]').
+PACKAGES = {"tensorboard": "tensorboardX", "wandb": "wandb"}
+
+
+def check_writers(names: Sequence[str]) -> None:
+  """ValueError for a ``--log`` writer whose package is not installed, before the run loads anything."""
+  import importlib.util
+
+  for name in names:
+    if name in PACKAGES and importlib.util.find_spec(PACKAGES[name]) is None:
+      raise ValueError(f"--log {name} needs {PACKAGES[name]}: pip install 'fedjax_hetero[logging]'")
+
+
 class TensorBoardWriter:
   """TensorBoard event files under ``tensorboard/``, one scalar per name, stepped by round (TensorBoard's tags
   allow no ``@``: tensorboardX writes ``test_accuracy/cnn@0.5`` as ``test_accuracy/cnn_0.5``)."""
 
   def __init__(self, out: str, config: RunConfig):
-    try:
-      from tensorboardX import SummaryWriter
-    except ImportError:
-      raise ValueError("--log tensorboard needs tensorboardX: pip install 'fedjax_hetero[logging]'") from None
+    check_writers(["tensorboard"])
+    from tensorboardX import SummaryWriter
     self.writer = SummaryWriter(os.path.join(out, "tensorboard"))
 
   def write(self, rows: Sequence[Row]) -> None:
@@ -85,10 +96,8 @@ class WandbWriter:
   """A Weights & Biases run named after the results folder (``WANDB_MODE=offline`` keeps it on disk)."""
 
   def __init__(self, out: str, config: RunConfig):
-    try:
-      import wandb
-    except ImportError:
-      raise ValueError("--log wandb needs wandb: pip install 'fedjax_hetero[logging]'") from None
+    check_writers(["wandb"])
+    import wandb
     self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "fedjax_hetero"), dir=out,
                           name=os.path.basename(os.path.abspath(out)), config=as_dict(config), reinit=True)
 

@@ -161,7 +161,7 @@ def test_group_with_zero_weight_changes_nothing_it_alone_owns(maps, data):
   np.testing.assert_array_equal(np.asarray(flatten(got)[bn])[2:], flatten(global_vars)[bn][2:])
 
 
-@pytest.mark.parametrize("fn", ["hetero_avg", "hetero_avg_weights"])
+@pytest.mark.parametrize("fn", ["hetero_avg", "hetero_avg_weights", "scaffold_server_control"])
 def test_a_group_of_weight_zero_is_left_out_under_jit_as_eagerly_whatever_its_sums(maps, data, fn):
   """(Fifth probe survey: under jit a weight-0 group's sums were added to the numerator.)"""
   global_vars, group_sums, _ = data
@@ -182,6 +182,9 @@ def test_float16_sums_whose_mean_fits_do_not_overflow(maps, data):
   assert all(leaf.dtype == jnp.float16 for leaf in jax.tree.leaves(got))
   kernel = np.asarray(flatten(got)[("params", "dense", "kernel")], np.float32)
   assert np.isfinite(kernel).all() and kernel.max() == 20_000.0
+  fedfa, _ = aggregators.fedfa_aggregate(half(global_vars, 0.0), [half(s, 40_000.0) for s in group_sums],
+                                         [1.0] * 3, maps)
+  assert all(np.isfinite(np.asarray(leaf, np.float32)).all() for leaf in jax.tree.leaves(fedfa))
 
 
 def test_hetero_avg_on_deltas_equals_average_of_uploaded_weights(maps, data):

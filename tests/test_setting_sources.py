@@ -275,7 +275,7 @@ def test_seeds_beside_a_files_seed_say_they_replace_it(tmp_path):
   assert f"note: --seeds replaces federation.seed 3 of --config {path}" in args.notes, args.notes
 
 
-def test_a_method_spelled_in_another_case_is_recorded_by_its_name_and_compares_with_its_runs(tmp_path):
+def test_a_method_spelled_in_another_case_is_recorded_by_its_name_and_compares_with_its_runs(tmp_path, capsys):
   """(Fifth probe survey: --method fedavg was recorded as typed, so compare told its runs from FedAvg's as a variant
   and could not find the baseline; a resume spelled FEDAVG rewrote config.json.)"""
   from fedjax_hetero.cli import compare
@@ -289,6 +289,9 @@ def test_a_method_spelled_in_another_case_is_recorded_by_its_name_and_compares_w
     assert json.load(f)["method"]["name"] == "FedAvg"
   table = compare.main([lower, upper, "--baseline", "FedAvg"])
   assert "[method.name" not in table and "| FedAvg | 2 |" in table, table
+  capsys.readouterr()
+  cli.main("synthetic", argv + ["--method", "fedavg", "--seeds", "0,1", "--output-dir", str(tmp_path / "seeds")])
+  assert "RUNS_OF_ANOTHER_METHOD --baseline FedAvg\n" in capsys.readouterr().out
 
 
 def test_an_unknown_method_is_named_where_its_name_came_from_with_the_way_to_run_ones_own(capsys, tmp_path,

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from fedjax_hetero.aggregators import checks
-from fedjax_hetero.aggregators.hetero_avg import is_weightless
+from fedjax_hetero.aggregators.hetero_avg import _accumulator, is_weightless
 from fedjax_hetero.hetero.maps import Path, SubmodelMap, Variables, coverage, embed, flatten
 
 NORMS = ("l2", "rms")
@@ -176,7 +176,7 @@ def _scalable_sums(global_like, group_maps, weight_sums, group_weights, scaled_s
   kernel_paths = [p for p, x in flat_global.items() if is_kernel(p, x)]
   mu = _cohort_center(group_maps, norms, valid, kernel_paths, center)
 
-  zeros = jax.tree.map(jnp.zeros_like, global_like)
+  zeros = jax.tree.map(_accumulator, global_like)  # (float32 at least: float16 sums overflow)
   plain, scaled, fallback = zeros, zeros, zeros
   add = lambda a, b: jax.tree.map(jnp.add, a, b)
   for group_map, weight, sums, s, f in zip(group_maps, group_weights, weight_sums, scaled_sums, fallback_sums):

@@ -4,8 +4,8 @@ Like `hetero_avg`, every rule takes each architecture group's weighted sums of
 client uploads, the groups' total weights and their `SubmodelMap`s, and works
 element-wise over exactly the sampled clients that own an element; with one
 group and the identity map they are the homogeneous rules of the papers. As there, results keep
-the model's dtypes, integer leaves are refused, and a group whose weight is known to be 0
-contributes nothing (under jit with a traced weight of 0, its sums must be finite).
+the model's dtypes, integer leaves are refused, and a group of weight 0 contributes nothing (`fednova_delta`, the
+engine's, needs a traced weight-0 group's sums to be zeros).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_hetero.aggregators import checks
-from fedjax_hetero.aggregators.hetero_avg import (_heterogeneous_mean_delta, _heterogeneous_sums, _weighted_coverage,
-                                                  is_weightless)
+from fedjax_hetero.aggregators.hetero_avg import (_heterogeneous_mean_delta, _heterogeneous_sums, _selected,
+                                                  _weighted_coverage, is_weightless)
 from fedjax_hetero.hetero.maps import SubmodelMap, Variables
 
 
@@ -30,7 +30,8 @@ def fednova_delta(group_normalized_sums: Sequence[Variables], group_weights: Seq
   ``d_i = delta_i / a_i`` and ``tau_eff = sum_i p_i a_i``, the update is
   ``tau_eff * sum_i p_i d_i``. Inputs per group: ``S_g = sum w_i d_i``,
   ``W_g = sum w_i`` and ``A_g = sum w_i a_i``. Elements no sampled client owns get 0.
-  With equal ``a_i`` this is exactly the (heterogeneous) FedAvg delta.
+  With equal ``a_i`` this is exactly the (heterogeneous) FedAvg delta. As `heterogeneous_sums` (the engine's), a
+  traced weight-0 group's sums must be zeros.
   """
   checks.check_lengths({"group_normalized_sums": group_normalized_sums, "group_weights": group_weights,
                         "group_a_sums": group_a_sums, "group_maps": group_maps})
@@ -60,5 +61,6 @@ def scaffold_server_control(control: Variables, group_control_delta_sums: Sequen
   checks.check_groups("control", control, group_maps, group_weights, offset, "group_control_delta_sums",
                       group_control_delta_sums)
   checks.check_floating("control", control)
-  delta = _heterogeneous_mean_delta(group_control_delta_sums, group_weights, group_maps, control, offset)
+  delta = _heterogeneous_mean_delta(_selected(group_control_delta_sums, group_weights), group_weights, group_maps,
+                                    control, offset)
   return jax.tree.map(jnp.add, control, delta)

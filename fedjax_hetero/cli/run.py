@@ -393,7 +393,7 @@ def _main(config: RunConfig, processes: DistributedConfig, args: argparse.Namesp
       summaries = _run(runs, lambda: run_jobs(runs, methods, jobs_log, args.runs_per_program), main_process, log)
   if args.seeds and main_process:
     log(f"paired by seed: python -m experiments.compare {' '.join(shlex.quote(r.output.dir) for r in runs)} "
-        "RUNS_OF_ANOTHER_METHOD --baseline " + config.method.name)
+        "RUNS_OF_ANOTHER_METHOD --baseline " + methods[0].name)  # (the name the runs record)
   return summaries if len(runs) > 1 or args.seeds else summaries[0]
 
 

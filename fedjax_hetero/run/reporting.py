@@ -68,7 +68,11 @@ def check_writers(names: Sequence[str]) -> None:
 
   for name in names:
     if name in PACKAGES and importlib.util.find_spec(PACKAGES[name]) is None:
-      raise ValueError(f"--log {name} needs {PACKAGES[name]}: pip install 'fedjax_hetero[logging]'")
+      raise _missing(name)
+
+
+def _missing(name: str) -> ValueError:
+  return ValueError(f"--log {name} needs {PACKAGES[name]}: pip install 'fedjax_hetero[logging]'")
 
 
 class TensorBoardWriter:
@@ -76,8 +80,10 @@ class TensorBoardWriter:
   allow no ``@``: tensorboardX writes ``test_accuracy/cnn@0.5`` as ``test_accuracy/cnn_0.5``)."""
 
   def __init__(self, out: str, config: RunConfig):
-    check_writers(["tensorboard"])
-    from tensorboardX import SummaryWriter
+    try:
+      from tensorboardX import SummaryWriter
+    except ImportError:  # (found by `check_writers` but broken)
+      raise _missing("tensorboard") from None
     self.writer = SummaryWriter(os.path.join(out, "tensorboard"))
 
   def write(self, rows: Sequence[Row]) -> None:
@@ -96,8 +102,10 @@ class WandbWriter:
   """A Weights & Biases run named after the results folder (``WANDB_MODE=offline`` keeps it on disk)."""
 
   def __init__(self, out: str, config: RunConfig):
-    check_writers(["wandb"])
-    import wandb
+    try:
+      import wandb
+    except ImportError:
+      raise _missing("wandb") from None
     self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "fedjax_hetero"), dir=out,
                           name=os.path.basename(os.path.abspath(out)), config=as_dict(config), reinit=True)
 
@@ -171,7 +179,11 @@ class Reporter:
       self.bar.n = row["round"]
       self.bar.refresh()
     if self.lines and row.get("test_accuracy"):
-      self.log(evaluation_line(row, self.rounds))
+      if self.bar is None:
+        self.log(evaluation_line(row, self.rounds))
+      else:  # (`... | tee run.log`: the line and the bar share the terminal, so the bar steps aside for it)
+        with self.bar.external_write_mode():
+          self.log(evaluation_line(row, self.rounds))
 
   def close(self) -> None:
     if self.bar is not None:

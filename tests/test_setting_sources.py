@@ -308,3 +308,16 @@ def test_an_unknown_method_is_named_where_its_name_came_from_with_the_way_to_run
   (folder / "config.json").write_text(json.dumps({"method": {"name": "FedAvgM"}, "dataset": "synthetic"}))
   with pytest.raises(SystemExit, match=f"method.name of {folder}'s config.json: unknown method 'FedAvgM'"):
     analyze.main(["cka", str(folder)])
+
+
+def test_a_run_evaluated_on_the_test_subset_drawn_before_says_why_it_cannot_resume(capsys, tmp_path):
+  """(The test subset of a run without --max-train-samples moved when every run of a seed got the same one.)"""
+  out = tmp_path / "run"
+  argv = SYNTHETIC + ["--max-test-samples", "50", "--no-progress", "--output-dir", str(out)]
+  cli.main("synthetic", argv + ["--rounds", "1"])
+  record = json.loads((out / "data_fingerprint.json").read_text())
+  record["test_images"]["blake2b"] = record["test_labels"]["blake2b"] = "0" * 8  # (as the old draw's)
+  (out / "data_fingerprint.json").write_text(json.dumps(record))
+  message = fails(capsys, "synthetic", argv + ["--rounds", "2", "--resume"])
+  assert "evaluated on another --max-test-samples subset: a run without --max-train-samples now draws" in message
+  assert message.endswith("or --resume-unchecked to go on with the new one"), message

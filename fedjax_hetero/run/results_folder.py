@@ -343,9 +343,15 @@ def check_data(config: Any, spec: Any, log: Callable[[str], None]) -> dict | Non
                   c.startswith("client_index_table") for c in changed) else "data.data_dir")
     message = (f"the data differ from those the run in {config.output.dir!r} trained on ({'; '.join(changed)}; "
                f"recorded in {path}); was {cli_flag(source)} pointed at other files?")
+    advice = "Point it at the run's data, or pass --overwrite instead of --resume to start over"
+    if all(c.startswith("test_") for c in changed) and config.data.max_test_samples and not \
+        config.data.max_train_samples:  # (the subset's draw changed: datasets.ArrayDataset.subset)
+      message = (f"the run in {config.output.dir!r} evaluated on another {cli_flag('data.max_test_samples')} "
+                 "subset: a run without --max-train-samples now draws the one every run of its seed draws (it drew "
+                 "another before); its rows so far used the old one.")
+      advice = "Pass --overwrite instead of --resume to start over, or --resume-unchecked to go on with the new one"
     if not config.output.resume_unchecked:
-      raise ValueError(f"cannot resume: {message} Point it at the run's data, or pass --overwrite instead of "
-                       "--resume to start over")
+      raise ValueError(f"cannot resume: {message} {advice}")
     log(f"warning: {cli_flag('output.resume_unchecked')}: {message}")
   return now
 

@@ -250,12 +250,11 @@ def write_partition(sim: Simulation, parts: Sequence[np.ndarray], out: str, main
 
 def held_out_report(sim: Simulation) -> str:
   """partition.txt's line on the samples held out for per-client evaluation (not in the counts above it)."""
-  spec = sim.spec
-  if spec.client_eval is None:
+  held = sim.spec.client_eval
+  if held is None:
     return ""
-  held = {int(c): int(n) for g, sizes in zip(spec.groups, spec.client_eval.sizes) for c, n in zip(g.clients, sizes)}
-  return (f"\nheld out for per-client evaluation (--client-eval-fraction): {sum(held.values())} samples more, not "
-          "counted above\n")
+  return (f"\nheld out for per-client evaluation (--client-eval-fraction): {sum(int(s.sum()) for s in held.sizes)} "
+          "samples more, not counted above\n")  # (the groups' clients partition the clients)
 
 
 class Planned(NamedTuple):

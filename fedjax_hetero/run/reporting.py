@@ -10,6 +10,7 @@ terminal's standard error (``... > run.log``).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import numbers
 import os
@@ -179,11 +180,9 @@ class Reporter:
       self.bar.n = row["round"]
       self.bar.refresh()
     if self.lines and row.get("test_accuracy"):
-      if self.bar is None:
+      # (`... | tee run.log`: the line and the bar share the terminal, so the bar steps aside for it)
+      with contextlib.nullcontext() if self.bar is None else self.bar.external_write_mode():
         self.log(evaluation_line(row, self.rounds))
-      else:  # (`... | tee run.log`: the line and the bar share the terminal, so the bar steps aside for it)
-        with self.bar.external_write_mode():
-          self.log(evaluation_line(row, self.rounds))
 
   def close(self) -> None:
     if self.bar is not None:

@@ -233,6 +233,26 @@ def test_wandb_is_tested_where_it_is_installed():
   pytest.importorskip("wandb", reason="wandb not installed (pip install -e '.[logging]'): its writer is untested here")
 
 
+def test_wandb_keeps_the_rounds_a_rollback_trains_again(tmp_path, monkeypatch):
+  """(W&B drops a row logged at a step lower than one before it: a rollback's retrained rounds were lost.)"""
+  pytest.importorskip("wandb", reason="wandb not installed (pip install -e '.[logging]')")
+  from fedjax_hetero.run.reporting import WandbWriter
+  monkeypatch.setenv("WANDB_MODE", "offline")
+  monkeypatch.setenv("WANDB_SILENT", "true")
+  writer = WandbWriter(str(tmp_path), RunConfig.from_flags(dataset="synthetic", groups=("mlp",)))
+  losses = [(1, 0.1125), (2, 0.2225), (3, 0.3325), (2, 0.2275), (3, 0.3375), (4, 0.4475)]  # rounds 2, 3 again
+  rows = []
+  for round_, loss in losses:
+    rows = [r for r in rows if r["round"] < round_]  # (a rollback keeps the rows before the round it restores)
+    rows.append({"round": round_, "train_loss": loss})
+    writer.add(rows)
+  writer.close()
+  [record] = glob.glob(os.path.join(tmp_path, "wandb", "offline-run-*", "run-*.wandb"))
+  with open(record, "rb") as f:
+    logged = f.read()
+  assert [loss for _, loss in losses if str(loss).encode() not in logged] == []
+
+
 def test_progress_without_a_terminal_is_one_plain_line_per_evaluation(tmp_path):
   for extra in ([], ["--no-progress"]):
     argv = [a for a in TINY if a != "--no-progress"] + ["--rounds", "3", "--eval-every", "2", *extra,

@@ -100,7 +100,9 @@ class TensorBoardWriter:
 
 
 class WandbWriter:
-  """A Weights & Biases run named after the results folder (``WANDB_MODE=offline`` keeps it on disk)."""
+  """A Weights & Biases run named after the results folder (``WANDB_MODE=offline`` keeps it on disk). Its x-axis is
+  the logged ``round``, not W&B's own step, which must grow: W&B drops a row at a lower step, so the rounds a
+  rollback trains again would be lost (and the round they replace overwritten)."""
 
   def __init__(self, out: str, config: RunConfig):
     try:
@@ -109,12 +111,14 @@ class WandbWriter:
       raise _missing("wandb") from None
     self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "fedjax_hetero"), dir=out,
                           name=os.path.basename(os.path.abspath(out)), config=as_dict(config), reinit=True)
+    self.run.define_metric("round")
+    self.run.define_metric("*", step_metric="round")
 
   def write(self, rows: Sequence[Row]) -> None:
     pass
 
   def add(self, rows: Sequence[Row]) -> None:
-    self.run.log(scalars(rows[-1]), step=rows[-1]["round"])
+    self.run.log({"round": rows[-1]["round"], **scalars(rows[-1])})
 
   def close(self) -> None:
     self.run.finish()

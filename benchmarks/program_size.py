@@ -222,6 +222,7 @@ def measure_simulation(sim: Any, driver: str, by_source: int = 0, cut: Sequence[
   import jax
   import numpy as np
 
+  from fedjax_hetero.garbage import deferred_full_collections
   from fedjax_hetero.rounds.body import RoundData
   from fedjax_hetero.rounds.inputs import plan_call
   from fedjax_hetero.rounds.simulation import program_call
@@ -233,11 +234,11 @@ def measure_simulation(sim: Any, driver: str, by_source: int = 0, cut: Sequence[
   args = ((state.models, state.steps), state.memory, call.inputs, np.int32(1), data)
   seconds = time.perf_counter()
   program = jax.jit(program_call(spec, sim.cohorts, call.statics, 1), donate_argnums=1)  # (as `sim.program`'s,
-  with without(cut):  # but traced anew: the cut pieces are read while it is traced)
-    traced = program.trace(*args)
-  trace_s, seconds = time.perf_counter() - seconds, time.perf_counter()
-  lowered = traced.lower()
-  lower_s = time.perf_counter() - seconds
+  with without(cut), deferred_full_collections():  # but traced anew: the cut pieces are read while it is traced;
+    traced = program.trace(*args)  # and as `Simulation.run_call` traces it)
+    trace_s, seconds = time.perf_counter() - seconds, time.perf_counter()
+    lowered = traced.lower()
+    lower_s = time.perf_counter() - seconds
   elsewhere = lowered_elsewhere(sim, traced, lowered_for) if lowered_for else {}
   if by_source:
     for frame, ops in ops_by_source(lowered.as_text(debug_info=True)).most_common(by_source):

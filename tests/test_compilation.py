@@ -1,18 +1,22 @@
-"""XLA:CPU's kernel choice (`compilation.use_cpu_fusions`), the compile counter, and the bounded program caches."""
+"""XLA:CPU's kernel choice (`compilation.use_cpu_fusions`), the compile counter, the bounded program caches, and
+Python's full garbage collections deferred while a run sets up and trains (`garbage`)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_hetero import compilation
+from fedjax_hetero import compilation, garbage
+from fedjax_hetero.garbage import deferred_full_collections
 from fedjax_hetero.models import build_model
 from tests.helpers import tiny_resnet, tiny_simulation
 
@@ -255,3 +259,81 @@ def test_chunk_programs_compile_per_shape_and_keep_the_newest():
     assert float(chunks(np.float32(1), *args, 5, 2)) == 1 + 2 * 2 * size + 5
     assert chunks.compiled_for(*args)
   assert len(chunks._compiled) == CHUNK_SHAPES_KEPT
+
+
+# ------------------------------------------------------------------------------ full collections deferred
+
+
+@pytest.fixture
+def thresholds():
+  """The process's collector thresholds, set to CPython's defaults for the test and restored after it."""
+  before = gc.get_threshold()
+  gc.set_threshold(700, 10, 10)
+  yield
+  gc.set_threshold(*before)
+
+
+def test_full_collections_are_deferred_within_nested_and_overlapping_blocks(thresholds):
+  inner_entered, outer_may_end = threading.Event(), threading.Event()
+
+  def other_thread():  # enters while the main thread's block is open, ends after it
+    with deferred_full_collections():
+      inner_entered.set()
+      outer_may_end.wait(10)
+      seen.append(gc.get_threshold())
+
+  seen = []
+  with deferred_full_collections():
+    assert gc.get_threshold() == (700, 10, garbage.FULL_COLLECTION_EVERY)
+    with deferred_full_collections(every=50):  # (nested: the outer block's setting holds)
+      assert gc.get_threshold() == (700, 10, garbage.FULL_COLLECTION_EVERY)
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    inner_entered.wait(10)
+  assert gc.get_threshold() == (700, 10, garbage.FULL_COLLECTION_EVERY)  # the thread's block is still open
+  outer_may_end.set()
+  thread.join(10)
+  assert seen == [(700, 10, garbage.FULL_COLLECTION_EVERY)]
+  assert gc.get_threshold() == (700, 10, 10)
+
+
+def test_thresholds_are_restored_after_an_error_and_a_larger_one_is_kept(thresholds):
+  gc.set_threshold(500, 20, 5000)
+  with pytest.raises(KeyError), deferred_full_collections():
+    assert gc.get_threshold() == (500, 20, 5000)
+    raise KeyError
+  assert gc.get_threshold() == (500, 20, 5000)
+  gc.set_threshold(500, 20, 3)
+  with deferred_full_collections():
+    assert gc.get_threshold() == (500, 20, garbage.FULL_COLLECTION_EVERY)
+  assert gc.get_threshold() == (500, 20, 3)
+
+
+def test_a_run_and_a_job_set_up_and_train_with_full_collections_deferred(thresholds, monkeypatch, tmp_path):
+  from fedjax_hetero.config import RunConfig
+  from fedjax_hetero.run import jobs, runner
+
+  class Seen(Exception):
+    pass
+
+  def record(*_, **__):
+    raise Seen(gc.get_threshold())
+
+  monkeypatch.setattr(runner, "prepare", record)
+  monkeypatch.setattr(runner, "plan", record)
+  config = RunConfig.from_flags(dataset="synthetic", groups=("mlp",), rounds=1, output_dir=str(tmp_path / "run"))
+  with pytest.raises(Seen) as alone:
+    runner.run_checked(config, runner.run_method(config))
+  with pytest.raises(Seen) as together:
+    jobs.run_together(jobs.runs_of(config, [0, 1]), log=lambda _: None)
+  assert alone.value.args[0] == together.value.args[0] == (700, 10, garbage.FULL_COLLECTION_EVERY)
+  assert gc.get_threshold() == (700, 10, 10)
+
+
+def test_a_simulations_calls_defer_full_collections(thresholds, monkeypatch):
+  sim, seen = tiny_simulation("HeteroAvg"), []
+  plan = type(sim)._plan
+  monkeypatch.setattr(type(sim), "_plan", lambda *args: seen.append(gc.get_threshold()) or plan(*args))
+  sim.run_rounds(sim.init_state(), 2)
+  assert seen == [(700, 10, garbage.FULL_COLLECTION_EVERY)] * 2
+  assert gc.get_threshold() == (700, 10, 10)

@@ -44,8 +44,8 @@ def test_every_module_imports_first_in_a_fresh_interpreter():
 # The library's layers, lowest first: a unit (a subpackage or a root module of fedjax_hetero) imports only from the
 # layers below its own (docs/architecture.md draws them).
 LAYERS = (
-    ("validation", "compilation", "random_batching", "os_errors"),  # checks of single values, XLA's settings, a
-    # function's random draws made together, OS errors in one line
+    ("validation", "compilation", "garbage", "random_batching", "os_errors"),  # checks of single values, XLA's
+    # settings, Python's collector while programs trace, a function's random draws made together, OS errors in one line
     ("data", "hetero"),  # datasets, partitions, the device store; sub-model maps
     ("models", "aggregators"),  # Flax models and their evaluation; pure aggregation rules
     ("config",),  # a run's settings, as plain data

@@ -25,6 +25,7 @@ import numpy as np
 
 from fedjax_hetero.compilation import compile_beside, in_background, mapping_headroom
 from fedjax_hetero.config.run import AUTO_ROUNDS_PER_CALL, ROUND_PROGRAMS
+from fedjax_hetero.garbage import deferred_full_collections
 from fedjax_hetero.methods.api import Method
 from fedjax_hetero.models.evaluation import ACCELERATOR_EVAL_BATCH, EVAL_BATCH
 from fedjax_hetero.rounds.backends import Backend, copy_tree
@@ -224,6 +225,7 @@ class Simulation:
       rows += call_rows
     return state, rows
 
+  @deferred_full_collections()  # (its first call traces)
   def run_call(self, state: ServerState, count: int, evaluate: Collection[int],
                while_compiling: Callable[[], Any] | None = None,
                stop_requested: Callable[[], bool] | None = None) -> tuple[ServerState, list[dict]]:

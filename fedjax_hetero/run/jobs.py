@@ -29,6 +29,7 @@ import jax
 
 from fedjax_hetero import distributed
 from fedjax_hetero import data as fdata
+from fedjax_hetero.garbage import deferred_full_collections
 from fedjax_hetero.config import RunConfig, declare
 from fedjax_hetero.config.declare import Number, substituted, value_at
 from fedjax_hetero.config.run import FLAGS_BY_PATH
@@ -36,8 +37,9 @@ from fedjax_hetero.methods import Method, build_method, get_entry
 from fedjax_hetero.rounds.many import ManyRuns, NotBatchable
 from fedjax_hetero.rounds.simulation import host_loop_reason, runs_in_program
 from fedjax_hetero.rounds.spec import RoundSpec
-from fedjax_hetero.run import preflight, results_folder, runner
-from fedjax_hetero.run.build import check_downloadable, run_method, with_run_settings
+from fedjax_hetero.run import continuation, preflight, results_folder, runner
+from fedjax_hetero.run.build import (check_downloadable, partitioned_dataset, run_method, training_parts,
+                                     with_run_settings)
 from fedjax_hetero.run.guard import DivergenceError
 from fedjax_hetero.run.interruption import Interrupted, StopRequests
 
@@ -224,7 +226,7 @@ def run_jobs(configs: Sequence[RunConfig], methods: Sequence[Method] | None = No
         check_downloadable(config.data)
         datasets[source] = fdata.load_dataset(*source)
       with naming_the_run(config, len(configs) > 1):
-        runner.check_can_start(config, datasets[source])
+        _check_can_start(config, datasets[source])
   summaries, stopped = [], []  # (the runs the divergence guard stopped: the job goes on, as runs together do)
   with StopRequests(log) as stop:  # a signal between two runs stops the job before the next one
     for i, (config, method) in enumerate(zip(configs, methods)):
@@ -265,7 +267,7 @@ def run_together(configs: Sequence[RunConfig], dataset: Any = None, log: Log = p
   methods = list(methods or [run_method(config, method) for config in configs])
   swept(configs, methods, method)  # settings no program takes, refused before the data loads
   main = distributed.is_main_process()
-  with contextlib.ExitStack() as locks:
+  with contextlib.ExitStack() as locks, deferred_full_collections():
     for config in configs:
       locks.enter_context(results_folder.lock(config.output.dir, enabled=main))
     if dataset is None:  # loaded once; each run takes its own subset and partition of it
@@ -290,6 +292,17 @@ def run_together(configs: Sequence[RunConfig], dataset: Any = None, log: Log = p
 
 def _quiet(_: str) -> None:
   pass
+
+
+def _check_can_start(config: RunConfig, dataset: fdata.ArrayDataset) -> None:
+  """What `runner.prepare` would refuse in ``config``'s folder and data, checked without writing anything: a job
+  runs it for every run before its first run trains. (A folder being repaired or continued unchecked is left to
+  its turn: those change it.)"""
+  output = config.output
+  if not (output.repair_metrics or output.resume_unchecked):
+    continuation.history(config, _quiet)
+  subset, parts = partitioned_dataset(config, dataset)
+  preflight.check_fit(config, subset, training_parts(config, parts)[0], _quiet)
 
 
 class _Together:

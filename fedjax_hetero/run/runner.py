@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import jax
 
-from fedjax_hetero import data as fdata, distributed
+from fedjax_hetero import data as fdata, distributed, garbage
 from fedjax_hetero.config import RunConfig, as_dict
 from fedjax_hetero.methods import Method, build_method
 from fedjax_hetero.rounds import ServerState, Simulation, costs
@@ -31,8 +31,7 @@ from fedjax_hetero.rounds.client_eval import final_summary
 from fedjax_hetero.rounds.rows import NonFiniteLossError
 from fedjax_hetero.run import checkpoints, continuation, metrics_log, preflight, privacy_accounting, results_folder
 from fedjax_hetero.run import history as run_history
-from fedjax_hetero.run.build import (Planned, build_simulation, partitioned_dataset, run_method, write_partition,
-                                     training_parts, with_run_settings)
+from fedjax_hetero.run.build import Planned, build_simulation, run_method, with_run_settings, write_partition
 from fedjax_hetero.run.guard import (DivergenceError, DivergenceWatch, diverged_round, in_restored_model, ranked,
                                      repeated, rollback_reason, rollback_record, rolled_back, stop_advice)
 from fedjax_hetero.run.interruption import Interrupted, StopRequests
@@ -63,17 +62,6 @@ def _quiet(_: str) -> None:
   pass
 
 
-def check_can_start(config: RunConfig, dataset: fdata.ArrayDataset) -> None:
-  """What `prepare` would refuse in ``config``'s folder and data, checked without writing anything: a job runs it
-  for every run before its first run trains. (A folder being repaired or continued unchecked is left to its
-  turn: those change it.)"""
-  output = config.output
-  if not (output.repair_metrics or output.resume_unchecked):
-    continuation.history(config, _quiet)
-  subset, parts = partitioned_dataset(config, dataset)
-  preflight.check_fit(config, subset, training_parts(config, parts)[0], _quiet)
-
-
 def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None, log: Log = print,
                    method: Method | None = None) -> dict[str, Any]:
   """Runs (or resumes) an experiment and writes its results folder; returns the summary.
@@ -91,7 +79,8 @@ def run_experiment(config: RunConfig, dataset: fdata.ArrayDataset | None = None,
 def run_checked(config: RunConfig, method: Method, dataset: fdata.ArrayDataset | None = None,
                 log: Log = print) -> dict[str, Any]:
   """`run_experiment` of a config whose settings were checked and whose method `run_method` made."""
-  with results_folder.lock(config.output.dir, enabled=distributed.is_main_process()):
+  main = distributed.is_main_process()
+  with results_folder.lock(config.output.dir, enabled=main), garbage.deferred_full_collections():
     return prepare(config, dataset, log, method).train()
 
 

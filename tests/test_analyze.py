@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import chex
 import jax
@@ -129,6 +130,23 @@ def test_cka(inco_run, capsys):
     chex.assert_trees_all_close(matrix, matrix.T, atol=1e-6)
     assert np.all((matrix >= 0) & (matrix <= 1 + 1e-6)), cut
     assert entry["layer_similarity"] == pytest.approx(matrix[0, 1])
+
+
+def test_a_run_analyzed_on_other_data_than_its_own_is_warned_of(fedcross_run, tmp_path, capsys):
+  """(A probe survey: a folder whose --max-test-samples subset was drawn the old way was analyzed on the new one
+  without a word.)"""
+  run_dir = str(tmp_path / "copy")
+  shutil.copytree(fedcross_run[0], run_dir)
+  analyze.load_run(run_dir)
+  assert "warning" not in capsys.readouterr().err
+  path = os.path.join(run_dir, "data_fingerprint.json")
+  with open(path) as f:
+    recorded = json.load(f)
+  with open(path, "w") as f:
+    json.dump({**recorded, "test_labels": {**recorded["test_labels"], "blake2b": "0" * 32}}, f)
+  analyze.load_run(run_dir)
+  err = capsys.readouterr().err
+  assert f"warning: {run_dir}: the data differ from those its run trained and evaluated on (test_labels" in err, err
 
 
 def test_recalibrate_bn(inco_run, capsys):

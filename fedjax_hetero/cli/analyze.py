@@ -33,7 +33,7 @@ from fedjax_hetero.data.store import normalize
 from fedjax_hetero.models import evaluation
 from fedjax_hetero.rounds import RoundSpec, Simulation
 from fedjax_hetero.rounds.state import ServerState
-from fedjax_hetero.run import build, checkpoints, continuation, metrics_log
+from fedjax_hetero.run import build, checkpoints, continuation, metrics_log, results_folder
 
 
 def _log(message: str) -> None:
@@ -81,6 +81,9 @@ def load_run(run_dir: str, data_dir: str | None = None) -> LoadedRun:
                      "config.json), which is gone: put the file back there to analyze the run")
   with declare.named_from({flag.cli: f"{flag.path} of {run_dir}'s config.json" for flag in FLAGS.values()}):
     sim, _ = build.build_simulation(config, log=_log)
+  if changed := results_folder.data_changes(run_dir, results_folder.data_fingerprint(sim.spec)):
+    _log(f"warning: {run_dir}: the data differ from those its run trained and evaluated on ({'; '.join(changed)}); "
+         "what follows is measured on these")
   state = restore_last(sim, config)
   _log(f"{run_dir}: {sim.spec.method.name}, restored round {state.round}")
   return LoadedRun(run_dir, config, sim, state)
@@ -333,20 +336,21 @@ def build_parser() -> argparse.ArgumentParser:
                                    description=__doc__.splitlines()[0])
   sub = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
 
-  def command(name: str, func: Callable[[argparse.Namespace], list[str]], data: bool = True):
+  def command(name: str, func: Callable[[argparse.Namespace], list[str]], data: bool = True, one_run: bool = True):
     p = sub.add_parser(name, help=func.__doc__.splitlines()[0], description=func.__doc__.splitlines()[0],
                        formatter_class=formatter)
     p.set_defaults(func=func)
+    if one_run:
+      p.add_argument("run_dir", metavar="RUN_DIR", help="results folder")
     if data:
       p.add_argument("--data-dir", default=None, help="dataset directory (None: the run's)")
     return p
 
   p = command("cka", run_cka)
-  p.add_argument("run_dir", metavar="RUN_DIR", help="results folder")
   p.add_argument("--num-examples", type=_at_least(2), default=500, help="first N test images")
   p.add_argument("--batch-size", type=_at_least(1), default=500, help="images per forward pass")
 
-  p = command("landscape", run_landscape)
+  p = command("landscape", run_landscape, one_run=False)
   p.add_argument("run_dirs", metavar="RUN_DIR", nargs="+", help="results folders, one panel each")
   p.add_argument("--grid", type=_at_least(2), default=11, help="grid points per direction")
   p.add_argument("--span", type=_positive_float, default=1.0, help="alphas = betas = linspace(-span, span, grid)")
@@ -360,22 +364,18 @@ def build_parser() -> argparse.ArgumentParser:
                  "(None: FIRST_RUN_DIR/loss_landscape.png)")
 
   p = command("histograms", run_histograms)
-  p.add_argument("run_dir", metavar="RUN_DIR", help="results folder")
   p.add_argument("--rounds", type=_at_least(1), default=5, help="rounds to continue from the last checkpoint")
   p.add_argument("--layers", type=_at_least(1), default=None,
                  help="plot the first N tracked layers: the InCo pairs' sources and targets, else "
                  "every conv/dense kernel (None: all)")
 
   p = command("tracking", run_tracking, data=False)
-  p.add_argument("run_dir", metavar="RUN_DIR", help="results folder")
 
   p = command("bubbles", run_bubbles)
-  p.add_argument("run_dir", metavar="RUN_DIR", help="results folder")
   p.add_argument("--clients", type=_at_least(1), default=20, help="clients shown (a random sorted subset)")
   p.add_argument("--seed", type=int, default=0, help="seed of the shown subset")
 
   p = command("recalibrate-bn", run_recalibrate_bn)
-  p.add_argument("run_dir", metavar="RUN_DIR", help="results folder")
   p.add_argument("--num-examples", type=_at_least(1), default=10000,
                  help="random training images (of all clients) the statistics are estimated on")
   p.add_argument("--batch-size", type=_at_least(2), default=500, help="images per batch statistic")

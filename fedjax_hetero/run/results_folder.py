@@ -15,7 +15,8 @@
   command continues the same run. ``--resume-unchecked`` continues it anyway (unreadable files are set
   aside as ``*.unreadable``), ``--repair-metrics`` rebuilds the metrics it can.
 * `check_data`, `record_data`: the data a run trains and evaluates on are fingerprinted into ``data_fingerprint.json``
-  (`fedjax_hetero.data.fingerprint`); a resume on other data (another ``--data-dir``, swapped files) is refused.
+  (`fedjax_hetero.data.fingerprint`); a resume on other data (another ``--data-dir``, swapped files) is refused
+  (`data_changes` says what differs; ``analyze`` warns with it).
 """
 
 from __future__ import annotations
@@ -327,17 +328,10 @@ def check_data(config: Any, spec: Any, log: Callable[[str], None]) -> dict | Non
   and an older folder's without a record) once the folder is prepared. None on processes other than 0."""
   if not distributed.is_main_process():
     return None
-  path = os.path.join(config.output.dir, FINGERPRINT_FILE)
-  now = fingerprint.of_data(spec.store, spec.test_images, spec.test_labels)
-  if spec.availability.absent:  # (a trace is data too: another one would change the rounds)
-    now.update(fingerprint.of_arrays({TRACE: np.asarray(sorted(spec.availability.absent), np.int64)}))
-  try:
-    recorded = read_json_object(path) if config.output.resume else None
-  except ValueError as e:
-    recorded, changed = None, [f"the record cannot be read: {e}"]
-  else:
-    changed = fingerprint.differences(recorded, now) if recorded is not None else []
+  now = data_fingerprint(spec)
+  changed = data_changes(config.output.dir, now) if config.output.resume else []
   if changed:
+    path = os.path.join(config.output.dir, FINGERPRINT_FILE)
     source = ("federation.availability_trace" if all(c.startswith(TRACE) for c in changed) else
               "data.partition_file" if config.data.partition_file is not None and all(
                   c.startswith("client_index_table") for c in changed) else "data.data_dir")
@@ -354,6 +348,23 @@ def check_data(config: Any, spec: Any, log: Callable[[str], None]) -> dict | Non
       raise ValueError(f"cannot resume: {message} {advice}")
     log(f"warning: {cli_flag('output.resume_unchecked')}: {message}")
   return now
+
+
+def data_fingerprint(spec: Any) -> dict:
+  """`fingerprint.of_data` of what ``spec`` trains and evaluates on (with its availability trace, if any)."""
+  now = fingerprint.of_data(spec.store, spec.test_images, spec.test_labels)
+  if spec.availability.absent:  # (a trace is data too: another one would change the rounds)
+    now.update(fingerprint.of_arrays({TRACE: np.asarray(sorted(spec.availability.absent), np.int64)}))
+  return now
+
+
+def data_changes(run_dir: str, now: dict) -> list[str]:
+  """How the fingerprint ``now`` differs from the one recorded in ``run_dir`` (nothing without a record)."""
+  try:
+    recorded = read_json_object(os.path.join(run_dir, FINGERPRINT_FILE))
+  except ValueError as e:
+    return [f"the record cannot be read: {e}"]
+  return fingerprint.differences(recorded, now) if recorded is not None else []
 
 
 def record_data(config: Any, now: dict | None) -> None:

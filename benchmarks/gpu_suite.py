@@ -46,12 +46,14 @@ INCO = "resnet10@{w},resnet14@{w},resnet18@{w},resnet22@{w},resnet26@{w}"
 SMOKE_GROUPS = "resnet10@0.125,resnet14@0.125"  # --smoke: two small groups, so that a CPU gets through
 SMOKE_SLOWER = 4  # --smoke: step time limits multiplied by this (a CPU compiles ResNets' device loops slowly)
 # XLA's GPU options tried by the flags probe (step 1): loops and conditionals captured in CUDA graphs beside the
-# default command buffer types, and no convolution autotuning. (--xla_gpu_enable_llvm_module_compilation_parallelism
-# is gone from jax 0.11.2's XLA: "Unknown flag in XLA_FLAGS", measured on an H200.)
+# default command buffer types, no convolution autotuning, and a module's kernels compiled on 16 threads (the H200
+# machine's cores; a set XLA refuses is left out). (--xla_gpu_enable_llvm_module_compilation_parallelism is gone
+# from jax 0.11.2's XLA: "Unknown flag in XLA_FLAGS", measured on an H200.)
 FLAG_SETS = {
     "default": "",
     "command_buffers": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
     "no_autotune": "--xla_gpu_autotune_level=0",
+    "compile_threads": "--xla_gpu_force_compilation_parallelism=16",
 }
 STEP_SLACK = 1.05  # the flags probe keeps the sets within 5% of the fastest step, then takes the quickest compile
 # The per-client convolution forms an accelerator chooses between (the CPU's canonical and sequential ones left out).

@@ -97,7 +97,8 @@ def test_a_runs_rows_count_the_dropped_clients_of_each_group_and_train_the_other
     for g, name in enumerate(("mlp@1", "mlp@0.5")):
       assert row["dropped_per_group"][name] == int((group[expected] == g).sum())
       assert row["clients_per_group"][name] + row["dropped_per_group"][name] == int((group[drawn] == g).sum())
-  summary = json.load(open(os.path.join(run.output.dir, "summary.json")))
+  with open(os.path.join(run.output.dir, "summary.json")) as f:
+    summary = json.load(f)
   assert summary["clients_dropped"] == sum(len(row["dropped"]) for row in rows) > 0
   assert summary["clients_dropped_per_group"] == {name: sum(row["dropped_per_group"][name] for row in rows)
                                                   for name in ("mlp@1", "mlp@0.5")}

@@ -195,7 +195,8 @@ def test_a_run_reports_it_in_its_rows_summary_plot_and_compare(tmp_path):
   final = {name: {k: v for k, v in values.items() if k != "clients"}
            for name, values in rows[-1]["client_accuracy"].items()}
   assert summary_["final_client_accuracy"] == final
-  assert json.load(open(os.path.join(run.output.dir, "summary.json")))["final_client_accuracy"] == final
+  with open(os.path.join(run.output.dir, "summary.json")) as f:
+    assert json.load(f)["final_client_accuracy"] == final
   shown = tables.table([("run", summary_, rows)], 3)
   assert "clients' held-out acc: mean / worst 10% (%)" in shown
   assert f"| {100 * final['all']['mean']:.2f} / {100 * final['all']['worst_10pct']:.2f} |" in shown

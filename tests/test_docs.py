@@ -53,6 +53,11 @@ gcloud() { for a; do case $a in --command=*) eval "${a#--command=}";; esac; done
 """
 
 
+def pyproject() -> dict:
+  with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+    return tomllib.load(f)
+
+
 def fenced_blocks(path: str) -> list[tuple[str, str, int]]:
   """(language, code, first line) of every fenced block of a markdown file."""
   with open(os.path.join(REPO, path)) as f:
@@ -118,7 +123,7 @@ def check_command(command: list[str]) -> None:
     return
   if program == "pip" or command[1:3] == ["-m", "pip"]:
     args = args[2:] if program != "pip" else args
-    extras = tomllib.load(open(os.path.join(REPO, "pyproject.toml"), "rb"))["project"]["optional-dependencies"]
+    extras = pyproject()["project"]["optional-dependencies"]
     for arg in args:
       for extra in re.findall(r"\[([\w,-]+)\]", arg):
         assert set(extra.split(",")) <= set(extras), (command, sorted(extras))
@@ -168,8 +173,7 @@ def check_module(name: str, argv: list[str]) -> None:
   elif name == "tests.golden":
     assert set(argv) <= {"--missing"}, argv
   elif name == "pytest":
-    markers = [m.split(":")[0] for m in tomllib.load(open(os.path.join(REPO, "pyproject.toml"), "rb"))[
-        "tool"]["pytest"]["ini_options"]["markers"]]
+    markers = [m.split(":")[0] for m in pyproject()["tool"]["pytest"]["ini_options"]["markers"]]
     expression = argv[argv.index("-m") + 1] if "-m" in argv else ""
     assert set(re.findall(r"\w+", expression)) - {"not", "and", "or"} <= set(markers), expression
   elif name == "fedjax_hetero.cli.reference":

@@ -75,9 +75,10 @@ def imports_by_unit() -> dict[str, set[str]]:
       if parts == ["fedjax_hetero", "__init__"]:
         continue
       unit = parts[1]
-      tree = ast.parse(open(path).read())
-      hidden = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
-                for n in ast.walk(block)}
+      with open(path) as f:
+        tree = ast.parse(f.read())
+      hidden = {id(n) for block in ast.walk(tree)
+                if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test) for n in ast.walk(block)}
       for node in ast.walk(tree):
         if id(node) in hidden:
           continue

@@ -332,3 +332,22 @@ def test_runs_in_folders_of_one_name_are_named_by_their_paths(tmp_path):
   b = write_run(tmp_path / "y", "run", *fake_run("B", 0, [0.4, 0.7])[1:])
   table = compare.main([a, b])
   assert f"| {a} | A |" in table and f"| {b} | B |" in table, table
+
+
+def test_the_baseline_is_named_in_any_case_and_what_cannot_pair_says_why(tmp_path):
+  """(A probe survey: ``--baseline fedavg`` was refused though ``--method fedavg`` runs FedAvg; runs of the
+  baseline alone were told to share seeds; --per-group with no shared group, and --paired-output with no pair,
+  printed nothing about it.)"""
+  a_runs = [write_run(tmp_path, *fake_run("FedAvg", s, [0.5, 0.6], groups={"cnn@1": [0.5, 0.6]})) for s in (0, 1)]
+  b_run = write_run(tmp_path, *fake_run("HeteroAvg", 0, [0.6, 0.7], groups={"resnet10": [0.6, 0.7]}))
+  text = compare.main(a_runs + [b_run, "--baseline", "fedavg", "--per-group"])
+  assert "| HeteroAvg | +10.00 |" in text, text
+  assert "per architecture group: no group is shared by a run and its FedAvg pair" in text
+  with pytest.raises(SystemExit, match="every run given is FedAvg's; give runs of another method"):
+    compare.main(a_runs + ["--baseline", "FedAvg"])
+  with pytest.raises(SystemExit, match="no run of the baseline 'FedProx'; methods: FedAvg, HeteroAvg"):
+    compare.main(a_runs + [b_run, "--baseline", "FedProx"])
+  late = write_run(tmp_path, *fake_run("FedProx", 5, [0.6, 0.7]))  # (seed 5: no FedAvg run to pair with)
+  text = compare.main(a_runs + [late, "--baseline", "FedAvg", "--paired-output", str(tmp_path / "p.png")])
+  assert "no run pairs with FedAvg's" in text and "--paired-output not written" in text
+  assert not os.path.exists(tmp_path / "p.png")

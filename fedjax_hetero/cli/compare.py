@@ -61,7 +61,7 @@ from fedjax_hetero import os_errors
 from fedjax_hetero.analysis.plots import (plot_accuracy_against_costs, plot_accuracy_per_round, plot_client_accuracy,
                                           plot_paired_differences, run_styles)
 from fedjax_hetero.analysis.runs import (attack_of, check_unique, ending_notes, groups_of, load_run, pairings,
-                                         up_to_round, with_variants)
+                                         runs_by_method, up_to_round, with_variants)
 from fedjax_hetero.analysis.tables import (dataset_note, drop_table, experiment_note, group_table, length_note,
                                            paired_table, seed_table, seeds_table, table, window_table)
 
@@ -151,6 +151,8 @@ def main(argv: Sequence[str] | None = None) -> str:
     summary, rows = load_run(run_dir)
     runs.append((label, summary, up_to_round(rows, args.up_to_round)))
   runs = with_variants(runs)  # (a sweep's values as variants of the method)
+  if args.baseline:
+    args.baseline = baseline_among(args.baseline, list(runs_by_method(runs)))
   if args.baseline or any(attack_of(summary) for _, summary, _ in runs):  # the tables that pair runs
     try:
       check_unique(runs)
@@ -163,7 +165,8 @@ def main(argv: Sequence[str] | None = None) -> str:
     text += "\n\nover the runs of each method (every run, its seeds):\n" + spread
   if args.baseline and not pairings(runs, args.baseline):
     text += (f"\n\nno run pairs with {args.baseline}'s: none has the seed of one of its runs and a round both "
-             "evaluated (compare runs of the same seeds and --eval-every)")
+             "evaluated (compare runs of the same seeds and --eval-every)"
+             + ("; --paired-output not written" if args.paired_output else ""))
   elif args.baseline:
     text += "\n\n" + paired_table(runs, args.baseline) + experiment_note(runs, args.baseline)
     windows = window_table(runs, args.baseline, args.window)
@@ -175,6 +178,8 @@ def main(argv: Sequence[str] | None = None) -> str:
     groups = group_table(runs, args.baseline) if args.per_group else ""
     if groups:
       text += "\n\nper architecture group (accuracy of each group's model, paired as above):\n" + groups
+    elif args.per_group:
+      text += f"\n\nper architecture group: no group is shared by a run and its {args.baseline} pair"
   drops = drop_table(runs, args.baseline)
   if drops:
     text += ("\n\naccuracy drop under the backdoor attack (clean final - attacked final, same method and seed):\n"
@@ -209,6 +214,19 @@ def main(argv: Sequence[str] | None = None) -> str:
     except OSError as e:
       raise SystemExit(f"error: --paired-output {args.paired_output!r}: {os_errors.describe(e)}") from None
   return text
+
+
+def baseline_among(baseline: str, methods: list[str]) -> str:
+  """``--baseline``'s method among the runs' ``methods`` (in any letter case, as ``--method`` takes it)."""
+  named = [m for m in methods if m == baseline] or [m for m in methods if m.lower() == baseline.lower()]
+  if not named:
+    raise SystemExit(f"error: no run of the baseline {baseline!r}; methods: {', '.join(methods)}")
+  if len(named) > 1:
+    raise SystemExit(f"error: --baseline {baseline!r} names {', '.join(named)}: give one as it is written")
+  if methods == named:
+    raise SystemExit(f"error: --baseline {named[0]}: every run given is {named[0]}'s; give runs of another method "
+                     "to pair with them")
+  return named[0]
 
 
 if __name__ == "__main__":

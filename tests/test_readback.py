@@ -107,9 +107,25 @@ def test_repair_metrics_rebuilds_the_history_of_an_uninterrupted_run(dataset, st
   notes = [line for line in logs if line.startswith("note: --repair-metrics")]
   if edit is None:
     assert "kept no row" in notes[0] and "moved the checkpoints of rounds 1, 2" in notes[1], notes
+    assert notes[1].endswith("resumes from the start (no checkpoint is left) and trains again from round 1"), notes
   else:
     assert "kept the rows of rounds 1-2; dropped line 2 (is not a metrics row but 42); line 3 (round 1 again)" \
         in notes[0], notes
+  same_history(config, straight, dataset)
+
+
+def test_repair_metrics_says_which_checkpoint_the_run_goes_on_from(dataset, straight, two_rounds, tmp_path):
+  """(A probe survey: with no checkpoint left at or before the rows kept, it said the run resumed "from the latest
+  checkpoint up to round 1", then retrained from round 0.)"""
+  config = copy_of(two_rounds, tmp_path / "run", repair_metrics=True)
+  edit_lines(tmp_path / "run" / "metrics.jsonl", lambda lines: [lines[0], "42"])
+  shutil.rmtree(tmp_path / "run" / "checkpoints" / "1")
+  logs = []
+  run_experiment(config, dataset, log=logs.append)
+  [kept, moved] = [line for line in logs if line.startswith("note: --repair-metrics")]
+  assert "kept the rows of rounds 1-1" in kept and "moved the checkpoints of rounds 2" in moved, logs
+  assert moved.endswith("resumes from the start (no checkpoint is left) and trains again from round 1, the kept "
+                        "rows' rounds included"), moved
   same_history(config, straight, dataset)
 
 

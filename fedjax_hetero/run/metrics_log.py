@@ -172,7 +172,10 @@ def repair(output_dir: str, log: Callable[[str], None]) -> list[Row]:
   kept = f"kept the rows of rounds 1-{len(rows)}" if rows else "kept no row"
   log(f"note: --repair-metrics: {path}: {kept}" + (f"; dropped {'; '.join(dropped)}" if dropped else ""))
   if moved:
+    root = os.path.join(output_dir, "checkpoints")
+    left = max((int(n) for n in os.listdir(root) if n.isdigit()), default=0) if os.path.isdir(root) else 0
     log(f"note: --repair-metrics: moved the checkpoints of rounds {', '.join(map(str, moved))} to "
-        f"{os.path.join(output_dir, DROPPED_CHECKPOINTS)} (no metrics cover them): the run resumes from the latest "
-        f"checkpoint up to round {len(rows)} and trains the later rounds again")
+        f"{os.path.join(output_dir, DROPPED_CHECKPOINTS)} (no metrics cover them): the run resumes from "
+        + (f"the checkpoint of round {left}" if left else "the start (no checkpoint is left)")
+        + f" and trains again from round {left + 1}" + (", the kept rows' rounds included" if left < len(rows) else ""))
   return rows

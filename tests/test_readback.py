@@ -168,6 +168,21 @@ def test_resume_unchecked_continues_and_sets_an_unreadable_config_aside(dataset,
   assert any(line.startswith("warning: --resume-unchecked: ") and "config.json is not valid JSON" in line
              for line in logs), logs
   assert (tmp_path / "run" / "config.json.unreadable").read_text() == "{half"
+  # (A probe survey: the readable summary.json beside it was called unreadable too.)
+  assert (tmp_path / "run" / "summary.json.set-aside").exists() and any(
+      line.endswith("summary.json.set-aside; this command's settings are used unchecked") for line in logs), logs
+  same_history(config, straight, dataset)
+
+
+def test_a_resume_from_summary_json_alone_keeps_the_runs_segments(dataset, straight, two_rounds, tmp_path):
+  """(A probe survey: with config.json gone, the resume read the settings from summary.json but dropped the
+  segments it records, so the new summary began at the resume.)"""
+  config = copy_of(two_rounds, tmp_path / "run")
+  os.remove(tmp_path / "run" / "config.json")
+  summary = run_experiment(config, dataset, log=lambda _: None)
+  assert [(s["from_round"], s["reason"], s["rounds"]) for s in summary["segments"]] == [(1, "start", [1, 4])]
+  with open(tmp_path / "run" / "config.json") as f:
+    assert [s["from_round"] for s in json.load(f)["segments"]] == [1]
   same_history(config, straight, dataset)
 
 

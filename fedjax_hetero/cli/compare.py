@@ -164,9 +164,11 @@ def main(argv: Sequence[str] | None = None) -> str:
   if spread:
     text += "\n\nover the runs of each method (every run, its seeds):\n" + spread
   if args.baseline and not pairings(runs, args.baseline):
-    text += (f"\n\nno run pairs with {args.baseline}'s: none has the seed of one of its runs and a round both "
-             "evaluated (compare runs of the same seeds and --eval-every)"
-             + ("; --paired-output not written" if args.paired_output else ""))
+    why = ("every run given is its; give runs of another method" if list(runs_by_method(runs)) == [args.baseline]
+           else "none has the seed of one of its runs and a round both evaluated (compare runs of the same seeds and "
+           "--eval-every)")
+    text += f"\n\nno run pairs with {args.baseline}'s: {why}" + ("; --paired-output not written" if args.paired_output
+                                                                else "")
   elif args.baseline:
     text += "\n\n" + paired_table(runs, args.baseline) + experiment_note(runs, args.baseline)
     windows = window_table(runs, args.baseline, args.window)
@@ -223,9 +225,6 @@ def baseline_among(baseline: str, methods: list[str]) -> str:
     raise SystemExit(f"error: no run of the baseline {baseline!r}; methods: {', '.join(methods)}")
   if len(named) > 1:
     raise SystemExit(f"error: --baseline {baseline!r} names {', '.join(named)}: give one as it is written")
-  if methods == named:
-    raise SystemExit(f"error: --baseline {named[0]}: every run given is {named[0]}'s; give runs of another method "
-                     "to pair with them")
   return named[0]
 
 

@@ -97,8 +97,8 @@ class OutputConfig(Settings):
       "other files is refused", Flag())
   resume_unchecked: bool = setting(
       False, "with --resume: continue a folder whose config.json (and summary.json) cannot be read or is gone, or "
-      "whose data fingerprint differs, with this command's settings, unchecked (the unreadable files are kept as "
-      "*.unreadable)", Flag())
+      "whose data fingerprint differs, with this command's settings, unchecked (the unreadable file is kept as "
+      "*.unreadable, a summary.json beside it as *.set-aside)", Flag())
   repair_metrics: bool = setting(
       False, "with --resume: rebuild a damaged metrics.jsonl: keep the rows of rounds 1..k before the first missing "
       "one, drop the rest with a note, and train the later rounds again from the latest checkpoint up to round k "

@@ -99,8 +99,20 @@ def read(output_dir: str, log: Callable[[str], None] = print) -> SavedRun | None
     config = upgrade(tree, ignored)
     if ignored:
       log(f"note: {path}: ignoring settings this version does not know: {', '.join(sorted(ignored))}")
-    return SavedRun(config, history if key is None else History())
+    return SavedRun(config, history if key is None else summary_history(saved))
   return None
+
+
+def summary_history(summary: dict[str, Any]) -> History:
+  """The history a summary.json records beside its config (each segment with the rounds it spans), where its
+  config.json is gone; an empty one where the record is not of this layout (older runs')."""
+  segments, rollbacks, processes = (summary.get(k) for k in (SEGMENTS, ROLLBACKS, PROCESSES))
+  if not (isinstance(segments, list) and all(isinstance(s, dict) and isinstance(s.get("from_round"), int)
+                                             and isinstance(s.get("settings"), dict) for s in segments)
+          and isinstance(rollbacks, list) and all(isinstance(r, dict) for r in rollbacks)
+          and isinstance(processes, int) and not isinstance(processes, bool) and processes >= 1):
+    return History()
+  return History([{k: v for k, v in s.items() if k != "rounds"} for s in segments], list(rollbacks), processes)
 
 
 def upgrade(tree: dict[str, Any], ignored: list[str], own_options_only: bool = True,

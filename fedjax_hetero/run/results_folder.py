@@ -12,8 +12,9 @@
 * `check_resume`: before a resume reads anything, ``config.json`` and ``summary.json`` must parse as a run's
   settings (errors name the file) and ``metrics.jsonl`` must be one row per round (`fedjax_hetero.run.metrics_log`).
   A folder holding checkpoints or metrics but no readable settings is refused: nothing could check that the
-  command continues the same run. ``--resume-unchecked`` continues it anyway (unreadable files are set
-  aside as ``*.unreadable``), ``--repair-metrics`` rebuilds the metrics it can.
+  command continues the same run. ``--resume-unchecked`` continues it anyway (the unreadable file is set
+  aside as ``*.unreadable``, a summary.json beside it as ``*.set-aside``), ``--repair-metrics`` rebuilds the
+  metrics it can.
 * `check_data`, `record_data`: the data a run trains and evaluates on are fingerprinted into ``data_fingerprint.json``
   (`fedjax_hetero.data.fingerprint`); a resume on other data (another ``--data-dir``, swapped files) is refused
   (`data_changes` says what differs; ``analyze`` warns with it).
@@ -50,6 +51,7 @@ TRACE = "availability_trace"  # the fingerprint's entry of the absences a trace 
 # What a run writes before config.json (`fedjax_hetero.run.runner.prepare`).
 BEFORE_SETTINGS = ("partition.txt", "partition.png", FINGERPRINT_FILE)
 UNREADABLE = ".unreadable"
+SET_ASIDE = ".set-aside"  # (a readable summary.json beside an unreadable config.json)
 
 
 class FolderInUseError(ValueError):
@@ -285,12 +287,16 @@ def _has_state(output_dir: str) -> bool:
 
 
 def _set_aside(output_dir: str, log: Callable[[str], None]) -> None:
+  """The settings files moved away (config.json's problem is the one reported where it exists; a summary.json
+  beside it is set aside too, so that nothing reads the old settings back, but it is not called unreadable)."""
+  reported = next(name for name in SETTINGS_FILES if os.path.exists(os.path.join(output_dir, name)) or
+                  name == SETTINGS_FILES[-1])
   for name in SETTINGS_FILES:
     path = os.path.join(output_dir, name)
     if os.path.exists(path):
-      os.replace(path, path + UNREADABLE)
-      log(f"warning: --resume-unchecked: moved {path} to {path + UNREADABLE}; this command's settings are used "
-          "unchecked")
+      target = path + (UNREADABLE if name == reported else SET_ASIDE)
+      os.replace(path, target)
+      log(f"warning: --resume-unchecked: moved {path} to {target}; this command's settings are used unchecked")
 
 
 def _check_settings(output_dir: str, unchecked: bool, read_saved: Callable[..., Any],

@@ -29,10 +29,10 @@ import jax
 
 from fedjax_hetero import distributed
 from fedjax_hetero import data as fdata
-from fedjax_hetero.garbage import deferred_full_collections
 from fedjax_hetero.config import RunConfig, declare
 from fedjax_hetero.config.declare import Number, substituted, value_at
 from fedjax_hetero.config.run import FLAGS_BY_PATH
+from fedjax_hetero.garbage import deferred_full_collections
 from fedjax_hetero.methods import Method, build_method, get_entry
 from fedjax_hetero.rounds.many import ManyRuns, NotBatchable
 from fedjax_hetero.rounds.simulation import host_loop_reason, runs_in_program

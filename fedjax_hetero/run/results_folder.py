@@ -289,8 +289,7 @@ def _has_state(output_dir: str) -> bool:
 def _set_aside(output_dir: str, log: Callable[[str], None]) -> None:
   """The settings files moved away (config.json's problem is the one reported where it exists; a summary.json
   beside it is set aside too, so that nothing reads the old settings back, but it is not called unreadable)."""
-  reported = next(name for name in SETTINGS_FILES if os.path.exists(os.path.join(output_dir, name)) or
-                  name == SETTINGS_FILES[-1])
+  reported = "config.json" if os.path.exists(os.path.join(output_dir, "config.json")) else "summary.json"
   for name in SETTINGS_FILES:
     path = os.path.join(output_dir, name)
     if os.path.exists(path):

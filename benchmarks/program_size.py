@@ -233,9 +233,11 @@ def measure_simulation(sim: Any, driver: str, by_source: int = 0, cut: Sequence[
   data = RoundData.of(spec, sim.cohorts.arguments())
   args = ((state.models, state.steps), state.memory, call.inputs, np.int32(1), data)
   seconds = time.perf_counter()
-  program = jax.jit(program_call(spec, sim.cohorts, call.statics, 1), donate_argnums=1)  # (as `sim.program`'s,
-  with without(cut), deferred_full_collections():  # but traced anew: the cut pieces are read while it is traced;
-    traced = program.trace(*args)  # and as `Simulation.run_call` traces it)
+  # As `sim.program`'s, but traced anew (the cut pieces are read while it is traced), under the deferral that
+  # `Simulation.run_call` traces it under.
+  program = jax.jit(program_call(spec, sim.cohorts, call.statics, 1), donate_argnums=1)
+  with without(cut), deferred_full_collections():
+    traced = program.trace(*args)
     trace_s, seconds = time.perf_counter() - seconds, time.perf_counter()
     lowered = traced.lower()
     lower_s = time.perf_counter() - seconds

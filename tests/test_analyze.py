@@ -147,6 +147,11 @@ def test_a_run_analyzed_on_other_data_than_its_own_is_warned_of(fedcross_run, tm
   analyze.load_run(run_dir)
   err = capsys.readouterr().err
   assert f"warning: {run_dir}: the data differ from those its run trained and evaluated on (test_labels" in err, err
+  with open(path, "w") as f:
+    f.write("{half")
+  analyze.load_run(run_dir)
+  assert f"warning: {run_dir}: the data cannot be checked against the run's ({path} is not valid JSON" in \
+      capsys.readouterr().err
 
 
 def test_recalibrate_bn(inco_run, capsys):

@@ -344,7 +344,7 @@ def test_the_baseline_is_named_in_any_case_and_what_cannot_pair_says_why(tmp_pat
   assert "| HeteroAvg | +10.00 |" in text, text
   assert "per architecture group: no group is shared by a run and its FedAvg pair" in text
   text = compare.main(a_runs + ["--baseline", "FedAvg"])
-  assert "no run pairs with FedAvg's: every run given is its; give runs of another method" in text, text
+  assert "no run pairs with FedAvg's: every run given is one of its runs; add runs of another method" in text, text
   with pytest.raises(SystemExit, match="no run of the baseline 'FedProx'; methods: FedAvg, HeteroAvg"):
     compare.main(a_runs + [b_run, "--baseline", "FedProx"])
   late = write_run(tmp_path, *fake_run("FedProx", 5, [0.6, 0.7]))  # (seed 5: no FedAvg run to pair with)

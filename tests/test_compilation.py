@@ -269,6 +269,10 @@ def thresholds():
   """The process's collector thresholds, set to CPython's defaults for the test and restored after it."""
   before = gc.get_threshold()
   gc.set_threshold(700, 10, 10)
+  if gc.get_threshold() != (700, 10, 10):  # (a collector without these generations: the deferral does nothing)
+    read_back = gc.get_threshold()
+    gc.set_threshold(*before)
+    pytest.skip(f"this Python's gc reads its thresholds back as {read_back}")
   yield
   gc.set_threshold(*before)
 

@@ -81,9 +81,8 @@ def load_run(run_dir: str, data_dir: str | None = None) -> LoadedRun:
                      "config.json), which is gone: put the file back there to analyze the run")
   with declare.named_from({flag.cli: f"{flag.path} of {run_dir}'s config.json" for flag in FLAGS.values()}):
     sim, _ = build.build_simulation(config, log=_log)
-  if changed := results_folder.data_changes(run_dir, results_folder.data_fingerprint(sim.spec)):
-    _log(f"warning: {run_dir}: the data differ from those its run trained and evaluated on ({'; '.join(changed)}); "
-         "what follows is measured on these")
+  if (warning := results_folder.data_warning(run_dir, sim.spec)) is not None:
+    _log(warning)
   state = restore_last(sim, config)
   _log(f"{run_dir}: {sim.spec.method.name}, restored round {state.round}")
   return LoadedRun(run_dir, config, sim, state)

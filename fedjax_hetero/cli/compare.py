@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> str:
   p.add_argument("--target", type=float, default=None, help="add the first round reaching this mean accuracy "
                  "(a fraction, e.g. 0.87)")
   p.add_argument("--baseline", default=None, help="add every method's paired per-round difference from this "
-                 "method's runs of the same seeds, and its mean per window of rounds")
+                 "method's runs of the same seeds, and its mean per window of rounds (the name in any letter case)")
   p.add_argument("--window", type=int, default=None, help="with --baseline: rounds per window of the windowed "
                  "differences (default: a quarter of the rounds compared)")
   p.add_argument("--per-group", action="store_true", help="with --baseline: also pair every architecture "
@@ -164,7 +164,8 @@ def main(argv: Sequence[str] | None = None) -> str:
   if spread:
     text += "\n\nover the runs of each method (every run, its seeds):\n" + spread
   if args.baseline and not pairings(runs, args.baseline):
-    why = ("every run given is its; give runs of another method" if list(runs_by_method(runs)) == [args.baseline]
+    why = ("every run given is one of its runs; add runs of another method"
+           if list(runs_by_method(runs)) == [args.baseline]
            else "none has the seed of one of its runs and a round both evaluated (compare runs of the same seeds and "
            "--eval-every)")
     text += f"\n\nno run pairs with {args.baseline}'s: {why}" + ("; --paired-output not written" if args.paired_output

@@ -20,6 +20,7 @@ from fedjax_hetero import models
 from fedjax_hetero.config import FLAGS, DivergenceConfig, FedGenConfig, RunConfig, as_dict, flatten, from_dict
 from fedjax_hetero.config.run import FLAGS_BY_PATH
 from fedjax_hetero.methods import get_entry
+from fedjax_hetero.run import metrics_log
 
 SEGMENTS, ROLLBACKS, PROCESSES = "segments", "rollbacks", "processes"
 # Settings a resumed run may change. The first set leaves the trajectory as it was up to float tolerance (the
@@ -99,20 +100,33 @@ def read(output_dir: str, log: Callable[[str], None] = print) -> SavedRun | None
     config = upgrade(tree, ignored)
     if ignored:
       log(f"note: {path}: ignoring settings this version does not know: {', '.join(sorted(ignored))}")
-    return SavedRun(config, history if key is None else summary_history(saved))
+    return SavedRun(config, history if key is None else summary_history(saved, path, _rounds_done(output_dir), log))
   return None
 
 
-def summary_history(summary: dict[str, Any]) -> History:
-  """The history a summary.json records beside its config (each segment with the rounds it spans), where its
-  config.json is gone; an empty one where the record is not of this layout (older runs')."""
-  segments, rollbacks, processes = (summary.get(k) for k in (SEGMENTS, ROLLBACKS, PROCESSES))
-  if not (isinstance(segments, list) and all(isinstance(s, dict) and isinstance(s.get("from_round"), int)
-                                             and isinstance(s.get("settings"), dict) for s in segments)
-          and isinstance(rollbacks, list) and all(isinstance(r, dict) for r in rollbacks)
-          and isinstance(processes, int) and not isinstance(processes, bool) and processes >= 1):
-    return History()
-  return History([{k: v for k, v in s.items() if k != "rounds"} for s in segments], list(rollbacks), processes)
+def summary_history(summary: dict[str, Any], path: str, done: int, log: Callable[[str], None]) -> History:
+  """The history a summary.json records beside its config (each segment with the rounds it spans), read where
+  config.json is gone, if it covers the ``done`` rounds of metrics.jsonl: a summary written before a later
+  session that did not end (killed) would credit that session's rounds to the settings before it. Otherwise the
+  record starts again at the resume, with a note."""
+  segments, rollbacks, processes = (summary.get(SEGMENTS, []), summary.get(ROLLBACKS, []), summary.get(PROCESSES, 1))
+  if (isinstance(segments, list) and all(isinstance(s, dict) and isinstance(s.get("from_round"), int)
+                                         and isinstance(s.get("settings"), dict) for s in segments)
+      and isinstance(rollbacks, list) and all(isinstance(r, dict) for r in rollbacks)
+      and isinstance(processes, int) and not isinstance(processes, bool) and processes >= 1
+      and isinstance(summary.get("final_round"), int) and summary["final_round"] >= done):
+    return History([{k: v for k, v in s.items() if k != "rounds"} for s in segments], list(rollbacks), processes)
+  log(f"note: {path} holds no record of the run's segments up to round {done} (config.json is gone); the record "
+      "starts again at this resume")
+  return History()
+
+
+def _rounds_done(output_dir: str) -> int:
+  path = os.path.join(output_dir, "metrics.jsonl")
+  try:
+    return max((row["round"] for row in metrics_log.read_rows(path)), default=0) if os.path.exists(path) else 0
+  except metrics_log.MetricsError:  # (the resume's own check of the file names what is wrong)
+    return 0
 
 
 def upgrade(tree: dict[str, Any], ignored: list[str], own_options_only: bool = True,
@@ -176,7 +190,7 @@ def check_resume(saved: SavedRun, config: RunConfig, processes: int, log: Callab
   out = config.output.dir
   if saved.history.processes != processes:
     raise ValueError(f"cannot resume {out!r} with {processes} process(es): it was run with "
-                     f"{saved.history.processes} (its config.json); resume with --num-processes "
+                     f"{saved.history.processes} (as its folder records); resume with --num-processes "
                      f"{saved.history.processes}, or pass --overwrite instead of --resume to start over")
   before, now = flatten(saved.config), flatten(config)
   same_method = str(before.get("method.name")).lower() == str(now["method.name"]).lower()  # (names ignore case)

@@ -176,6 +176,8 @@ def repair(output_dir: str, log: Callable[[str], None]) -> list[Row]:
     left = max((int(n) for n in os.listdir(root) if n.isdigit()), default=0) if os.path.isdir(root) else 0
     log(f"note: --repair-metrics: moved the checkpoints of rounds {', '.join(map(str, moved))} to "
         f"{os.path.join(output_dir, DROPPED_CHECKPOINTS)} (no metrics cover them): the run resumes from "
-        + (f"the checkpoint of round {left}" if left else "the start (no checkpoint is left)")
-        + f" and trains again from round {left + 1}" + (", the kept rows' rounds included" if left < len(rows) else ""))
+        + (f"the newest checkpoint left (round {left}; a damaged one is skipped with a warning)" if left else
+           "the start (no checkpoint is left)")
+        + (f"; rounds {left + 1}-{len(rows)} are trained again too, their kept rows replaced" if left < len(rows)
+           else ""))
   return rows

@@ -17,7 +17,7 @@
   metrics it can.
 * `check_data`, `record_data`: the data a run trains and evaluates on are fingerprinted into ``data_fingerprint.json``
   (`fedjax_hetero.data.fingerprint`); a resume on other data (another ``--data-dir``, swapped files) is refused
-  (`data_changes` says what differs; ``analyze`` warns with it).
+  (`data_changes` says what differs; ``analyze`` warns with `data_warning`).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ TRACE = "availability_trace"  # the fingerprint's entry of the absences a trace 
 # What a run writes before config.json (`fedjax_hetero.run.runner.prepare`).
 BEFORE_SETTINGS = ("partition.txt", "partition.png", FINGERPRINT_FILE)
 UNREADABLE = ".unreadable"
-SET_ASIDE = ".set-aside"  # (a readable summary.json beside an unreadable config.json)
+SET_ASIDE = ".set-aside"  # (the summary.json beside a config.json set aside as unreadable; not read)
 
 
 class FolderInUseError(ValueError):
@@ -287,8 +287,8 @@ def _has_state(output_dir: str) -> bool:
 
 
 def _set_aside(output_dir: str, log: Callable[[str], None]) -> None:
-  """The settings files moved away (config.json's problem is the one reported where it exists; a summary.json
-  beside it is set aside too, so that nothing reads the old settings back, but it is not called unreadable)."""
+  """The settings files moved away: the one whose problem was reported (config.json where it exists) as
+  unreadable, and a summary.json beside it, not read, as set aside (so that nothing reads the old settings back)."""
   reported = "config.json" if os.path.exists(os.path.join(output_dir, "config.json")) else "summary.json"
   for name in SETTINGS_FILES:
     path = os.path.join(output_dir, name)
@@ -334,7 +334,10 @@ def check_data(config: Any, spec: Any, log: Callable[[str], None]) -> dict | Non
   if not distributed.is_main_process():
     return None
   now = data_fingerprint(spec)
-  changed = data_changes(config.output.dir, now) if config.output.resume else []
+  try:
+    changed = data_changes(config.output.dir, now) if config.output.resume else []
+  except ValueError as e:
+    changed = [f"the record cannot be read: {e}"]
   if changed:
     path = os.path.join(config.output.dir, FINGERPRINT_FILE)
     source = ("federation.availability_trace" if all(c.startswith(TRACE) for c in changed) else
@@ -364,12 +367,21 @@ def data_fingerprint(spec: Any) -> dict:
 
 
 def data_changes(run_dir: str, now: dict) -> list[str]:
-  """How the fingerprint ``now`` differs from the one recorded in ``run_dir`` (nothing without a record)."""
-  try:
-    recorded = read_json_object(os.path.join(run_dir, FINGERPRINT_FILE))
-  except ValueError as e:
-    return [f"the record cannot be read: {e}"]
+  """How the fingerprint ``now`` differs from the one recorded in ``run_dir`` (nothing without a record); ValueError
+  naming the record if it cannot be read."""
+  recorded = read_json_object(os.path.join(run_dir, FINGERPRINT_FILE))
   return fingerprint.differences(recorded, now) if recorded is not None else []
+
+
+def data_warning(run_dir: str, spec: Any) -> str | None:
+  """A warning that the data ``spec`` holds are not those recorded in ``run_dir`` (or cannot be checked), if so:
+  what an analysis of the run says before its results."""
+  try:
+    changed = data_changes(run_dir, data_fingerprint(spec))
+  except ValueError as e:
+    return f"warning: {run_dir}: the data cannot be checked against the run's ({e})"
+  return (f"warning: {run_dir}: the data differ from those its run trained and evaluated on ({'; '.join(changed)})"
+          if changed else None)
 
 
 def record_data(config: Any, now: dict | None) -> None:

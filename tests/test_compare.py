@@ -351,3 +351,5 @@ def test_the_baseline_is_named_in_any_case_and_what_cannot_pair_says_why(tmp_pat
   text = compare.main(a_runs + [late, "--baseline", "FedAvg", "--paired-output", str(tmp_path / "p.png")])
   assert "no run pairs with FedAvg's" in text and "--paired-output not written" in text
   assert not os.path.exists(tmp_path / "p.png")
+  assert "note: --up-to-round 9: every run ends before it" in compare.main(a_runs + ["--up-to-round", "9"])
+  assert "--up-to-round" not in compare.main(a_runs + ["--up-to-round", "2"])

@@ -159,6 +159,8 @@ def main(argv: Sequence[str] | None = None) -> str:
     except ValueError as e:
       raise SystemExit(f"error: {e}") from None
   text = table(runs, args.last, args.target) + length_note(runs) + dataset_note(runs)
+  if args.up_to_round and all(rows and rows[-1]["round"] < args.up_to_round for _, _, rows in runs):
+    text += f"\nnote: --up-to-round {args.up_to_round}: every run ends before it, so it cuts nothing"
   text += "".join("\n" + note for note in ending_notes(runs))
   spread = seeds_table(runs)
   if spread:

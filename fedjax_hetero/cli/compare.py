@@ -151,8 +151,9 @@ def main(argv: Sequence[str] | None = None) -> str:
     summary, rows = load_run(run_dir)
     runs.append((label, summary, up_to_round(rows, args.up_to_round)))
   runs = with_variants(runs)  # (a sweep's values as variants of the method)
+  methods = list(runs_by_method(runs))
   if args.baseline:
-    args.baseline = baseline_among(args.baseline, list(runs_by_method(runs)))
+    args.baseline = baseline_among(args.baseline, methods)
   if args.baseline or any(attack_of(summary) for _, summary, _ in runs):  # the tables that pair runs
     try:
       check_unique(runs)
@@ -167,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     text += "\n\nover the runs of each method (every run, its seeds):\n" + spread
   if args.baseline and not pairings(runs, args.baseline):
     why = ("every run given is one of its runs; add runs of another method"
-           if list(runs_by_method(runs)) == [args.baseline]
+           if methods == [args.baseline]
            else "none has the seed of one of its runs and a round both evaluated (compare runs of the same seeds and "
            "--eval-every)")
     text += f"\n\nno run pairs with {args.baseline}'s: {why}" + ("; --paired-output not written" if args.paired_output

@@ -100,7 +100,7 @@ def history(config: RunConfig, log: Log) -> tuple[RunConfig, run_history.History
 def check_rounds_left(config: RunConfig) -> None:
   """A resume to fewer rounds than the folder's run has trained is refused (it would do nothing)."""
   path = os.path.join(config.output.dir, "metrics.jsonl")
-  done = max((row["round"] for row in metrics_log.read_rows(path)), default=0) if os.path.exists(path) else 0
+  done = metrics_log.last_round(path)
   if done > config.rounds:
     raise ValueError(f"--rounds {config.rounds}: the run in {config.output.dir!r} has trained {done} rounds already; "
                      f"pass --rounds above {done} to continue it (its results stay as they are)")

@@ -20,7 +20,7 @@ from fedjax_hetero import models
 from fedjax_hetero.config import FLAGS, DivergenceConfig, FedGenConfig, RunConfig, as_dict, flatten, from_dict
 from fedjax_hetero.config.run import FLAGS_BY_PATH
 from fedjax_hetero.methods import get_entry
-from fedjax_hetero.run import metrics_log
+from fedjax_hetero.run import metrics_log, results_folder
 
 SEGMENTS, ROLLBACKS, PROCESSES = "segments", "rollbacks", "processes"
 # Settings a resumed run may change. The first set leaves the trajectory as it was up to float tolerance (the
@@ -109,22 +109,22 @@ def summary_history(summary: dict[str, Any], path: str, done: int, log: Callable
   config.json is gone, if it covers the ``done`` rounds of metrics.jsonl: a summary written before a later
   session that did not end (killed) would credit that session's rounds to the settings before it. Otherwise the
   record starts again at the resume, with a note."""
-  segments, rollbacks, processes = (summary.get(SEGMENTS, []), summary.get(ROLLBACKS, []), summary.get(PROCESSES, 1))
-  if (isinstance(segments, list) and all(isinstance(s, dict) and isinstance(s.get("from_round"), int)
-                                         and isinstance(s.get("settings"), dict) for s in segments)
-      and isinstance(rollbacks, list) and all(isinstance(r, dict) for r in rollbacks)
-      and isinstance(processes, int) and not isinstance(processes, bool) and processes >= 1
-      and isinstance(summary.get("final_round"), int) and summary["final_round"] >= done):
-    return History([{k: v for k, v in s.items() if k != "rounds"} for s in segments], list(rollbacks), processes)
+  try:
+    results_folder.check_history(path, summary)  # (the records config.json holds, as it holds them)
+    covers = isinstance(summary.get("final_round"), int) and summary["final_round"] >= done
+  except ValueError:
+    covers = False
+  if covers:
+    return History([{k: v for k, v in s.items() if k != "rounds"} for s in summary.get(SEGMENTS, [])],
+                   list(summary.get(ROLLBACKS, [])), summary.get(PROCESSES, 1))
   log(f"note: {path} holds no record of the run's segments up to round {done} (config.json is gone); the record "
       "starts again at this resume")
   return History()
 
 
 def _rounds_done(output_dir: str) -> int:
-  path = os.path.join(output_dir, "metrics.jsonl")
   try:
-    return max((row["round"] for row in metrics_log.read_rows(path)), default=0) if os.path.exists(path) else 0
+    return metrics_log.last_round(os.path.join(output_dir, "metrics.jsonl"))
   except metrics_log.MetricsError:  # (the resume's own check of the file names what is wrong)
     return 0
 

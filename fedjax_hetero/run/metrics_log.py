@@ -101,6 +101,11 @@ def read_rows(path: str, keys: Sequence[str] = READ_KEYS) -> list[Row]:
   return [row for _, row in rows]
 
 
+def last_round(path: str) -> int:
+  """The last round ``path`` holds a row of (0 if it holds none or does not exist); MetricsError as `read_rows`."""
+  return max((row["round"] for row in read_rows(path)), default=0) if os.path.exists(path) else 0
+
+
 def check(path: str) -> None:
   """Raises MetricsError if ``path`` exists and is not one row per round (a half-written last line passes)."""
   if os.path.exists(path):
@@ -149,10 +154,15 @@ def _kept_rows(path: str) -> tuple[list[Row], list[str]]:
   return [first[r] for r in range(1, kept + 1)], dropped
 
 
+def _checkpoint_steps(output_dir: str) -> list[int]:
+  root = os.path.join(output_dir, "checkpoints")
+  return sorted(int(n) for n in os.listdir(root) if n.isdigit()) if os.path.isdir(root) else []
+
+
 def _move_checkpoints_after(output_dir: str, last: int) -> list[int]:
   """Moves the checkpoints of rounds after ``last`` to ``dropped_checkpoints/``; returns their rounds."""
   root = os.path.join(output_dir, "checkpoints")
-  later = sorted(int(n) for n in os.listdir(root) if n.isdigit() and int(n) > last) if os.path.isdir(root) else []
+  later = [step for step in _checkpoint_steps(output_dir) if step > last]
   for step in later:
     target = os.path.join(output_dir, DROPPED_CHECKPOINTS, str(step))
     os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -172,8 +182,7 @@ def repair(output_dir: str, log: Callable[[str], None]) -> list[Row]:
   kept = f"kept the rows of rounds 1-{len(rows)}" if rows else "kept no row"
   log(f"note: --repair-metrics: {path}: {kept}" + (f"; dropped {'; '.join(dropped)}" if dropped else ""))
   if moved:
-    root = os.path.join(output_dir, "checkpoints")
-    left = max((int(n) for n in os.listdir(root) if n.isdigit()), default=0) if os.path.isdir(root) else 0
+    left = max(_checkpoint_steps(output_dir), default=0)
     log(f"note: --repair-metrics: moved the checkpoints of rounds {', '.join(map(str, moved))} to "
         f"{os.path.join(output_dir, DROPPED_CHECKPOINTS)} (no metrics cover them): the run resumes from "
         + (f"the newest checkpoint left (round {left}; a damaged one is skipped with a warning)" if left else

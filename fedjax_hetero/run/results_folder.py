@@ -245,8 +245,9 @@ def read_json_object(path: str) -> dict[str, Any] | None:
   return value
 
 
-def _check_history(path: str, saved: dict[str, Any]) -> None:
-  """config.json's records beside the settings: segments and rollbacks (lists of objects), processes."""
+def check_history(path: str, saved: dict[str, Any]) -> None:
+  """config.json's records beside the settings (a summary.json's too): segments and rollbacks (lists of objects),
+  processes; ValueError naming ``path`` otherwise."""
   for key in ("segments", "rollbacks"):
     entries = saved.get(key, [])
     if not (isinstance(entries, list) and all(isinstance(e, dict) for e in entries)):
@@ -267,7 +268,7 @@ def _settings_problem(output_dir: str, read_saved: Callable[..., Any]) -> tuple[
   try:
     saved = read_json_object(os.path.join(output_dir, "config.json"))
     if saved is not None:
-      _check_history(os.path.join(output_dir, "config.json"), saved)
+      check_history(os.path.join(output_dir, "config.json"), saved)
     else:
       read_json_object(os.path.join(output_dir, "summary.json"))
   except ValueError as e:

@@ -332,6 +332,10 @@ def _child_argv(args: argparse.Namespace, side: str) -> list[str]:
   return argv
 
 
+class SideFailed(Exception):
+  """A side's subprocess exited with an error (its stderr says why)."""
+
+
 def launch(args: argparse.Namespace, side: str) -> dict[str, Any]:
   """One side in a fresh subprocess; its row plus the process's whole wall time."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -340,7 +344,7 @@ def launch(args: argparse.Namespace, side: str) -> dict[str, Any]:
   done = subprocess.run(_child_argv(args, side), stdout=subprocess.PIPE, text=True, env=env, cwd=root)
   wall = time.perf_counter() - t0
   if done.returncode != 0:
-    raise SystemExit(f"error: the {side} side exited with status {done.returncode}")
+    raise SideFailed(f"the {side} side exited with status {done.returncode}")
   row = json.loads(done.stdout.strip().splitlines()[-1])
   keys = ("side", "samples_per_s_after_first", "first_round_s")
   return {**{k: row[k] for k in keys}, "wall_s": wall, **{k: v for k, v in row.items() if k not in keys}}
@@ -380,19 +384,28 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     emit_json_lines([row])
     return [row]
   sides = SIDES if args.sides == "both" else (args.sides,)
-  rows = []
+  rows, failed = [], []
   for repeat in range(args.repeats):
     for side in sides:
-      row = {**launch(args, side), "repeat": repeat}
+      if side in failed:
+        continue
+      try:
+        row = {**launch(args, side), "repeat": repeat}
+      except SideFailed as e:  # the other side still runs: its row is half of what a one-shot GPU session wants
+        _log(f"error: {e}")
+        failed.append(side)
+        continue
       speed = row["samples_per_s_after_first"]
       _log(f"{side}: wall {row['wall_s']:.1f} s, first round {row['first_round_s']:.1f} s"
            + (f", {speed:.0f} samples/s after it" if speed else "") + f", accuracy {row['test_accuracy']}")
       rows.append(row)
       emit_json_lines([row])
-  if len(sides) == 2:
+  if len(sides) == 2 and not failed:
     rows.append(summarize(rows))
     emit_json_lines(rows[-1:])
   emit_json_lines(rows, args.output, echo=False)
+  if failed:
+    raise SystemExit(f"error: the {' and '.join(failed)} side{'s' if len(failed) > 1 else ''} failed (above)")
   return rows
 
 

@@ -218,3 +218,23 @@ def test_gpu_suite_table_compares_the_threefry_demo_with_the_demo():
   assert "(NOT the same)" in gpu_suite.table(results, [])
   del results["demo_threefry"]
   assert "THREEFRY" not in gpu_suite.table(results, [])
+
+
+def test_peer_benchmark_still_runs_and_prints_our_side_when_the_torch_side_fails(capsys, monkeypatch):
+  from benchmarks import peer_torch
+
+  launched = []
+
+  def launch(args, side):
+    launched.append(side)
+    if side == "torch":
+      raise peer_torch.SideFailed("the torch side exited with status 1")
+    return {"side": side, "samples_per_s_after_first": 1000.0, "first_round_s": 2.0, "wall_s": 5.0,
+            "test_accuracy": 0.5}
+
+  monkeypatch.setattr(peer_torch, "launch", launch)
+  with pytest.raises(SystemExit, match="the torch side failed"):
+    peer_torch.main(["--repeats", "2"])
+  rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+  assert launched == ["torch", "jax", "jax"]  # a failed side is not launched again
+  assert [r["side"] for r in rows] == ["jax", "jax"] and not any(r.get("summary") for r in rows)

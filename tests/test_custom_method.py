@@ -149,3 +149,27 @@ def test_a_server_step_that_breaks_the_models_shape_or_dtype_is_named_when_it_ru
                     sharing=PER_GROUP)
     with pytest.raises(ValueError, match=message):
       run(method, rounds=1)
+
+
+def test_a_server_step_that_returns_the_wrong_result_or_changes_its_state_or_the_deltas_shapes_is_named():
+  """(The first failed unpacking inside the library; the other two ran on: a state that changed dtype until a round
+  program's loop refused it, naming no step, and a delta of per-leaf scalars broadcast into every weight.)"""
+  def carry_alone(carry, state, inputs, plan):
+    return carry
+
+  def floating_count(carry, state, inputs, plan):
+    return carry, state + 0.5
+
+  def scalar_delta(carry, state, inputs, plan):
+    return carry._replace(delta=jax.tree.map(jnp.mean, carry.delta)), state
+
+  for step, error, message in (
+      (ServerStep("carry_alone", carry_alone), TypeError,
+       r"server step 'carry_alone' returned a Carry alone; a step's update returns \(carry, state\)"),
+      (ServerStep("floating_count", floating_count, init=lambda model, federation: jnp.int32(0)), ValueError,
+       r"server step 'floating_count' changed its state from int32\[\] to float32\[\]; a server step keeps its"),
+      (ServerStep("scalar_delta", scalar_delta), ValueError,
+       r"server step 'scalar_delta' changed the delta's .* from float32\[4\] to float32\[\]; a server step that ")):
+    method = Method("Broken", "", "", server=(mean_delta(), step, apply_delta()), sharing=PER_GROUP)
+    with pytest.raises(error, match=message):
+      run(method, rounds=1)

@@ -135,16 +135,39 @@ def run_server_steps(steps: Sequence[ServerStep], federation: Federation, model,
   round_inputs = RoundInputs(model, starts, results, valid, cohorts, round_index, key, federation, mapped)
   carry, new_states = Carry(model), []
   for step, state, static, dynamic in zip(steps, states, statics, inputs):
-    carry, state = step.update(carry, state, round_inputs, Plan(static, dynamic))
+    before, state_before = carry, state
+    carry, state = _checked_result(step.name, step.update(carry, state, round_inputs, Plan(static, dynamic)))
     check_model_kept(step.name, model, carry.model)
+    _check_kept(step.name, before, state_before, carry, state)
     new_states.append(state)
   return carry.model, tuple(new_states), carry.metrics
+
+
+def _checked_result(step: str, result: Any) -> tuple[Carry, Any]:
+  if isinstance(result, Carry) or not (isinstance(result, tuple) and len(result) == 2
+                                       and isinstance(result[0], Carry)):
+    got = "a Carry alone" if isinstance(result, Carry) else f"a {type(result).__name__}"
+    raise TypeError(f"server step {step!r} returned {got}; a step's update returns (carry, state): the Carry, "
+                    "then the step's new state")
+  return result
 
 
 def check_model_kept(step: str, before: Variables, after: Variables) -> None:
   """A step keeps the model's tree, shapes and dtypes (a static check, at trace time: it costs nothing per
   round); otherwise a ValueError naming the step, not a failure in the next round deep inside jax."""
   check_tree_kept(f"server step {step!r}", "a model", "the model's", "a server step keeps the model's", before, after)
+
+
+def _check_kept(step: str, before: Carry, state_before: Any, after: Carry, state: Any) -> None:
+  """A step that transforms the delta or the coverage keeps their tree, shapes and dtypes (a delta of other
+  shapes would broadcast silently in `apply_delta`), and its state keeps its own (a round program carries it)."""
+  for name in ("delta", "coverage"):
+    old, new = getattr(before, name), getattr(after, name)
+    if old is not None and new is not None:
+      check_tree_kept(f"server step {step!r}", f"a {name}", f"the {name}'s",
+                      f"a server step that transforms the {name} keeps its", old, new)
+  check_tree_kept(f"server step {step!r}", "a state", "its state's", "a server step keeps its state's",
+                  state_before, state)
 
 
 def check_tree_kept(who: str, returned: str, owner: str, rule: str, before: Variables, after: Variables) -> None:
@@ -158,7 +181,8 @@ def check_tree_kept(who: str, returned: str, owner: str, rule: str, before: Vari
                      "dtypes")
   for (path, a), b in zip(_paths(before).items(), jax.tree.leaves(after)):
     if (np.shape(a), jnp.result_type(a)) != (np.shape(b), jnp.result_type(b)):
-      raise ValueError(f"{who} changed {owner} {path} from {jnp.result_type(a)}{list(np.shape(a))} to "
+      where = f"{owner} {path}" if path else owner.removesuffix("'s")  # (a leaf at the root: the tree itself)
+      raise ValueError(f"{who} changed {where} from {jnp.result_type(a)}{list(np.shape(a))} to "
                        f"{jnp.result_type(b)}{list(np.shape(b))}; {rule} tree, shapes and dtypes")
 
 

@@ -201,3 +201,26 @@ def test_a_signal_while_the_first_call_compiles_ends_the_run_before_any_round(tm
   fresh = runner.run_experiment(tiny(tmp_path / "fresh", round_program="fused", checkpoint_every=2),
                                 synthetic_dataset(num_train=240, num_test=64, seed=0), log=lambda _: None)
   assert resumed["final_accuracy"] == fresh["final_accuracy"] and resumed["costs"] == fresh["costs"]
+
+
+def test_a_signal_as_the_finished_commands_process_exits_ends_it_with_status_0(tmp_path):
+  """(A probe survey: a SIGTERM in the ~0.6 s after a finished run's last line, while the interpreter exited, ended
+  the process with 143 and no message: a scheduler would start the finished run again.)"""
+  import subprocess
+  import sys
+  from tests.helpers import REPO
+
+  exiting = ("from fedjax_hetero.run.interruption import exit_zero_on_signals; exit_zero_on_signals(); "
+             "import os, signal, time; os.kill(os.getpid(), signal.SIG{}); time.sleep(30); raise SystemExit(3)")
+  for name in ("TERM", "INT"):
+    done = subprocess.run([sys.executable, "-c", exiting.format(name)], cwd=REPO, timeout=60)
+    assert done.returncode == 0, name
+  out = tmp_path / "run"
+  proc = subprocess.Popen([sys.executable, "-m", "experiments.fmnist", "--dataset", "synthetic", "--rounds", "1",
+                           "--num-clients", "8", "--clients-per-round", "4", "--no-progress", "--output-dir", str(out)],
+                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+  for line in proc.stdout:  # (the summary's last line: the run is done, the process about to exit)
+    if line.startswith(' "output_dir"'):
+      proc.send_signal(signal.SIGTERM)
+  assert proc.wait(timeout=60) == 0
+  written_whole(str(out), 1)

@@ -31,7 +31,7 @@ from fedjax_hetero.methods import get_entry
 from fedjax_hetero.methods.catalog import readers
 from fedjax_hetero.run.build import run_method
 from fedjax_hetero.run.continuation import keep_latest_local_training
-from fedjax_hetero.run.interruption import Interrupted, ending_on_signal, one_line_on_signals
+from fedjax_hetero.run.interruption import Interrupted, command_finished, ending_on_signal, one_line_on_signals
 from fedjax_hetero.run.jobs import parse_sweep, run_jobs, runs_of, sweep_names
 from fedjax_hetero.run.preflight import check_settings
 from fedjax_hetero.run.runner import run_checked
@@ -109,8 +109,6 @@ def run_defaults(argv: Sequence[str] | None, dataset: str
     defaults = defaults.replace(**{f"fedgen_{k}": v for k, v in as_dict(fedgen).items()})
     sources.update({f"method.fedgen.{k}": f"--fedgen-preset {known.fedgen_preset}" for k in as_dict(fedgen)})
   return defaults, chosen, sources, dataset_defaults
-
-
 
 
 def _flags_given(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> set[str]:
@@ -321,13 +319,15 @@ def _run(runs: Sequence[RunConfig], train: Callable[[], list[dict[str, Any]]], m
   except (OSError, MemoryError) as e:  # one line for every OS error
     where = "" if len(runs) == 1 else " and its siblings"
     fail(os_errors.describe(e, f"(writing in --output-dir {runs[0].output.dir!r}{where})"), 1)
+  if not (stopped := any(summary.get("stopped_after") for summary in summaries)):
+    command_finished()
   if main_process:
     for run, summary in zip(runs, summaries):
       log(json.dumps({"final_accuracy": summary["final_accuracy"] or {},
                       "best_mean_accuracy": summary["best_mean_accuracy"],
                       "train_seconds": round(summary["train_seconds_all_rounds"], 1),
                       "output_dir": run.output.dir}, indent=1))
-  if any(summary.get("stopped_after") for summary in summaries):
+  if stopped:
     raise SystemExit(STOPPED_AFTER_STATUS)
   return summaries
 

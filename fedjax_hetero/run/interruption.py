@@ -47,6 +47,7 @@ class _Terminated(KeyboardInterrupt):
 
 
 _ending_status: int | None = None  # the exit status a signal ends this command with (`ending_on_signal`)
+_finished = False  # the command's runs are done and written (`command_finished`)
 
 
 def ending_on_signal(status: int) -> SystemExit:
@@ -69,13 +70,20 @@ if hasattr(threading, "_register_atexit"):  # (private: the hook Python runs bef
   threading._register_atexit(_exit_now)
 
 
+def command_finished() -> None:
+  """The command's runs are done and their folders written: a signal from now on (`one_line_on_signals`) ends it
+  with status 0 and no advice to resume (after a finished run, a scheduler would start it again)."""
+  global _finished
+  _finished = True
+
+
 @contextlib.contextmanager
 def one_line_on_signals() -> Iterator[None]:
   """Around a whole command: a Ctrl-C or SIGTERM that comes where no run's training loop holds them (while flags
   parse, data loads or a first program compiles) ends it with one line and the shell's status, not a traceback.
   A folder it leaves holds no run, or the run as far as its checkpoints go: --resume-or-start goes on from it."""
-  global _ending_status
-  _ending_status = None
+  global _ending_status, _finished
+  _ending_status, _finished = None, False
 
   def terminated(signum: int, frame) -> None:
     raise _Terminated(signum)
@@ -88,6 +96,8 @@ def one_line_on_signals() -> Iterator[None]:
   except Interrupted:  # (a run said how it stopped)
     raise
   except KeyboardInterrupt as e:
+    if _finished:
+      raise ending_on_signal(0) from None
     signum = getattr(e, "signum", signal.SIGINT)
     print(f"{signal.Signals(signum).name}: stopped with no round in progress; to go on, run the same command with "
           "--resume-or-start", file=sys.stderr)
@@ -95,6 +105,22 @@ def one_line_on_signals() -> Iterator[None]:
   finally:
     if previous is not None:
       signal.signal(signal.SIGTERM, previous)
+
+
+def exit_zero_on_signals() -> None:
+  """For a command's process once its command has returned: a SIGINT or SIGTERM while the interpreter exits
+  (joining threads, closing jax's backends: under a second) ends the process with status 0, as the finished command
+  would have, not 130 or 143, which a scheduler reads as a run to start again."""
+
+  def finished(signum: int, frame, flush=(sys.stdout, sys.stderr), end=os._exit) -> None:
+    for stream in flush:
+      with contextlib.suppress(Exception):
+        stream.flush()
+    end(0)
+
+  if threading.current_thread() is threading.main_thread():
+    for signum in SIGNALS:
+      signal.signal(signum, finished)
 
 
 @contextlib.contextmanager

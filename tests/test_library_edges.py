@@ -18,7 +18,7 @@ import pytest
 
 from fedjax_hetero import aggregators as A
 from fedjax_hetero.cli import run as cli
-from fedjax_hetero.config import PrivacyConfig, RunConfig, as_dict, from_dict
+from fedjax_hetero.config import LocalConfig, PrivacyConfig, RunConfig, as_dict, from_dict
 from fedjax_hetero.data import (class_counts, hold_out, load_partition_file, partition, resize_images,
                                 save_partition_file, synthetic_dataset)
 from fedjax_hetero.methods import PER_GROUP, Method, register_method
@@ -215,6 +215,10 @@ CONFIG = [
      r"^register_method\('EdgeNotCallable'\): build must be a function .* got 42"),
     ("register_method: name not text", call(register_method, 7, lambda: None), TypeError,
      r"^register_method's name must be a non-empty string, got 7"),
+    ("register_method: build takes other arguments than options gives",  # (it failed as the run built it)
+     call(register_method, "EdgeSignature", lambda: None, options=(LocalConfig,)), TypeError,
+     r"^register_method\('EdgeSignature'\): build\(\) is called with one value per option family of options "
+     r"\(LocalConfig\): too many positional arguments"),
 ]
 
 

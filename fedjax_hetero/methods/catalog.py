@@ -12,6 +12,7 @@ NeFL, FedRolex, and FedIN with its baseline InclusiveFL.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Callable, NamedTuple
 
 from fedjax_hetero.client import terms
@@ -292,9 +293,25 @@ def register_method(name: str, build: Callable[..., Method], options: tuple[type
     raise ValueError(f"{name}: options must be MethodConfig's option families or LocalConfig, got {unknown}")
   if name.lower() in PAPER_METHODS:
     raise ValueError(f"{name!r} is the name of a method of the papers: choose another")
+  _check_takes_options(name, build, options)
   entry = Entry(name, paper, summary, build, tuple(options))
   METHODS[name.lower()] = entry
   return entry
+
+
+def _check_takes_options(name: str, build: Callable[..., Method], options: tuple[type, ...]) -> None:
+  """``build`` can be called with one value of each of ``options``, in their order (it is, when a run builds the
+  method: a mismatch then failed naming only ``build``)."""
+  try:
+    signature = inspect.signature(build)
+  except (TypeError, ValueError):  # (a callable Python cannot read: it answers for itself when called)
+    return
+  try:
+    signature.bind(*options)
+  except TypeError as e:
+    given = ", ".join(kind.__name__ for kind in options) or "none"
+    raise TypeError(f"register_method({name!r}): build{signature} is called with one value per option family of "
+                    f"options ({given}): {e}") from None
 
 
 def readers(kind: type) -> list[str]:

@@ -14,6 +14,7 @@ import contextlib
 import csv
 import numbers
 import os
+import struct
 import sys
 from typing import Any, Callable, Mapping, Sequence
 
@@ -85,10 +86,16 @@ class TensorBoardWriter:
       from tensorboardX import SummaryWriter
     except ImportError:  # (found by `check_writers` but broken)
       raise _missing("tensorboard") from None
-    self.writer = SummaryWriter(os.path.join(out, "tensorboard"))
+    self.folder = os.path.join(out, "tensorboard")
+    self.writer = SummaryWriter(self.folder)
 
   def write(self, rows: Sequence[Row]) -> None:
-    pass  # the rows of an earlier segment are in the event files already
+    """The kept rows the event files lack (a resume that adds ``--log tensorboard``, or follows a segment run
+    without it); those an earlier segment wrote stay as they are."""
+    logged = logged_steps(self.folder)
+    for row in rows:
+      if row["round"] not in logged:
+        self.add([row])
 
   def add(self, rows: Sequence[Row]) -> None:
     for name, value in scalars(rows[-1]).items():
@@ -97,6 +104,28 @@ class TensorBoardWriter:
 
   def close(self) -> None:
     self.writer.close()
+
+
+def logged_steps(folder: str) -> set[int]:
+  """The steps of the scalars in a folder's TensorBoard event files (TFRecord framing, tensorboardX's Event proto; a
+  record a kill cut short ends its file's reading)."""
+  from tensorboardX.proto import event_pb2
+
+  steps: set[int] = set()
+  for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+    with open(os.path.join(folder, name), "rb") as f:
+      data = f.read() if "tfevents" in name else b""
+    position = 0
+    while position + 12 <= len(data):
+      (length,) = struct.unpack("<Q", data[position:position + 8])
+      record = data[position + 12:position + 12 + length]
+      if len(record) < length:
+        break
+      event = event_pb2.Event.FromString(record)
+      if event.summary.value:
+        steps.add(event.step)
+      position += 16 + length
+  return steps
 
 
 class WandbWriter:
@@ -113,12 +142,18 @@ class WandbWriter:
                           name=os.path.basename(os.path.abspath(out)), config=as_dict(config), reinit=True)
     self.run.define_metric("round")
     self.run.define_metric("*", step_metric="round")
+    self.logged: set[int] = set()
 
   def write(self, rows: Sequence[Row]) -> None:
-    pass
+    """The kept rows this W&B run has not logged: a resume's earlier rounds (each process starts a W&B run of its
+    own), not those a rollback keeps."""
+    for row in rows:
+      if row["round"] not in self.logged:
+        self.add([row])
 
   def add(self, rows: Sequence[Row]) -> None:
     self.run.log({"round": rows[-1]["round"], **scalars(rows[-1])})
+    self.logged.add(rows[-1]["round"])
 
   def close(self) -> None:
     self.run.finish()

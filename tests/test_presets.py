@@ -80,3 +80,14 @@ def test_fedcross_preset_baselines_follow_the_authors_framework(captured):
   assert prox_mu(build_method("FedProx", prox.method, prox.client)) == pytest.approx(0.01)
   assert prox_mu(build_method("FedCross", cross.method, cross.client)) == 0
   assert cross.method.prox == Proximal()  # the protocol's FedProx mu is not FedCross's option
+
+
+@pytest.mark.parametrize("name", ["fedfa", "fedfa-cpu", "fedfa-cifar10"])
+def test_fedfa_presets_say_what_of_the_papers_training_they_leave_out(name, captured, capsys):
+  """(A probe survey: the FedFA presets trained without the paper's static BatchNorm, and `fedfa` without
+  HeteroFL's learning-rate milestone, saying neither.)"""
+  cli.main("fashion_mnist", ["--preset", name])
+  (config,) = captured
+  out = capsys.readouterr().out
+  assert not config.method.fedfa.static_bn and "the paper's static BatchNorm: --fedfa-static-bn" in out
+  assert "milestone" in out

@@ -37,7 +37,6 @@ import argparse
 import hashlib
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -48,9 +47,9 @@ import numpy as np
 from fedjax_hetero import data as fdata
 from fedjax_hetero.config.run import ROUND_PROGRAMS
 from benchmarks.common import emit_json_lines
+from benchmarks.peer_summary import SIDES, summarize
 from benchmarks.torch_resnet import TORCH_RESNETS, torch_resnet_class
 
-SIDES = ("torch", "jax")
 FORWARDED = ("rounds", "num_clients", "clients_per_round", "groups", "batch_size", "epochs", "lr", "alpha", "seed",
              "backend", "round_program", "rounds_per_call", "steps_per_call", "max_train_samples", "eval_samples",
              "device", "data_dir")
@@ -348,28 +347,6 @@ def launch(args: argparse.Namespace, side: str) -> dict[str, Any]:
   row = json.loads(done.stdout.strip().splitlines()[-1])
   keys = ("side", "samples_per_s_after_first", "first_round_s")
   return {**{k: row[k] for k in keys}, "wall_s": wall, **{k: v for k, v in row.items() if k not in keys}}
-
-
-def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-  by_side = {s: [r for r in rows if r["side"] == s] for s in SIDES}
-
-  def ratio(key: str) -> float | None:
-    pairs = [(j[key], t[key]) for j, t in zip(by_side["jax"], by_side["torch"]) if j[key] and t[key]]
-    return statistics.median(j / t for j, t in pairs) if pairs else None
-
-  def same(key: str) -> bool:
-    return all(r[key] == rows[0][key] for r in rows)
-
-  drawn = [r.get("examples_drawn_per_round", r["examples_per_round"]) for r in rows]
-
-  return {"summary": True, "ratio_samples_per_s_after_first_jax_over_torch": ratio("samples_per_s_after_first"),
-          "ratio_wall_s_jax_over_torch": ratio("wall_s"), "repeats": len(by_side["jax"]),
-          **{f"median_{k}_{s}": statistics.median(r[k] for r in by_side[s]) if all(r[k] for r in by_side[s]) else None
-             for s in SIDES for k in ("samples_per_s_after_first", "wall_s")},
-          "same_partition": same("partition_digest"), "same_clients": same("clients"),
-          "same_examples": all(d == drawn[0] for d in drawn), "same_param_counts": same("param_counts"),
-          "first_round_of_group": rows[0]["first_round_of_group"],
-          "torch_num_threads": by_side["torch"][0]["torch_num_threads"]}
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:

@@ -163,13 +163,19 @@ def test_a_server_step_that_returns_the_wrong_result_or_changes_its_state_or_the
   def scalar_delta(carry, state, inputs, plan):
     return carry._replace(delta=jax.tree.map(jnp.mean, carry.delta)), state
 
+  def scalar_mean(carry, state, inputs, plan):
+    return carry._replace(delta=jax.tree.map(lambda x: jnp.zeros((), x.dtype), carry.model)), state
+
   for step, error, message in (
       (ServerStep("carry_alone", carry_alone), TypeError,
        r"server step 'carry_alone' returned a Carry alone; a step's update returns \(carry, state\)"),
       (ServerStep("floating_count", floating_count, init=lambda model, federation: jnp.int32(0)), ValueError,
        r"server step 'floating_count' changed its state from int32\[\] to float32\[\]; a server step keeps its"),
       (ServerStep("scalar_delta", scalar_delta), ValueError,
-       r"server step 'scalar_delta' changed the delta's .* from float32\[4\] to float32\[\]; a server step that ")):
-    method = Method("Broken", "", "", server=(mean_delta(), step, apply_delta()), sharing=PER_GROUP)
+       r"server step 'scalar_delta' changed the delta's .* from float32\[4\] to float32\[\]; a server step that "),
+      (ServerStep("scalar_mean", scalar_mean), ValueError,
+       r"server step 'scalar_mean' gave the delta .* the shape \[\], where the model's is \[4\]")):
+    first = () if step.name == "scalar_mean" else (mean_delta(),)  # (it fills the delta itself)
+    method = Method("Broken", "", "", server=(*first, step, apply_delta()), sharing=PER_GROUP)
     with pytest.raises(error, match=message):
       run(method, rounds=1)

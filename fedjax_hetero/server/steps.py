@@ -138,18 +138,19 @@ def run_server_steps(steps: Sequence[ServerStep], federation: Federation, model,
     before, state_before = carry, state
     carry, state = _checked_result(step.name, step.update(carry, state, round_inputs, Plan(static, dynamic)))
     check_model_kept(step.name, model, carry.model)
-    _check_kept(step.name, before, state_before, carry, state)
+    _check_kept(step.name, model, before, state_before, carry, state)
     new_states.append(state)
   return carry.model, tuple(new_states), carry.metrics
 
 
 def _checked_result(step: str, result: Any) -> tuple[Carry, Any]:
-  if isinstance(result, Carry) or not (isinstance(result, tuple) and len(result) == 2
+  """A step's ``(carry, state)``, or a TypeError naming the step (a Carry alone unpacks into its four fields)."""
+  if isinstance(result, Carry) or not (isinstance(result, (tuple, list)) and len(result) == 2
                                        and isinstance(result[0], Carry)):
     got = "a Carry alone" if isinstance(result, Carry) else f"a {type(result).__name__}"
     raise TypeError(f"server step {step!r} returned {got}; a step's update returns (carry, state): the Carry, "
                     "then the step's new state")
-  return result
+  return tuple(result)
 
 
 def check_model_kept(step: str, before: Variables, after: Variables) -> None:
@@ -158,14 +159,20 @@ def check_model_kept(step: str, before: Variables, after: Variables) -> None:
   check_tree_kept(f"server step {step!r}", "a model", "the model's", "a server step keeps the model's", before, after)
 
 
-def _check_kept(step: str, before: Carry, state_before: Any, after: Carry, state: Any) -> None:
-  """A step that transforms the delta or the coverage keeps their tree, shapes and dtypes (a delta of other
-  shapes would broadcast silently in `apply_delta`), and its state keeps its own (a round program carries it)."""
+def _check_kept(step: str, model: Variables, before: Carry, state_before: Any, after: Carry, state: Any) -> None:
+  """A step that transforms the delta or the coverage keeps their tree, shapes and dtypes, and one that fills them
+  in the model's tree gives them the model's shapes (other shapes would broadcast silently in `apply_delta`); its
+  state keeps its own tree, shapes and dtypes (a round program carries it)."""
   for name in ("delta", "coverage"):
     old, new = getattr(before, name), getattr(after, name)
     if old is not None and new is not None:
       check_tree_kept(f"server step {step!r}", f"a {name}", f"the {name}'s",
                       f"a server step that transforms the {name} keeps its", old, new)
+    elif new is not None and jax.tree.structure(new) == jax.tree.structure(model):
+      for (path, m), x in zip(_paths(model).items(), jax.tree.leaves(new)):
+        if np.shape(x) != np.shape(m):
+          raise ValueError(f"server step {step!r} gave the {name} {path} the shape {list(np.shape(x))}, where the "
+                           f"model's is {list(np.shape(m))}; a {name} has the model's shapes")
   check_tree_kept(f"server step {step!r}", "a state", "its state's", "a server step keeps its state's",
                   state_before, state)
 

@@ -188,9 +188,16 @@ def launch(args: argparse.Namespace) -> int:
       _stop(procs, signum, args.grace)
     finally:
       signal.signal(signal.SIGINT, previous)
-    status = 128 + signum
-  for pump in pumps:
-    pump.join(timeout=5)
+    # (processes that had finished their run as the signal came end with 0: the run is done)
+    status = 0 if all(p.returncode == 0 for p in procs) else 128 + signum
+  # (the processes have ended: a signal while their last lines are copied has nothing left to stop)
+  quiet = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+  try:
+    for pump in pumps:
+      pump.join(timeout=5)
+  finally:
+    for signum, handler in quiet.items():
+      signal.signal(signum, handler)
   for log in logs:
     log.close()
   return status

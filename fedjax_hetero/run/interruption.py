@@ -71,10 +71,14 @@ if hasattr(threading, "_register_atexit"):  # (private: the hook Python runs bef
 
 
 def command_finished() -> None:
-  """The command's runs are done and their folders written: a signal from now on (`one_line_on_signals`) ends it
-  with status 0 and no advice to resume (after a finished run, a scheduler would start it again)."""
+  """The command's runs are done and their folders written: a SIGINT or SIGTERM from now on, until
+  `one_line_on_signals` ends, changes nothing (no advice to resume, no status of a signal: a scheduler would start
+  the finished run again); the command returns as it would have."""
   global _finished
   _finished = True
+  if threading.current_thread() is threading.main_thread():
+    for signum in SIGNALS:
+      signal.signal(signum, lambda *_: None)
 
 
 @contextlib.contextmanager
@@ -89,7 +93,9 @@ def one_line_on_signals() -> Iterator[None]:
     raise _Terminated(signum)
 
   main = threading.current_thread() is threading.main_thread()
-  previous = signal.signal(signal.SIGTERM, terminated) if main else None
+  previous = {s: signal.getsignal(s) for s in SIGNALS} if main else {}
+  if main:
+    signal.signal(signal.SIGTERM, terminated)
   try:
     with interrupts_not_swallowed() if main else contextlib.nullcontext():
       yield
@@ -103,8 +109,8 @@ def one_line_on_signals() -> Iterator[None]:
           "--resume-or-start", file=sys.stderr)
     raise ending_on_signal(128 + signum) from None
   finally:
-    if previous is not None:
-      signal.signal(signal.SIGTERM, previous)
+    for signum, handler in previous.items():  # (SIGINT too: `command_finished` may have set it)
+      signal.signal(signum, handler)
 
 
 def exit_zero_on_signals() -> None:
@@ -112,6 +118,8 @@ def exit_zero_on_signals() -> None:
   (joining threads, closing jax's backends: under a second) ends the process with status 0, as the finished command
   would have, not 130 or 143, which a scheduler reads as a run to start again."""
 
+  # (`os._exit`: the work is done, and the interpreter's own exit may be what the signal interrupted; the streams
+  # and the function are bound now, as the interpreter's teardown may have cleared the modules' names)
   def finished(signum: int, frame, flush=(sys.stdout, sys.stderr), end=os._exit) -> None:
     for stream in flush:
       with contextlib.suppress(Exception):

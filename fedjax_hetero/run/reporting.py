@@ -14,6 +14,7 @@ import contextlib
 import csv
 import numbers
 import os
+import re
 import struct
 import sys
 from typing import Any, Callable, Mapping, Sequence
@@ -77,6 +78,9 @@ def _missing(name: str) -> ValueError:
   return ValueError(f"--log {name} needs {PACKAGES[name]}: pip install 'fedjax_hetero[logging]'")
 
 
+TAG_CHARACTERS = re.compile(r"[^-/\w.]")  # what tensorboardX replaces in a scalar's name to make its tag
+
+
 class TensorBoardWriter:
   """TensorBoard event files under ``tensorboard/``, one scalar per name, stepped by round (TensorBoard's tags
   allow no ``@``: tensorboardX writes ``test_accuracy/cnn@0.5`` as ``test_accuracy/cnn_0.5``)."""
@@ -87,45 +91,59 @@ class TensorBoardWriter:
     except ImportError:  # (found by `check_writers` but broken)
       raise _missing("tensorboard") from None
     self.folder = os.path.join(out, "tensorboard")
-    self.writer = SummaryWriter(self.folder)
+    self.writer, self.logged = SummaryWriter(self.folder), None
 
   def write(self, rows: Sequence[Row]) -> None:
-    """The kept rows the event files lack (a resume that adds ``--log tensorboard``, or follows a segment run
-    without it); those an earlier segment wrote stay as they are."""
-    logged = logged_steps(self.folder)
+    """The kept rows' scalars the event files lack (a resume that adds ``--log tensorboard`` or follows a segment run
+    without it, a final round evaluated on a resume); those written before stay as they are."""
+    if self.logged is None:
+      self.logged = logged_scalars(self.folder)
     for row in rows:
-      if row["round"] not in logged:
-        self.add([row])
+      self._log(row, missing_only=True)
+    self.writer.flush()
 
   def add(self, rows: Sequence[Row]) -> None:
-    for name, value in scalars(rows[-1]).items():
-      self.writer.add_scalar(name, value, rows[-1]["round"])
+    self._log(rows[-1], missing_only=False)
     self.writer.flush()
+
+  def _log(self, row: Row, missing_only: bool) -> None:
+    for name, value in scalars(row).items():
+      tagged = (TAG_CHARACTERS.sub("_", name).lstrip("/"), row["round"])  # (the tag tensorboardX writes)
+      if not (missing_only and tagged in self.logged):
+        self.writer.add_scalar(name, value, row["round"])
+        if self.logged is not None:
+          self.logged.add(tagged)
 
   def close(self) -> None:
     self.writer.close()
 
 
-def logged_steps(folder: str) -> set[int]:
-  """The steps of the scalars in a folder's TensorBoard event files (TFRecord framing, tensorboardX's Event proto; a
-  record a kill cut short ends its file's reading)."""
+def logged_scalars(folder: str) -> set[tuple[str, int]]:
+  """The (tag, step) of every scalar in a folder's TensorBoard event files (TFRecord framing, tensorboardX's Event
+  proto); a file's reading ends at a record a kill cut short or that does not parse."""
+  from google.protobuf.message import DecodeError
   from tensorboardX.proto import event_pb2
 
-  steps: set[int] = set()
-  for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
-    with open(os.path.join(folder, name), "rb") as f:
-      data = f.read() if "tfevents" in name else b""
+  names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+  logged: set[tuple[str, int]] = set()
+  for path in (os.path.join(folder, n) for n in names if "tfevents" in n):
+    if not os.path.isfile(path):
+      continue
+    with open(path, "rb") as f:
+      data = f.read()
     position = 0
     while position + 12 <= len(data):
       (length,) = struct.unpack("<Q", data[position:position + 8])
       record = data[position + 12:position + 12 + length]
-      if len(record) < length:
+      try:
+        event = event_pb2.Event.FromString(record) if len(record) == length else None
+      except DecodeError:
+        event = None
+      if event is None:
         break
-      event = event_pb2.Event.FromString(record)
-      if event.summary.value:
-        steps.add(event.step)
+      logged.update((value.tag, event.step) for value in event.summary.value)
       position += 16 + length
-  return steps
+  return logged
 
 
 class WandbWriter:
@@ -142,18 +160,12 @@ class WandbWriter:
                           name=os.path.basename(os.path.abspath(out)), config=as_dict(config), reinit=True)
     self.run.define_metric("round")
     self.run.define_metric("*", step_metric="round")
-    self.logged: set[int] = set()
 
   def write(self, rows: Sequence[Row]) -> None:
-    """The kept rows this W&B run has not logged: a resume's earlier rounds (each process starts a W&B run of its
-    own), not those a rollback keeps."""
-    for row in rows:
-      if row["round"] not in self.logged:
-        self.add([row])
+    pass  # (each process's W&B run holds the rounds it trains: a resume's, those after it)
 
   def add(self, rows: Sequence[Row]) -> None:
     self.run.log({"round": rows[-1]["round"], **scalars(rows[-1])})
-    self.logged.add(rows[-1]["round"])
 
   def close(self) -> None:
     self.run.finish()

@@ -217,8 +217,8 @@ CONFIG = [
      r"^register_method's name must be a non-empty string, got 7"),
     ("register_method: build takes other arguments than options gives",  # (it failed as the run built it)
      call(register_method, "EdgeSignature", lambda: None, options=(LocalConfig,)), TypeError,
-     r"^register_method\('EdgeSignature'\): build\(\) is called with one value per option family of options "
-     r"\(LocalConfig\): too many positional arguments"),
+     r"^register_method\('EdgeSignature'\): build\(\) must accept one positional argument per option family in "
+     r"options \(LocalConfig\), as a run calls it: too many positional arguments"),
 ]
 
 

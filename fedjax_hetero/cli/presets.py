@@ -56,9 +56,9 @@ _FEDIMPRO = dict(groups=("resnet18_cifar",), num_clients=10, clients_per_round=5
 # momentum 0.9 and weight decay 5e-4, batch 10, 5 local epochs. Aggregation is weighted by sample count, as FedFA's
 # Algorithm 1 weights by N_c (HeteroFL's code counts clients; with IID clients of equal size it is the same).
 # Two depth groups of one family, as in its depth experiments.
-_FEDFA_NOT_KEPT = ("HeteroFL's lr milestone (x0.1 at round 100) is not reproduced, and BatchNorm keeps running "
-                   "statistics (the paper's static BatchNorm: --fedfa-static-bn, FedFA's alone, so that its depth "
-                   "baselines train the same BatchNorm)")
+_FEDFA_NOT_KEPT = ("not reproduced: HeteroFL's lr decay (x0.1 halfway), and the paper's static BatchNorm, "
+                   "--fedfa-static-bn, FedFA's alone: its depth baselines keep running statistics, as FedFA does "
+                   "here")
 _FEDFA = dict(groups=("resnet18", "resnet26"), num_clients=100, clients_per_round=10, partition="iid", epochs=5,
               batch_size=10, optimizer="sgd", learning_rate=0.01, momentum=0.9, weight_decay=5e-4,
               weighting="num_samples", rounds=200, eval_every=10, method="FedFA")
@@ -95,14 +95,14 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            "for a GPU): ResNet18 and ResNet26 groups, SGD lr 0.1 momentum 0.9 weight decay 5e-4, batch 10, 5 epochs, "
            "400 rounds; the paper's Pre-ResNet and its lr milestones [150, 250] are not reproduced, the ResNets keep "
            "their ImageNet stem on 32x32 images (no CIFAR-stem ResNet26 here), and BatchNorm keeps running "
-           "statistics (the paper's static BatchNorm: --fedfa-static-bn, FedFA's alone)",
+           "statistics (the paper's static BatchNorm is --fedfa-static-bn, FedFA's alone)",
            {**_FEDFA, "learning_rate": 0.1, "rounds": 400}),
     Preset("fedin", "FedIN paper (Sec. 5.1): ResNet10/14/18/22/26 groups, 100 clients, 10 per round, Dirichlet 0.5, "
            "5 epochs, batch 16, Adam 1e-3, mu/2 0.05, 500 rounds, evaluation every round (rounds to a target)", _FEDIN),
     Preset("fedin-cpu", "the FedIN protocol at CPU size",
            {**_FEDIN, "groups": tuple(f"{g}@0.125" for g in INCO_RESNETS), "epochs": 2, "rounds": 60},
            reduced="widths x0.125, 2 local epochs instead of 5 and 60 rounds instead of 500", paper="fedin"),
-    Preset("fedfa-cpu", "the FedFA protocol at CPU size (as fedfa: " + _FEDFA_NOT_KEPT + ")",
+    Preset("fedfa-cpu", "the FedFA protocol at CPU size; as in fedfa, " + _FEDFA_NOT_KEPT,
            {**_FEDFA, "groups": ("resnet18@0.125", "resnet26@0.125"), "epochs": 1, "rounds": 40, "eval_every": 2},
            reduced="widths x0.125, 1 local epoch instead of 5 and 40 rounds instead of 200", paper="fedfa"),
     Preset("inco-authors-cpu", "inco-cpu with the InCo authors' data pipeline: images resized to 32x32, pixels in "

@@ -309,9 +309,10 @@ def _check_takes_options(name: str, build: Callable[..., Method], options: tuple
   try:
     signature.bind(*options)
   except TypeError as e:
-    given = ", ".join(kind.__name__ for kind in options) or "none"
-    raise TypeError(f"register_method({name!r}): build{signature} is called with one value per option family of "
-                    f"options ({given}): {e}") from None
+    given = ", ".join(kind.__name__ for kind in options)
+    takes = f"one positional argument per option family in options ({given})" if options else "no argument"
+    raise TypeError(f"register_method({name!r}): build{signature} must accept {takes}, as a run calls it: "
+                    f"{e}") from None
 
 
 def readers(kind: type) -> list[str]:

@@ -6,8 +6,8 @@ groups, e.g. ``--groups resnet10@0.25,resnet14@0.25,resnet18@0.25,resnet22@0.25,
 """
 
 from fedjax_hetero.cli.run import main
-from fedjax_hetero.run.interruption import exit_zero_on_signals
+from fedjax_hetero.run.interruption import the_process_is_a_command
 
 if __name__ == "__main__":
+  the_process_is_a_command()
   main("cifar10")
-  exit_zero_on_signals()  # (the run is done: a signal as the process exits is no interruption)

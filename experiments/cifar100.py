@@ -6,8 +6,8 @@ pass ``--preset fedcross-cpu`` (CNNCifar, 100 rounds) on a CPU.
 """
 
 from fedjax_hetero.cli.run import main
-from fedjax_hetero.run.interruption import exit_zero_on_signals
+from fedjax_hetero.run.interruption import the_process_is_a_command
 
 if __name__ == "__main__":
+  the_process_is_a_command()
   main("cifar100", coarse_labels=True)
-  exit_zero_on_signals()  # (the run is done: a signal as the process exits is no interruption)

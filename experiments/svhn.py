@@ -4,8 +4,8 @@ The defaults follow the InCo paper's ResNet setting (``--preset inco``); on a CP
 """
 
 from fedjax_hetero.cli.run import main
-from fedjax_hetero.run.interruption import exit_zero_on_signals
+from fedjax_hetero.run.interruption import the_process_is_a_command
 
 if __name__ == "__main__":
+  the_process_is_a_command()
   main("svhn_cropped")
-  exit_zero_on_signals()  # (the run is done: a signal as the process exits is no interruption)

@@ -315,17 +315,20 @@ import os, signal, sys, time
 folder = os.environ["SLEEPER_DIR"]
 def stop(signum, frame):
   open(os.path.join(folder, f"stopped-{os.getpid()}"), "w").close()
-  sys.exit(0)
+  sys.exit(int(os.environ.get("SLEEPER_STATUS", 143)))  # (a run's status when a signal stopped it)
 signal.signal(signal.SIGTERM, stop)
 open(os.path.join(folder, f"started-{os.getpid()}"), "w").close()
 time.sleep(120)
 '''
 
 
-def test_a_sigterm_to_the_launcher_reaches_every_process_and_it_waits_for_them(tmp_path):
-  """(It orphaned them.) The processes stand for runs: each records the SIGTERM it gets, then ends."""
+@pytest.mark.parametrize("status", [143, 0], ids=["stopped", "finished"])
+def test_a_sigterm_to_the_launcher_reaches_every_process_and_it_waits_for_them(tmp_path, status):
+  """(It orphaned them.) The processes stand for runs: each records the SIGTERM it gets, then ends, stopped by it
+  (143), or having finished its run as the signal came (0): the launcher's status is then 0 too."""
   (tmp_path / "sleeper.py").write_text(SLEEPER)
-  env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}", "SLEEPER_DIR": str(tmp_path)}
+  env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}", "SLEEPER_DIR": str(tmp_path),
+         "SLEEPER_STATUS": str(status)}
   launcher = subprocess.Popen([sys.executable, "-m", "experiments.launch", "--num-processes", "2", "--grace", "20",
                                "--", "sleeper"], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
   deadline = time.monotonic() + 60
@@ -335,7 +338,7 @@ def test_a_sigterm_to_the_launcher_reaches_every_process_and_it_waits_for_them(t
   assert len(pids) == 2, launcher.stderr
   launcher.send_signal(signal.SIGTERM)
   _, err = launcher.communicate(timeout=30)
-  assert launcher.returncode == 128 + signal.SIGTERM, err
+  assert launcher.returncode == status, err
   assert sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("stopped-*")) == pids, err
   for pid in pids:
     with pytest.raises(ProcessLookupError):

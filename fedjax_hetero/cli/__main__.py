@@ -39,11 +39,11 @@ def main(argv: Sequence[str] | None = None):
 
 
 def console() -> None:
-  """The ``fedjax-hetero`` console script: exits 0 after a command that returns (a signal as the process then
-  exits too: `interruption.exit_zero_on_signals`)."""
+  """The ``fedjax-hetero`` console script: exits 0 after a command that returns, and on a signal after its runs
+  finished (`interruption.the_process_is_a_command`)."""
+  from fedjax_hetero.run.interruption import the_process_is_a_command
+  the_process_is_a_command()
   main()
-  from fedjax_hetero.run.interruption import exit_zero_on_signals
-  exit_zero_on_signals()
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ class _Terminated(KeyboardInterrupt):
 
 _ending_status: int | None = None  # the exit status a signal ends this command with (`ending_on_signal`)
 _finished = False  # the command's runs are done and written (`command_finished`)
+_whole_process = False  # the command is the process's (`the_process_is_a_command`)
 
 
 def ending_on_signal(status: int) -> SystemExit:
@@ -68,6 +69,14 @@ def _exit_now() -> None:
 
 if hasattr(threading, "_register_atexit"):  # (private: the hook Python runs before it waits for threads at exit)
   threading._register_atexit(_exit_now)
+
+
+def the_process_is_a_command() -> None:
+  """Called by a command's entry point (``python -m experiments.<dataset>``, ``fedjax-hetero``) before its main: once
+  its runs have finished, a signal ends the process with status 0 for the rest of its life
+  (`exit_zero_on_signals`), not by the signal while the interpreter exits."""
+  global _whole_process
+  _whole_process = True
 
 
 def command_finished() -> None:
@@ -109,8 +118,11 @@ def one_line_on_signals() -> Iterator[None]:
           "--resume-or-start", file=sys.stderr)
     raise ending_on_signal(128 + signum) from None
   finally:
-    for signum, handler in previous.items():  # (SIGINT too: `command_finished` may have set it)
-      signal.signal(signum, handler)
+    if _finished and _whole_process:
+      exit_zero_on_signals()
+    else:
+      for signum, handler in previous.items():  # (SIGINT too: `command_finished` may have set it)
+        signal.signal(signum, handler)
 
 
 def exit_zero_on_signals() -> None:

@@ -112,6 +112,14 @@ def test_an_unquoted_off_is_read_as_the_choice_off_where_a_setting_has_it(tmp_pa
   assert read_config(written(tmp_path, "flag.yaml", "output: {progress: off}\n")).output.progress is False
 
 
+def test_one_number_where_a_list_is_declared_reads_as_its_flag_reads_it(tmp_path):
+  """(A probe survey: client_dropout: 0.3 was refused as "must be a sequence", where --client-dropout 0.3 runs.)"""
+  config = read_config(written(tmp_path, "drop.yaml", "federation: {client_dropout: 0.3}\n"))
+  flag = RunConfig.from_flags(client_dropout=(0.3,))
+  assert config.federation.client_dropout == (0.3,) == flag.federation.client_dropout
+  assert read_config(written(tmp_path, "flat.json", '{"client_dropout": 0}')).federation.client_dropout == (0,)
+
+
 def test_what_a_file_says_of_the_folder_or_of_a_runs_history_is_dropped_with_a_note(tmp_path):
   """Held-out probes S1 and S2: a file's output.overwrite, processes and segments were dropped in silence (the
   rerun then asked for --overwrite; the run used 1 process and the file's first learning rate)."""

@@ -289,6 +289,8 @@ def _build(base: Any, values: dict[str, Any], prefix: str, ignored: list[str] | 
       raise ValueError(f"from_dict: {prefix + name!r} must be a dict of its settings, got {value!r}")
     elif isinstance(value, list):  # JSON turns tuples (the architecture groups) into lists
       value = tuple(value)
+    elif isinstance(kwargs[name], tuple) and isinstance(value, (int, float)) and not isinstance(value, bool):
+      value = (value,)  # (one number where a list is declared, as its flag takes one: --client-dropout 0.3)
     kwargs[name] = value
   return type(base)(**kwargs)
 

@@ -126,21 +126,13 @@ def one_line_on_signals() -> Iterator[None]:
 
 
 def exit_zero_on_signals() -> None:
-  """For a command's process once its command has returned: a SIGINT or SIGTERM while the interpreter exits
-  (joining threads, closing jax's backends: under a second) ends the process with status 0, as the finished command
-  would have, not 130 or 143, which a scheduler reads as a run to start again."""
-
-  # (`os._exit`: the work is done, and the interpreter's own exit may be what the signal interrupted; the streams
-  # and the function are bound now, as the interpreter's teardown may have cleared the modules' names)
-  def finished(signum: int, frame, flush=(sys.stdout, sys.stderr), end=os._exit) -> None:
-    for stream in flush:
-      with contextlib.suppress(Exception):
-        stream.flush()
-    end(0)
-
+  """For a command's process once its runs have finished: SIGINT and SIGTERM are ignored while the interpreter exits
+  (joining threads, closing jax's backends and a multi-process run's connection to the others: under a second), so
+  the process ends with status 0, as the finished command, not 130 or 143, which a scheduler reads as a run to
+  start again. (Ended at once instead, process 0 of a multi-process run left the others aborting in their shutdown.)"""
   if threading.current_thread() is threading.main_thread():
     for signum in SIGNALS:
-      signal.signal(signum, finished)
+      signal.signal(signum, signal.SIG_IGN)
 
 
 @contextlib.contextmanager

@@ -210,7 +210,7 @@ def test_a_signal_as_the_finished_commands_process_exits_ends_it_with_status_0(t
   import sys
   from tests.helpers import REPO
 
-  exiting = ("from fedjax_hetero.run.interruption import exit_zero_on_signals; exit_zero_on_signals(); "
+  exiting = ("from fedjax_hetero.run.interruption import command_finished; command_finished(); "
              "import os, signal, time; os.kill(os.getpid(), signal.SIG{}); time.sleep(0.5)")  # (then it exits)
   for name in ("TERM", "INT"):
     done = subprocess.run([sys.executable, "-c", exiting.format(name)], cwd=REPO, timeout=60)

@@ -73,21 +73,23 @@ if hasattr(threading, "_register_atexit"):  # (private: the hook Python runs bef
 
 def the_process_is_a_command() -> None:
   """Called by a command's entry point (``python -m experiments.<dataset>``, ``fedjax-hetero``) before its main: once
-  its runs have finished, a signal ends the process with status 0 for the rest of its life
-  (`exit_zero_on_signals`), not by the signal while the interpreter exits."""
+  its runs have finished, signals stay ignored for the rest of the process's life (`command_finished`)."""
   global _whole_process
   _whole_process = True
 
 
 def command_finished() -> None:
-  """The command's runs are done and their folders written: a SIGINT or SIGTERM from now on, until
-  `one_line_on_signals` ends, changes nothing (no advice to resume, no status of a signal: a scheduler would start
-  the finished run again); the command returns as it would have."""
+  """The command's runs are done and their folders written: SIGINT and SIGTERM are ignored from now on, until
+  `one_line_on_signals` ends, and in a command's process (`the_process_is_a_command`) while the interpreter exits too
+  (joining threads, closing jax's backends and a multi-process run's connection to the others: under a second). The
+  command so ends with status 0, as it would have, not 130 or 143, which a scheduler reads as a run to start again;
+  an in-process caller gets its summaries. (Ended at once instead, process 0 of a multi-process run left the others
+  aborting in their shutdown.)"""
   global _finished
   _finished = True
   if threading.current_thread() is threading.main_thread():
     for signum in SIGNALS:
-      signal.signal(signum, lambda *_: None)
+      signal.signal(signum, signal.SIG_IGN)
 
 
 @contextlib.contextmanager
@@ -118,21 +120,9 @@ def one_line_on_signals() -> Iterator[None]:
           "--resume-or-start", file=sys.stderr)
     raise ending_on_signal(128 + signum) from None
   finally:
-    if _finished and _whole_process:
-      exit_zero_on_signals()
-    else:
-      for signum, handler in previous.items():  # (SIGINT too: `command_finished` may have set it)
+    if not (_finished and _whole_process):  # (a finished command's process keeps ignoring them as it exits)
+      for signum, handler in previous.items():  # (SIGINT too: `command_finished` set it)
         signal.signal(signum, handler)
-
-
-def exit_zero_on_signals() -> None:
-  """For a command's process once its runs have finished: SIGINT and SIGTERM are ignored while the interpreter exits
-  (joining threads, closing jax's backends and a multi-process run's connection to the others: under a second), so
-  the process ends with status 0, as the finished command, not 130 or 143, which a scheduler reads as a run to
-  start again. (Ended at once instead, process 0 of a multi-process run left the others aborting in their shutdown.)"""
-  if threading.current_thread() is threading.main_thread():
-    for signum in SIGNALS:
-      signal.signal(signum, signal.SIG_IGN)
 
 
 @contextlib.contextmanager

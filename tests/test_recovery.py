@@ -94,6 +94,7 @@ def test_divergence_stops_the_run_within_two_rounds_and_keeps_the_best_checkpoin
     summary = json.load(f)
   assert summary["stopped_by_divergence"]["round"] == info.value.round
   assert summary["stopped_by_divergence"]["best_checkpoint"] == best_round(accuracies)
+  assert summary["stopped_by_divergence"]["group"] in diverging.groups, "the group whose loss showed it"
 
 
 def test_rollback_restores_the_best_checkpoint_with_a_lower_learning_rate(dataset, healthy, tmp_path):

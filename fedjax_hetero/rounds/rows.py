@@ -25,11 +25,13 @@ if TYPE_CHECKING:
 
 
 class NonFiniteLossError(FloatingPointError):
-  """Local training diverged; names the round (``round``, 1-based) and architecture group."""
+  """Local training diverged; names the round (``round``, 1-based) and architecture group (``group``: its name; a
+  non-finite model: its federation's groups, comma-separated)."""
 
-  def __init__(self, message: str, round_: int | None = None):
+  def __init__(self, message: str, round_: int | None = None, group: str | None = None):
     super().__init__(message)
     self.round = round_
+    self.group = group
 
 
 class NonFiniteModelError(NonFiniteLossError):
@@ -65,7 +67,8 @@ def group_loss(round_index: int, group: str, loss_sum: float, num_examples: floa
   """A group's mean training loss in round ``round_index`` (0-based); `NonFiniteLossError` if it is not finite."""
   loss = float(loss_sum) / max(float(num_examples), 1.0)
   if not math.isfinite(loss):
-    raise NonFiniteLossError(f"round {round_index + 1}: training loss of group {group} is {loss}", round_index + 1)
+    raise NonFiniteLossError(f"round {round_index + 1}: training loss of group {group} is {loss}", round_index + 1,
+                             group)
   return loss
 
 
@@ -102,8 +105,9 @@ def call_row(spec: "RoundSpec", call: Call, i: int, outputs: "RoundOutputs", sec
       what = "non-finite weights" if not math.isfinite(largest) else (
           f"weights up to {largest:.3g}, above {LARGEST_WEIGHT:.3g} (the square root of float32's largest: products "
           "of two overflow)")
-      raise NonFiniteModelError(f"round {r + 1}: the model of group(s) {', '.join(names[g] for g in f.members)} has "
-                                f"{what} after {spec.method.name}'s server step (the losses were finite)", r + 1)
+      members = ", ".join(names[g] for g in f.members)
+      raise NonFiniteModelError(f"round {r + 1}: the model of group(s) {members} has {what} after "
+                                f"{spec.method.name}'s server step (the losses were finite)", r + 1, members)
   server: dict[str, Any] = {}
   for f in spec.federations:
     if any(len(cohorts[g]) for g in f.members):

@@ -61,7 +61,7 @@ class DivergenceError(FloatingPointError):
   @classmethod
   def of_non_finite(cls, error: NonFiniteLossError, round_: int) -> "DivergenceError":
     """The divergence that a non-finite loss or model of round ``round_`` shows."""
-    return cls(str(error), round_, None, in_server_step=isinstance(error, NonFiniteModelError))
+    return cls(str(error), round_, getattr(error, "group", None), in_server_step=isinstance(error, NonFiniteModelError))
 
 
 def diverged_round(error: Exception, default: int) -> int:

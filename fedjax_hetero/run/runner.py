@@ -267,11 +267,11 @@ class _Run:
     if self.config.divergence.action != "off":
       return DivergenceError.of_non_finite(error, round_)
     self.manager.wait_until_finished()
-    self.finish({"round": round_, "group": None, "reason": str(error),
+    self.finish({"round": round_, "group": getattr(error, "group", None), "reason": str(error),
                  "best_checkpoint": checkpoints.best_step(self.manager)})
     done = self.state.round
     where = f"results of rounds 1-{done} in {self.out}" if done else f"no round completed; summary in {self.out}"
-    raise type(error)(f"{error} ({where})", round_) from None
+    raise type(error)(f"{error} ({where})", round_, getattr(error, "group", None)) from None
 
   def accept(self, state: ServerState, rows: list[dict[str, Any]]) -> DivergenceError | None:
     """A call's new state and rows logged and checkpointed (see `_round`)."""

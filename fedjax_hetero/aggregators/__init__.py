@@ -7,8 +7,10 @@ group's weighted sum of client updates, the groups' total weights and their
 (`fedcross`) works instead on K middleware models stacked along a leading axis.
 
 Misuse raises a ValueError naming the argument and leaf (`checks`): sequence
-lengths, tree structure and leaf shapes always, weights, partner indices and
-alpha only where concrete, so jitted callers pay nothing.
+lengths, tree structure and leaf shapes always; weights, partner indices, alpha
+and the finiteness of what a weighted group or client uploads only where
+concrete, so jitted callers pay nothing. Sums and inner products run in float32
+at least; results keep the model's dtypes.
 """
 
 from fedjax_hetero.aggregators.fedcross import (

@@ -183,10 +183,23 @@ def check_float_tree(name: str, tree: Any) -> None:
   """Every leaf is floating point (`check_floating`) and, when concrete, finite (a NaN weight has no norm,
   share or mean to aggregate)."""
   check_floating(name, tree)
+  check_finite(name, tree)
+
+
+def check_finite(name: str, tree: Any) -> None:
+  """Every concrete leaf is finite: one NaN or inf of a client's upload would spread into every weight of its
+  layer's mean, with no error."""
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     if is_concrete(leaf) and not np.isfinite(np.asarray(leaf)).all():
       raise ValueError(f"{name} leaf {_path_name(path)} holds a non-finite value (NaN or inf); the aggregators "
                        "take finite weights")
+
+
+def check_finite_where_weighted(name: str, trees: Sequence[Any], weights: Sequence[Any]) -> None:
+  """`check_finite` on each entry of ``trees`` whose weight is not known to be 0 (a weight-0 entry is not read)."""
+  for i, (tree, weight) in enumerate(zip(trees, weights)):
+    if not (is_concrete(weight) and float(np.asarray(weight)) == 0.0):
+      check_finite(f"{name}[{i}]", tree)
 
 
 def _path_name(path: Any) -> str:

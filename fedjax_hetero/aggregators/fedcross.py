@@ -153,6 +153,7 @@ def similarity_matrix(stacked: Stacked, kind: str = "cosine") -> jax.Array:
   if kind not in SIMILARITY_KINDS:
     raise ValueError(f"unknown similarity kind {kind!r}; choose from {SIMILARITY_KINDS}")
   _num_models(stacked)
+  checks.check_float_tree("stacked", stacked)  # (a NaN model would make every similarity 0: ties, no error)
   if kind == "layerwise":
     per_layer = [_cosine_from_moments(*moments) for moments in _layer_moments(stacked)]
     return sum(per_layer[1:], per_layer[0])
@@ -234,10 +235,10 @@ def select_partners(uploaded: Stacked, round_idx: Scalar, strategy: str = "lowes
   """
   if strategy not in STRATEGIES:
     raise ValueError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")
-  checks.check_scalar("round_idx", round_idx)
-  checks.check_integer("round_idx", round_idx)
+  checks.check_round("round_idx", round_idx)
   if strategy == "in_order":
     return in_order_partners(_num_models(uploaded), round_idx)
+  checks.check_float_tree("uploaded", uploaded)
   sim = similarity_matrix(uploaded, similarity)
   if strategy == "lowest_similarity":
     return lowest_similarity_partners(sim)
@@ -366,6 +367,8 @@ def dynamic_alpha(round_idx: Scalar, stage_start: int = 0, stage_length: int = 1
   if stage_length <= 0:
     raise ValueError(f"stage_length must be positive, got {stage_length}")
   checks.check_round("round_idx", round_idx)
+  checks.check_unit_interval("alpha_start", alpha_start)
+  checks.check_unit_interval("alpha_end", alpha_end)
   progress = (jnp.asarray(round_idx, jnp.float32) - stage_start) / stage_length
   return jnp.float32(alpha_start) + jnp.float32(alpha_end - alpha_start) * jnp.clip(progress, 0.0, 1.0)
 
@@ -384,6 +387,7 @@ def middleware_similarity_stats(stacked: Stacked) -> dict[str, jax.Array]:
   all parameters flattened.
   """
   num_models = _num_models(stacked)
+  checks.check_float_tree("stacked", stacked)
   moments = _sum_moments(stacked)
   _, sq_dists = _sq_norms_and_distances(*moments)
   off_diagonal = ~jnp.eye(num_models, dtype=bool)

@@ -145,6 +145,8 @@ def scalable_sums(global_like: Variables, group_maps: Sequence[SubmodelMap], wei
   global_kernels = kernels(global_like)
   for name, trees in (("scaled_sums", scaled_sums), ("fallback_sums", fallback_sums)):
     checks.check_group_trees(name, trees, "group_maps", group_maps, "kernels(global_like)", global_kernels)
+  for name, trees in (("weight_sums", weight_sums), ("scaled_sums", scaled_sums), ("fallback_sums", fallback_sums)):
+    checks.check_finite_where_weighted(name, trees, group_weights)
   for i, (rows, ok, group_map) in enumerate(zip(norms, valid, group_maps)):
     checks.check_shape(f"valid[{i}]", ok, (None,))
     expected = {k: (len(ok),) for k in checks.group_shapes(group_map, global_kernels)}
@@ -182,9 +184,9 @@ def _scalable_sums(global_like, group_maps, weight_sums, group_weights, scaled_s
   for group_map, weight, sums, s, f in zip(group_maps, group_weights, weight_sums, scaled_sums, fallback_sums):
     if is_weightless(weight):
       continue
-    plain = add(plain, embed(sums, group_map, global_like, offset))
-    scaled = add(scaled, embed(s, group_map, global_like, offset))
-    fallback = add(fallback, embed(f, group_map, global_like, offset))
+    plain = add(plain, embed(sums, group_map, zeros, offset))  # (placed in the accumulator's dtype)
+    scaled = add(scaled, embed(s, group_map, zeros, offset))
+    fallback = add(fallback, embed(f, group_map, zeros, offset))
   flat_plain, flat_scaled, flat_fallback = flatten(plain), flatten(scaled), flatten(fallback)
   numerator = {p: mu[p] * flat_scaled[p] + flat_fallback[p] if p in mu else flat_plain[p] for p in flat_global}
   denominator = zeros
@@ -221,6 +223,7 @@ def scalable_aggregate(global_model: Variables, client_models: Sequence[Variable
                       client_models)
   checks.check_floating("global_model", global_model)
   checks.check_floating("client_models", client_models)
+  checks.check_finite_where_weighted("client_models", client_models, client_weights)
   return _scalable_aggregate(global_model, list(client_models), [jnp.asarray(w, jnp.float32) for w in client_weights],
                              tuple(client_maps), float(percentile), norm, offset, center)
 

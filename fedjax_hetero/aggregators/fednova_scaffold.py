@@ -4,7 +4,8 @@ Like `hetero_avg`, every rule takes each architecture group's weighted sums of
 client uploads, the groups' total weights and their `SubmodelMap`s, and works
 element-wise over exactly the sampled clients that own an element; with one
 group and the identity map they are the homogeneous rules of the papers. As there, results keep
-the model's dtypes, integer leaves are refused, and a group of weight 0 contributes nothing (`fednova_delta`, the
+the model's dtypes, integer leaves and a weighted group's non-finite sums are refused, and a group of weight 0
+contributes nothing (`fednova_delta`, the
 engine's, needs a traced weight-0 group's sums to be zeros).
 """
 
@@ -39,6 +40,7 @@ def fednova_delta(group_normalized_sums: Sequence[Variables], group_weights: Seq
                       group_normalized_sums)
   checks.check_weights("group_a_sums", group_a_sums, positive_total=False)
   checks.check_floating("global_like", global_like)
+  checks.check_finite_where_weighted("group_normalized_sums", group_normalized_sums, group_weights)
   numerator, denominator = _heterogeneous_sums(group_normalized_sums, group_weights, group_maps, global_like, offset)
   a_sums = [0.0 if is_weightless(w) else a for a, w in zip(group_a_sums, group_weights)]  # (0 * NaN is NaN)
   tau_numerator = _weighted_coverage(a_sums, group_maps, global_like, offset)
@@ -61,6 +63,7 @@ def scaffold_server_control(control: Variables, group_control_delta_sums: Sequen
   checks.check_groups("control", control, group_maps, group_weights, offset, "group_control_delta_sums",
                       group_control_delta_sums)
   checks.check_floating("control", control)
+  checks.check_finite_where_weighted("group_control_delta_sums", group_control_delta_sums, group_weights)
   delta = _heterogeneous_mean_delta(_selected(group_control_delta_sums, group_weights), group_weights, group_maps,
                                     control, offset)
   return jax.tree.map(jnp.add, control, delta)

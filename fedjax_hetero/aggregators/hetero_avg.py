@@ -19,7 +19,11 @@ which changes how XLA:CPU fuses and contracts it, and so the last bits of FlexiF
 FedFA's numbers.
 
 Sums are accumulated in float32 at least (float16 sums of two groups can overflow where
-their mean does not) and the result cast back.
+their mean does not; a group's sums are placed in the global layout in that dtype too) and
+the result cast back.
+
+A concrete non-finite value in the sums of a group whose weight is not 0 is refused
+(`checks.check_finite_where_weighted`): it would spread into its whole layer's mean.
 
 The public functions check their inputs (`checks`) and raise ValueError on misuse;
 the private ones behind them compute.
@@ -65,6 +69,7 @@ def heterogeneous_sums(group_sums: Sequence[Variables], group_weights: Sequence[
   """
   checks.check_groups("global_like", global_like, group_maps, group_weights, offset, "group_sums", group_sums)
   checks.check_floating("global_like", global_like)
+  checks.check_finite_where_weighted("group_sums", group_sums, group_weights)
   return _heterogeneous_sums(group_sums, group_weights, group_maps, global_like, offset)
 
 
@@ -72,8 +77,8 @@ def _heterogeneous_sums(group_sums, group_weights, group_maps, global_like, offs
   numerator = jax.tree.map(_accumulator, global_like)
   for sums, weight, group_map in zip(group_sums, group_weights, group_maps):
     if is_weightless(weight):
-      continue
-    numerator = jax.tree.map(jnp.add, numerator, embed(sums, group_map, global_like, offset))
+      continue  # (embedded in the accumulator's dtype: float32 sums of a float16 model are not cast down first)
+    numerator = jax.tree.map(jnp.add, numerator, embed(sums, group_map, numerator, offset))
   return numerator, _weighted_coverage(group_weights, group_maps, global_like, offset)
 
 
@@ -118,6 +123,7 @@ def heterogeneous_mean_delta(group_delta_sums: Sequence[Variables], group_weight
   checks.check_groups("global_like", global_like, group_maps, group_weights, offset, "group_delta_sums",
                       group_delta_sums)
   checks.check_floating("global_like", global_like)
+  checks.check_finite_where_weighted("group_delta_sums", group_delta_sums, group_weights)
   return _heterogeneous_mean_delta(_selected(group_delta_sums, group_weights), group_weights, group_maps, global_like,
                                    offset)
 
@@ -134,6 +140,7 @@ def hetero_avg(global_vars: Variables, group_delta_sums: Sequence[Variables], gr
   checks.check_groups("global_vars", global_vars, group_maps, group_weights, offset, "group_delta_sums",
                       group_delta_sums)
   checks.check_floating("global_vars", global_vars)
+  checks.check_finite_where_weighted("group_delta_sums", group_delta_sums, group_weights)
   delta = _heterogeneous_mean_delta(_selected(group_delta_sums, group_weights), group_weights, group_maps,
                                     global_vars, offset)
   return jax.tree.map(jnp.add, global_vars, delta)
@@ -149,6 +156,7 @@ def hetero_avg_weights(global_vars: Variables, group_weight_sums: Sequence[Varia
   checks.check_groups("global_vars", global_vars, group_maps, group_weights, offset, "group_weight_sums",
                       group_weight_sums)
   checks.check_floating("global_vars", global_vars)
+  checks.check_finite_where_weighted("group_weight_sums", group_weight_sums, group_weights)
   numerator, denominator = _heterogeneous_sums(_selected(group_weight_sums, group_weights), group_weights, group_maps,
                                                global_vars, offset)
   return _masked_mean(numerator, denominator, global_vars)
@@ -162,6 +170,8 @@ def fedavg(variables: Variables, delta_sum: Variables, weight: jax.Array) -> Var
   checks.check_like("delta_sum", delta_sum, "variables", variables)
   checks.check_floating("variables", variables)
   checks.check_weight("weight", weight)
+  if not is_weightless(weight):
+    checks.check_finite("delta_sum", delta_sum)
   took_part = weight > 0
   scale = 1.0 / jnp.where(took_part, weight, 1.0)
   return jax.tree.map(lambda w, d: jnp.where(took_part, w + scale * d, w).astype(jnp.result_type(w)), variables,

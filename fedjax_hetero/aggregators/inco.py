@@ -49,6 +49,8 @@ Decisions (spec §6):
   ``b = 0``, hence θ = 0 and a zero update, but the mask makes all variants
   agree.) With width heterogeneity (not in the paper, spec §2.3) this applies
   InCo to the covered sub-tensor of each target.
+- Norms, a, b and θ are computed in float32 at least (float16 squared norms
+  of small deltas underflow); the update comes back in the delta's dtype.
 - ``theta=`` forces θ (in the variant's own sign convention), e.g.
   ``variant="no_normalization", theta=0.0`` returns ``g_k`` unchanged:
   InCo reduces to HeteroAvg.
@@ -149,6 +151,9 @@ def _cross_layer(g_k: Array, g_0: Array, variant: str, granularity: str, theta: 
   rule = _check(variant, granularity)
   if g_k.shape != g_0.shape:
     raise ValueError(f"cross-layer target and source shapes differ: {g_k.shape} vs {g_0.shape}")
+  # In float32 at least: a float16 delta's squared norms underflow (a 3x3 slice of 1e-4 deltas has a = 1e-7).
+  wide = jnp.promote_types(jnp.result_type(g_k, g_0), jnp.float32)
+  g_k, g_0 = (g if g.dtype == wide else g.astype(wide) for g in (g_k, g_0))
   axes = slice_axes(g_k.ndim, granularity)
   a, b = projection_coefficients(g_k, g_0, axes)
   th = cross_layer_theta(a, b, variant, eps, theta_max) if theta is None else jnp.broadcast_to(
@@ -181,7 +186,8 @@ def cross_layer_update(g_k: Array, g_0: Array, variant: str = "code", granularit
   ablations). ``theta`` forces θ; ``update_clip=None`` disables the clip of
   "code" (the other variants never clip).
   """
-  return _cross_layer(g_k, g_0, variant, granularity, theta, eps, theta_max, update_clip)[0]
+  update = _cross_layer(g_k, g_0, variant, granularity, theta, eps, theta_max, update_clip)[0]
+  return update.astype(jnp.result_type(g_k))
 
 
 def check_pairs(pairs: Sequence[Pair], tree: Any) -> None:
@@ -239,8 +245,11 @@ def inco(delta: Any, pairs: Sequence[Pair], variant: str = "code", granularity: 
   """
   _check(variant, granularity)
   flat = flatten(delta)
-  cover = None if coverage is None else flatten(coverage)
   check_pairs(pairs, delta)
+  checks.check_finite("delta", {"/".join(p): flat[tuple(p)] for pair in pairs for p in pair})
+  if coverage is not None:
+    checks.check_like("coverage", coverage, "delta", delta)
+  cover = None if coverage is None else flatten(coverage)
   out = dict(flat)
   stats: dict[str, dict[str, Array]] = {}
   for target, source in pairs:

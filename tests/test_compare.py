@@ -81,7 +81,7 @@ def test_main_prints_the_paired_tables_from_results_folders(tmp_path):
   assert "per architecture group" not in text and "per seed (best" not in text  # only with --per-group, --target
   text = compare.main(dirs + ["--baseline", "A", "--per-group", "--target", "0.85"])
   assert "per window of rounds:\n| method - A, rounds | 1-2 | 3-4 | 5 |" in text
-  assert "| B | small | 1 | +6.00" in text and "| B | 1 | 90.00 | 70.00 | +20.00 | 3 | not reached |" in text
+  assert "| B | small | 1 | +6.00" in text and "| B | 1 | 90.00 | 70.00 | +20.00 | 5 | not reached |" in text
   with pytest.raises(SystemExit, match="--window must be at least 1"):
     compare.main(dirs + ["--baseline", "A", "--window", "0"])
   for flag in ("--last", "--up-to-round"):  # (--last -2 divided by zero; --last 0 averaged every evaluation)
@@ -353,3 +353,20 @@ def test_the_baseline_is_named_in_any_case_and_what_cannot_pair_says_why(tmp_pat
   assert not os.path.exists(tmp_path / "p.png")
   assert "note: --up-to-round 9: every run ends before it" in compare.main(a_runs + ["--up-to-round", "9"])
   assert "--up-to-round" not in compare.main(a_runs + ["--up-to-round", "2"])
+
+
+def test_files_among_the_runs_are_passed_over_and_a_window_needs_a_baseline(tmp_path):
+  """(Eighth probe survey: `compare runs/repro/fedin/*` stopped at the first log beside the runs, a --window without
+  --baseline did nothing, and runs evaluated at different intervals were paired on rounds one never evaluated.)"""
+  dirs = [write_run(tmp_path, *run) for run in paired_runs()]
+  log = tmp_path / "A_s0.log"
+  log.write_text("training...\n")
+  text = compare.main(dirs + [str(log), "--baseline", "A", "--target", "0.85"])
+  assert f"note: passed over 1 file(s) given with the runs, not results folders: {log}" in text
+  assert "note: the runs evaluated different rounds: each run's rounds to 85% count" in text  # (A s1 skipped round 3)
+  with pytest.raises(SystemExit, match=r"is a file, not a results folder"):
+    compare.main([str(log)])
+  with pytest.raises(SystemExit, match=r"is a file, not a results folder"):
+    compare.main([dirs[0], str(log), "--labels", "a,b"])
+  with pytest.raises(SystemExit, match=r"^error: --window .* give --baseline"):
+    compare.main(dirs + ["--window", "2"])

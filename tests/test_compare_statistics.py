@@ -20,7 +20,7 @@ def test_paired_statistics_rounds_to_target_and_dissimilarity_columns():
   # Best at the rounds both evaluated: seed 0: 90 - 70; seed 1 (rounds 1 and 3): 100 - 75; mean +22.50.
   # Over the seeds: means +10 and 0, so +5 with a t interval of 12.706 (t at 97.5%, 1 degree of freedom)
   # x std 7.071 / sqrt(2) = 63.53 either side.
-  assert lines[2] == (f"| B | 2 | +6.00 [{6 - half:+.2f}, {6 + half:+.2f}] | 60% of 5 | +22.50 | "
+  assert lines[2] == (f"| B | 2 | +6.00 [{6 - half:+.2f}, {6 + half:+.2f}] | 60% of 5, 20% tied | +22.50 | "
                       "+5.00 [-58.53, +68.53] | s0: +10.00, s1: +0.00 |")
   assert len(lines) == 3  # no row for the baseline itself
   with pytest.raises(SystemExit, match="no run of the baseline 'C'"):
@@ -50,7 +50,7 @@ def test_paired_pooled_interval_best_and_rounds_ahead():
   assert (mean, low, high) == pytest.approx((50 / 9, 50 / 9 - half, 50 / 9 + half))
   line = tables.paired_table(paired_runs(), "A").splitlines()[2]
   # Over the seeds: means +4 and +7.5: +5.75 [5.75 -/+ 12.706 x 2.475 / sqrt(2) = 22.24].
-  assert line == (f"| B | 2 | +5.56 [{50 / 9 - half:+.2f}, {50 / 9 + half:+.2f}] | 56% of 9 | +15.00 | "
+  assert line == (f"| B | 2 | +5.56 [{50 / 9 - half:+.2f}, {50 / 9 + half:+.2f}] | 56% of 9, 22% tied | +15.00 | "
                   "+5.75 [-16.49, +27.99] | s0: +4.00, s1: +7.50 |")
   assert run_stats.interval(np.array([3.0])) == (3.0, None, None)  # one pair: no spread, no interval
 
@@ -88,9 +88,9 @@ def test_per_group_paired_statistics():
   lines = tables.group_table(paired_runs(), "A").splitlines()
   small = np.array([10, 0, -10, 10, 20])
   half = 1.96 * small.std(ddof=1) / np.sqrt(5)
-  assert lines[2] == (f"| B | small | 1 | +6.00 [{6 - half:+.2f}, {6 + half:+.2f}] | 60% of 5 | +20.00 | "
+  assert lines[2] == (f"| B | small | 1 | +6.00 [{6 - half:+.2f}, {6 + half:+.2f}] | 60% of 5, 20% tied | +20.00 | "
                       "+6.00 [n/a: 1 seed] |")
-  assert lines[3] == "| B | big | 1 | +0.00 [+0.00, +0.00] | 0% of 5 | +0.00 | +0.00 [n/a: 1 seed] |"
+  assert lines[3] == "| B | big | 1 | +0.00 [+0.00, +0.00] | 0% of 5, 100% tied | +0.00 | +0.00 [n/a: 1 seed] |"
   assert len(lines) == 4  # no row for "tiny", which only B logged
   assert tables.group_table([fake_run("A", 0, [0.5]), fake_run("B", 0, [0.6])], "A") == ""
 
@@ -100,7 +100,8 @@ def test_per_seed_best_and_rounds_to_target():
   assert lines[0] == ("| method | seed | best (%) | A best (%) | best - best (points) | rounds to 85% | "
                       "A rounds to 85% |")
   assert lines[2] == "| B | 0 | 90.00 | 80.00 | +10.00 | 4 | not reached |"
-  assert lines[3] == "| B | 1 | 90.00 | 70.00 | +20.00 | 3 | not reached |"  # round 3 counts for the target
+  # (B reached it in round 3, which A did not evaluate: a run evaluated less often could not have seen it there)
+  assert lines[3] == "| B | 1 | 90.00 | 70.00 | +20.00 | 5 | not reached |"
 
 
 def test_a_statistic_without_values_shows_a_dash_not_a_number():

@@ -26,6 +26,8 @@ Runs = Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]]  # (label, sum
 def load_run(run_dir: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
   """A results folder's summary and rows. A run that has not finished (killed, stopped, still training: no
   summary.json yet) is read from its config.json and the rows so far, its summary marked ``"unfinished": True``."""
+  if os.path.isfile(run_dir):
+    raise SystemExit(f"error: {run_dir!r} is a file, not a results folder")
   summary_path, metrics_path = os.path.join(run_dir, "summary.json"), os.path.join(run_dir, "metrics.jsonl")
   config_path = os.path.join(run_dir, "config.json")
   if not os.path.exists(summary_path) and os.path.exists(metrics_path) and os.path.exists(config_path):

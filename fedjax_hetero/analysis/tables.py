@@ -13,7 +13,7 @@ from fedjax_hetero.analysis.runs import (Pairing, Runs, attack_of, base_method_o
                                          evaluated, experiment_differences, final_pair, groups_of, interval,
                                          last_client_accuracy, last_shared_round, mean_dissimilarity, method_of,
                                          paired_points, pairings, rounds_to, runs_by_method, seed_interval, seed_of,
-                                         up_to_round, windowed_means)
+                                         windowed_means)
 
 STATS_HEADER = ("mean per-round difference (points) [95% interval] | rounds ahead | best - best (points) | "
                 "seeds' mean differences: mean [95% t interval]")
@@ -64,6 +64,19 @@ def table(runs: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]], last
                  f"{100 * accs[-1]:.2f} | {100 * max(accs):.2f} | {100 * sum(tail) / len(tail):.2f}{few} |{reached} "
                  f"{first} | {later} |")
   return "\n".join(lines)
+
+
+def evaluation_note(runs: Runs, target: float | None) -> str:
+  """Under the first table: where ``target`` is given and the runs evaluated different rounds (another
+  ``--eval-every``, a skipped evaluation), a run's rounds to it are its own first evaluation at or above it, at a
+  round another run may not have evaluated."""
+  if target is None or not runs:
+    return ""
+  last = min(rows[-1]["round"] for _, _, rows in runs if rows)
+  if len({tuple(r for r, _ in evaluated(rows) if r <= last) for _, _, rows in runs}) < 2:
+    return ""
+  return (f"\nnote: the runs evaluated different rounds: each run's rounds to {100 * target:g}% count its own "
+          "evaluations (the per-seed table counts the rounds both evaluated)")
 
 
 def length_note(runs: Runs) -> str:
@@ -131,7 +144,9 @@ def signed(value: float | None) -> str:
 def stats_cells(pairing: Pairing) -> str:
   """The cells shared by the paired tables: mean difference [95% interval] | rounds ahead | best - best."""
   pooled = pairing.pooled
-  return (f"{with_bounds(*interval(pooled), 'shared round')} | {np.mean(pooled > 0):.0%} of {len(pooled)} | "
+  tied = np.mean(pooled == 0)  # (equal accuracies: common on small test sets, and neither ahead nor behind)
+  ahead = f"{np.mean(pooled > 0):.0%} of {len(pooled)}" + (f", {tied:.0%} tied" if tied else "")
+  return (f"{with_bounds(*interval(pooled), 'shared round')} | {ahead} | "
           f"{np.mean(pairing.best):+.2f} | {with_bounds(*seed_interval(pairing.seed_means), 'seed')}")
 
 
@@ -186,9 +201,9 @@ def group_table(runs: Runs, baseline: str) -> str:
 
 
 def seed_table(runs: Runs, baseline: str, target: float) -> str:
-  """Per seed pair: each side's best accuracy at the rounds both evaluated, and its first round reaching
-  ``target`` up to the last of those (a longer run's later rounds would reach a target the other never had the
-  rounds to)."""
+  """Per seed pair: each side's best accuracy and its first round reaching ``target``, both at the rounds both
+  evaluated (a longer run's later rounds would reach a target the other never had the rounds to, and a run
+  evaluated every second round would count a round the other's evaluation could not)."""
   by_method = runs_by_method(runs)
   to = f"{100 * target:g}%"
   lines = [f"| method | seed | best (%) | {baseline} best (%) | best - best (points) | rounds to {to} | "
@@ -197,7 +212,8 @@ def seed_table(runs: Runs, baseline: str, target: float) -> str:
     for seed in p.seeds:
       rows, base = by_method[p.method][seed], by_method[baseline][seed]
       rounds, accuracy, base_accuracy = paired_points(rows, base)
-      reached = [rounds_to(up_to_round(r, int(rounds[-1])), target) or "not reached" for r in (rows, base)]
+      reached = [next((int(r) for r, a in zip(rounds, side) if a >= target), "not reached")
+                 for side in (accuracy, base_accuracy)]
       lines.append(f"| {p.method} | {seed} | {100 * accuracy.max():.2f} | {100 * base_accuracy.max():.2f} | "
                    f"{100 * (accuracy.max() - base_accuracy.max()):+.2f} | {reached[0]} | {reached[1]} |")
   return "\n".join(lines)

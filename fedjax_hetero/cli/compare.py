@@ -62,8 +62,8 @@ from fedjax_hetero.analysis.plots import (plot_accuracy_against_costs, plot_accu
                                           plot_paired_differences, run_styles)
 from fedjax_hetero.analysis.runs import (attack_of, check_unique, ending_notes, groups_of, load_run, pairings,
                                          runs_by_method, up_to_round, with_variants)
-from fedjax_hetero.analysis.tables import (dataset_note, drop_table, experiment_note, group_table, length_note,
-                                           paired_table, seed_table, seeds_table, table, window_table)
+from fedjax_hetero.analysis.tables import (dataset_note, drop_table, evaluation_note, experiment_note, group_table,
+                                           length_note, paired_table, seed_table, seeds_table, table, window_table)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -124,6 +124,13 @@ def main(argv: Sequence[str] | None = None) -> str:
     raise SystemExit("error: --per-group adds every group to --baseline's tables and to --output's plot: give either")
   if args.paired_output and not args.baseline:
     raise SystemExit("error: --paired-output plots the differences from --baseline's runs: give --baseline")
+  if args.window is not None and not args.baseline:
+    raise SystemExit("error: --window cuts the differences from --baseline's runs into windows: give --baseline")
+  # A glob of a folder of runs (runs/*) also names the logs and plots beside them: files are passed over, said below.
+  files = [d for d in args.run_dirs if os.path.isfile(d)]
+  if files and (args.labels is not None or len(files) == len(args.run_dirs)):
+    raise SystemExit(f"error: {files[0]!r} is a file, not a results folder")
+  args.run_dirs = [d for d in args.run_dirs if d not in files]
   for name in ("output", "cost_output", "client_output", "paired_output"):
     if getattr(args, name):
       setattr(args, name, plot_path("--" + name.replace("_", "-"), getattr(args, name)))
@@ -159,10 +166,14 @@ def main(argv: Sequence[str] | None = None) -> str:
       check_unique(runs)
     except ValueError as e:
       raise SystemExit(f"error: {e}") from None
-  text = table(runs, args.last, args.target) + length_note(runs) + dataset_note(runs)
+  text = (table(runs, args.last, args.target) + length_note(runs) + dataset_note(runs)
+          + evaluation_note(runs, args.target))
   if args.up_to_round and all(rows and rows[-1]["round"] < args.up_to_round for _, _, rows in runs):
     text += f"\nnote: --up-to-round {args.up_to_round}: every run ends before it, so it cuts nothing"
   text += "".join("\n" + note for note in ending_notes(runs))
+  if files:
+    named = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+    text += f"\nnote: passed over {len(files)} file(s) given with the runs, not results folders: {named}"
   spread = seeds_table(runs)
   if spread:
     text += "\n\nover the runs of each method (every run, its seeds):\n" + spread
@@ -179,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     if windows:
       text += f"\n\nmean per-round difference from {args.baseline} (points) per window of rounds:\n" + windows
     if args.target is not None:
-      text += ("\n\nper seed (best at the rounds both evaluated, rounds to the target up to the last of them):\n"
+      text += ("\n\nper seed (best accuracy and rounds to the target, at the rounds both evaluated):\n"
                + seed_table(runs, args.baseline, args.target))
     groups = group_table(runs, args.baseline) if args.per_group else ""
     if groups:

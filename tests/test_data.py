@@ -242,3 +242,18 @@ def test_synthetic_is_learnable():
   centroids = np.stack([x_train[ds.train_labels == k].mean(0) for k in range(ds.num_classes)])
   pred = np.argmin(((x_test[:, None] - centroids[None]) ** 2).sum(-1), axis=1)
   assert (pred == ds.test_labels).mean() > 0.95
+
+
+def test_shards_that_straddle_classes_are_a_warning(labels):
+  """(Eighth probe survey: 30 clients x 2 shards of 2,000 samples gave clients 1-4 classes, no word of it.)"""
+  from fedjax_hetero.config import RunConfig
+  from fedjax_hetero.run.preflight import _warn_straddling_shards
+
+  config = RunConfig.from_flags(partition="shards", classes_per_client=2, num_clients=20)
+  logs = []
+  _warn_straddling_shards(config, labels, shards(labels, 20, classes_per_client=2, seed=0), logs.append)
+  assert logs == []  # (40 shards of 1,500: aligned with the classes of 6,000)
+  odd = labels[:59_000]  # 40 shards of 1,475: some straddle two classes
+  _warn_straddling_shards(config, odd, shards(odd, 20, classes_per_client=2, seed=0), logs.append)
+  [warning] = logs
+  assert warning.startswith("warning: --classes-per-client 2: clients hold ") and "straddle class boundaries" in warning

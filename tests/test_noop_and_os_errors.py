@@ -182,8 +182,10 @@ def test_clients_without_a_step_are_named_in_a_warning(tmp_path, capsys):
                        groups=("mlp@0.5",))  # (one group, as above)
   run_experiment(config, dataset, log=logs.append)
   warning = [line for line in logs if "take no local step" in line]
-  assert len(warning) == 1 and warning[0].endswith("(fewer than --batch-size 30 samples with --drop-last): a round "
-                                                   "that samples only them changes nothing"), logs
+  assert len(warning) == 1 and ("(fewer than --batch-size 30 samples with --drop-last): a sampled one uploads a "
+                                "zero update, which counts in the mean with its --weighting uniform weight"
+                                in warning[0]), logs
+  assert warning[0].endswith("a round that samples only them changes nothing"), logs
 
 
 def test_a_round_without_a_local_step_reports_no_loss_or_speed_and_a_collapsed_width_warns():

@@ -27,7 +27,9 @@ class DataConfig(Settings):
   num_clients: int = setting(100, "number of simulated clients", Integer(1))
   partition: str = setting("dirichlet", "how data is split over clients", OneOf(fdata.SCHEMES))
   alpha: float = setting(0.5, "Dirichlet concentration (partition=dirichlet)", Number(above=0))
-  classes_per_client: int = setting(2, "classes per client (partition=shards)", Integer(1))
+  classes_per_client: int = setting(2, "shards per client (partition=shards): label-sorted runs of samples, so "
+                                    "this many classes where the shard size divides every class's count (a "
+                                    "warning says when it does not)", Integer(1))
   max_train_samples: int | None = setting(None, "use a class-balanced subset of the training set (quick runs)",
                                           Integer(1))
   max_test_samples: int | None = setting(None, "evaluate on a class-balanced random subset of the test set (for a "

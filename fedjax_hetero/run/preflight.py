@@ -6,7 +6,8 @@
 the loaded data and the partition (before the store and the models are built): images too small for a group's
 model, a batch larger than every client (every batch padded to it, for the same result: refused above twice the
 largest client, a warning below), clients that take no local step, and warnings for a width that leaves a layer a
-single unit and for static BatchNorm settings over models without BatchNorm. Each error names the flag.
+single unit, for static BatchNorm settings over models without BatchNorm and for shards that straddle
+classes. Each error names the flag.
 """
 
 from __future__ import annotations
@@ -146,8 +147,10 @@ def _check_batches(config: Any, sizes: np.ndarray, log: Callable[[str], None]) -
     raise ValueError(f"no client would take a local step ({why}; the largest client has {largest}), so no round "
                      f"would change the model; lower {flag}" + ("" if not local.drop_last else " or drop --drop-last"))
   if stepless:
-    log(f"warning: {stepless} of {len(sizes)} clients take no local step ({why}): a round that samples only "
-        "them changes nothing")
+    log(f"warning: {stepless} of {len(sizes)} clients take no local step ({why}): a sampled one uploads a zero "
+        f"update, which counts in the mean with its {cli_flag('federation.weighting')} "
+        f"{config.federation.weighting} weight (as the InCo authors' code does), and a round that samples only them "
+        "changes nothing")
 
 
 def _warn_collapsed_layers(config: Any, image_shape: tuple[int, ...], num_classes: int,
@@ -173,6 +176,23 @@ def check_fit(config: Any, dataset: Any, parts: Sequence[np.ndarray], log: Calla
   _warn_collapsed_layers(config, tuple(dataset.image_shape), dataset.num_classes, log)
   _warn_static_bn_without_batch_norm(config, tuple(dataset.image_shape), dataset.num_classes, log)
   _check_batches(config, np.array([len(p) for p in parts], np.int64), log)
+  _warn_straddling_shards(config, dataset.train_labels, parts, log)
+
+
+def _warn_straddling_shards(config: Any, labels: np.ndarray, parts: Sequence[np.ndarray],
+                            log: Callable[[str], None]) -> None:
+  """FedAvg's shards are runs of label-sorted samples: where the shard size does not divide the classes' counts, a
+  shard straddles two classes and a client holds more classes than --classes-per-client, said as a warning."""
+  data = config.data
+  if data.partition != "shards" or data.partition_file is not None:
+    return
+  classes = np.array([len(np.unique(labels[p])) for p in parts if len(p)])
+  if len(classes) and classes.max() > data.classes_per_client:
+    flag = cli_flag("data.classes_per_client")
+    log(f"warning: {flag} {data.classes_per_client}: clients hold {classes.min()}-{classes.max()} classes (mean "
+        f"{classes.mean():.2f}): the {data.num_clients * data.classes_per_client} shards of the label-sorted "
+        f"samples (about {len(labels) // (data.num_clients * data.classes_per_client)} each) straddle class "
+        "boundaries; each client has at most that many classes where the shard size divides every class's count")
 
 
 def _warn_static_bn_without_batch_norm(config: Any, image_shape: tuple[int, ...], num_classes: int,

@@ -77,7 +77,8 @@ def _heterogeneous_sums(group_sums, group_weights, group_maps, global_like, offs
   numerator = jax.tree.map(_accumulator, global_like)
   for sums, weight, group_map in zip(group_sums, group_weights, group_maps):
     if is_weightless(weight):
-      continue  # (embedded in the accumulator's dtype: float32 sums of a float16 model are not cast down first)
+      continue
+    # (placed in the accumulator's dtype: a float16 model's float32 sums are not cast down first)
     numerator = jax.tree.map(jnp.add, numerator, embed(sums, group_map, numerator, offset))
   return numerator, _weighted_coverage(group_weights, group_maps, global_like, offset)
 

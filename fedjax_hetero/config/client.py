@@ -24,7 +24,8 @@ class LocalConfig(Settings):
   optimizer: str = setting("adam", "client optimizer, created fresh every round", OneOf(OPTIMIZERS))
   learning_rate: float = setting(1e-3, "client learning rate", Number(above=0), spelling="--lr")
   momentum: float = setting(0.0, "SGD momentum", Number(minimum=0, below=1))
-  weight_decay: float = setting(0.0, "decoupled weight decay", Number(minimum=0))
+  weight_decay: float = setting(0.0, "L2 weight decay added to the gradient before the optimizer (PyTorch's "
+                                "weight_decay; with Adam, not AdamW's decoupled decay)", Number(minimum=0))
   drop_last: bool = setting(False, "drop each epoch's partial last batch (InCo's code) instead of masking it", Flag())
   steps_per_call: int = setting(
       1, "local steps unrolled in one jitted call: 1 compiles fastest and is as fast for ResNets; 4 trains a "

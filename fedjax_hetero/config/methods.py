@@ -129,8 +129,8 @@ class HeteroFLOptions(Settings):
                             "training samples before each evaluation", Flag())
   bn_samples: int = setting(BN_SAMPLES, "training samples (a fixed draw) static BN re-estimates statistics on",
                             Integer(1))
-  mask_logits: bool = setting(True, "in local training, zero the logits of classes absent from the client's data",
-                              Flag())
+  mask_logits: bool = setting(True, "in local training, zero the logits of classes absent from the client's round "
+                              "schedule (its data, less what --drop-last drops)", Flag())
 
   def __post_init__(self):
     validate(self)

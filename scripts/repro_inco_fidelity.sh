@@ -26,6 +26,9 @@ pair inco-authors-cpu authors_s1 --partition-file "$SPLIT" --seed 1 --rounds 80
 pair inco-authors-cpu authors_s0_c1 --partition-file "$SPLIT" --seed 0 --sample-seed 1 --rounds 40
 pair inco-authors-cpu authors_s2 --partition-file "$SPLIT" --seed 2 --rounds 80
 pair inco-authors-cpu authors_s3 --partition-file "$SPLIT" --seed 3 --rounds 80
-pair inco-cpu ours_s0 --seed 0 --rounds 80 --eval-every 1
-pair inco-cpu pipeline_s0 --seed 0 --rounds 80 --eval-every 1 --image-size 32 --normalize none --test-first 9728
-pair inco-cpu split_s0 --seed 0 --rounds 80 --eval-every 1 --partition-file "$SPLIT"
+for seed in ${FACTOR_SEEDS:-0}; do  # (FACTOR_SEEDS="0 1": the one-factor pairs on more seeds)
+  pair inco-cpu ours_s$seed --seed "$seed" --rounds 80 --eval-every 1
+  pair inco-cpu pipeline_s$seed --seed "$seed" --rounds 80 --eval-every 1 --image-size 32 --normalize none \
+      --test-first 9728
+  pair inco-cpu split_s$seed --seed "$seed" --rounds 80 --eval-every 1 --partition-file "$SPLIT"
+done

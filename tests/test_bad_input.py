@@ -135,6 +135,9 @@ BAD_FLAGS = [
     ("--method FedCross", "FedCross trains one architecture group, got 2"),
     ("--method FedNova --aggregate weights", "--aggregate applies to FedAvg, HeteroAvg"),
     ("--inco-variant paper", "--inco-variant applies to InCoAvg, InCoProx, InCoScaffold, InCoNova, InCoMOON, not"),
+    # (given at its default, it passed as if it acted: the ninth probe survey)
+    ("--method HeteroAvg --prox-mu 0.1", "--prox-mu applies to FedProx, HeteroProx, InCoProx, FedIN, not HeteroAvg"),
+    ("--method HeteroAvg --fedfa-graft", "--fedfa-graft applies to FedFA, not HeteroAvg"),
     ("--fedimpro-cut nope", "--fedimpro-cut, group cnn@0.5"),
     ("--preset fedimpro-cpu --max-train-samples 50", "--max-train-samples 50 is too few for --num-clients 10"),
     # argparse's own checks

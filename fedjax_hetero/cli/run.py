@@ -120,12 +120,12 @@ def _flags_given(parser: argparse.ArgumentParser, argv: Sequence[str] | None) ->
   return {dest for dest in dests if getattr(probe, dest) is not unset}
 
 
-def _without_unread_options(config: RunConfig, sources: dict[str, str], method_given: bool,
+def _without_unread_options(config: RunConfig, sources: dict[str, str], given: set[str],
                             notes: list[str]) -> RunConfig:
-  """The method options a preset set for a method the run does not have back at their defaults (a preset's values
-  apply to the methods that read them), and a config file's too when ``--method`` chose another method than the
-  file's (each one dropped says so in ``notes``). A file's option its own method does not read stays, and so does
-  one given as a flag: the build step refuses them (`methods.check_options`)."""
+  """The method options a preset set for a method the run does not have back at their defaults, and a config
+  file's too when ``--method`` chose another method than the file's (each one dropped says so in ``notes``). A
+  file's option its own method does not read stays (`methods.check_options` refuses it if changed); one given as a
+  flag is refused even at its default (``--prox-mu 0.1`` beside HeteroAvg would pass as if it acted)."""
   entry = get_entry(config.method.name, missing_ok=True)
   if entry is None:
     return config
@@ -136,9 +136,11 @@ def _without_unread_options(config: RunConfig, sources: dict[str, str], method_g
   for kind in config.method.families():
     if kind in entry.options:
       continue
-    for leaf in (leaf for leaf in FLAGS.values() if leaf.owner is kind and leaf.path in sources):
-      source = sources[leaf.path]
-      if values[leaf.path] == leaf.default or (source.startswith("--config") and not method_given):
+    for leaf in (leaf for leaf in FLAGS.values() if leaf.owner is kind):
+      if leaf.flag in given and not leaf.setting.shared:
+        raise ValueError(f"{leaf.cli} applies to {', '.join(readers(kind)) or 'no method'}, not {entry.name}")
+      source = sources.get(leaf.path, "")
+      if not source or values[leaf.path] == leaf.default or (source.startswith("--config") and "method" not in given):
         continue
       reset[leaf.flag] = leaf.default
       if source.startswith("--config"):
@@ -155,9 +157,8 @@ def _given(argv: Sequence[str] | None, flag: str) -> bool:
 
 def _copied_run_folder(path: str, config: RunConfig) -> bool:
   """Whether a config file is the config.json of a run folder other than the one it names (e.g. a copy)."""
-  folder = os.path.dirname(os.path.abspath(path))
-  in_a_run = os.path.basename(path) == "config.json" and os.path.exists(os.path.join(folder, "metrics.jsonl"))
-  return in_a_run and not _names_its_own_folder(path, config)
+  metrics = os.path.join(os.path.dirname(os.path.abspath(path)), "metrics.jsonl")
+  return os.path.basename(path) == "config.json" and os.path.exists(metrics) and not _names_its_own_folder(path, config)
 
 
 def _names_its_own_folder(path: str, config: RunConfig) -> bool:
@@ -269,8 +270,7 @@ def parse(argv: Sequence[str] | None, dataset: str, description: str | None = No
                         **args.setting_names}
   try:
     with declare.named_from(args.setting_names):
-      config = _without_unread_options(flags.config_from_args(args), args.setting_sources, "method" in given,
-                                       args.notes)
+      config = _without_unread_options(flags.config_from_args(args), args.setting_sources, given, args.notes)
       args.notes += file_notes(args.config, config)
       processes = distributed_settings(*(getattr(args, name) for name in DISTRIBUTED_FLAGS))
       processes.check_backend(config.backend)

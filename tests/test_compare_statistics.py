@@ -144,7 +144,7 @@ def test_a_note_names_the_settings_where_a_method_trained_another_experiment_tha
   other[1]["config"].update(groups=["cnn@0.25"], data={"alpha": 100.0})
   assert tables.experiment_note([fake_run("A", 0, [0.5, 0.6]), other], "A") == (
       "\nnote: B's runs differ from A's of the same seed in data.alpha, groups: the same seed does not give them the "
-      "same clients and rounds, so the differences are not the method's alone")
+      "same data and training clients, so the differences are not the method's alone")
   assert tables.experiment_note([fake_run("A", 0, [0.5, 0.6]), fake_run("B", 0, [0.6, 0.7])], "A") == ""
   cohorts = fake_run("B", 0, [0.6, 0.7])
   cohorts[1]["config"]["federation"]["sample_seed"] = 7

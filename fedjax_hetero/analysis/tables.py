@@ -168,8 +168,8 @@ def experiment_note(runs: Runs, baseline: str) -> str:
   """A note under the paired table for every method whose runs trained another experiment than the baseline's of
   the same seed (`runs.SAME_EXPERIMENT`): its paired differences mix the method with those settings."""
   return "".join(f"\nnote: {method}'s runs differ from {baseline}'s of the same seed in {', '.join(keys)}: the "
-                 "same seed does not give them the same clients and rounds, so the differences are not the method's "
-                 "alone" for method, keys in experiment_differences(runs, baseline).items())
+                 "same seed does not give them the same data and training clients, so the differences are not the "
+                 "method's alone" for method, keys in experiment_differences(runs, baseline).items())
 
 
 def window_table(runs: Runs, baseline: str, window: int | None = None) -> str:

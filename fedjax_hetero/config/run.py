@@ -88,7 +88,8 @@ class OutputConfig(Settings):
   dir: str = setting("runs/fmnist", "results folder", Text(), flag="output_dir", metavar="DIR")
   resume: bool = setting(
       False, "continue from the last checkpoint in --output-dir; the other settings must match its config.json, "
-      "except the round counts, --backend, --steps-per-call, --data-dir and the local optimizer", Flag())
+      "except --rounds, --eval-every, --checkpoint-every, --backend, --round-program, --rounds-per-call, "
+      "--stop-after, --steps-per-call, --data-dir, the local optimizer and --server-lr (docs/running.md)", Flag())
   resume_or_start: bool = setting(
       False, "continue the run in --output-dir if it holds one, else start it (for jobs a scheduler may restart); "
       "--resume alone refuses a folder without a run", Flag())

@@ -171,3 +171,19 @@ def test_a_server_optimizers_blow_up_in_stop_mode_is_advised_its_rate_from_the_s
           ": --on-divergence rollback restarts from it with lower learning rates (the clients' and the server's), or "
           "lower the server optimizer's learning rate (--server-lr 0.01 --overwrite: the checkpoints that --resume "
           "starts from may hold a model it blew up already)") in str(info.value), str(info.value)
+
+
+def test_clients_that_blow_the_weights_up_with_finite_losses_are_rolled_back_with_a_lower_rate(dataset, tmp_path):
+  """(A docs probe: --lr 50 on the CNN took the weights past 1.8e19 in round 1 with finite, huge losses, and the
+  guard blamed the server step, tried no rollback and advised against --lr.)"""
+  out = tmp_path / "run"
+  logs = []
+  with pytest.raises(DivergenceError) as info:
+    run_experiment(tiny(out, optimizer="sgd", learning_rate=1e15, on_divergence="rollback", rounds=2), dataset,
+                   log=logs.append)
+  message = str(info.value)
+  assert message.startswith("round 1: training loss of group mlp rose to ") and not info.value.in_server_step
+  assert "the server's step broke the model" not in message, message
+  with open(out / "summary.json") as f:
+    rollbacks = json.load(f)["rollbacks"]
+  assert [r["learning_rate"][1] for r in rollbacks] == [5e14, 2.5e14, 1.25e14], rollbacks

@@ -36,7 +36,13 @@ class NonFiniteLossError(FloatingPointError):
 
 class NonFiniteModelError(NonFiniteLossError):
   """A server's model has a non-finite weight after a round, or one above `LARGEST_WEIGHT` (its server step
-  diverged, or a user's step broke it); the model is neither evaluated into a row nor saved."""
+  diverged, a user's step broke it, or its clients' training blew the weights up with finite losses); the model is
+  neither evaluated into a row nor saved. ``losses``: the round's training loss per group that trained."""
+
+  def __init__(self, message: str, round_: int | None = None, group: str | None = None,
+               losses: Mapping[str, float] | None = None):
+    super().__init__(message, round_, group)
+    self.losses = dict(losses or {})
 
 
 # The largest weight a server's model may hold: the square root of float32's largest (about 1.8e19), so that the
@@ -107,7 +113,7 @@ def call_row(spec: "RoundSpec", call: Call, i: int, outputs: "RoundOutputs", sec
           "of two overflow)")
       members = ", ".join(names[g] for g in f.members)
       raise NonFiniteModelError(f"round {r + 1}: the model of group(s) {members} has {what} after "
-                                f"{spec.method.name}'s server step (the losses were finite)", r + 1, members)
+                                f"{spec.method.name}'s server step (the losses were finite)", r + 1, members, losses)
   server: dict[str, Any] = {}
   for f in spec.federations:
     if any(len(cohorts[g]) for g in f.members):

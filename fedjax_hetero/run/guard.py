@@ -283,6 +283,15 @@ class DivergenceWatch:
       return uniform / 2, f"ln {self.num_classes} / 2 = {uniform / 2:.4g}, the floor under its lowest ({lowest:.4g})"
     return lowest, f"its lowest ({lowest:.4g})"
 
+  def loss_rise(self, r: int, group: str, loss: float) -> DivergenceError | None:
+    """The sign a group's training loss of round ``r`` gives, if it rose above its reference (changes nothing)."""
+    reference, named = self._loss_reference(group)
+    if loss <= self.config.loss_factor * reference:
+      return None
+    return DivergenceError(f"round {r}: training loss of group {group} rose to {loss:.4g}, above "
+                           f"{self.config.loss_factor * reference:.4g} = {self.config.loss_factor:g} x ({named}) "
+                           "(--divergence-loss-factor)", r, group, loss=loss)
+
   def replay(self, rows: list[Mapping[str, Any]]) -> None:
     """Takes rows already accepted (a resumed run's history), raising nothing."""
     for row in rows:
@@ -292,11 +301,7 @@ class DivergenceWatch:
     """Takes one round's metrics; returns the first sign of divergence in them, if any."""
     r, error = row["round"], None
     for group, loss in row.get("train_loss_per_group", {}).items():
-      reference, named = self._loss_reference(group)
-      if error is None and loss > self.config.loss_factor * reference:
-        error = DivergenceError(f"round {r}: training loss of group {group} rose to {loss:.4g}, above "
-                                f"{self.config.loss_factor * reference:.4g} = {self.config.loss_factor:g} x "
-                                f"({named}) (--divergence-loss-factor)", r, group, loss=loss)
+      error = error or self.loss_rise(r, group, loss)
       self.lowest_loss[group] = min(self.lowest_loss.get(group, math.inf), loss)
     for group, accuracy in (row.get("test_accuracy") or {}).items():
       if group == "mean":

@@ -265,7 +265,9 @@ class _Run:
     here: its summary and plot are written, and the error is raised, naming where they are."""
     round_ = diverged_round(error, self.state.round + 1)
     if self.config.divergence.action != "off":
-      return DivergenceError.of_non_finite(error, round_)
+      # (clients whose losses rose that far blew the weights up themselves: lower rates mend that, not the server)
+      rises = (self.watch.loss_rise(round_, g, loss) for g, loss in getattr(error, "losses", {}).items())
+      return next((e for e in rises if e is not None), None) or DivergenceError.of_non_finite(error, round_)
     self.manager.wait_until_finished()
     self.finish({"round": round_, "group": getattr(error, "group", None), "reason": str(error),
                  "best_checkpoint": checkpoints.best_step(self.manager)})

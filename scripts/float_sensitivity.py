@@ -29,6 +29,7 @@ def largest_difference(a, b) -> tuple[float, str]:
 
 
 def perturbed(params, scale: float, key: jax.Array):
+  """Every weight times (1 + scale * a standard normal draw)."""
   leaves, treedef = jax.tree.flatten(params)
   keys = jax.random.split(key, len(leaves))
   return jax.tree.unflatten(treedef, [x * (1 + scale * jax.random.normal(k, x.shape)) for x, k in zip(leaves, keys)])
@@ -43,10 +44,16 @@ def main() -> None:
   parser.add_argument("--lr", type=float, default=0.05)
   parser.add_argument("--perturbation", type=float, default=1e-7)
   args = parser.parse_args()
+  with tempfile.TemporaryDirectory() as folder:
+    trace(args, folder)
+
+
+def trace(args: argparse.Namespace, folder: str) -> None:
+  """Trains the client the three ways and prints a line per step (see the module docstring)."""
   config = RunConfig.from_flags(dataset="fashion_mnist", groups=(args.group,), num_clients=2, clients_per_round=2,
                                 max_train_samples=max(2000, args.batch_size * args.steps), max_test_samples=100,
                                 rounds=1, optimizer=args.optimizer, learning_rate=args.lr, batch_size=args.batch_size,
-                                output_dir=tempfile.mkdtemp(), progress=False, round_program="host")
+                                output_dir=folder, progress=False, round_program="host")
   simulation, _ = build_simulation(config, log=lambda _: None)
   spec = simulation.spec
   trainer = spec.trainers[0]
@@ -55,9 +62,9 @@ def main() -> None:
   alone, vmapped = jax.jit(trainer.train_step), jax.jit(jax.vmap(trainer.train_step))
   other = start._replace(variables={**start.variables, "params": perturbed(start.variables["params"],
                                                                            args.perturbation, jax.random.PRNGKey(1))})
-  pair = jax.tree.map(lambda x: jnp.stack([x, x]), start)
+  two = lambda x: jnp.stack([x, x])  # noqa: E731 (a client's arrays on two identical slots)
+  pair = jax.tree.map(two, start)
   a, mask = start, jnp.ones(args.batch_size, bool)
-  two = lambda x: jnp.stack([x, x])  # noqa: E731
   print("step  loss: alone  perturbed  vmapped   largest difference: alone-perturbed  alone-vmapped"
         "  this step vmapped from alone's weights")
   for step in range(args.steps):

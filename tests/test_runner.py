@@ -316,7 +316,8 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(dataset, tmp_
   with pytest.raises(NonFiniteLossError, match=r"^round 3: training loss") as info:  # the guard off: the engine's own
     run_experiment(diverging.replace(on_divergence="off"), dataset, log=quiet)
   with open(out / "summary.json") as f:
-    assert json.load(f)["stopped_by_divergence"]["group"] == info.value.group in ("mlp@1", "mlp@0.5")
+    assert json.load(f)["stopped_by_divergence"]["group"] == info.value.group
+  assert info.value.group in ("mlp@1", "mlp@0.5")
 
   state, manager = restore(good, dataset)
   assert 3 not in manager.all_steps() and manager.latest_step() == 2

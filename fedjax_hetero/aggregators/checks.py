@@ -195,10 +195,15 @@ def check_finite(name: str, tree: Any) -> None:
                        "take finite weights")
 
 
+def is_weightless(weight: Any) -> bool:
+  """Whether ``weight`` is known (not traced) to be 0: its group's sums are then not read at all."""
+  return is_concrete(weight) and float(np.asarray(weight)) == 0.0
+
+
 def check_finite_where_weighted(name: str, trees: Sequence[Any], weights: Sequence[Any]) -> None:
   """`check_finite` on each entry of ``trees`` whose weight is not known to be 0 (a weight-0 entry is not read)."""
   for i, (tree, weight) in enumerate(zip(trees, weights)):
-    if not (is_concrete(weight) and float(np.asarray(weight)) == 0.0):
+    if not is_weightless(weight):
       check_finite(f"{name}[{i}]", tree)
 
 

@@ -55,7 +55,8 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from fedjax_hetero.aggregators import checks
-from fedjax_hetero.aggregators.hetero_avg import _accumulator, is_weightless
+from fedjax_hetero.aggregators.checks import is_weightless
+from fedjax_hetero.aggregators.hetero_avg import _accumulator
 from fedjax_hetero.hetero.maps import Path, SubmodelMap, Variables, coverage, embed, flatten
 
 NORMS = ("l2", "rms")

@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_hetero.aggregators import checks
+from fedjax_hetero.aggregators.checks import is_weightless
 from fedjax_hetero.aggregators.hetero_avg import (_heterogeneous_mean_delta, _heterogeneous_sums, _selected,
-                                                  _weighted_coverage, is_weightless)
+                                                  _weighted_coverage)
 from fedjax_hetero.hetero.maps import SubmodelMap, Variables
 
 

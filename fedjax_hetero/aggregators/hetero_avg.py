@@ -35,9 +35,9 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from fedjax_hetero.aggregators import checks
+from fedjax_hetero.aggregators.checks import is_weightless
 from fedjax_hetero.hetero.maps import SubmodelMap, Variables, coverage, embed
 
 
@@ -74,22 +74,17 @@ def heterogeneous_sums(group_sums: Sequence[Variables], group_weights: Sequence[
 
 
 def _heterogeneous_sums(group_sums, group_weights, group_maps, global_like, offset):
-  numerator = jax.tree.map(_accumulator, global_like)
+  zeros = jax.tree.map(_accumulator, global_like)  # (a group's sums are placed in this dtype: not cast down first)
+  numerator = zeros
   for sums, weight, group_map in zip(group_sums, group_weights, group_maps):
     if is_weightless(weight):
       continue
-    # (placed in the accumulator's dtype: a float16 model's float32 sums are not cast down first)
-    numerator = jax.tree.map(jnp.add, numerator, embed(sums, group_map, numerator, offset))
+    numerator = jax.tree.map(jnp.add, numerator, embed(sums, group_map, zeros, offset))
   return numerator, _weighted_coverage(group_weights, group_maps, global_like, offset)
 
 
 def _accumulator(leaf):
   return jnp.zeros(leaf.shape, jnp.promote_types(leaf.dtype, jnp.float32))
-
-
-def is_weightless(weight) -> bool:
-  """Whether ``weight`` is known (not traced) to be 0: its group's sums are then not read at all."""
-  return checks.is_concrete(weight) and float(np.asarray(weight)) == 0.0
 
 
 def _selected(group_sums, group_weights):

@@ -88,8 +88,9 @@ class OutputConfig(Settings):
   dir: str = setting("runs/fmnist", "results folder", Text(), flag="output_dir", metavar="DIR")
   resume: bool = setting(
       False, "continue from the last checkpoint in --output-dir; the other settings must match its config.json, "
-      "except --rounds, --eval-every, --checkpoint-every, --backend, --round-program, --rounds-per-call, "
-      "--stop-after, --steps-per-call, --data-dir, the local optimizer and --server-lr (docs/running.md)", Flag())
+      "except --rounds, --eval-every, --backend, --round-program, --rounds-per-call, --stop-after, "
+      "--steps-per-call, --data-dir, the local optimizer, --server-lr, the divergence guard's and the results "
+      "folder's settings (docs/running.md)", Flag())
   resume_or_start: bool = setting(
       False, "continue the run in --output-dir if it holds one, else start it (for jobs a scheduler may restart); "
       "--resume alone refuses a folder without a run", Flag())

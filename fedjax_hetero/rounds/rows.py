@@ -112,8 +112,11 @@ def call_row(spec: "RoundSpec", call: Call, i: int, outputs: "RoundOutputs", sec
           f"weights up to {largest:.3g}, above {LARGEST_WEIGHT:.3g} (the square root of float32's largest: products "
           "of two overflow)")
       members = ", ".join(names[g] for g in f.members)
+      own = {names[g]: losses[names[g]] for g in f.members if names[g] in losses}
+      largest_loss = f", up to {max(own.values()):.3g}" if own else ""
       raise NonFiniteModelError(f"round {r + 1}: the model of group(s) {members} has {what} after "
-                                f"{spec.method.name}'s server step (the losses were finite)", r + 1, members, losses)
+                                f"{spec.method.name}'s server step (the losses were finite{largest_loss})", r + 1,
+                                members, own)
   server: dict[str, Any] = {}
   for f in spec.federations:
     if any(len(cohorts[g]) for g in f.members):

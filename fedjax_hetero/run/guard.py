@@ -17,11 +17,12 @@ Three signs, each named with its round and architecture group:
 so the guard costs nothing on the device. What to do about it (stop, or roll back to the best
 checkpoint with a lower learning rate: `rolled_back`) is the runner's part: `DivergenceConfig.action` (in
 `fedjax_hetero.config`). Two divergences get no rollback, since a lower learning rate would not mend them and the
-stop names the server side instead: a model that a server's step broke from finite client losses
-(`DivergenceError.in_server_step`), and one that diverges again in the round it diverged in before the last
-rollback, with the same loss (`repeated`): the rates that rollback lowered are not what sets it (the privacy
-noise, or a server step, is). But where that rollback restored the round just before, the restored model sets that
-loss (`in_restored_model`), and the next rollback goes back to the initial model instead.
+stop names the server side instead: a model that a server's step broke from finite client losses below the loss
+bound (`DivergenceError.in_server_step`; above it the clients' loss is the sign), and one that diverges again in
+the round it diverged in before the last rollback, with the same loss (`repeated`): the rates that rollback lowered
+are not what sets it (the privacy noise, or a server step, is). But where that rollback restored the round just
+before, the restored model sets that loss (`in_restored_model`), and the next rollback goes back to the initial
+model instead.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ SAME_LOSS = 0.01
 
 class DivergenceError(FloatingPointError):
   """A run diverged; the message names the round, the group and the sign. ``in_server_step``: a server's step
-  broke the model while the clients' losses were finite (`rounds.rows.NonFiniteModelError`)."""
+  broke the model while the clients' losses were finite and below the loss bound
+  (`rounds.rows.NonFiniteModelError`)."""
 
   def __init__(self, message: str, round_: int, group: str | None, in_server_step: bool = False,
                loss: float | None = None):

@@ -147,10 +147,11 @@ def _check_batches(config: Any, sizes: np.ndarray, log: Callable[[str], None]) -
     raise ValueError(f"no client would take a local step ({why}; the largest client has {largest}), so no round "
                      f"would change the model; lower {flag}" + ("" if not local.drop_last else " or drop --drop-last"))
   if stepless:
-    log(f"warning: {stepless} of {len(sizes)} clients take no local step ({why}): a sampled one uploads a zero "
-        f"update, which counts in the mean with its {cli_flag('federation.weighting')} "
-        f"{config.federation.weighting} weight (as the InCo authors' code does), and a round that samples only them "
-        "changes nothing")
+    weighting = f"{cli_flag('federation.weighting')} {config.federation.weighting}"
+    counted = (f"a sampled one uploads a zero update, which counts in the mean with its {weighting} weight (as the "
+               "InCo authors' code does), and " if local.drop_last or config.federation.weighting == "uniform" else "")
+    log(f"warning: {stepless} of {len(sizes)} clients take no local step ({why}): {counted}a round that samples "
+        "only them changes nothing")
 
 
 def _warn_collapsed_layers(config: Any, image_shape: tuple[int, ...], num_classes: int,

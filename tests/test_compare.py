@@ -370,3 +370,16 @@ def test_files_among_the_runs_are_passed_over_and_a_window_needs_a_baseline(tmp_
     compare.main([dirs[0], str(log), "--labels", "a,b"])
   with pytest.raises(SystemExit, match=r"^error: --window .* give --baseline"):
     compare.main(dirs + ["--window", "2"])
+
+
+def test_one_file_given_by_two_paths_is_one_experiment():
+  """(The InCo one-factor runs: one split given as inco_split.npz and as /tmp/clone/inco_split.npz read as two
+  variants of each method, and compare found no baseline run.)"""
+  from fedjax_hetero.analysis.runs import experiment_differences, with_variants
+  runs = [fake_run("A", 0, [0.5]), fake_run("A", 1, [0.6]), fake_run("B", 0, [0.7]), fake_run("B", 1, [0.6])]
+  for i, (_, summary, _) in enumerate(runs):
+    summary["config"]["data"] = {"partition_file": "split.npz" if i % 2 else "/tmp/clone/split.npz"}
+  assert [summary["method"] for _, summary, _ in with_variants(runs)] == ["A", "A", "B", "B"]
+  assert experiment_differences(runs, "A") == {}
+  runs[3][1]["config"]["data"] = {"partition_file": "other.npz"}
+  assert experiment_differences(runs, "A") == {"B": ["data.partition_file"]}

@@ -308,7 +308,16 @@ def flat_settings(summaries: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
   """Each run's config as ``{"path.to.setting": value}``, a setting newer than the run's folder at its default (the
   run had it)."""
   defaults = _flat(as_dict(RunConfig()))
-  return [{**defaults, **_flat(summary["config"])} for summary in summaries]
+  return [_file_named(PATH_SETTINGS, {**defaults, **_flat(summary["config"])}) for summary in summaries]
+
+
+# Settings holding a file's path: runs given the same file by another path (relative, from another folder) are one
+# experiment, so they are compared by the file's name.
+PATH_SETTINGS = ("data.partition_file", "federation.availability_trace")
+
+
+def _file_named(keys: Sequence[str], config: dict[str, Any]) -> dict[str, Any]:
+  return {k: os.path.basename(v) if k in keys and isinstance(v, str) else v for k, v in config.items()}
 
 
 def with_variants(runs: Runs) -> list[tuple[str, dict[str, Any], list[dict[str, Any]]]]:

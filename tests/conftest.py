@@ -156,6 +156,21 @@ def _methods_registered_by_a_module_stay_in_it():
   METHODS.update(before)
 
 
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+  """A test that leaves SIGINT or SIGTERM ignored (a command's `command_finished` outside `one_line_on_signals`)
+  fails itself, naming them, instead of a later in-process signal test of its worker failing for it. The handlers
+  are put back either way."""
+  import signal
+  before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+  yield
+  after = {s: signal.getsignal(s) for s in before}
+  for signum, handler in before.items():
+    signal.signal(signum, handler)
+  changed = [f"{signal.Signals(s).name}: {before[s]!r} -> {after[s]!r}" for s in before if after[s] != before[s]]
+  assert not changed, f"the test left signal handlers changed ({'; '.join(changed)})"
+
+
 @pytest.fixture
 def no_compute(monkeypatch):
   """Fails the test if a simulation initializes or trains (bad input must be rejected before)."""

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -95,6 +96,11 @@ def pytest_configure(config):
   jax.config.update("jax_compilation_cache_dir", directory)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  # A suite started in the background (`... &` from a script) inherits SIGINT ignored, as a shell sets it for such
+  # jobs; its in-process signal tests need Python's handler, as a terminal's process has it (the notebooks' kernels
+  # used to put it back for whichever tests ran after them in their worker).
+  if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.hookimpl(trylast=True)
@@ -161,7 +167,6 @@ def _signal_handlers_restored():
   """A test that leaves SIGINT or SIGTERM ignored (a command's `command_finished` outside `one_line_on_signals`)
   fails itself, naming them, instead of a later in-process signal test of its worker failing for it. The handlers
   are put back either way."""
-  import signal
   before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
   yield
   after = {s: signal.getsignal(s) for s in before}

@@ -251,9 +251,9 @@ def test_shards_that_straddle_classes_are_a_warning(labels):
 
   config = RunConfig.from_flags(partition="shards", classes_per_client=2, num_clients=20)
   logs = []
-  _warn_straddling_shards(config, labels, shards(labels, 20, classes_per_client=2, seed=0), logs.append)
+  _warn_straddling_shards(config, labels, NUM_CLASSES, shards(labels, 20, classes_per_client=2, seed=0), logs.append)
   assert logs == []  # (40 shards of 1,500: aligned with the classes of 6,000)
   odd = labels[:59_000]  # 40 shards of 1,475: some straddle two classes
-  _warn_straddling_shards(config, odd, shards(odd, 20, classes_per_client=2, seed=0), logs.append)
+  _warn_straddling_shards(config, odd, NUM_CLASSES, shards(odd, 20, classes_per_client=2, seed=0), logs.append)
   [warning] = logs
   assert warning.startswith("warning: --classes-per-client 2: clients hold ") and "straddle class boundaries" in warning

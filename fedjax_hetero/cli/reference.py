@@ -10,10 +10,10 @@ import argparse
 import sys
 
 from fedjax_hetero.cli.datasets import DATASETS
-from fedjax_hetero.cli.flags import methods_help, show_default
+from fedjax_hetero.cli.flags import methods_help
 from fedjax_hetero.cli.presets import PRESETS
 from fedjax_hetero.cli.run import build_parser, run_defaults
-from fedjax_hetero.config import FLAGS
+from fedjax_hetero.config import FLAGS, typed_flag
 
 HEADER = """# Command-line reference
 
@@ -59,18 +59,11 @@ def _other_defaults() -> list[str]:
   for name, defaults in DATASETS.items():
     changed = {k: v for k, v in defaults.config().flags().items() if v != base[k] and k != "dataset"}
     if name != "fashion_mnist" and changed:
-      lines.append(f"- `{name}`: " + ", ".join(f"`{_as_flag(FLAGS[k].cli, v)}`" for k, v in changed.items()))
+      lines.append(f"- `{name}`: " + ", ".join(f"`{typed_flag(FLAGS[k].cli, v)}`" for k, v in changed.items()))
   lines += ["", "## Presets", "", "`--preset NAME` starts from a paper's protocol; flags given as well win.", ""]
   lines += [f"- `{p.name}`: {p.description}" + (f" (reduced: {p.reduced})" if p.reduced else "")
             for p in PRESETS.values()]
   return lines + [""]
-
-
-def _as_flag(cli: str, value) -> str:
-  """How a value is typed: a switch alone (``--drop-last``, ``--no-drop-last``), else the flag and the value."""
-  if isinstance(value, bool):
-    return cli if value else "--no-" + cli[2:]
-  return f"{cli} {show_default(value)}"
 
 
 def fmnist_parser() -> argparse.ArgumentParser:

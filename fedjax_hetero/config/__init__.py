@@ -17,11 +17,11 @@ from fedjax_hetero.config.methods import (AGGREGATE_MODES, Averaging, ClusteredS
 from fedjax_hetero.config.options import FedCrossConfig, FedGenConfig, FedINConfig, FedImproConfig
 from fedjax_hetero.config.privacy import PrivacyConfig
 from fedjax_hetero.config.run import (BACKEND_NAMES, FLAGS, DivergenceConfig, OutputConfig, RunConfig, as_dict,
-                                      cli_flag, flatten, from_dict)
+                                      cli_flag, flatten, from_dict, typed_flag)
 
 __all__ = ["AGGREGATE_MODES", "Averaging", "BACKEND_NAMES", "ClusteredSampling", "Contrastive", "CrossLayer",
            "DataConfig", "DistributedConfig", "DivergenceConfig", "FLAGS", "FedCrossConfig", "FedFAOptions",
            "FedGenConfig", "FedINConfig", "FedImproConfig", "FederationConfig", "HeteroFLOptions", "LocalConfig",
            "MethodConfig", "MomentumDistillation", "NORMALIZATIONS", "NeFLOptions", "OPTIMIZERS", "OutputConfig",
            "PrivacyConfig", "Proximal", "RunConfig", "as_dict", "check_federation", "cli_flag", "declare", "flatten",
-           "from_dict"]
+           "from_dict", "typed_flag"]

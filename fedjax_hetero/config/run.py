@@ -305,6 +305,14 @@ _SPELLINGS = {**{leaf.path: leaf.cli for leaf in leaves(RunConfig())},
               **{f"distributed.{leaf.path}": leaf.cli for leaf in leaves(DistributedConfig())}}
 
 
+def typed_flag(flag: str, value: Any) -> str:
+  """``flag`` with ``value`` as a command line takes it: a switch alone for a bool (``--drop-last``,
+  ``--no-drop-last``), else the flag and the value (a sequence comma-separated: ``--groups cnn@1,cnn@0.5``)."""
+  if isinstance(value, bool):
+    return flag if value else "--no-" + flag[2:]
+  return f"{flag} {','.join(map(str, value)) if isinstance(value, (tuple, list)) else value}"
+
+
 def cli_flag(path: str) -> str:
   """How a message names the setting at dotted path ``path``: its command-line flag (``client.learning_rate`` ->
   ``--lr``), or where its value came from (`declare.named_from`)."""

@@ -18,7 +18,8 @@ import jax
 import numpy as np
 
 from fedjax_hetero import models
-from fedjax_hetero.config import cli_flag, flatten
+from fedjax_hetero.config import cli_flag, flatten, typed_flag
+from fedjax_hetero.data import class_counts
 from fedjax_hetero.methods import build_method, get_entry
 from fedjax_hetero.run.reporting import check_writers
 from fedjax_hetero.validation import first_line
@@ -177,17 +178,17 @@ def check_fit(config: Any, dataset: Any, parts: Sequence[np.ndarray], log: Calla
   _warn_collapsed_layers(config, tuple(dataset.image_shape), dataset.num_classes, log)
   _warn_static_bn_without_batch_norm(config, tuple(dataset.image_shape), dataset.num_classes, log)
   _check_batches(config, np.array([len(p) for p in parts], np.int64), log)
-  _warn_straddling_shards(config, dataset.train_labels, parts, log)
+  _warn_straddling_shards(config, dataset.train_labels, dataset.num_classes, parts, log)
 
 
-def _warn_straddling_shards(config: Any, labels: np.ndarray, parts: Sequence[np.ndarray],
+def _warn_straddling_shards(config: Any, labels: np.ndarray, num_classes: int, parts: Sequence[np.ndarray],
                             log: Callable[[str], None]) -> None:
   """FedAvg's shards are runs of label-sorted samples: where the shard size does not divide the classes' counts, a
   shard straddles two classes and a client holds more classes than --classes-per-client, said as a warning."""
   data = config.data
   if data.partition != "shards" or data.partition_file is not None:
     return
-  classes = np.array([len(np.unique(labels[p])) for p in parts if len(p)])
+  classes = (class_counts(labels, [p for p in parts if len(p)], num_classes) > 0).sum(axis=1)
   if len(classes) and classes.max() > data.classes_per_client:
     flag = cli_flag("data.classes_per_client")
     log(f"warning: {flag} {data.classes_per_client}: clients hold {classes.min()}-{classes.max()} classes (mean "
@@ -204,9 +205,7 @@ def _warn_static_bn_without_batch_norm(config: Any, image_shape: tuple[int, ...]
   changed = [path for path in STATIC_BN_SETTINGS if flat[path] != defaults[path]]
   if not changed or any(_has_batch_norm(spec, image_shape, num_classes) for spec in config.groups):
     return
-  given = lambda path, value: (cli_flag(path) if value is True else "--no-" + cli_flag(path)[2:] if value is False
-                               else f"{cli_flag(path)} {value}")
-  flags = ", ".join(given(path, flat[path]) for path in changed)
+  flags = ", ".join(typed_flag(cli_flag(path), flat[path]) for path in changed)
   log(f"warning: {flags}: no group's model has BatchNorm ({', '.join(config.groups)}), so static BN changes nothing")
 
 
